@@ -1,0 +1,248 @@
+"""Protocols and frozen value types shared by the dedup core and its adapters.
+
+The core (:mod:`relay.dedup`) depends only on what is defined here; the concrete store
+(:mod:`relay.store_redis`, :mod:`relay.store_sqlite`), upstream (:mod:`relay.upstream`,
+:mod:`relay.upstream_maildir`) and metrics (:mod:`relay.metrics`) implement these Protocols and
+are wired together in :mod:`relay.app` only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+
+class State(enum.Enum):
+    """State of one fingerprint in the store (DESIGN section 3)."""
+
+    ABSENT = "absent"
+    PENDING = "pending"
+    SENT = "sent"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the store holds for one key.
+
+    ``token`` is set for PENDING only. ``at`` is the unix time in seconds of the send (SENT) or of
+    the in-doubt attempt (UNKNOWN); ``None`` when unknown (a foreign value such as ``1``, which
+    counts as SENT). ``reply`` is the upstream's reply text kept with SENT. ``ttl_s`` is the
+    remaining lifetime in seconds, ``None`` when the store cannot tell.
+    """
+
+    state: State
+    token: str | None = None
+    at: float | None = None
+    reply: str | None = None
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Result of reserving one store key.
+
+    ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
+    record that was already there (PENDING of another attempt, SENT or UNKNOWN).
+    """
+
+    key: str
+    reserved: bool
+    found: Record | None = None
+
+
+class Settle(enum.Enum):
+    """How to settle a reservation after the upstream transaction (DESIGN section 4)."""
+
+    SENT = "sent"  # PENDING(token) -> SENT(now, reply), TTL = dedup window
+    UNKNOWN = "unknown"  # PENDING(token) -> UNKNOWN(now), TTL = dedup window
+    RELEASE = "release"  # PENDING(token) -> absent
+
+
+@dataclass(frozen=True)
+class SettleOp:
+    """One settlement: ``key`` is the full store key, ``reply`` the upstream reply for SENT."""
+
+    key: str
+    action: Settle
+    reply: str = ""
+
+
+class FingerprintStore(Protocol):
+    """Atomic per-key state machine: absent -> PENDING -> SENT | UNKNOWN | absent.
+
+    Every transition is atomic on one key and compares the attempt's token first, so a
+    reservation whose lease ran out and was taken by another attempt is never overwritten.
+    All methods raise :class:`relay.errors.StoreError` on any failure or timeout.
+    """
+
+    async def reserve(
+        self, keys: Sequence[str], *, token: str, lease_s: float
+    ) -> list[Reservation]:
+        """Create ``PENDING(token)`` with TTL ``lease_s`` seconds for every absent key.
+
+        All keys go in one round trip; the result has one :class:`Reservation` per key, in order.
+        A value the store does not recognise is reported as SENT.
+        """
+        ...
+
+    async def settle(
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
+    ) -> list[bool]:
+        """Apply every settlement in one round trip, each only if the key holds ``PENDING(token)``.
+
+        ``window_s`` is the dedup window in seconds (TTL of SENT and UNKNOWN, counted from
+        ``now``, a unix time in seconds). Returns, per op, whether the token matched and the
+        transition was applied.
+        """
+        ...
+
+    async def inspect(self, key: str) -> Record:
+        """Return the record under ``key`` (``State.ABSENT`` when there is none)."""
+        ...
+
+    async def force_release(self, key: str) -> bool:
+        """Delete ``key`` whatever it holds (operator action); True when something was deleted."""
+        ...
+
+    async def ping(self) -> None:
+        """Check that the store answers; raise StoreError when it does not."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and file handles."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SmtpReply:
+    """An SMTP reply: three-digit ``code`` and ``text`` (which may start with an RFC 3463 code)."""
+
+    code: int
+    text: str
+
+    @property
+    def is_positive(self) -> bool:
+        """True for 2yz replies."""
+        return 200 <= self.code < 300
+
+    @property
+    def is_transient(self) -> bool:
+        """True for 4yz replies."""
+        return 400 <= self.code < 500
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.text}".rstrip()
+
+
+@dataclass(frozen=True)
+class OutboundMessage:
+    """One upstream transaction.
+
+    ``mail_from`` is the reverse path without angle brackets (``""`` for the null sender);
+    ``rcpt_tos`` the forward paths to send to, each without brackets; ``content`` the message as
+    received after one dot-unstuffing, CRLF line ends, with the relay's ``Received:`` header
+    prepended (bytes, never re-encoded). ``smtputf8`` is True when the client asked for SMTPUTF8
+    or an address is not ASCII (RFC 6531); ``eight_bit`` when the client declared
+    ``BODY=8BITMIME`` or the content holds a byte >= 0x80 (RFC 6152).
+    """
+
+    mail_from: str
+    rcpt_tos: Sequence[str]
+    content: bytes
+    smtputf8: bool = False
+    eight_bit: bool = False
+
+
+class RcptStatus(enum.Enum):
+    """Per-recipient outcome of one upstream transaction."""
+
+    ACCEPTED = "accepted"  # RCPT accepted and the final dot answered 2yz
+    REFUSED = "refused"  # refused at RCPT, or the transaction failed before/at the final dot
+    UNKNOWN = "unknown"  # the final dot was written and no reply came (RFC 1047)
+
+
+@dataclass(frozen=True)
+class RcptResult:
+    """Outcome for one recipient plus the reply that decided it (upstream's, or synthesized)."""
+
+    status: RcptStatus
+    reply: SmtpReply
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """Outcome of one upstream transaction: one :class:`RcptResult` per recipient sent."""
+
+    recipients: Mapping[str, RcptResult]
+    final_reply: SmtpReply | None = None  # the reply to the final dot, when one came
+    replies: Sequence[SmtpReply] = field(default_factory=tuple)  # every upstream reply seen
+
+
+class Upstream(Protocol):
+    """Where relayed mail goes: an SMTP smarthost, or a local Maildir for staging.
+
+    ``deliver`` never raises for a failure of the transaction: connection failures, refusals,
+    timeouts and lost connections are reported per recipient in the result, and a recipient is
+    UNKNOWN only when the final dot was fully written and no reply came.
+    """
+
+    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
+        """Run one transaction for ``message`` and report every recipient's outcome."""
+        ...
+
+    async def ping(self) -> None:
+        """Check that the upstream answers; raise :class:`ConnectionError` when it does not."""
+        ...
+
+    async def close(self) -> None:
+        """Close pooled connections."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+
+class Metrics(Protocol):
+    """What the core and the adapters report; implemented with prometheus-client."""
+
+    def message(self, result: str) -> None:
+        """Count one message by its ``result`` (relayed, suppressed, partial, tempfail, ...)."""
+        ...
+
+    def recipients(self, outcome: str, count: int = 1) -> None:
+        """Count ``count`` recipients by ``outcome`` (DESIGN section 4 names)."""
+        ...
+
+    def store_call(self, op: str, seconds: float, ok: bool) -> None:
+        """Record one store operation's latency in seconds, and an error when not ``ok``."""
+        ...
+
+    def upstream_call(self, seconds: float, code: int | None) -> None:
+        """Record one upstream transaction's latency and its deciding reply code (None: no reply)."""
+        ...
+
+    def message_bytes(self, size: int) -> None:
+        """Record one received message's size in bytes."""
+        ...
+
+    def mark_sent_failed(self) -> None:
+        """Count an upstream-accepted message whose mark-sent write failed."""
+        ...
+
+    def session(self, delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to the number of open client sessions."""
+        ...
