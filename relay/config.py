@@ -1,0 +1,213 @@
+"""The one frozen, validated settings object of dedup-relay.
+
+Sources, highest priority first: command-line flags, environment variables ``RELAY_<FIELD>``
+(for example ``RELAY_UPSTREAM``, ``RELAY_DEDUP_WINDOW``), the TOML file named by ``--config`` /
+``RELAY_CONFIG`` (keys are the field names, see ``config/dedup-relay.example.toml``), defaults.
+Durations are seconds (floats), sizes bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from relay.errors import ConfigError
+
+DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
+
+
+def split_host_port(value: str, *, what: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6) into ``(host, port)``.
+
+    Raises ValueError with a readable message when the form or the port (0-65535) is wrong.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{what} must be HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        ipaddress.IPv6Address(host)
+    return host, int(port_text)
+
+
+class Settings(BaseSettings):
+    """Every setting of the relay (see ``config/dedup-relay.example.toml`` for each one).
+
+    Raises pydantic's ValidationError on construction; :func:`load_settings` turns that into
+    :class:`relay.errors.ConfigError` with one readable line per problem.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="RELAY_", frozen=True, extra="forbid", toml_file=None
+    )
+
+    # listener
+    listen: str = "127.0.0.1:2525"
+    hostname: str = Field(default_factory=socket.getfqdn)
+    max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024)
+    max_recipients: int = Field(default=100, ge=1)
+    client_timeout: float = Field(default=300.0, gt=0)
+
+    # upstream / smarthost
+    upstream: str
+    upstream_tls: Literal["none", "starttls", "tls"] = "none"
+    upstream_verify: bool = True
+    upstream_user: str | None = None
+    upstream_password_file: Path | None = None
+    upstream_password: SecretStr | None = None
+    upstream_timeout: float = Field(default=600.0, gt=0)
+    upstream_command_timeout: float = Field(default=60.0, gt=0)
+    upstream_connect_timeout: float = Field(default=30.0, gt=0)
+
+    # store and dedup
+    store: str = DEFAULT_STORE_URL
+    store_prefix: str = "email:fp:"
+    store_timeout: float = Field(default=2.0, gt=0)
+    dedup_window: float = Field(default=86400.0, gt=0)
+    lease: float = Field(default=900.0, gt=0)
+    dedupe_headers: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
+    template_headers: tuple[str, ...] = ("X-Template",)
+    max_key_chars: int = Field(default=256, ge=1)
+    local_part_case_sensitive: bool = False
+    fingerprint_secret: SecretStr | None = None
+    missing_key: Literal["relay", "reject"] = "relay"
+    unknown_policy: Literal["suppress", "hold"] = "suppress"
+    store_down: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+    # operations
+    metrics_listen: str | None = "127.0.0.1:9725"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_recipients: bool = False
+    shutdown_grace: float = Field(default=30.0, ge=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags beat env vars, env vars beat the TOML file."""
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        split_host_port(value, what="listen")
+        return value
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, value: str | None) -> str | None:
+        if value is None or value.lower() in ("", "off", "none"):
+            return None
+        split_host_port(value, what="metrics-listen")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _check_upstream(cls, value: str) -> str:
+        if value.startswith("maildir:"):
+            if not value[len("maildir:") :]:
+                raise ValueError("upstream maildir:PATH needs a path")
+            return value
+        split_host_port(value, what="upstream")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "sqlite:///")):
+            raise ValueError(
+                "store must be a redis://, rediss:// or sqlite:///path URL, got " + repr(value)
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> Settings:
+        worst_upstream_s = (
+            self.upstream_connect_timeout + 4 * self.upstream_command_timeout + self.upstream_timeout
+        )
+        if self.lease <= self.upstream_timeout:
+            raise ValueError(
+                f"lease ({self.lease:g} s) must be longer than upstream-timeout "
+                f"({self.upstream_timeout:g} s): a reservation must outlive the upstream "
+                f"transaction (worst case about {worst_upstream_s:g} s)"
+            )
+        if self.dedup_window < self.lease:
+            raise ValueError("dedup-window must not be shorter than the lease")
+        if self.upstream_password_file is not None and self.upstream_password is not None:
+            raise ValueError("give upstream-password-file or upstream-password, not both")
+        return self
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        """``(host, port)`` of the SMTP listener."""
+        return split_host_port(self.listen, what="listen")
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the metrics HTTP server, or None when disabled."""
+        if self.metrics_listen is None:
+            return None
+        return split_host_port(self.metrics_listen, what="metrics-listen")
+
+    def upstream_password_value(self) -> str | None:
+        """The upstream AUTH password, read from the password file when one is configured.
+
+        Raises ConfigError when the file cannot be read.
+        """
+        if self.upstream_password is not None:
+            return self.upstream_password.get_secret_value()
+        if self.upstream_password_file is None:
+            return None
+        try:
+            return self.upstream_password_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"upstream-password-file: {exc.strerror}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where.replace('_', '-')}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+    """Build the settings from flags (``overrides``), env vars and an optional TOML file.
+
+    Keys of ``overrides`` are field names; entries whose value is None are ignored.
+    Raises ConfigError with one readable line per invalid setting.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    cls: type[Settings] = Settings
+    if config_file is not None:
+        if not config_file.is_file():
+            raise ConfigError(f"config: no such file: {config_file}")
+        cls = type(
+            "FileSettings",
+            (Settings,),
+            {"model_config": SettingsConfigDict(**{**Settings.model_config,
+                                                   "toml_file": config_file})},
+        )
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc
+    except ValueError as exc:  # e.g. TOML syntax errors from the file source
+        raise ConfigError(f"config: {exc}") from exc

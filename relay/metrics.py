@@ -1,0 +1,99 @@
+"""Prometheus metrics (DESIGN section 6), registered on an injected registry.
+
+No label ever holds an address, a key or a fingerprint: labels are small closed sets
+(``result``, ``outcome``, ``op``, ``code_class``). Base units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from relay import __version__
+
+OUTCOMES = (
+    "relayed", "suppressed", "inflight", "held", "refused_temp", "refused_perm", "unknown",
+    "no_key", "store_down",
+)
+RESULTS = ("relayed", "suppressed", "no_key", "store_down", "tempfail", "permfail", "invalid")
+STORE_OPS = ("reserve", "settle")
+CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
+
+
+class PrometheusMetrics:
+    """Implements :class:`relay.interfaces.Metrics` with prometheus-client collectors.
+
+    ``registry`` is injected (tests pass a fresh ``CollectorRegistry``); nothing is registered
+    on the global default registry.
+    """
+
+    def __init__(self, *, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._messages = Counter(
+            "relay_messages", "Messages handled at the final dot, by result",
+            ["result"], registry=registry)
+        self._recipients = Counter(
+            "relay_recipients", "Envelope recipients by dedup outcome", ["outcome"],
+            registry=registry)
+        self._store_errors = Counter(
+            "relay_store_errors", "Store operations that failed or timed out", ["op"],
+            registry=registry)
+        self._store_seconds = Histogram(
+            "relay_store_seconds", "Store round-trip latency in seconds", ["op"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self._upstream_seconds = Histogram(
+            "relay_upstream_seconds", "Upstream transaction latency in seconds",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600))
+        self._upstream_replies = Counter(
+            "relay_upstream_replies", "Upstream transactions by deciding reply class",
+            ["code_class"], registry=registry)
+        self._sessions = Gauge(
+            "relay_sessions_active", "Open client SMTP sessions", registry=registry)
+        self._bytes = Histogram(
+            "relay_message_bytes", "Size of received messages in bytes", registry=registry,
+            buckets=(1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864))
+        self._mark_sent_failed = Counter(
+            "relay_mark_sent_failed", "Upstream-accepted messages whose mark-sent write failed",
+            registry=registry)
+        Info("relay_build", "Build information", registry=registry).info(
+            {"version": __version__})
+        for outcome in OUTCOMES:
+            self._recipients.labels(outcome)
+        for result in RESULTS:
+            self._messages.labels(result)
+        for op in STORE_OPS:
+            self._store_errors.labels(op)
+        for cls in CODE_CLASSES:
+            self._upstream_replies.labels(cls)
+
+    def message(self, result: str) -> None:
+        """Count one message by ``result``."""
+        self._messages.labels(result).inc()
+
+    def recipients(self, outcome: str, count: int = 1) -> None:
+        """Count ``count`` recipients by ``outcome``."""
+        self._recipients.labels(outcome).inc(count)
+
+    def store_call(self, op: str, seconds: float, ok: bool) -> None:
+        """Observe one store round trip (seconds) and count it as an error when not ``ok``."""
+        self._store_seconds.labels(op).observe(seconds)
+        if not ok:
+            self._store_errors.labels(op).inc()
+
+    def upstream_call(self, seconds: float, code: int | None) -> None:
+        """Observe one upstream transaction (seconds) and its deciding reply class."""
+        self._upstream_seconds.observe(seconds)
+        self._upstream_replies.labels(f"{code // 100}xx" if code else "none").inc()
+
+    def message_bytes(self, size: int) -> None:
+        """Observe one received message's size in bytes."""
+        self._bytes.observe(size)
+
+    def mark_sent_failed(self) -> None:
+        """Count an accepted message whose mark-sent did not land."""
+        self._mark_sent_failed.inc()
+
+    def session(self, delta: int) -> None:
+        """Move the open-session gauge by ``delta``."""
+        self._sessions.inc(delta)
