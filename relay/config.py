@@ -138,7 +138,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:
         worst_upstream_s = (
-            self.upstream_connect_timeout + 4 * self.upstream_command_timeout + self.upstream_timeout
+            self.upstream_connect_timeout
+            + 4 * self.upstream_command_timeout
+            + self.upstream_timeout
         )
         if self.lease <= self.upstream_timeout:
             raise ValueError(

@@ -232,7 +232,7 @@ class Metrics(Protocol):
         ...
 
     def upstream_call(self, seconds: float, code: int | None) -> None:
-        """Record one upstream transaction's latency and its deciding reply code (None: no reply)."""
+        """Record one upstream transaction's latency and its deciding reply code (None: none)."""
         ...
 
     def message_bytes(self, size: int) -> None:

@@ -19,7 +19,9 @@ SENDER_OK = SmtpReply(250, "2.1.0 Sender OK")
 RECIPIENT_OK = SmtpReply(250, "2.1.5 Recipient OK")
 BAD_SENDER_SYNTAX = SmtpReply(501, "5.1.7 Bad sender address syntax")
 BAD_RECIPIENT_SYNTAX = SmtpReply(501, "5.1.3 Bad recipient address syntax")
-PATH_NEEDS_BRACKETS = SmtpReply(501, "5.5.4 Syntax: address must be enclosed in <> (RFC 5321 4.1.2)")
+PATH_NEEDS_BRACKETS = SmtpReply(
+    501, "5.5.4 Syntax: address must be enclosed in <> (RFC 5321 4.1.2)"
+)
 BAD_RECIPIENT_ADDRESS = SmtpReply(553, "5.1.3 Recipient address cannot be normalized")
 NON_ASCII_WITHOUT_SMTPUTF8 = SmtpReply(
     553, "5.6.7 Non-ASCII address requires MAIL FROM ... SMTPUTF8 (RFC 6531)"

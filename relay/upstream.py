@@ -80,6 +80,26 @@ def _connection_failure(exc: Exception) -> SmtpReply:
     return replies.UPSTREAM_UNREACHABLE
 
 
+def _mail_options(smtp: aiosmtplib.SMTP, message: OutboundMessage) -> list[str] | SmtpReply:
+    """MAIL parameters for ``message``, or the refusal when the upstream lacks an extension.
+
+    No downgrade is attempted: a non-ASCII address cannot be downgraded (RFC 6530) and the
+    relay does not convert 8-bit content (RFC 6152 section 3).
+    """
+    if message.smtputf8 and not smtp.supports_extension("smtputf8"):
+        return replies.UPSTREAM_NO_SMTPUTF8
+    if message.eight_bit and not smtp.supports_extension("8bitmime"):
+        return replies.UPSTREAM_NO_8BITMIME
+    options = []
+    if message.smtputf8:
+        options.append("SMTPUTF8")
+    if message.eight_bit:
+        options.append("BODY=8BITMIME")
+    if smtp.supports_extension("size"):
+        options.append(f"SIZE={len(message.content)}")
+    return options
+
+
 def _lost(exc: Exception) -> SmtpReply:
     return replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST
 
@@ -126,17 +146,9 @@ class SmtpUpstream:
             await self._quit(smtp)
 
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage) -> DeliveryResult:
-        if message.smtputf8 and not smtp.supports_extension("smtputf8"):
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, replies.UPSTREAM_NO_SMTPUTF8)
-        if message.eight_bit and not smtp.supports_extension("8bitmime"):
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, replies.UPSTREAM_NO_8BITMIME)
-        options = []
-        if message.smtputf8:
-            options.append("SMTPUTF8")
-        if message.eight_bit:
-            options.append("BODY=8BITMIME")
-        if smtp.supports_extension("size"):
-            options.append(f"SIZE={len(message.content)}")
+        options = _mail_options(smtp, message)
+        if isinstance(options, SmtpReply):
+            return _all(message.rcpt_tos, RcptStatus.REFUSED, options)
         encoding = "utf-8" if message.smtputf8 else "ascii"
         try:
             await smtp.mail(message.mail_from, options=options, encoding=encoding)
@@ -146,21 +158,7 @@ class SmtpUpstream:
             return _all(message.rcpt_tos, RcptStatus.REFUSED, _lost(exc))
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
             return _all(message.rcpt_tos, RcptStatus.REFUSED, replies.BAD_SENDER_SYNTAX)
-        results: dict[str, RcptResult] = {}
-        accepted: list[str] = []
-        for rcpt in message.rcpt_tos:
-            try:
-                await smtp.rcpt(rcpt, encoding=encoding)
-                accepted.append(rcpt)
-            except aiosmtplib.SMTPResponseException as exc:
-                results[rcpt] = RcptResult(RcptStatus.REFUSED, _reply(exc))
-            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-                lost = _lost(exc)
-                for rest in message.rcpt_tos:
-                    results.setdefault(rest, RcptResult(RcptStatus.REFUSED, lost))
-                return DeliveryResult(recipients=results)
-            except ValueError:
-                results[rcpt] = RcptResult(RcptStatus.REFUSED, replies.BAD_RECIPIENT_SYNTAX)
+        results, accepted = await self._recipients(smtp, message.rcpt_tos, encoding)
         if not accepted:
             return DeliveryResult(recipients=results)
         status, final = await self._data(smtp, message.content)
@@ -169,6 +167,25 @@ class SmtpUpstream:
         return DeliveryResult(
             recipients=results, final_reply=final if status is RcptStatus.ACCEPTED else None
         )
+
+    async def _recipients(
+        self, smtp: aiosmtplib.SMTP, rcpt_tos: Sequence[str], encoding: str
+    ) -> tuple[dict[str, RcptResult], list[str]]:
+        """RCPT for each recipient: the refusals by address, and the accepted addresses."""
+        results: dict[str, RcptResult] = {}
+        accepted: list[str] = []
+        for rcpt in rcpt_tos:
+            try:
+                await smtp.rcpt(rcpt, encoding=encoding)
+                accepted.append(rcpt)
+            except aiosmtplib.SMTPResponseException as exc:
+                results[rcpt] = RcptResult(RcptStatus.REFUSED, _reply(exc))
+            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+                lost = RcptResult(RcptStatus.REFUSED, _lost(exc))
+                return {r: results.get(r, lost) for r in rcpt_tos}, []
+            except ValueError:
+                results[rcpt] = RcptResult(RcptStatus.REFUSED, replies.BAD_RECIPIENT_SYNTAX)
+        return results, accepted
 
     async def _data(self, smtp: aiosmtplib.SMTP, content: bytes) -> tuple[RcptStatus, SmtpReply]:
         """DATA, the message, the final dot; tell a failure before the dot from one after it."""
@@ -214,13 +231,14 @@ class SmtpUpstream:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._cfg.command_timeout_s
-        while transport.get_write_buffer_size() > 0:
+        while True:
+            if transport.get_write_buffer_size() == 0 and not transport.is_closing():
+                return True
+            if reader.done() and not reader.cancelled() and reader.exception() is None:
+                return True  # the upstream answered already (e.g. an early 552)
+            if transport.is_closing() or reader.done() or loop.time() > deadline:
+                return False  # asyncio drops the unsent bytes of a closed transport
             await asyncio.sleep(_FLUSH_POLL_S)
-            if reader.done():
-                return True  # the upstream answered already (e.g. an early 554)
-            if transport.is_closing() or loop.time() > deadline:
-                return False
-        return True
 
     async def _quit(self, smtp: aiosmtplib.SMTP) -> None:
         if not smtp.is_connected:

@@ -1,0 +1,360 @@
+"""The dedup core: reserve -> partition -> send -> settle -> aggregate reply (DESIGN section 4).
+
+Pure orchestration over the :class:`FingerprintStore`, :class:`Upstream` and :class:`Metrics`
+Protocols; it imports no socket, Redis or SMTP library. One :meth:`DedupCore.process` call
+handles one message that the listener accepted at the final dot.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from relay import replies
+from relay.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.fingerprint import extract_dedup_headers, fingerprint, normalize_recipient, store_key
+from relay.interfaces import (
+    DeliveryResult,
+    FingerprintStore,
+    Metrics,
+    OutboundMessage,
+    RcptStatus,
+    Reservation,
+    Settle,
+    SettleOp,
+    SmtpReply,
+    State,
+    Upstream,
+)
+
+log = logging.getLogger("relay.dedup")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The dedup rules of one relay (durations in seconds); built from Settings by the app."""
+
+    lease_s: float = 900.0
+    window_s: float = 86400.0
+    key_prefix: str = "email:fp:"
+    key_names: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
+    template_names: tuple[str, ...] = ("X-Template",)
+    max_key_chars: int = 256
+    local_part_case_sensitive: bool = False
+    secret: bytes | None = None
+    missing_key: str = "relay"  # relay | reject
+    unknown: str = "suppress"  # suppress | hold
+    store_down: str = "fail_closed"  # fail_closed | fail_open
+
+
+@dataclass(frozen=True)
+class InboundMessage:
+    """A message the listener accepted: envelope, content (unstuffed, CRLF) and trace header.
+
+    ``mail_from`` is ``""`` for the null reverse path; ``trace`` is the ``Received:`` header
+    (bytes, CRLF-terminated) prepended to what goes upstream; ``queue_id`` names it in logs.
+    """
+
+    mail_from: str
+    rcpt_tos: Sequence[str]
+    content: bytes
+    trace: bytes = b""
+    smtputf8: bool = False
+    eight_bit: bool = False
+    queue_id: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the core decided: the client ``reply``, one outcome per recipient, a ``result``."""
+
+    reply: SmtpReply
+    result: str
+    outcomes: Mapping[str, str] = field(default_factory=dict)
+    upstream_reply: SmtpReply | None = None
+
+
+@dataclass
+class _Tally:
+    """Per-recipient outcomes and the replies that decided them, for the aggregate reply."""
+
+    outcomes: dict[str, str] = field(default_factory=dict)
+    temp_replies: list[tuple[int, SmtpReply]] = field(default_factory=list)
+    perm_replies: list[SmtpReply] = field(default_factory=list)
+    first_sent_at: float | None = None
+
+    def add(self, rcpt: str, outcome: str) -> None:
+        self.outcomes[rcpt] = outcome
+
+    def temp(self, rcpt: str, outcome: str, rank: int, reply: SmtpReply) -> None:
+        self.outcomes[rcpt] = outcome
+        self.temp_replies.append((rank, reply))
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for o in self.outcomes.values() if o == outcome)
+
+
+# rank of temporary outcomes, worst first (DESIGN section 4: "reply to the client, worst first")
+_RANK_STORE_DOWN, _RANK_UNKNOWN, _RANK_REFUSED, _RANK_HELD, _RANK_INFLIGHT = range(5)
+
+
+class DedupCore:
+    """Decides, per envelope recipient, whether a message goes upstream, and what to answer."""
+
+    def __init__(
+        self,
+        *,
+        store: FingerprintStore,
+        upstream: Upstream,
+        metrics: Metrics,
+        policy: Policy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._upstream = upstream
+        self._metrics = metrics
+        self._policy = policy
+        self._clock = clock
+
+    async def process(self, msg: InboundMessage) -> Decision:
+        """Handle one message end to end and return the reply for the final dot.
+
+        Never raises for store or upstream failures: they become 4yz replies (DESIGN
+        section 1: nothing answered 250 is lost, nothing is sent twice by a retry).
+        """
+        p = self._policy
+        try:
+            headers = extract_dedup_headers(
+                msg.content,
+                key_names=p.key_names,
+                template_names=p.template_names,
+                max_key_chars=p.max_key_chars,
+            )
+        except InvalidDedupKeyError as exc:
+            return self._finish(msg, replies.invalid_key(str(exc)), "invalid", {})
+        if headers.key is None:
+            if p.missing_key == "reject":
+                return self._finish(msg, replies.MISSING_KEY_REJECTED, "invalid", {})
+            return await self._relay_plain(msg, relayed_outcome="no_key")
+        try:
+            keys = self._keys(msg.rcpt_tos, headers.template, headers.key)
+        except InvalidAddressError:
+            return self._finish(msg, replies.BAD_RECIPIENT_ADDRESS, "invalid", {})
+        return await self._relay_dedup(msg, keys)
+
+    def _keys(self, rcpt_tos: Sequence[str], template: str, key: str) -> dict[str, str]:
+        """Map each recipient to its store key (DESIGN section 2)."""
+        p = self._policy
+        out: dict[str, str] = {}
+        for rcpt in rcpt_tos:
+            norm = normalize_recipient(rcpt, local_part_case_sensitive=p.local_part_case_sensitive)
+            out[rcpt] = store_key(p.key_prefix, fingerprint(norm, template, key, secret=p.secret))
+        return out
+
+    async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
+        token = secrets.token_hex(16)  # 128-bit random token per attempt (DESIGN section 3)
+        unique_keys = list(dict.fromkeys(keys.values()))
+        try:
+            reservations = await self._reserve(unique_keys, token)
+        except StoreError as exc:
+            log.error("store reserve failed (%s); policy store_down=%s",
+                      exc, self._policy.store_down)
+            if self._policy.store_down == "fail_open":
+                return await self._relay_plain(msg, relayed_outcome="store_down")
+            tally = _Tally()
+            for rcpt in msg.rcpt_tos:
+                tally.temp(rcpt, "store_down", _RANK_STORE_DOWN, replies.STORE_DOWN)
+            return self._conclude(msg, tally, None)
+        by_key = {r.key: r for r in reservations}
+        tally = _Tally()
+        to_send = self._partition(keys, by_key, tally)
+        result: DeliveryResult | None = None
+        if to_send:
+            # one upstream recipient per fingerprint: the first spelling the client used
+            first_rcpt: dict[str, str] = {}
+            for rcpt, key in keys.items():
+                if key in to_send:
+                    first_rcpt.setdefault(key, rcpt)
+            result = await self._deliver(msg, list(first_rcpt.values()))
+            await self._settle(result, first_rcpt, token)
+            self._tally_delivery(result, keys, first_rcpt, tally)
+        return self._conclude(msg, tally, result)
+
+    def _partition(
+        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation], tally: _Tally
+    ) -> set[str]:
+        """Sort recipients by what the store holds; return the keys this attempt reserved."""
+        to_send: set[str] = set()
+        for rcpt, key in keys.items():
+            res = by_key[key]
+            found = res.found
+            if res.reserved:
+                to_send.add(key)
+            elif found is not None and found.state is State.PENDING:
+                tally.temp(rcpt, "inflight", _RANK_INFLIGHT, replies.INFLIGHT)
+            elif (found is not None and found.state is State.UNKNOWN
+                  and self._policy.unknown == "hold"):
+                tally.temp(rcpt, "held", _RANK_HELD, replies.HELD_UNKNOWN)
+            else:
+                tally.add(rcpt, "suppressed")
+                at = found.at if found is not None else None
+                if at is not None and (tally.first_sent_at is None or at < tally.first_sent_at):
+                    tally.first_sent_at = at
+        return to_send
+
+    async def _deliver(self, msg: InboundMessage, rcpts: list[str]) -> DeliveryResult:
+        outbound = OutboundMessage(
+            mail_from=msg.mail_from,
+            rcpt_tos=rcpts,
+            content=msg.trace + msg.content,
+            smtputf8=msg.smtputf8,
+            eight_bit=msg.eight_bit,
+        )
+        started = time.perf_counter()
+        result = await self._upstream.deliver(outbound)
+        decisive = result.final_reply or next(
+            (r.reply for r in result.recipients.values()), None)
+        code = decisive.code if decisive is not None and decisive not in _SYNTHETIC else None
+        self._metrics.upstream_call(time.perf_counter() - started, code)
+        return result
+
+    async def _settle(self, result: DeliveryResult, first_rcpt: Mapping[str, str],
+                      token: str) -> None:
+        ops: list[SettleOp] = []
+        for key, rcpt in first_rcpt.items():
+            r = result.recipients[rcpt]
+            action = {RcptStatus.ACCEPTED: Settle.SENT, RcptStatus.UNKNOWN: Settle.UNKNOWN,
+                      RcptStatus.REFUSED: Settle.RELEASE}[r.status]
+            ops.append(SettleOp(key=key, action=action, reply=str(r.reply)))
+        applied = await self._settle_with_retry(ops, token)
+        if applied is None:
+            if any(op.action is Settle.SENT for op in ops):
+                self._metrics.mark_sent_failed()
+            log.error("settle failed after retries; reservations stay PENDING until the lease ends")
+            return
+        for op, ok in zip(ops, applied, strict=True):
+            if not ok:
+                log.warning("settle %s found another attempt's reservation (lease ran out?)",
+                            op.action.value)
+
+    def _tally_delivery(self, result: DeliveryResult, keys: Mapping[str, str],
+                        first_rcpt: Mapping[str, str], tally: _Tally) -> None:
+        for rcpt, key in keys.items():
+            if key not in first_rcpt:
+                continue
+            r = result.recipients[first_rcpt[key]]
+            if r.status is RcptStatus.ACCEPTED:
+                tally.add(rcpt, "relayed")
+            elif r.status is RcptStatus.UNKNOWN:
+                tally.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
+            elif r.reply.code >= 500:
+                tally.add(rcpt, "refused_perm")
+                tally.perm_replies.append(r.reply)
+            else:
+                tally.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(r.reply))
+
+    async def _relay_plain(self, msg: InboundMessage, *, relayed_outcome: str) -> Decision:
+        """Relay without dedup (no key, or store down with fail_open): all recipients at once."""
+        result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)))
+        tally = _Tally()
+        for rcpt in msg.rcpt_tos:
+            r = result.recipients[rcpt]
+            if r.status is RcptStatus.ACCEPTED:
+                tally.add(rcpt, relayed_outcome)
+            elif r.status is RcptStatus.UNKNOWN:
+                tally.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
+            elif r.reply.code >= 500:
+                tally.add(rcpt, "refused_perm")
+                tally.perm_replies.append(r.reply)
+            else:
+                tally.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(r.reply))
+        return self._conclude(msg, tally, result, relayed_outcome=relayed_outcome)
+
+    def _conclude(self, msg: InboundMessage, tally: _Tally, result: DeliveryResult | None,
+                  *, relayed_outcome: str = "relayed") -> Decision:
+        """Aggregate per-recipient outcomes into one reply, worst first (DESIGN section 4)."""
+        relayed = tally.count(relayed_outcome)
+        suppressed = tally.count("suppressed")
+        refused_perm = tally.count("refused_perm")
+        upstream_reply = result.final_reply if result is not None else None
+        if tally.temp_replies:
+            reply = min(tally.temp_replies, key=lambda t: t[0])[1]
+            res = "tempfail"
+        elif refused_perm and not relayed:
+            reply, res = _as_client_reply(tally.perm_replies[0]), "permfail"
+        elif relayed:
+            reply = replies.accepted(relayed, suppressed, refused_perm, msg.queue_id)
+            res = "relayed" if relayed_outcome == "relayed" else relayed_outcome
+        else:
+            when = _iso(tally.first_sent_at)
+            reply, res = replies.all_suppressed(suppressed, when, msg.queue_id), "suppressed"
+        return self._finish(msg, reply, res, tally.outcomes, upstream_reply)
+
+    def _finish(self, msg: InboundMessage, reply: SmtpReply, result: str,
+                outcomes: Mapping[str, str], upstream_reply: SmtpReply | None = None) -> Decision:
+        self._metrics.message(result)
+        for outcome in set(outcomes.values()):
+            self._metrics.recipients(outcome, sum(1 for o in outcomes.values() if o == outcome))
+        return Decision(reply=reply, result=result, outcomes=dict(outcomes),
+                        upstream_reply=upstream_reply)
+
+    async def _reserve(self, keys: list[str], token: str) -> list[Reservation]:
+        started = time.perf_counter()
+        try:
+            out = await self._store.reserve(keys, token=token, lease_s=self._policy.lease_s)
+        except StoreError:
+            self._metrics.store_call("reserve", time.perf_counter() - started, False)
+            raise
+        self._metrics.store_call("reserve", time.perf_counter() - started, True)
+        return out
+
+    async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
+        """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure.
+
+        A mark-sent that never lands leaves the key PENDING until the lease ends: a retry in
+        that time is answered 450 (inflight), never relayed twice (DESIGN section 4).
+        """
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(3),
+                wait=wait_exponential(multiplier=0.1, max=1.0),
+                retry=retry_if_exception_type(StoreError),
+                reraise=True,
+            ):
+                with attempt:
+                    started = time.perf_counter()
+                    try:
+                        applied = await self._store.settle(
+                            ops, token=token, window_s=self._policy.window_s, now=self._clock())
+                    except StoreError:
+                        self._metrics.store_call("settle", time.perf_counter() - started, False)
+                        raise
+                    self._metrics.store_call("settle", time.perf_counter() - started, True)
+                    return applied
+        except StoreError as exc:
+            log.error("settle failed: %s", exc)
+        return None
+
+
+_SYNTHETIC = frozenset({
+    replies.UPSTREAM_UNREACHABLE, replies.UPSTREAM_TIMEOUT, replies.UPSTREAM_LOST,
+    replies.UPSTREAM_AUTH_FAILED, replies.OUTCOME_UNKNOWN, replies.UPSTREAM_NO_SMTPUTF8,
+    replies.UPSTREAM_NO_8BITMIME,
+})
+
+
+def _as_client_reply(reply: SmtpReply) -> SmtpReply:
+    """A temporary upstream refusal as our client sees it: synthesized ones pass unchanged."""
+    return reply if reply in _SYNTHETIC else replies.pass_through(reply)
+
+
+def _iso(at: float | None) -> str | None:
+    if at is None:
+        return None
+    return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
