@@ -1,0 +1,162 @@
+"""Composition root: builds the store, upstream, metrics, core and listener from Settings.
+
+:class:`Relay` starts and stops them in order (stop accepting, let in-flight messages finish
+within the shutdown grace, close the upstream and the store); :func:`run` serves until
+SIGTERM or SIGINT. Only this module constructs concrete parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from relay.config import Settings, split_host_port
+from relay.dedup import DedupCore, Policy
+from relay.errors import StoreError
+from relay.interfaces import FingerprintStore, Upstream
+from relay.listener import ListenerLimits, RelayHandler, smtp_factory
+from relay.metrics import PrometheusMetrics
+from relay.store_redis import RedisStore
+from relay.store_sqlite import SqliteStore, sqlite_path_from_url
+from relay.upstream import SmtpUpstream, SmtpUpstreamConfig
+from relay.upstream_maildir import MaildirUpstream
+
+log = logging.getLogger("relay.app")
+
+
+async def build_store(settings: Settings) -> FingerprintStore:
+    """Open the store named by ``settings.store`` (redis://, rediss:// or sqlite:///)."""
+    if settings.store.startswith(("redis://", "rediss://")):
+        store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout)
+        try:
+            for warning in await store.check_server():
+                log.warning("redis: %s", warning)
+        except StoreError as exc:
+            log.warning("redis not reachable at start-up (%s); will fail closed until it is", exc)
+        return store
+    return await SqliteStore.open(
+        sqlite_path_from_url(settings.store), op_timeout_s=settings.store_timeout)
+
+
+def build_upstream(settings: Settings) -> Upstream:
+    """The Maildir upstream for ``maildir:PATH``, else the SMTP smarthost at HOST:PORT."""
+    if settings.upstream.startswith("maildir:"):
+        return MaildirUpstream(path=Path(settings.upstream[len("maildir:") :]))
+    host, port = split_host_port(settings.upstream, what="upstream")
+    return SmtpUpstream(config=SmtpUpstreamConfig(
+        host=host, port=port, local_hostname=settings.hostname, tls=settings.upstream_tls,
+        verify=settings.upstream_verify, username=settings.upstream_user,
+        password=settings.upstream_password_value(),
+        connect_timeout_s=settings.upstream_connect_timeout,
+        command_timeout_s=settings.upstream_command_timeout,
+        final_timeout_s=settings.upstream_timeout,
+    ))
+
+
+def build_policy(settings: Settings) -> Policy:
+    """The dedup policy of DESIGN sections 2-4 from the settings."""
+    secret = settings.fingerprint_secret
+    return Policy(
+        lease_s=settings.lease, window_s=settings.dedup_window, key_prefix=settings.store_prefix,
+        key_names=settings.dedupe_headers, template_names=settings.template_headers,
+        max_key_chars=settings.max_key_chars,
+        local_part_case_sensitive=settings.local_part_case_sensitive,
+        secret=secret.get_secret_value().encode() if secret is not None else None,
+        missing_key=settings.missing_key, unknown=settings.unknown_policy,
+        store_down=settings.store_down,
+    )
+
+
+class Relay:
+    """One running relay: ``await start()``, then ``await stop()``.
+
+    ``registry`` lets tests inject a fresh prometheus registry. After start, ``port`` is the
+    bound SMTP port (useful with ``listen = 127.0.0.1:0``).
+    """
+
+    def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = PrometheusMetrics(registry=self.registry)
+        self.store: FingerprintStore | None = None
+        self.upstream: Upstream | None = None
+        self.handler: RelayHandler | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._metrics_server: Any = None
+        self.port = 0
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        """Open the store, build the parts and start listening (SMTP and metrics)."""
+        s = self.settings
+        self.store = await build_store(s)
+        self.upstream = build_upstream(s)
+        core = DedupCore(store=self.store, upstream=self.upstream, metrics=self.metrics,
+                         policy=build_policy(s))
+        limits = ListenerLimits(
+            hostname=s.hostname, max_recipients=s.max_recipients,
+            max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
+            local_part_case_sensitive=s.local_part_case_sensitive,
+            log_recipients=s.log_recipients)
+        self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits)
+        processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
+                        + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
+        host, port = s.listen_address
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            smtp_factory(self.handler, limits, processing_s), host=host, port=port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        if s.metrics_address is not None:
+            m_host, m_port = s.metrics_address
+            self._metrics_server, _ = start_http_server(m_port, m_host, registry=self.registry)
+            self.metrics_port = self._metrics_server.server_port
+        store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
+        log.info("listening on %s:%d, upstream %s, store %s (%s), metrics %s",
+                 host, self.port, s.upstream, _redact(s.store), store_kind,
+                 f"{s.metrics_listen}" if s.metrics_listen else "off")
+
+    async def stop(self) -> None:
+        """Stop accepting, wait up to the shutdown grace for in-flight messages, close."""
+        if self._server is not None:
+            self._server.close()
+        if self.handler is not None and self.handler.tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*self.handler.tasks, return_exceptions=True),
+                    self.settings.shutdown_grace)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if self.upstream is not None:
+            await self.upstream.close()
+        if self.store is not None:
+            await self.store.close()
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a store URL for logs."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}"
+
+
+async def run(settings: Settings) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    relay = Relay(settings)
+    await relay.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: stopping")
+    await relay.stop()

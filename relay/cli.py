@@ -1,0 +1,86 @@
+"""Command line: ``dedup-relay serve`` and ``dedup-relay check-config``.
+
+The click commands only turn flags into settings and call :func:`relay.app.run`; every flag
+is also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config`` TOML file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from relay.config import DEFAULT_STORE_URL, Settings, load_settings
+from relay.errors import ConfigError
+from relay.logfmt import setup_logging
+
+_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--listen", {"help": "SMTP listener HOST:PORT [127.0.0.1:2525]"}),
+    ("--upstream", {"help": "smarthost HOST:PORT, or maildir:PATH for a local Maildir"}),
+    ("--upstream-tls", {"type": click.Choice(["none", "starttls", "tls"]),
+                        "help": "TLS to the smarthost [none]"}),
+    ("--upstream-user", {"help": "AUTH user at the smarthost"}),
+    ("--upstream-password-file", {"type": click.Path(dir_okay=False, path_type=Path),
+                                  "help": "file holding the smarthost AUTH password"}),
+    ("--store", {"help": f"redis://, rediss:// or sqlite:///PATH [{DEFAULT_STORE_URL}]"}),
+    ("--metrics-listen", {"help": "metrics HTTP HOST:PORT, or 'off' [127.0.0.1:9725]"}),
+    ("--upstream-timeout", {"type": float,
+                            "help": "seconds to wait for the reply to the final dot [600]"}),
+    ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
+    ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
+]
+
+
+def _settings_options(func: Any) -> Any:
+    for flag, kwargs in reversed(_FLAGS):
+        func = click.option(flag, default=None, **kwargs)(func)
+    return click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="RELAY_CONFIG", default=None, help="TOML settings file (env RELAY_CONFIG)",
+    )(func)
+
+
+def _load(config_file: Path | None, flags: dict[str, Any]) -> Settings:
+    try:
+        return load_settings(flags, config_file)
+    except ConfigError as exc:
+        click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
+        sys.exit(2)
+
+
+@click.group()
+@click.version_option(package_name="dedup-relay")
+def main() -> None:
+    """dedup-relay: an SMTP relay that stops duplicate outbound email."""
+
+
+@main.command()
+@_settings_options
+def serve(config_file: Path | None, **flags: Any) -> None:
+    """Run the relay until SIGTERM/SIGINT."""
+    settings = _load(config_file, flags)
+    setup_logging(settings.log_level)
+    asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> None:
+    from relay.app import run  # imported here so check-config stays light
+
+    await run(settings)
+
+
+@main.command("check-config")
+@_settings_options
+def check_config(config_file: Path | None, **flags: Any) -> None:
+    """Validate the settings; exit 0 when valid, 2 with a readable message when not."""
+    settings = _load(config_file, flags)
+    try:
+        settings.upstream_password_value()
+    except ConfigError as exc:
+        click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
+        sys.exit(2)
+    click.echo(f"configuration ok: listen {settings.listen}, upstream {settings.upstream}, "
+               f"store {settings.store.split('@')[-1]}")

@@ -1,0 +1,240 @@
+"""The main job end to end: real Redis, real aiosmtpd sink upstream, real smtplib clients."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from conftest import MakeRelay, PrivateRedis, Sink, message, send
+
+from relay import replies
+from relay.app import Relay
+from relay.dedup import Policy
+from relay.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.interfaces import State
+
+
+def key_of(relay: Relay, rcpt: str, template: str = "welcome", key: str = "K-1") -> str:
+    """The store key the relay uses for (rcpt, template, key)."""
+    norm = normalize_recipient(rcpt)
+    return store_key(relay.settings.store_prefix, fingerprint(norm, template, key))
+
+
+async def test_same_message_twice_is_delivered_once(relay: Relay, sink: Sink) -> None:
+    """A retried send with the same X-Dedupe-Key is answered 250 and reaches upstream once."""
+    first = await send(relay.port, ["user@example.net"], message())
+    second = await send(relay.port, ["user@example.net"], message(body="other body"))
+    assert first.code == 250
+    assert second.code == 250
+    assert "suppressed" in second.text
+    assert "original sent" in second.text
+    assert len(sink.handler.delivered) == 1
+
+
+async def test_different_key_or_template_is_delivered(relay: Relay, sink: Sink) -> None:
+    """A different dedupe key or template is a different message and is relayed."""
+    await send(relay.port, ["user@example.net"], message(key="K-1"))
+    await send(relay.port, ["user@example.net"], message(key="K-2"))
+    await send(relay.port, ["user@example.net"], message(key="K-1", template="receipt"))
+    assert len(sink.handler.delivered) == 3
+
+
+async def test_recipient_case_and_idn_variants_are_one_recipient(relay: Relay, sink: Sink) -> None:
+    """Case variants and U-label/A-label spellings of one address get one delivery."""
+    variants = ["User@Bücher.example", "user@xn--bcher-kva.example", "USER@BÜCHER.EXAMPLE"]
+    results = []
+    for rcpt in variants:
+        results.append(await send(relay.port, [rcpt], message(), mail_options=["SMTPUTF8"]))
+    assert [r.code for r in results] == [250, 250, 250]
+    assert len(sink.handler.delivered) == 1
+    assert sink.handler.delivered[0].rcpt_tos == ["User@Bücher.example"]
+
+
+async def test_second_message_carries_only_the_new_recipient(relay: Relay, sink: Sink) -> None:
+    """A message to a, then to a and b: the second upstream transaction has b only."""
+    await send(relay.port, ["a@example.net"], message())
+    result = await send(relay.port, ["a@example.net", "b@example.net"], message())
+    assert result.code == 250
+    assert "relayed 1" in result.text and "suppressed 1" in result.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+
+
+async def test_message_without_key_is_delivered_every_time(relay: Relay, sink: Sink) -> None:
+    """A message with no X-Dedupe-Key is relayed on every send."""
+    for _ in range(3):
+        assert (await send(relay.port, ["user@example.net"], message(key=None))).code == 250
+    assert len(sink.handler.delivered) == 3
+
+
+async def test_upstream_tempfail_then_success(relay: Relay, sink: Sink) -> None:
+    """Upstream 451 gives the client a 4yz; the retry is relayed and answered 250, one copy."""
+    sink.handler.data_plan.append("451 4.3.0 Try again later")
+    first = await send(relay.port, ["user@example.net"], message())
+    assert first.code == 451
+    assert first.text.startswith("4.3.0")
+    assert await relay.store.inspect(key_of(relay, "user@example.net")) is not None
+    second = await send(relay.port, ["user@example.net"], message())
+    assert second.code == 250
+    third = await send(relay.port, ["user@example.net"], message())
+    assert third.code == 250 and "suppressed" in third.text
+    assert len(sink.handler.delivered) == 1
+
+
+async def test_upstream_permanent_refusal_releases_fingerprint(relay: Relay, sink: Sink) -> None:
+    """Upstream 554 after the dot gives the client 5yz and leaves no fingerprint behind."""
+    sink.handler.data_plan.append("554 5.7.1 Message rejected")
+    result = await send(relay.port, ["user@example.net"], message())
+    assert result.code == 554
+    assert result.text.startswith("5.7.1")
+    record = await relay.store.inspect(key_of(relay, "user@example.net"))
+    assert record.state is State.ABSENT
+    retry = await send(relay.port, ["user@example.net"], message())
+    assert retry.code == 250 and "relayed 1" in retry.text
+    assert len(sink.handler.delivered) == 1
+
+
+async def test_partial_refusal_then_retry_sends_only_the_rest(relay: Relay, sink: Sink) -> None:
+    """250/550/450 among three recipients gives 4yz; the retry sends only b and c (case 23)."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(["550 5.1.1 User unknown"] * 2)
+    sink.handler.rcpt_plan["c@example.net"] = deque(["450 4.2.1 Mailbox busy"])
+    rcpts = ["a@example.net", "b@example.net", "c@example.net"]
+    first = await send(relay.port, rcpts, message(template="invite", key="P-1"))
+    assert first.code == 450
+    assert first.text.startswith("4.2.1")
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"]]
+    sink.handler.rcpt_commands.clear()
+    retry = await send(relay.port, rcpts, message(template="invite", key="P-1"))
+    assert sink.handler.rcpt_commands == ["b@example.net", "c@example.net"]
+    assert retry.code == 250
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["c@example.net"]]
+    a_state = await relay.store.inspect(key_of(relay, "a@example.net", "invite", "P-1"))
+    b_state = await relay.store.inspect(key_of(relay, "b@example.net", "invite", "P-1"))
+    assert a_state.state is State.SENT
+    assert b_state.state is State.ABSENT
+
+
+async def test_all_nonduplicate_recipients_refused_permanently(relay: Relay, sink: Sink) -> None:
+    """When every recipient left to send is refused permanently, the client gets the 5yz."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(["550 5.1.1 User unknown"] * 2)
+    await send(relay.port, ["a@example.net"], message())
+    result = await send(relay.port, ["a@example.net", "b@example.net"], message())
+    assert result.code == 550
+    assert result.text.startswith("5.1.1")
+
+
+async def test_upstream_hang_after_dot_is_unknown_and_retry_suppressed(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """No reply to the final dot gives 451 4.4.2, state UNKNOWN, and the retry is suppressed."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_timeout=0.5)
+    sink.handler.hang_after_dot_s = 2.0
+    first = await send(relay.port, ["user@example.net"], message())
+    assert (first.code, first.text) == (451, replies.OUTCOME_UNKNOWN.text)
+    record = await relay.store.inspect(key_of(relay, "user@example.net"))
+    assert record.state is State.UNKNOWN
+    sink.handler.hang_after_dot_s = 0.0
+    retry = await send(relay.port, ["user@example.net"], message())
+    assert retry.code == 250 and "suppressed" in retry.text
+    assert sink.handler.transactions == 1
+
+
+async def test_unknown_with_hold_policy_answers_4yz(make_relay: MakeRelay, sink: Sink) -> None:
+    """With unknown_policy=hold, a retry of an in-doubt message is answered 451, not relayed."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_timeout=0.5,
+                             unknown_policy="hold")
+    sink.handler.hang_after_dot_s = 2.0
+    await send(relay.port, ["user@example.net"], message())
+    sink.handler.hang_after_dot_s = 0.0
+    retry = await send(relay.port, ["user@example.net"], message())
+    assert (retry.code, retry.text) == (451, replies.HELD_UNKNOWN.text)
+    assert sink.handler.transactions == 1
+
+
+async def test_twenty_concurrent_clients_one_delivery(relay: Relay, sink: Sink) -> None:
+    """20 clients sending the same message at once: one delivery, each told 250 or 450."""
+    sink.handler.delay_s = 0.3
+    results = await asyncio.gather(
+        *(send(relay.port, ["user@example.net"], message()) for _ in range(20)))
+    codes = sorted(r.code for r in results)
+    assert set(codes) <= {250, 450}
+    assert codes.count(250) >= 1
+    assert len(sink.handler.delivered) == 1
+    assert sink.handler.transactions == 1
+
+
+async def test_redis_down_fails_closed(
+    make_relay: MakeRelay, sink: Sink, private_redis: PrivateRedis
+) -> None:
+    """With Redis stopped the client gets 451 4.3.0 and nothing is sent upstream."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=private_redis.url,
+                             store_timeout=0.5)
+    assert (await send(relay.port, ["user@example.net"], message(key="warm"))).code == 250
+    private_redis.stop()
+    result = await send(relay.port, ["user@example.net"], message())
+    assert (result.code, result.text) == (451, replies.STORE_DOWN.text)
+    assert len(sink.handler.delivered) == 1
+    private_redis.start()
+    again = await send(relay.port, ["user@example.net"], message())
+    assert again.code == 250 and "relayed 1" in again.text
+
+
+async def test_redis_down_fail_open_relays(
+    make_relay: MakeRelay, sink: Sink, private_redis: PrivateRedis
+) -> None:
+    """With store_down=fail_open and Redis stopped, the message is relayed without dedup."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=private_redis.url,
+                             store_timeout=0.5, store_down="fail_open")
+    private_redis.stop()
+    result = await send(relay.port, ["user@example.net"], message())
+    assert result.code == 250
+    assert len(sink.handler.delivered) == 1
+
+
+async def test_upstream_unreachable_is_4yz_and_retry_relayed(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """A refused upstream connection gives 451 4.4.1, and the fingerprint is released."""
+    from conftest import free_port
+
+    relay = await make_relay(upstream=f"127.0.0.1:{free_port()}")
+    result = await send(relay.port, ["user@example.net"], message())
+    assert (result.code, result.text) == (451, replies.UPSTREAM_UNREACHABLE.text)
+    record = await relay.store.inspect(key_of(relay, "user@example.net"))
+    assert record.state is State.ABSENT
+
+
+async def test_upstream_421_at_mail_is_451(relay: Relay, sink: Sink) -> None:
+    """Upstream 421 to MAIL becomes 451 for the client; the retry is relayed (case 22 U4)."""
+    sink.handler.mail_plan.append("421 4.7.0 Closing connection")
+    result = await send(relay.port, ["user@example.net"], message())
+    assert result.code == 451
+    assert result.text.startswith("4.7.0")
+    retry = await send(relay.port, ["user@example.net"], message())
+    assert retry.code == 250 and len(sink.handler.delivered) == 1
+
+
+async def test_missing_key_reject_policy(make_relay: MakeRelay, sink: Sink) -> None:
+    """With missing_key=reject a message without a key is refused and nothing is sent."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", missing_key="reject")
+    result = await send(relay.port, ["user@example.net"], message(key=None))
+    assert (result.code, result.text) == (554, replies.MISSING_KEY_REJECTED.text)
+    assert sink.handler.transactions == 0
+
+
+async def test_foreign_value_counts_as_sent(relay: Relay, sink: Sink) -> None:
+    """A key written as '1' by another application (the Go mailer seed) suppresses the send."""
+    import redis.asyncio as aredis
+
+    client = aredis.Redis.from_url(relay.settings.store)
+    await client.set(key_of(relay, "user@example.net"), "1", ex=60)
+    await client.aclose()
+    result = await send(relay.port, ["user@example.net"], message())
+    assert result.code == 250 and "suppressed" in result.text
+    assert sink.handler.transactions == 0
+
+
+def test_policy_defaults_match_design() -> None:
+    """The default policy is the one DESIGN section 3/4 names (15 min lease, 24 h window)."""
+    p = Policy()
+    assert (p.lease_s, p.window_s, p.key_prefix) == (900.0, 86400.0, "email:fp:")
+    assert (p.missing_key, p.unknown, p.store_down) == ("relay", "suppress", "fail_closed")
