@@ -7,6 +7,7 @@ handles one message that the listener accepted at the final dot.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -165,6 +166,7 @@ class DedupCore:
         except StoreError as exc:
             log.error("store reserve failed (%s); policy store_down=%s",
                       exc, self._policy.store_down)
+            await self._release_quietly(unique_keys, token)
             if self._policy.store_down == "fail_open":
                 return await self._relay_plain(msg, relayed_outcome="store_down")
             tally = _Tally()
@@ -313,6 +315,17 @@ class DedupCore:
             raise
         self._metrics.store_call("reserve", time.perf_counter() - started, True)
         return out
+
+    async def _release_quietly(self, keys: list[str], token: str) -> None:
+        """Undo whatever part of a failed reserve did land (compare-token, so always safe).
+
+        A reserve that timed out may still have run on the server; without this its keys
+        would answer every retry with 450 until the lease ends.
+        """
+        ops = [SettleOp(key=k, action=Settle.RELEASE) for k in keys]
+        with contextlib.suppress(StoreError):  # the store is down: the lease will free them
+            await self._store.settle(ops, token=token, window_s=self._policy.window_s,
+                                     now=self._clock())
 
     async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
         """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure.

@@ -16,7 +16,8 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from email.utils import formatdate
+from datetime import UTC, datetime
+from email.utils import format_datetime
 from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -242,7 +243,7 @@ class RelayHandler:
         return (
             f"Received: from {helo} ([{peer}])\r\n"
             f"\tby {self._limits.hostname} (dedup-relay) with {proto} id {queue_id};\r\n"
-            f"\t{formatdate(localtime=False)}\r\n"
+            f"\t{format_datetime(datetime.now(UTC))}\r\n"
         ).encode("ascii", "replace")
 
     def _log_decision(self, msg: InboundMessage, decision: Decision, seconds: float) -> None:

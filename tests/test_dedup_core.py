@@ -1,0 +1,87 @@
+"""The dedup core on its Protocols, for store faults a real Redis cannot produce on demand."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import redis.asyncio as aredis
+from conftest import REDIS_URL, delete_prefix, message
+from prometheus_client import CollectorRegistry
+
+from relay.dedup import DedupCore, InboundMessage, Policy
+from relay.errors import StoreError
+from relay.interfaces import (
+    DeliveryResult,
+    OutboundMessage,
+    RcptResult,
+    RcptStatus,
+    Reservation,
+    SmtpReply,
+    State,
+)
+from relay.metrics import PrometheusMetrics
+from relay.store_redis import RedisStore
+
+
+class LandsThenTimesOut(RedisStore):
+    """A real RedisStore whose reserve runs on the server, then reports a timeout."""
+
+    async def reserve(self, keys: Sequence[str], *, token: str,
+                      lease_s: float) -> list[Reservation]:
+        await super().reserve(keys, token=token, lease_s=lease_s)
+        raise StoreError("reserve", "TimeoutError: timed out")
+
+
+class CountingUpstream:
+    """An upstream that accepts everything and counts transactions."""
+
+    def __init__(self) -> None:
+        self.sent: list[OutboundMessage] = []
+
+    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
+        self.sent.append(message)
+        ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0 ok"))
+        return DeliveryResult(recipients={r: ok for r in message.rcpt_tos})
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A random key prefix, deleted afterwards."""
+    p = f"test:{uuid.uuid4().hex}:"
+    yield p
+    delete_prefix(REDIS_URL, p)
+
+
+async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> None:
+    """A reserve that ran but timed out is undone, so the retry is relayed, not held 450."""
+    store = LandsThenTimesOut.from_url(REDIS_URL)
+    upstream = CountingUpstream()
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix))
+    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                         content=message(), queue_id="q1")
+    first = await core.process(msg)
+    assert first.reply.code == 451 and first.outcomes == {"user@example.net": "store_down"}
+    plain = RedisStore.from_url(REDIS_URL)
+    core2 = DedupCore(store=plain, upstream=upstream,
+                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                      policy=Policy(key_prefix=prefix))
+    second = await core2.process(msg)
+    assert second.reply.code == 250 and second.outcomes == {"user@example.net": "relayed"}
+    assert len(upstream.sent) == 1
+    client = aredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in client.scan_iter(match=prefix + "*")]
+    await client.aclose()
+    assert len(keys) == 1
+    assert (await plain.inspect(keys[0].decode())).state is State.SENT
+    await store.close()
+    await plain.close()
