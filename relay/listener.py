@@ -36,6 +36,14 @@ _BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 
+# aiosmtpd's own wording of replies the catalogue words better (same codes)
+_AIOSMTPD_REWORDED = {
+    "500 Line too long (see RFC5321 4.5.3.1.6)": str(replies.LINE_TOO_LONG),
+    "552 Error: Too much mail data": str(replies.MESSAGE_TOO_BIG),
+    "552 Error: message size exceeds fixed maximum message size": str(replies.MESSAGE_TOO_BIG),
+}
+
+
 def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
     """Check the raw argument of MAIL (``FROM:``) or RCPT (``TO:``) before aiosmtpd parses it.
 
@@ -64,7 +72,9 @@ class RelaySMTP(SMTP):
                  **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self._processing_timeout_s = processing_timeout_s
+        self._client_timeout_s: float = kwargs.get("timeout", 300.0)
         self._in_helo = False
+        self._receiving_data = False
         self._metrics = handler.metrics
         self._counted = False
 
@@ -84,9 +94,28 @@ class RelaySMTP(SMTP):
 
     async def push(self, status: str) -> None:  # type: ignore[override]  # we only push str
         """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without."""
+        status = _AIOSMTPD_REWORDED.get(status, status)
         if not (self._in_helo and status.startswith("250")):
             status = replies.with_enhanced_code(status)
         await super().push(status)
+
+    def data_received(self, data: bytes) -> None:
+        """While a DATA transfer runs, every chunk restarts the client timeout.
+
+        aiosmtpd restarts its timer per command only, so a long but steady upload would be cut
+        off; RFC 5321 section 4.5.3.2.5 times the DATA block per chunk.
+        """
+        if self._receiving_data:
+            self._reset_timeout(self._client_timeout_s)
+        super().data_received(data)
+
+    async def smtp_DATA(self, arg: str) -> None:
+        """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives."""
+        self._receiving_data = True
+        try:
+            await super().smtp_DATA(arg)
+        finally:
+            self._receiving_data = False
 
     async def smtp_EHLO(self, hostname: str) -> None:
         """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""
@@ -122,6 +151,7 @@ class RelaySMTP(SMTP):
 
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
         if command == "DATA":
+            self._receiving_data = False
             # the idle timer must not cut the client off while upstream works (up to the
             # final-dot timeout): give the whole processing time instead
             self._reset_timeout(self._processing_timeout_s)
