@@ -25,6 +25,7 @@ from relay.interfaces import (
     FingerprintStore,
     Metrics,
     OutboundMessage,
+    RcptResult,
     RcptStatus,
     Reservation,
     Settle,
@@ -81,6 +82,10 @@ class Decision:
     upstream_reply: SmtpReply | None = None
 
 
+# rank of temporary outcomes, worst first (DESIGN section 4: "reply to the client, worst first")
+_RANK_STORE_DOWN, _RANK_UNKNOWN, _RANK_REFUSED, _RANK_HELD, _RANK_INFLIGHT = range(5)
+
+
 @dataclass
 class _Tally:
     """Per-recipient outcomes and the replies that decided them, for the aggregate reply."""
@@ -97,12 +102,22 @@ class _Tally:
         self.outcomes[rcpt] = outcome
         self.temp_replies.append((rank, reply))
 
+    def record(self, rcpt: str, result: RcptResult, relayed_outcome: str) -> None:
+        """Tally one recipient's upstream result (DESIGN section 4, second table)."""
+        if result.status is RcptStatus.ACCEPTED:
+            self.add(rcpt, relayed_outcome)
+        elif result.status is RcptStatus.UNKNOWN:
+            self.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
+        elif result.reply.code >= 500:
+            self.add(rcpt, "refused_perm")
+            self.perm_replies.append(result.reply)
+        else:
+            self.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(result.reply))
+
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
 
 
-# rank of temporary outcomes, worst first (DESIGN section 4: "reply to the client, worst first")
-_RANK_STORE_DOWN, _RANK_UNKNOWN, _RANK_REFUSED, _RANK_HELD, _RANK_INFLIGHT = range(5)
 
 
 class DedupCore:
@@ -250,32 +265,14 @@ class DedupCore:
         for rcpt, key in keys.items():
             if key not in first_rcpt:
                 continue
-            r = result.recipients[first_rcpt[key]]
-            if r.status is RcptStatus.ACCEPTED:
-                tally.add(rcpt, "relayed")
-            elif r.status is RcptStatus.UNKNOWN:
-                tally.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
-            elif r.reply.code >= 500:
-                tally.add(rcpt, "refused_perm")
-                tally.perm_replies.append(r.reply)
-            else:
-                tally.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(r.reply))
+            tally.record(rcpt, result.recipients[first_rcpt[key]], "relayed")
 
     async def _relay_plain(self, msg: InboundMessage, *, relayed_outcome: str) -> Decision:
         """Relay without dedup (no key, or store down with fail_open): all recipients at once."""
         result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)))
         tally = _Tally()
         for rcpt in msg.rcpt_tos:
-            r = result.recipients[rcpt]
-            if r.status is RcptStatus.ACCEPTED:
-                tally.add(rcpt, relayed_outcome)
-            elif r.status is RcptStatus.UNKNOWN:
-                tally.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
-            elif r.reply.code >= 500:
-                tally.add(rcpt, "refused_perm")
-                tally.perm_replies.append(r.reply)
-            else:
-                tally.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(r.reply))
+            tally.record(rcpt, result.recipients[rcpt], relayed_outcome)
         return self._conclude(msg, tally, result, relayed_outcome=relayed_outcome)
 
     def _conclude(self, msg: InboundMessage, tally: _Tally, result: DeliveryResult | None,
