@@ -12,16 +12,17 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from relay.config import Settings, split_host_port
 from relay.dedup import DedupCore, Policy
 from relay.errors import StoreError
+from relay.health import HealthMonitor
 from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
+from relay.ops_http import OpsServer
 from relay.store_redis import RedisStore
 from relay.store_sqlite import SqliteStore, sqlite_path_from_url
 from relay.upstream import SmtpUpstream, SmtpUpstreamConfig
@@ -88,7 +89,8 @@ class Relay:
         self.upstream: Upstream | None = None
         self.handler: RelayHandler | None = None
         self._server: asyncio.base_events.Server | None = None
-        self._metrics_server: Any = None
+        self.health: HealthMonitor | None = None
+        self._ops: OpsServer | None = None
         self.port = 0
         self.metrics_port = 0
 
@@ -114,12 +116,18 @@ class Relay:
         self.port = self._server.sockets[0].getsockname()[1]
         if s.metrics_address is not None:
             m_host, m_port = s.metrics_address
-            self._metrics_server, _ = start_http_server(m_port, m_host, registry=self.registry)
-            self.metrics_port = self._metrics_server.server_port
+            self.health = HealthMonitor(
+                store=self.store, upstream=self.upstream, metrics=self.metrics,
+                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2))
+            await self.health.start()
+            self._ops = OpsServer(registry=self.registry, health=self.health,
+                                  host=m_host, port=m_port)
+            await self._ops.start()
+            self.metrics_port = self._ops.port
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
         log.info("listening on %s:%d, upstream %s, store %s (%s), metrics %s",
                  host, self.port, s.upstream, _redact(s.store), store_kind,
-                 f"{s.metrics_listen}" if s.metrics_listen else "off")
+                 f"{m_host}:{self.metrics_port}" if self._ops else "off")
 
     async def stop(self) -> None:
         """Stop accepting, wait up to the shutdown grace for in-flight messages, close."""
@@ -130,9 +138,10 @@ class Relay:
                 await asyncio.wait_for(
                     asyncio.gather(*self.handler.tasks, return_exceptions=True),
                     self.settings.shutdown_grace)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+        if self._ops is not None:
+            await self._ops.stop()
+        if self.health is not None:
+            await self.health.stop()
         if self.upstream is not None:
             await self.upstream.close()
         if self.store is not None:

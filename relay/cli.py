@@ -31,6 +31,7 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                             "help": "seconds to wait for the reply to the final dot [600]"}),
     ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
     ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
+    ("--log-format", {"type": click.Choice(["json", "text"]), "help": "log lines [json]"}),
 ]
 
 
@@ -62,7 +63,7 @@ def main() -> None:
 def serve(config_file: Path | None, **flags: Any) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config_file, flags)
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     asyncio.run(_serve(settings))
 
 

@@ -86,7 +86,9 @@ class Settings(BaseSettings):
 
     # operations
     metrics_listen: str | None = "127.0.0.1:9725"
+    health_interval: float = Field(default=5.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
     log_recipients: bool = False
     shutdown_grace: float = Field(default=30.0, ge=0)
 

@@ -246,3 +246,11 @@ class Metrics(Protocol):
     def session(self, delta: int) -> None:
         """Add ``delta`` (+1 or -1) to the number of open client sessions."""
         ...
+
+    def in_progress(self, delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to the number of messages between final dot and reply."""
+        ...
+
+    def component_up(self, component: str, up: bool) -> None:
+        """Record the last readiness probe of ``component`` (``store`` or ``upstream``)."""
+        ...

@@ -56,6 +56,13 @@ class PrometheusMetrics:
         self._mark_sent_failed = Counter(
             "relay_mark_sent_failed", "Upstream-accepted messages whose mark-sent write failed",
             registry=registry)
+        self._in_progress = Gauge(
+            "relay_messages_in_progress",
+            "Messages past the final dot whose reply is not yet sent (reserved, in flight)",
+            registry=registry)
+        self._up = Gauge(
+            "relay_component_up", "1 when the component answered its last readiness probe",
+            ["component"], registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         for outcome in OUTCOMES:
@@ -66,6 +73,8 @@ class PrometheusMetrics:
             self._store_errors.labels(op)
         for cls in CODE_CLASSES:
             self._upstream_replies.labels(cls)
+        for component in ("store", "upstream"):
+            self._up.labels(component)
 
     def message(self, result: str) -> None:
         """Count one message by ``result``."""
@@ -97,3 +106,11 @@ class PrometheusMetrics:
     def session(self, delta: int) -> None:
         """Move the open-session gauge by ``delta``."""
         self._sessions.inc(delta)
+
+    def in_progress(self, delta: int) -> None:
+        """Move the in-progress gauge by ``delta``."""
+        self._in_progress.inc(delta)
+
+    def component_up(self, component: str, up: bool) -> None:
+        """Set ``relay_component_up{component}`` to 1 or 0."""
+        self._up.labels(component).set(1 if up else 0)
