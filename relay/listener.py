@@ -33,6 +33,7 @@ log = logging.getLogger("relay.listener")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
+_UPSTREAM_QUEUE_ID = re.compile(r"(?:queued as|queue id|id=)\s*([A-Za-z0-9._:-]+)", re.I)
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 
@@ -75,6 +76,7 @@ class RelaySMTP(SMTP):
         self._client_timeout_s: float = kwargs.get("timeout", 300.0)
         self._in_helo = False
         self._receiving_data = False
+        self._data_started = self._data_handled = False
         self._metrics = handler.metrics
         self._counted = False
 
@@ -95,6 +97,8 @@ class RelaySMTP(SMTP):
     async def push(self, status: str) -> None:  # type: ignore[override]  # we only push str
         """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without."""
         status = _AIOSMTPD_REWORDED.get(status, status)
+        if status.startswith("354"):
+            self._data_started = True
         if not (self._in_helo and status.startswith("250")):
             status = replies.with_enhanced_code(status)
         await super().push(status)
@@ -112,10 +116,14 @@ class RelaySMTP(SMTP):
     async def smtp_DATA(self, arg: str) -> None:
         """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives."""
         self._receiving_data = True
+        self._data_started = self._data_handled = False
         try:
             await super().smtp_DATA(arg)
         finally:
             self._receiving_data = False
+        if self._data_started and not self._data_handled and self.transport is not None:
+            # aiosmtpd refused the content itself (line too long, too big): count it too
+            self._metrics.message("invalid")
 
     async def smtp_EHLO(self, hostname: str) -> None:
         """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""
@@ -152,6 +160,7 @@ class RelaySMTP(SMTP):
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
         if command == "DATA":
             self._receiving_data = False
+            self._data_handled = True
             # the idle timer must not cut the client off while upstream works (up to the
             # final-dot timeout): give the whole processing time instead
             self._reset_timeout(self._processing_timeout_s)
@@ -249,16 +258,21 @@ class RelayHandler:
         started = time.perf_counter()
         # shielded: a client that hangs up mid-wait must not cancel an upstream transaction
         # half way (the reservation would be left PENDING with the message maybe delivered)
+        self.metrics.in_progress(1)
         task = asyncio.ensure_future(self._core.process(msg))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._task_done)
         decision = await asyncio.shield(task)
-        self._log_decision(msg, decision, time.perf_counter() - started)
+        self._log_decision(msg, decision, time.perf_counter() - started, len(content))
         return str(decision.reply)
+
+    def _task_done(self, task: asyncio.Task[Decision]) -> None:
+        self.tasks.discard(task)
+        self.metrics.in_progress(-1)
 
     def _refuse(self, queue_id: str, reply: SmtpReply) -> str:
         self.metrics.message("invalid")
-        log.warning("message refused id=%s reply=%r", queue_id, str(reply))
+        log.warning("message refused", extra={"queue_id": queue_id, "reply": str(reply)})
         return str(reply)
 
     def _received(self, session: Session, queue_id: str, smtputf8: bool) -> bytes:
@@ -276,14 +290,23 @@ class RelayHandler:
             f"\t{format_datetime(datetime.now(UTC))}\r\n"
         ).encode("ascii", "replace")
 
-    def _log_decision(self, msg: InboundMessage, decision: Decision, seconds: float) -> None:
+    def _log_decision(self, msg: InboundMessage, decision: Decision, seconds: float,
+                      size: int) -> None:
+        """One structured line per message decision (no body, recipients masked by default)."""
         show: Callable[[str], str] = (
             (lambda a: a) if self._limits.log_recipients else mask_address)
-        outcomes = {show(r): o for r, o in decision.outcomes.items()}
-        log.info(
-            "message id=%s result=%s reply=%r outcomes=%s upstream=%r seconds=%.3f",
-            msg.queue_id, decision.result, str(decision.reply), outcomes,
-            str(decision.upstream_reply) if decision.upstream_reply else None, seconds)
+        upstream = decision.upstream_reply
+        match = _UPSTREAM_QUEUE_ID.search(upstream.text) if upstream is not None else None
+        log.info("message", extra={
+            "queue_id": msg.queue_id,
+            "result": decision.result,
+            "reply": str(decision.reply),
+            "outcomes": {show(r): o for r, o in decision.outcomes.items()},
+            "upstream_reply": str(upstream) if upstream is not None else None,
+            "upstream_queue_id": match.group(1) if match else None,
+            "bytes": size,
+            "latency_ms": round(seconds * 1000, 1),
+        })
 
     async def handle_exception(self, error: Exception) -> str:
         """Log the exception and answer ``451 4.3.0`` without leaking its text."""

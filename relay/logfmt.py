@@ -1,9 +1,21 @@
-"""Logging set-up and the masking of addresses in logs (no secrets, no bodies, DESIGN 5)."""
+"""Logging: JSON lines (python-json-logger) or plain text, and address masking.
+
+Logs never hold message bodies or secrets; recipients are masked unless ``log_recipients``
+(DESIGN section 5). Structured fields go in ``extra=``; the JSON formatter writes them as keys,
+the text formatter appends them as ``key=value``.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter
+
+# attributes every LogRecord has; anything else on a record came from ``extra=``
+_STANDARD = frozenset(vars(logging.LogRecord("n", 0, "p", 0, "m", None, None))) | {
+    "message", "asctime", "taskName"}
 
 
 def mask_address(address: str) -> str:
@@ -14,12 +26,32 @@ def mask_address(address: str) -> str:
     return f"{local[:1]}***@{domain}"
 
 
-def setup_logging(level: str) -> None:
-    """Send the relay's logs to stderr, one line per record, at ``level`` (``INFO`` ...)."""
+class TextFormatter(logging.Formatter):
+    """``time level logger message key=value ...`` with the record's extra fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Format ``record`` and append its ``extra=`` fields."""
+        line = super().format(record)
+        extras: dict[str, Any] = {
+            k: v for k, v in vars(record).items() if k not in _STANDARD}
+        if extras:
+            line += " " + " ".join(f"{k}={v!r}" for k, v in extras.items())
+        return line
+
+
+def setup_logging(level: str, fmt: str = "json") -> None:
+    """Send the relay's logs to stderr, one line per record, at ``level``.
+
+    ``fmt`` is ``json`` (one JSON object per line: time, level, logger, message and the
+    structured fields) or ``text``.
+    """
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-    )
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(
+            "{asctime}{levelname}{name}{message}", style="{", datefmt="%Y-%m-%dT%H:%M:%S%z",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
