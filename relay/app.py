@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -88,6 +89,7 @@ class Relay:
         self.store: FingerprintStore | None = None
         self.upstream: Upstream | None = None
         self.handler: RelayHandler | None = None
+        self.core: DedupCore | None = None
         self._server: asyncio.base_events.Server | None = None
         self.health: HealthMonitor | None = None
         self._ops: OpsServer | None = None
@@ -106,6 +108,7 @@ class Relay:
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
             local_part_case_sensitive=s.local_part_case_sensitive,
             log_recipients=s.log_recipients)
+        self.core = core
         self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits)
         processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
                         + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
@@ -133,11 +136,15 @@ class Relay:
         """Stop accepting, wait up to the shutdown grace for in-flight messages, close."""
         if self._server is not None:
             self._server.close()
-        if self.handler is not None and self.handler.tasks:
+        pending: set[asyncio.Task[Any]] = set()
+        if self.handler is not None:
+            pending |= self.handler.tasks
+        if self.core is not None:
+            pending |= self.core.background
+        if pending:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*self.handler.tasks, return_exceptions=True),
-                    self.settings.shutdown_grace)
+                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True),
+                                       self.settings.shutdown_grace)
         if self._ops is not None:
             await self._ops.stop()
         if self.health is not None:

@@ -7,6 +7,7 @@ handles one message that the listener accepted at the final dot.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -15,7 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from relay import replies
 from relay.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
@@ -69,6 +76,7 @@ class InboundMessage:
     trace: bytes = b""
     smtputf8: bool = False
     eight_bit: bool = False
+    utf8_headers: bool = False
     queue_id: str = ""
 
 
@@ -110,9 +118,9 @@ class _Tally:
             self.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
         elif result.reply.code >= 500:
             self.add(rcpt, "refused_perm")
-            self.perm_replies.append(result.reply)
+            self.perm_replies.append(_as_client_reply(result))
         else:
-            self.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(result.reply))
+            self.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(result))
 
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
@@ -137,6 +145,7 @@ class DedupCore:
         self._metrics = metrics
         self._policy = policy
         self._clock = clock
+        self.background: set[asyncio.Task[None]] = set()
 
     async def process(self, msg: InboundMessage) -> Decision:
         """Handle one message end to end and return the reply for the final dot.
@@ -175,6 +184,7 @@ class DedupCore:
 
     async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
         token = secrets.token_hex(16)  # 128-bit random token per attempt (DESIGN section 3)
+        lease_ends = time.monotonic() + self._policy.lease_s
         unique_keys = list(dict.fromkeys(keys.values()))
         try:
             reservations = await self._reserve(unique_keys, token)
@@ -199,7 +209,7 @@ class DedupCore:
                 if key in to_send:
                     first_rcpt.setdefault(key, rcpt)
             result = await self._deliver(msg, list(first_rcpt.values()))
-            await self._settle(result, first_rcpt, token)
+            await self._settle(result, first_rcpt, token, lease_ends)
             self._tally_delivery(result, keys, first_rcpt, tally)
         return self._conclude(msg, tally, result)
 
@@ -232,17 +242,17 @@ class DedupCore:
             content=msg.trace + msg.content,
             smtputf8=msg.smtputf8,
             eight_bit=msg.eight_bit,
+            utf8_headers=msg.utf8_headers,
         )
         started = time.perf_counter()
         result = await self._upstream.deliver(outbound)
-        decisive = result.final_reply or next(
-            (r.reply for r in result.recipients.values()), None)
-        code = decisive.code if decisive is not None and decisive not in _SYNTHETIC else None
+        code = result.final_reply.code if result.final_reply is not None else next(
+            (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
         self._metrics.upstream_call(time.perf_counter() - started, code)
         return result
 
     async def _settle(self, result: DeliveryResult, first_rcpt: Mapping[str, str],
-                      token: str) -> None:
+                      token: str, lease_ends: float) -> None:
         ops: list[SettleOp] = []
         for key, rcpt in first_rcpt.items():
             r = result.recipients[rcpt]
@@ -251,9 +261,7 @@ class DedupCore:
             ops.append(SettleOp(key=key, action=action, reply=str(r.reply)))
         applied = await self._settle_with_retry(ops, token)
         if applied is None:
-            if any(op.action is Settle.SENT for op in ops):
-                self._metrics.mark_sent_failed()
-            log.error("settle failed after retries; reservations stay PENDING until the lease ends")
+            self._settle_later(ops, token, lease_ends)
             return
         for op, ok in zip(ops, applied, strict=True):
             if not ok:
@@ -286,7 +294,7 @@ class DedupCore:
             reply = min(tally.temp_replies, key=lambda t: t[0])[1]
             res = "tempfail"
         elif refused_perm and not relayed:
-            reply, res = _as_client_reply(tally.perm_replies[0]), "permfail"
+            reply, res = tally.perm_replies[0], "permfail"
         elif relayed:
             reply = replies.accepted(relayed, suppressed, refused_perm, msg.queue_id)
             res = "relayed" if relayed_outcome == "relayed" else relayed_outcome
@@ -324,6 +332,43 @@ class DedupCore:
             await self._store.settle(ops, token=token, window_s=self._policy.window_s,
                                      now=self._clock())
 
+    def _settle_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
+        """Keep trying SENT/UNKNOWN marks in the background until the lease ends.
+
+        The client is answered meanwhile (the upstream's verdict stands). While the mark is
+        missing the key stays PENDING (retries get 450); a mark that never lands before the
+        lease ends would let a retry send again, so it is retried for as long as that helps
+        (better than DESIGN's "retry the write briefly"). Releases are not retried: the lease
+        ending has the same effect.
+        """
+        marks = [op for op in ops if op.action is not Settle.RELEASE]
+        if not marks:
+            return
+        log.error("settle failed; retrying %d mark(s) in the background until the lease ends",
+                  len(marks))
+        task = asyncio.create_task(self._keep_settling(marks, token, lease_ends))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _keep_settling(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(max(0.0, lease_ends - time.monotonic() - 1.0)),
+                wait=wait_exponential(multiplier=0.2, max=5.0),
+                retry=retry_if_exception_type(StoreError),
+                reraise=True,
+            ):
+                with attempt:
+                    await self._store.settle(ops, token=token, window_s=self._policy.window_s,
+                                             now=self._clock())
+        except StoreError:
+            if any(op.action is Settle.SENT for op in ops):
+                self._metrics.mark_sent_failed()
+            log.error("settle never landed before the lease ended: a retry may be sent again")
+        else:
+            log.warning("settle landed after %d background attempt(s)",
+                        attempt.retry_state.attempt_number)
+
     async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
         """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure.
 
@@ -352,16 +397,9 @@ class DedupCore:
         return None
 
 
-_SYNTHETIC = frozenset({
-    replies.UPSTREAM_UNREACHABLE, replies.UPSTREAM_TIMEOUT, replies.UPSTREAM_LOST,
-    replies.UPSTREAM_AUTH_FAILED, replies.OUTCOME_UNKNOWN, replies.UPSTREAM_NO_SMTPUTF8,
-    replies.UPSTREAM_NO_8BITMIME,
-})
-
-
-def _as_client_reply(reply: SmtpReply) -> SmtpReply:
-    """A temporary upstream refusal as our client sees it: synthesized ones pass unchanged."""
-    return reply if reply in _SYNTHETIC else replies.pass_through(reply)
+def _as_client_reply(result: RcptResult) -> SmtpReply:
+    """A refusal as our client sees it: the upstream's passed through, the relay's own as is."""
+    return replies.pass_through(result.reply) if result.from_upstream else result.reply
 
 
 def _iso(at: float | None) -> str | None:

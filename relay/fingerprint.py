@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import functools
 import hashlib
 import hmac
@@ -262,9 +263,19 @@ def _q_decode(text: str) -> bytes | None:
     return decoded.encode("latin-1")
 
 
+_NOT_MIME_CHARSETS = frozenset(
+    {"unicode-escape", "raw-unicode-escape", "idna", "punycode", "undefined"})
+
+
 def _decode_charset(data: bytes, charset: str) -> str | None:
-    """Strictly decode; None for an unknown or non-text codec, bad bytes or lone surrogates."""
+    """Strictly decode; None for an unknown or non-text codec, bad bytes or lone surrogates.
+
+    Python codecs that are no MIME charset (``unicode_escape``, ``idna``...) are refused, so
+    an encoded-word cannot make two different byte strings decode alike.
+    """
     try:
+        if codecs.lookup(charset).name in _NOT_MIME_CHARSETS:
+            return None
         text = data.decode(charset)
     except (LookupError, ValueError):  # ValueError covers UnicodeDecodeError and codec errors
         return None
@@ -306,6 +317,21 @@ def normalize_recipient(address: str, *, local_part_case_sensitive: bool = False
     if domain is None:
         return norm_local
     return f"{norm_local}@{_normalize_domain(domain)}"
+
+
+def ascii_address(address: str) -> str:
+    """The ASCII form of an envelope address for a hop without SMTPUTF8 (RFC 6531 section 3.2).
+
+    The domain becomes its A-label (RFC 5890); the local part must already be ASCII, since a
+    non-ASCII local part has no downgrade (RFC 6530). ``""`` (the null path) stays ``""``.
+    Raises :class:`InvalidAddressError` when no ASCII form exists.
+    """
+    if address.isascii():
+        return address
+    local, at, domain = address.rpartition("@")
+    if not at or not local.isascii():
+        raise InvalidAddressError("the local part is not ASCII: no SMTPUTF8 downgrade exists")
+    return f"{local}@{_a_label(domain)}"
 
 
 def _strip_path_syntax(address: str) -> str:

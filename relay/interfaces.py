@@ -153,9 +153,10 @@ class OutboundMessage:
     ``mail_from`` is the reverse path without angle brackets (``""`` for the null sender);
     ``rcpt_tos`` the forward paths to send to, each without brackets; ``content`` the message as
     received after one dot-unstuffing, CRLF line ends, with the relay's ``Received:`` header
-    prepended (bytes, never re-encoded). ``smtputf8`` is True when the client asked for SMTPUTF8
-    or an address is not ASCII (RFC 6531); ``eight_bit`` when the client declared
-    ``BODY=8BITMIME`` or the content holds a byte >= 0x80 (RFC 6152).
+    prepended (bytes, never re-encoded). ``smtputf8`` is True when an address is not ASCII or
+    the client declared SMTPUTF8 for a message whose header section is not ASCII (RFC 6531);
+    ``utf8_headers`` when the header section holds UTF-8 that only SMTPUTF8 carries (no
+    downgrade then); ``eight_bit`` when the content holds a byte >= 0x80 (RFC 6152).
     """
 
     mail_from: str
@@ -163,6 +164,7 @@ class OutboundMessage:
     content: bytes
     smtputf8: bool = False
     eight_bit: bool = False
+    utf8_headers: bool = False
 
 
 class RcptStatus(enum.Enum):
@@ -175,10 +177,15 @@ class RcptStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class RcptResult:
-    """Outcome for one recipient plus the reply that decided it (upstream's, or synthesized)."""
+    """Outcome for one recipient plus the reply that decided it.
+
+    ``from_upstream`` is False when the relay synthesized ``reply`` (connection failure,
+    timeout, missing extension): such a reply is already worded for the client.
+    """
 
     status: RcptStatus
     reply: SmtpReply
+    from_upstream: bool = True
 
 
 @dataclass(frozen=True)

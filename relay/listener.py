@@ -34,6 +34,9 @@ log = logging.getLogger("relay.listener")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 _UPSTREAM_QUEUE_ID = re.compile(r"(?:queued as|queue id|id=)\s*([A-Za-z0-9._:-]+)", re.I)
+# RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
+# blank; a blank or bracket inside the path is allowed in a quoted local part only
+_PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 
@@ -56,10 +59,13 @@ def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
     if arg is None or arg[: len(keyword)].upper() != keyword:
         return None  # aiosmtpd answers its own syntax error
     rest = arg[len(keyword) :].strip()
+    bad = replies.BAD_SENDER_SYNTAX if keyword == "FROM:" else replies.BAD_RECIPIENT_SYNTAX
     if _CONTROL.search(rest):
-        return replies.BAD_SENDER_SYNTAX if keyword == "FROM:" else replies.BAD_RECIPIENT_SYNTAX
+        return bad
     if not rest.startswith("<"):
         return replies.PATH_NEEDS_BRACKETS
+    if not _PATH.match(rest):  # no closing ">", or a blank outside a quoted string
+        return bad
     return None
 
 
@@ -96,7 +102,9 @@ class RelaySMTP(SMTP):
 
     async def push(self, status: str) -> None:  # type: ignore[override]  # we only push str
         """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without."""
-        status = _AIOSMTPD_REWORDED.get(status, status)
+        # aiosmtpd echoes client bytes in some replies ("command X not recognized"): a CR, LF
+        # or NUL must never reach the wire inside a reply line
+        status = _CONTROL.sub("?", _AIOSMTPD_REWORDED.get(status, status))
         if status.startswith("354"):
             self._data_started = True
         if not (self._in_helo and status.startswith("250")):
@@ -248,13 +256,16 @@ class RelayHandler:
         if b"\x00" in content:
             return self._refuse(queue_id, replies.NUL_IN_MESSAGE)
         mail_from = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
-        smtputf8 = bool(envelope.smtp_utf8) or not all(
+        # what the message needs, not what the client declared (RFC 6531 section 3.4):
+        # an all-ASCII message goes without SMTPUTF8 / BODY=8BITMIME to any upstream
+        header_section = content.split(b"\r\n\r\n", 1)[0]
+        utf8_headers = bool(envelope.smtp_utf8) and not header_section.isascii()
+        smtputf8 = utf8_headers or not all(
             a.isascii() for a in [mail_from, *envelope.rcpt_tos])
-        eight_bit = "BODY=8BITMIME" in envelope.mail_options or not content.isascii()
         msg = InboundMessage(
             mail_from=mail_from, rcpt_tos=list(envelope.rcpt_tos), content=content,
             trace=self._received(session, queue_id, smtputf8), smtputf8=smtputf8,
-            eight_bit=eight_bit, queue_id=queue_id)
+            eight_bit=not content.isascii(), utf8_headers=utf8_headers, queue_id=queue_id)
         started = time.perf_counter()
         # shielded: a client that hangs up mid-wait must not cancel an upstream transaction
         # half way (the reservation would be left PENDING with the message maybe delivered)

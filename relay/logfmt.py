@@ -8,6 +8,7 @@ the text formatter appends them as ``key=value``.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -16,6 +17,9 @@ from pythonjsonlogger.json import JsonFormatter
 # attributes every LogRecord has; anything else on a record came from ``extra=``
 _STANDARD = frozenset(vars(logging.LogRecord("n", 0, "p", 0, "m", None, None))) | {
     "message", "asctime", "taskName"}
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def mask_address(address: str) -> str:
@@ -36,7 +40,8 @@ class TextFormatter(logging.Formatter):
             k: v for k, v in vars(record).items() if k not in _STANDARD}
         if extras:
             line += " " + " ".join(f"{k}={v!r}" for k, v in extras.items())
-        return line
+        # one record, one line: client bytes (CR, LF, NUL) cannot forge log lines
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
 
 
 def setup_logging(level: str, fmt: str = "json") -> None:

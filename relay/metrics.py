@@ -93,7 +93,8 @@ class PrometheusMetrics:
     def upstream_call(self, seconds: float, code: int | None) -> None:
         """Observe one upstream transaction (seconds) and its deciding reply class."""
         self._upstream_seconds.observe(seconds)
-        self._upstream_replies.labels(f"{code // 100}xx" if code else "none").inc()
+        label = f"{code // 100}xx" if code is not None and code // 100 in (2, 4, 5) else "none"
+        self._upstream_replies.labels(label).inc()
 
     def message_bytes(self, size: int) -> None:
         """Observe one received message's size in bytes."""

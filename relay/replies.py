@@ -51,6 +51,7 @@ UPSTREAM_LOST = SmtpReply(451, "4.4.2 Upstream connection lost, try again later"
 UPSTREAM_AUTH_FAILED = SmtpReply(451, "4.7.0 Relay cannot authenticate to its upstream")
 UPSTREAM_NO_SMTPUTF8 = SmtpReply(550, "5.6.7 Upstream does not support SMTPUTF8 (RFC 6531)")
 UPSTREAM_NO_8BITMIME = SmtpReply(554, "5.6.3 Upstream does not accept 8-bit data (RFC 6152)")
+UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0 Upstream protocol error, try again later")
 INTERNAL_ERROR = SmtpReply(451, "4.3.0 Internal error, try again later")
 CLIENT_TIMEOUT = SmtpReply(421, "4.4.2 Timeout, closing connection")
 
@@ -135,6 +136,8 @@ def pass_through(reply: SmtpReply) -> SmtpReply:
     the upstream's enhanced code is kept when its class matches, else ``X.0.0`` is used;
     the text is flattened to one printable line and prefixed with ``upstream:``.
     """
+    if not 400 <= reply.code < 600:  # only refusals pass; anything else is a protocol error
+        return UPSTREAM_PROTOCOL_ERROR
     code = 451 if reply.code == 421 else reply.code
     enhanced = enhanced_of(reply)
     text = reply.text

@@ -32,6 +32,7 @@ from relay.interfaces import (
     RcptStatus,
     SmtpReply,
 )
+from relay.negotiate import negotiate
 
 log = logging.getLogger("relay.upstream")
 
@@ -60,48 +61,40 @@ class SmtpUpstreamConfig:
     final_timeout_s: float = 600.0
 
 
-def _reply(exc: aiosmtplib.SMTPResponseException) -> SmtpReply:
-    return SmtpReply(exc.code, exc.message)
+def _refusal(code: int, text: str) -> RcptResult:
+    """An upstream refusal; a reply that is neither 4yz nor 5yz is a protocol error (temp)."""
+    if 400 <= code < 600:
+        return RcptResult(RcptStatus.REFUSED, SmtpReply(code, text))
+    log.warning("upstream answered %d where a refusal was due: protocol error", code)
+    return RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_PROTOCOL_ERROR, from_upstream=False)
 
 
-def _all(recipients: Sequence[str], status: RcptStatus, reply: SmtpReply) -> DeliveryResult:
-    return DeliveryResult(recipients={r: RcptResult(status, reply) for r in recipients})
+def _synthetic(reply: SmtpReply, status: RcptStatus = RcptStatus.REFUSED) -> RcptResult:
+    return RcptResult(status, reply, from_upstream=False)
 
 
-def _connection_failure(exc: Exception) -> SmtpReply:
-    """Map an exception raised while connecting/greeting/EHLO/STARTTLS/AUTH to a temp reply."""
-    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
-        return replies.UPSTREAM_AUTH_FAILED
-    if isinstance(exc, aiosmtplib.SMTPResponseException):
-        # a refusing greeting or EHLO says nothing about the message: the retry is safe
-        return SmtpReply(451, f"4.4.1 upstream: {replies.client_safe_text(exc.message)}")
-    if isinstance(exc, TimeoutError):
-        return replies.UPSTREAM_TIMEOUT
-    return replies.UPSTREAM_UNREACHABLE
+def _all(recipients: Sequence[str], result: RcptResult) -> DeliveryResult:
+    return DeliveryResult(recipients=dict.fromkeys(recipients, result))
 
 
-def _mail_options(smtp: aiosmtplib.SMTP, message: OutboundMessage) -> list[str] | SmtpReply:
-    """MAIL parameters for ``message``, or the refusal when the upstream lacks an extension.
+def _connection_failure(exc: Exception) -> RcptResult:
+    """Map an exception raised while connecting/greeting/EHLO/STARTTLS/AUTH to a temp result.
 
-    No downgrade is attempted: a non-ASCII address cannot be downgraded (RFC 6530) and the
-    relay does not convert 8-bit content (RFC 6152 section 3).
+    A refusing greeting or EHLO says nothing about the message: the retry is safe (4yz).
     """
-    if message.smtputf8 and not smtp.supports_extension("smtputf8"):
-        return replies.UPSTREAM_NO_SMTPUTF8
-    if message.eight_bit and not smtp.supports_extension("8bitmime"):
-        return replies.UPSTREAM_NO_8BITMIME
-    options = []
-    if message.smtputf8:
-        options.append("SMTPUTF8")
-    if message.eight_bit:
-        options.append("BODY=8BITMIME")
-    if smtp.supports_extension("size"):
-        options.append(f"SIZE={len(message.content)}")
-    return options
+    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
+        return _synthetic(replies.UPSTREAM_AUTH_FAILED)
+    if isinstance(exc, aiosmtplib.SMTPResponseException):
+        text = replies.client_safe_text(f"{exc.code} {exc.message}")
+        return _synthetic(SmtpReply(451, f"4.4.1 Upstream refused the session: {text}"))
+    if isinstance(exc, TimeoutError):
+        return _synthetic(replies.UPSTREAM_TIMEOUT)
+    return _synthetic(replies.UPSTREAM_UNREACHABLE)
 
 
-def _lost(exc: Exception) -> SmtpReply:
-    return replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST
+def _lost(exc: Exception) -> RcptResult:
+    return _synthetic(
+        replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST)
 
 
 class SmtpUpstream:
@@ -135,91 +128,111 @@ class SmtpUpstream:
         smtp = self._client()
         try:
             try:
-                await smtp.connect(timeout=self._cfg.connect_timeout_s)
-                if smtp.is_ehlo_or_helo_needed:  # aiosmtplib greets lazily; we need the ESMTP
-                    await smtp.ehlo(timeout=self._cfg.command_timeout_s)  # keywords now
+                await self._open(smtp)
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-                log.warning("upstream connect failed: %s", type(exc).__name__)
-                return _all(message.rcpt_tos, RcptStatus.REFUSED, _connection_failure(exc))
+                log.warning("upstream session failed: %s: %s", type(exc).__name__,
+                            replies.client_safe_text(str(exc)))
+                return _all(message.rcpt_tos, _connection_failure(exc))
             return await self._transaction(smtp, message)
         finally:
             await self._quit(smtp)
 
+    async def _open(self, smtp: aiosmtplib.SMTP) -> None:
+        """Connect (TLS, AUTH as configured) and greet: EHLO, or HELO when EHLO is refused."""
+        await smtp.connect(timeout=self._cfg.connect_timeout_s)
+        if not smtp.is_ehlo_or_helo_needed:
+            return
+        try:  # aiosmtplib greets lazily; the ESMTP keywords are needed before MAIL
+            await smtp.ehlo(timeout=self._cfg.command_timeout_s)
+        except aiosmtplib.SMTPHeloError as exc:
+            if not 500 <= exc.code < 600:
+                raise
+            await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
+
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage) -> DeliveryResult:
-        options = _mail_options(smtp, message)
-        if isinstance(options, SmtpReply):
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, options)
-        encoding = "utf-8" if message.smtputf8 else "ascii"
+        wire = negotiate(message, smtp.esmtp_extensions.keys())
+        if isinstance(wire, SmtpReply):
+            return _all(message.rcpt_tos, _synthetic(wire))
+        encoding = "utf-8" if wire.smtputf8 else "ascii"
         try:
-            await smtp.mail(message.mail_from, options=options, encoding=encoding)
+            await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
         except aiosmtplib.SMTPResponseException as exc:
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, _reply(exc))
+            return _all(message.rcpt_tos, _refusal(exc.code, exc.message))
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, _lost(exc))
+            return _all(message.rcpt_tos, _lost(exc))
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
-            return _all(message.rcpt_tos, RcptStatus.REFUSED, replies.BAD_SENDER_SYNTAX)
-        results, accepted = await self._recipients(smtp, message.rcpt_tos, encoding)
+            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX))
+        results, accepted = await self._recipients(smtp, wire.rcpt_to, encoding)
         if not accepted:
             return DeliveryResult(recipients=results)
-        status, final = await self._data(smtp, message.content)
+        outcome = await self._data(smtp, message.content)
         for rcpt in accepted:
-            results[rcpt] = RcptResult(status, final)
-        return DeliveryResult(
-            recipients=results, final_reply=final if status is RcptStatus.ACCEPTED else None
-        )
+            results[rcpt] = outcome
+        final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
+        return DeliveryResult(recipients=results, final_reply=final)
 
     async def _recipients(
-        self, smtp: aiosmtplib.SMTP, rcpt_tos: Sequence[str], encoding: str
+        self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str], encoding: str
     ) -> tuple[dict[str, RcptResult], list[str]]:
-        """RCPT for each recipient: the refusals by address, and the accepted addresses."""
+        """RCPT for each recipient (wire form): refusals by recipient, and the accepted ones."""
         results: dict[str, RcptResult] = {}
         accepted: list[str] = []
-        for rcpt in rcpt_tos:
+        for rcpt, wire_address in rcpt_to.items():
             try:
-                await smtp.rcpt(rcpt, encoding=encoding)
+                await smtp.rcpt(wire_address, encoding=encoding)
                 accepted.append(rcpt)
             except aiosmtplib.SMTPResponseException as exc:
-                results[rcpt] = RcptResult(RcptStatus.REFUSED, _reply(exc))
+                results[rcpt] = _refusal(exc.code, exc.message)
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-                lost = RcptResult(RcptStatus.REFUSED, _lost(exc))
-                return {r: results.get(r, lost) for r in rcpt_tos}, []
+                lost = _lost(exc)
+                return {r: results.get(r, lost) for r in rcpt_to}, []
             except ValueError:
-                results[rcpt] = RcptResult(RcptStatus.REFUSED, replies.BAD_RECIPIENT_SYNTAX)
+                results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
         return results, accepted
 
-    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes) -> tuple[RcptStatus, SmtpReply]:
+    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes) -> RcptResult:
         """DATA, the message, the final dot; tell a failure before the dot from one after it."""
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            return RcptStatus.REFUSED, _lost(exc)
+            return _lost(exc)
         if start.code != 354:
-            return RcptStatus.REFUSED, SmtpReply(start.code, start.message)
+            return _refusal(start.code, start.message)
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
         if protocol is None or not isinstance(transport, asyncio.WriteTransport):
-            return RcptStatus.REFUSED, replies.UPSTREAM_LOST
+            return _synthetic(replies.UPSTREAM_LOST)
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
             payload += b"\r\n"
         try:
             protocol.write(payload + b".\r\n")
         except aiosmtplib.SMTPException:
-            return RcptStatus.REFUSED, replies.UPSTREAM_LOST
+            return _synthetic(replies.UPSTREAM_LOST)
         reader = asyncio.ensure_future(protocol.read_response(timeout=self._cfg.final_timeout_s))
         if not await self._flushed(transport, reader):
             reader.cancel()
             smtp.close()
-            return RcptStatus.REFUSED, replies.UPSTREAM_LOST
+            return _synthetic(replies.UPSTREAM_LOST)
+        return await self._final_reply(smtp, reader)
+
+    async def _final_reply(self, smtp: aiosmtplib.SMTP,
+                           reader: asyncio.Future[aiosmtplib.SMTPResponse]) -> RcptResult:
+        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN."""
         try:
             response = await reader
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
                       type(exc).__name__)
-            return RcptStatus.UNKNOWN, replies.OUTCOME_UNKNOWN
-        reply = SmtpReply(response.code, response.message)
-        return (RcptStatus.ACCEPTED if reply.is_positive else RcptStatus.REFUSED), reply
+            return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+        if 200 <= response.code < 300:
+            return RcptResult(RcptStatus.ACCEPTED, SmtpReply(response.code, response.message))
+        if 400 <= response.code < 600:
+            return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
+        smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
+        log.error("upstream answered the final dot with %d: outcome unknown", response.code)
+        return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
     async def _flushed(
         self, transport: asyncio.WriteTransport, reader: asyncio.Future[aiosmtplib.SMTPResponse]

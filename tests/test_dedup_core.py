@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -18,6 +19,7 @@ from relay.interfaces import (
     RcptResult,
     RcptStatus,
     Reservation,
+    SettleOp,
     SmtpReply,
     State,
 )
@@ -85,3 +87,37 @@ async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> No
     assert (await plain.inspect(keys[0].decode())).state is State.SENT
     await store.close()
     await plain.close()
+
+
+class SettleFailsFirst(RedisStore):
+    """A real RedisStore whose first ``failures`` settle calls fail (a store hiccup)."""
+
+    failures = 5
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str, window_s: float,
+                     now: float) -> list[bool]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreError("settle", "TimeoutError: timed out")
+        return await super().settle(ops, token=token, window_s=window_s, now=now)
+
+
+async def test_mark_sent_that_fails_is_retried_until_it_lands(prefix: str) -> None:
+    """A mark-sent lost to a store hiccup lands later, so a retry is suppressed, never resent."""
+    store = SettleFailsFirst.from_url(REDIS_URL)
+    upstream = CountingUpstream()
+    registry = CollectorRegistry()
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=registry),
+                     policy=Policy(key_prefix=prefix, lease_s=20.0))
+    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                         content=message(), queue_id="q1")
+    first = await core.process(msg)
+    assert first.reply.code == 250  # the upstream accepted: that verdict stands
+    assert core.background, "the mark must go on being retried"
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=15)
+    second = await core.process(msg)
+    assert second.outcomes == {"user@example.net": "suppressed"}
+    assert len(upstream.sent) == 1
+    assert registry.get_sample_value("relay_mark_sent_failed_total") == 0.0
+    await store.close()

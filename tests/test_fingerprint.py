@@ -582,3 +582,11 @@ def test_extra_blank_runs_normalize_equal(words: list[str], data: st.DataObject)
     blanks = st.text(st.sampled_from(" \t"), min_size=1, max_size=4)
     padded = data.draw(blanks) + "".join(word + data.draw(blanks) for word in words)
     assert normalize_header_value(padded) == normalize_header_value(" ".join(words))
+
+
+def test_python_only_codecs_are_not_rfc2047_charsets() -> None:
+    """An encoded-word in a Python-only codec (unicode_escape, idna) stays literal text."""
+    escaped = extract_dedup_headers(b"X-Dedupe-Key: =?unicode_escape?q?=5Cu0041?=\r\n\r\n")
+    plain = extract_dedup_headers(b"X-Dedupe-Key: =?utf-8?q?A?=\r\n\r\n")
+    assert plain.key == "A"
+    assert escaped.key == "=?unicode_escape?q?=5Cu0041?="
