@@ -100,8 +100,14 @@ class RelaySMTP(SMTP):
             self._metrics.session(-1)
         super().connection_lost(error)
 
-    async def push(self, status: str) -> None:  # type: ignore[override]  # we only push str
-        """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without."""
+    async def push(self, status: str | bytes) -> None:
+        """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without.
+
+        Bytes (aiosmtpd's AUTH ``334`` challenges) go out unchanged.
+        """
+        if isinstance(status, bytes):
+            await super().push(status)
+            return
         # aiosmtpd echoes client bytes in some replies ("command X not recognized"): a CR, LF
         # or NUL must never reach the wire inside a reply line
         status = _CONTROL.sub("?", _AIOSMTPD_REWORDED.get(status, status))
