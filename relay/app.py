@@ -16,16 +16,19 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from relay.access import ConnectionGate, parse_networks
+from relay.auth import CredentialFile, SaslMechanisms
 from relay.config import Settings, split_host_port
 from relay.dedup import DedupCore, Policy
 from relay.errors import StoreError
 from relay.health import HealthMonitor
 from relay.interfaces import FingerprintStore, Upstream
-from relay.listener import ListenerLimits, RelayHandler, smtp_factory
+from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
 from relay.ops_http import OpsServer
 from relay.store_redis import RedisStore
 from relay.store_sqlite import SqliteStore, sqlite_path_from_url
+from relay.tls import server_context
 from relay.upstream import SmtpUpstream, SmtpUpstreamConfig
 from relay.upstream_maildir import MaildirUpstream
 
@@ -75,6 +78,30 @@ def build_policy(settings: Settings) -> Policy:
     )
 
 
+def build_security(settings: Settings) -> ListenerSecurity:
+    """Client networks, connection limits, TLS, AUTH and PROXY settings of the listener."""
+    s = settings
+    tls_context = None
+    if s.tls_cert is not None and s.tls_key is not None:
+        tls_context = server_context(s.tls_cert, s.tls_key, s.tls_min_version)
+    return ListenerSecurity(
+        gate=ConnectionGate(allowed=parse_networks(s.allowed_networks),
+                            max_total=s.max_connections, max_per_ip=s.max_connections_per_ip),
+        tls_context=tls_context, tls_required=s.tls_required,
+        auth_enabled=s.auth_file is not None, auth_required=s.auth_required,
+        proxy_networks=parse_networks(s.proxy_networks) if s.proxy_protocol else None,
+    )
+
+
+def build_sasl(settings: Settings, metrics: PrometheusMetrics) -> SaslMechanisms | None:
+    """The AUTH mechanisms over the credentials file, or None when AUTH is not configured."""
+    if settings.auth_file is None:
+        return None
+    return SaslMechanisms(credentials=CredentialFile.load(settings.auth_file),
+                          on_failure=metrics.auth_failure,
+                          failure_delay_s=settings.auth_failure_delay)
+
+
 class Relay:
     """One running relay: ``await start()``, then ``await stop()``.
 
@@ -91,6 +118,8 @@ class Relay:
         self.handler: RelayHandler | None = None
         self.core: DedupCore | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._tls_server: asyncio.base_events.Server | None = None
+        self.tls_port = 0
         self.health: HealthMonitor | None = None
         self._ops: OpsServer | None = None
         self.port = 0
@@ -107,16 +136,24 @@ class Relay:
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
             local_part_case_sensitive=s.local_part_case_sensitive,
-            log_recipients=s.log_recipients)
+            log_recipients=s.log_recipients, allowed_senders=s.allowed_senders)
+        security = build_security(s)
+        sasl = build_sasl(s, self.metrics)
         self.core = core
-        self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits)
+        self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits, sasl=sasl)
         processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
                         + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
         host, port = s.listen_address
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            smtp_factory(self.handler, limits, processing_s), host=host, port=port)
+            smtp_factory(self.handler, limits, security, processing_s), host=host, port=port)
         self.port = self._server.sockets[0].getsockname()[1]
+        if s.tls_listen is not None and security.tls_context is not None:
+            tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
+            self._tls_server = await loop.create_server(
+                smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
+                host=tls_host, port=tls_port, ssl=security.tls_context)
+            self.tls_port = self._tls_server.sockets[0].getsockname()[1]
         if s.metrics_address is not None:
             m_host, m_port = s.metrics_address
             self.health = HealthMonitor(
@@ -134,8 +171,9 @@ class Relay:
 
     async def stop(self) -> None:
         """Stop accepting, wait up to the shutdown grace for in-flight messages, close."""
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._tls_server):
+            if server is not None:
+                server.close()
         pending: set[asyncio.Task[Any]] = set()
         if self.handler is not None:
             pending |= self.handler.tasks

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -32,6 +32,14 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
     ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
     ("--log-format", {"type": click.Choice(["json", "text"]), "help": "log lines [json]"}),
+    ("--tls-cert", {"type": click.Path(dir_okay=False, path_type=Path),
+                    "help": "PEM certificate chain: enables STARTTLS"}),
+    ("--tls-key", {"type": click.Path(dir_okay=False, path_type=Path),
+                   "help": "PEM private key of --tls-cert"}),
+    ("--tls-listen", {"help": "HOST:PORT of an implicit-TLS listener (port 465 style)"}),
+    ("--auth-file", {"type": click.Path(dir_okay=False, path_type=Path),
+                     "help": "user:hash lines (see hash-password); AUTH over TLS only"}),
+    ("--allowed-networks", {"help": "client CIDRs, comma-separated [127.0.0.0/8,::1/128]"}),
 ]
 
 
@@ -71,6 +79,30 @@ async def _serve(settings: Settings) -> None:
     from relay.app import run  # imported here so check-config stays light
 
     await run(settings)
+
+
+@main.command("hash-password")
+@click.option("--user", required=True, help="the AUTH user name (for example app@example.com)")
+@click.option("--scheme", type=click.Choice(["argon2", "bcrypt"]), default="argon2",
+              show_default=True)
+@click.option("--password-stdin", is_flag=True,
+              help="read the password from standard input instead of prompting")
+def hash_password_command(user: str, scheme: str, password_stdin: bool) -> None:
+    """Print a `user:hash` line for --auth-file (the password never appears in argv)."""
+    from relay.auth import Scheme, format_entry, hash_password
+
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    if not password:
+        click.echo("dedup-relay: an empty password is not allowed", err=True)
+        sys.exit(2)
+    try:
+        click.echo(format_entry(user, hash_password(password, scheme=cast(Scheme, scheme))))
+    except ValueError as exc:
+        click.echo(f"dedup-relay: {exc}", err=True)
+        sys.exit(2)
 
 
 @main.command("check-config")

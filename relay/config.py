@@ -11,11 +11,12 @@ from __future__ import annotations
 import ipaddress
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -24,6 +25,9 @@ from pydantic_settings import (
 from relay.errors import ConfigError
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
+
+# a list setting: a TOML array, or in an env var / flag a comma-separated string
+CsvList = Annotated[tuple[str, ...], NoDecode]
 
 
 def split_host_port(value: str, *, what: str) -> tuple[str, int]:
@@ -58,6 +62,22 @@ class Settings(BaseSettings):
     max_recipients: int = Field(default=100, ge=1)
     client_timeout: float = Field(default=300.0, gt=0)
 
+    # listener security
+    allowed_networks: CsvList = ("127.0.0.0/8", "::1/128")
+    allowed_senders: CsvList = ()
+    max_connections: int = Field(default=200, ge=1)
+    max_connections_per_ip: int = Field(default=20, ge=1)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_listen: str | None = None
+    tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
+    tls_required: bool = False
+    auth_file: Path | None = None
+    auth_required: bool = False
+    auth_failure_delay: float = Field(default=1.0, ge=0)
+    proxy_protocol: bool = False
+    proxy_networks: CsvList = ("127.0.0.0/8", "::1/128")
+
     # upstream / smarthost
     upstream: str
     upstream_tls: Literal["none", "starttls", "tls"] = "none"
@@ -75,8 +95,8 @@ class Settings(BaseSettings):
     store_timeout: float = Field(default=2.0, gt=0)
     dedup_window: float = Field(default=86400.0, gt=0)
     lease: float = Field(default=900.0, gt=0)
-    dedupe_headers: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
-    template_headers: tuple[str, ...] = ("X-Template",)
+    dedupe_headers: CsvList = ("X-Dedupe-Key", "Idempotency-Key")
+    template_headers: CsvList = ("X-Template",)
     max_key_chars: int = Field(default=256, ge=1)
     local_part_case_sensitive: bool = False
     fingerprint_secret: SecretStr | None = None
@@ -118,6 +138,28 @@ class Settings(BaseSettings):
         split_host_port(value, what="metrics-listen")
         return value
 
+    @field_validator("allowed_networks", "proxy_networks", "allowed_senders",
+                     "dedupe_headers", "template_headers", mode="before")
+    @classmethod
+    def _split_csv(cls, value: object) -> object:
+        if isinstance(value, str):  # env var / flag: comma-separated
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return value
+
+    @field_validator("allowed_networks", "proxy_networks")
+    @classmethod
+    def _check_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for net in value:
+            ipaddress.ip_network(net, strict=False)  # ValueError names the bad one
+        return value
+
+    @field_validator("tls_listen")
+    @classmethod
+    def _check_tls_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value, what="tls-listen")
+        return value
+
     @field_validator("upstream")
     @classmethod
     def _check_upstream(cls, value: str) -> str:
@@ -154,7 +196,20 @@ class Settings(BaseSettings):
             raise ValueError("dedup-window must not be shorter than the lease")
         if self.upstream_password_file is not None and self.upstream_password is not None:
             raise ValueError("give upstream-password-file or upstream-password, not both")
+        self._check_security()
         return self
+
+    def _check_security(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls-cert and tls-key go together")
+        tls = self.tls_cert is not None
+        if (self.tls_listen or self.tls_required) and not tls:
+            raise ValueError("tls-listen and tls-required need tls-cert and tls-key")
+        if self.auth_required and self.auth_file is None:
+            raise ValueError("auth-required needs an auth-file")
+        if self.auth_file is not None and not tls:
+            raise ValueError("auth-file needs TLS (tls-cert, tls-key): AUTH is offered only "
+                             "over TLS, so credentials never cross the network in clear")
 
     @property
     def listen_address(self) -> tuple[str, int]:

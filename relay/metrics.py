@@ -63,6 +63,9 @@ class PrometheusMetrics:
         self._up = Gauge(
             "relay_component_up", "1 when the component answered its last readiness probe",
             ["component"], registry=registry)
+        self._auth_failures = Counter(
+            "relay_auth_failures", "Failed AUTH attempts (each answered slower)",
+            registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         for outcome in OUTCOMES:
@@ -111,6 +114,10 @@ class PrometheusMetrics:
     def in_progress(self, delta: int) -> None:
         """Move the in-progress gauge by ``delta``."""
         self._in_progress.inc(delta)
+
+    def auth_failure(self) -> None:
+        """Count one failed AUTH attempt."""
+        self._auth_failures.inc()
 
     def component_up(self, component: str, up: bool) -> None:
         """Set ``relay_component_up{component}`` to 1 or 0."""

@@ -55,6 +55,15 @@ UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0 Upstream protocol error, try aga
 INTERNAL_ERROR = SmtpReply(451, "4.3.0 Internal error, try again later")
 CLIENT_TIMEOUT = SmtpReply(421, "4.4.2 Timeout, closing connection")
 
+# --- access -----------------------------------------------------------------------------------
+CLIENT_NOT_ALLOWED = SmtpReply(421, "4.7.0 Client address not allowed, closing connection")
+TOO_MANY_CONNECTIONS = SmtpReply(421, "4.7.0 Too many connections, try again later")
+TOO_MANY_CONNECTIONS_FROM_HOST = SmtpReply(
+    421, "4.7.0 Too many connections from your address, try again later"
+)
+AUTH_NOT_AVAILABLE = SmtpReply(502, "5.5.1 Authentication not available")
+SENDER_NOT_ALLOWED = SmtpReply(550, "5.7.1 Sender address not allowed to relay")
+
 # --- session ----------------------------------------------------------------------------------
 NO_ENHANCED_CODE = frozenset({220, 334, 354})
 
@@ -169,3 +178,11 @@ def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str) -> Smt
 def invalid_key(reason: str) -> SmtpReply:
     """The ``554 5.6.0`` for a dedupe key or template that breaks DESIGN section 2."""
     return SmtpReply(554, f"5.6.0 Invalid dedupe header: {client_safe_text(reason, limit=120)}")
+
+
+# --- auth (RFC 4954 section 6; the 501s are aiosmtpd's wording, kept identical) ---------------
+AUTH_SUCCEEDED = SmtpReply(235, "2.7.0 Authentication successful")
+AUTH_FAILED = SmtpReply(535, "5.7.8 Authentication credentials invalid")
+AUTH_CANCELLED = SmtpReply(501, "5.7.0 Auth aborted")
+AUTH_BAD_BASE64 = SmtpReply(501, "5.5.2 Can't decode base64")
+AUTH_TOO_MANY_FAILURES = SmtpReply(421, "4.7.0 Too many failed authentication attempts")

@@ -1,0 +1,218 @@
+"""The SMTP session protocol: aiosmtpd's ``SMTP`` with the relay's wire rules.
+
+Enhanced status codes on every reply (RFC 2034), strict paths (RFC 5321 section 4.1.2), a
+``421 4.4.2`` before closing an idle client, 998-octet lines, per-chunk DATA timeout, and the
+access rules of :class:`relay.access.ConnectionGate` applied before the greeting. The hooks that
+decide about mail are in :mod:`relay.listener`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import TYPE_CHECKING, Any
+
+from aiosmtpd.smtp import SMTP
+
+from relay import replies
+from relay.access import ConnectionGate, Network, address_in
+from relay.interfaces import SmtpReply
+
+if TYPE_CHECKING:
+    from relay.listener import RelayHandler
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
+# blank; a blank or bracket inside the path is allowed in a quoted local part only
+_PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
+
+# aiosmtpd's own wording of replies the catalogue words better (same codes)
+_AIOSMTPD_REWORDED = {
+    "500 Line too long (see RFC5321 4.5.3.1.6)": str(replies.LINE_TOO_LONG),
+    "552 Error: Too much mail data": str(replies.MESSAGE_TOO_BIG),
+    "552 Error: message size exceeds fixed maximum message size": str(replies.MESSAGE_TOO_BIG),
+}
+
+
+def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
+    """Check the raw argument of MAIL (``FROM:``) or RCPT (``TO:``) before aiosmtpd parses it.
+
+    Returns the refusal, or None when aiosmtpd may go on. A path must be enclosed in angle
+    brackets (RFC 5321 section 4.1.2: ``Path = "<" ... ">"``; aiosmtpd accepts a bare address)
+    and may hold no control character (a lone CR in a quoted local part is a command-injection
+    attempt, GHSA-v3q9-hj7j-63hq).
+    """
+    if arg is None or arg[: len(keyword)].upper() != keyword:
+        return None  # aiosmtpd answers its own syntax error
+    rest = arg[len(keyword) :].strip()
+    bad = replies.BAD_SENDER_SYNTAX if keyword == "FROM:" else replies.BAD_RECIPIENT_SYNTAX
+    if _CONTROL.search(rest):
+        return bad
+    if not rest.startswith("<"):
+        return replies.PATH_NEEDS_BRACKETS
+    if not _PATH.match(rest):  # no closing ">", or a blank outside a quoted string
+        return bad
+    return None
+
+
+class RelaySMTP(SMTP):
+    """aiosmtpd's SMTP protocol with the relay's wire rules (DESIGN section 5)."""
+
+    # 998 octets + CRLF (RFC 5321 section 4.5.3.1.6); also the StreamReader limit
+    line_length_limit = 1000
+
+    def __init__(self, handler: RelayHandler, *, processing_timeout_s: float,
+                 gate: ConnectionGate, proxy_networks: tuple[Network, ...] | None = None,
+                 implicit_tls: bool = False, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.gate = gate
+        self.implicit_tls = implicit_tls
+        self._proxy_networks = proxy_networks
+        self._refusal: SmtpReply | None = None
+        self._admitted_host: str | None = None
+        self._processing_timeout_s = processing_timeout_s
+        self._client_timeout_s: float = kwargs.get("timeout", 300.0)
+        self._in_helo = False
+        self._receiving_data = False
+        self._data_started = self._data_handled = False
+        self._metrics = handler.metrics
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Admit or refuse the client, and count the session (once: STARTTLS calls this again)."""
+        if not self._counted:
+            self._counted = True
+            self._metrics.session(1)
+            self._refusal = self._admission(transport)
+        super().connection_made(transport)
+
+    def _admission(self, transport: asyncio.BaseTransport) -> SmtpReply | None:
+        """The 421 refusal for this client, or None (then it is counted by the gate)."""
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else ""
+        if self._proxy_networks is not None:
+            # behind a load balancer: the balancer must be trusted; the client's own address
+            # is checked when the PROXY header arrives (RelayHandler.handle_PROXY)
+            if not address_in(host, self._proxy_networks):
+                return replies.CLIENT_NOT_ALLOWED
+        elif not self.gate.allows(host):
+            return replies.CLIENT_NOT_ALLOWED
+        refusal = self.gate.admit(host)
+        if refusal is None:
+            self._admitted_host = host
+        return refusal
+
+    def connection_lost(self, error: Exception | None) -> None:
+        """Uncount the session and its connection."""
+        if self._counted:
+            self._counted = False
+            self._metrics.session(-1)
+        if self._admitted_host is not None:
+            self.gate.release(self._admitted_host)
+            self._admitted_host = None
+        super().connection_lost(error)
+
+    async def _handle_client(self) -> None:
+        """Greet an admitted client; say ``421 4.7.0`` and close for a refused one."""
+        if self._refusal is not None:
+            await self.push(str(self._refusal))
+            if self.transport is not None:
+                self.transport.close()
+            return
+        await super()._handle_client()
+
+    async def smtp_AUTH(self, arg: str) -> None:
+        """AUTH, answered ``502 5.5.1`` when the relay has no credentials configured."""
+        if not self._auth_methods:
+            await self.push(str(replies.AUTH_NOT_AVAILABLE))
+            return
+        await super().smtp_AUTH(arg)
+
+    async def push(self, status: str | bytes) -> None:
+        """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without.
+
+        Bytes (aiosmtpd's AUTH ``334`` challenges) go out unchanged.
+        """
+        if isinstance(status, bytes):
+            await super().push(status)
+            return
+        # aiosmtpd echoes client bytes in some replies ("command X not recognized"): a CR, LF
+        # or NUL must never reach the wire inside a reply line
+        status = _CONTROL.sub("?", _AIOSMTPD_REWORDED.get(status, status))
+        if status.startswith("354"):
+            self._data_started = True
+        if not (self._in_helo and status.startswith("250")):
+            status = replies.with_enhanced_code(status)
+        await super().push(status)
+
+    def data_received(self, data: bytes) -> None:
+        """While a DATA transfer runs, every chunk restarts the client timeout.
+
+        aiosmtpd restarts its timer per command only, so a long but steady upload would be cut
+        off; RFC 5321 section 4.5.3.2.5 times the DATA block per chunk.
+        """
+        if self._receiving_data:
+            self._reset_timeout(self._client_timeout_s)
+        super().data_received(data)
+
+    async def smtp_DATA(self, arg: str) -> None:
+        """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives."""
+        self._receiving_data = True
+        self._data_started = self._data_handled = False
+        try:
+            await super().smtp_DATA(arg)
+        finally:
+            self._receiving_data = False
+        if self._data_started and not self._data_handled and self.transport is not None:
+            # aiosmtpd refused the content itself (line too long, too big): count it too
+            self._metrics.message("invalid")
+
+    async def smtp_EHLO(self, hostname: str) -> None:
+        """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""
+        self._in_helo = True
+        try:
+            await super().smtp_EHLO(hostname)
+        finally:
+            self._in_helo = False
+
+    async def smtp_HELO(self, hostname: str) -> None:
+        """HELO; its 250 line carries no enhanced code (RFC 2034 section 3)."""
+        self._in_helo = True
+        try:
+            await super().smtp_HELO(hostname)
+        finally:
+            self._in_helo = False
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        """MAIL FROM, refused early when the path lacks brackets or holds control characters."""
+        refusal = check_path_argument(arg, "FROM:")
+        if refusal is not None:
+            await self.push(str(refusal))
+            return
+        await super().smtp_MAIL(arg)
+
+    async def smtp_RCPT(self, arg: str | None) -> None:
+        """RCPT TO, refused early when the path lacks brackets or holds control characters."""
+        refusal = check_path_argument(arg, "TO:")
+        if refusal is not None:
+            await self.push(str(refusal))
+            return
+        await super().smtp_RCPT(arg)
+
+    async def _call_handler_hook(self, command: str, *args: Any) -> Any:
+        if command == "DATA":
+            self._receiving_data = False
+            self._data_handled = True
+            # the idle timer must not cut the client off while upstream works (up to the
+            # final-dot timeout): give the whole processing time instead
+            self._reset_timeout(self._processing_timeout_s)
+        return await super()._call_handler_hook(command, *args)
+
+    def _timeout_cb(self) -> None:
+        """Say ``421 4.4.2`` before closing an idle client (RFC 5321 section 4.5.3.2.7)."""
+        transport = self.transport
+        if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
+            transport.write(f"{replies.CLIENT_TIMEOUT}\r\n".encode())
+        super()._timeout_cb()  # type: ignore[no-untyped-call]  # aiosmtpd leaves it untyped
+
+

@@ -1,0 +1,25 @@
+"""TLS for the listener: the server context for STARTTLS (RFC 3207) and implicit TLS (RFC 8314)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+from relay.errors import ConfigError
+
+_VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3}
+
+
+def server_context(cert: Path, key: Path, min_version: str = "TLSv1.2") -> ssl.SSLContext:
+    """A server-side SSLContext with the certificate chain ``cert`` and its private ``key``.
+
+    ``min_version`` is ``TLSv1.2`` or ``TLSv1.3`` (RFC 8996 retired older ones). Raises
+    ConfigError when the files cannot be read or do not match.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = _VERSIONS[min_version]
+    try:
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls-cert/tls-key: cannot load {cert} / {key}: {exc}") from exc
+    return context
