@@ -1,0 +1,285 @@
+"""Listener security on real sockets: client networks, connection limits, sender patterns,
+STARTTLS and implicit TLS, AUTH only over TLS, PROXY protocol, and swaks as the client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trustme
+from conftest import MakeRelay, RawClient, Sink, message
+
+from relay import replies
+from relay.app import Relay
+
+USER, PASSWORD = "user@example.com", "pass"
+PLAIN = base64.b64encode(f"\0{USER}\0{PASSWORD}".encode()).decode()
+
+
+@dataclass
+class Pki:
+    """A throw-away CA and a server certificate for 127.0.0.1 / relay.test."""
+
+    cert: Path
+    key: Path
+    client_context: ssl.SSLContext
+    ca_file: Path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """Certificates made with trustme (no network, no openssl CLI)."""
+    ca = trustme.CA()
+    server = ca.issue_cert("relay.test", "127.0.0.1")
+    folder = tmp_path_factory.mktemp("pki")
+    cert, key, ca_file = folder / "cert.pem", folder / "key.pem", folder / "ca.pem"
+    server.private_key_pem.write_to_path(str(key))
+    server.cert_chain_pems[0].write_to_path(str(cert))
+    for extra in server.cert_chain_pems[1:]:
+        with cert.open("ab") as out:
+            out.write(extra.bytes())
+    ca.cert_pem.write_to_path(str(ca_file))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return Pki(cert=cert, key=key, client_context=context, ca_file=ca_file)
+
+
+@pytest.fixture(scope="module")
+def auth_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A credentials file for user@example.com / pass, written by `dedup-relay hash-password`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "hash-password", "--user", USER, "--password-stdin"],
+        input=PASSWORD + "\n", capture_output=True, text=True, timeout=60, check=True)
+    path = tmp_path_factory.mktemp("auth") / "users"
+    path.write_text(result.stdout)
+    assert result.stdout.startswith(f"{USER}:$argon2id$")
+    assert PASSWORD not in result.stdout
+    return path
+
+
+async def tls_relay(make_relay: MakeRelay, sink: Sink, pki: Pki, **extra: object) -> Relay:
+    """A relay with STARTTLS, implicit TLS on a free port and the given extra settings."""
+    settings: dict[str, object] = {
+        "upstream": f"127.0.0.1:{sink.port}", "tls_cert": pki.cert, "tls_key": pki.key,
+        "tls_listen": "127.0.0.1:0"}
+    settings.update(extra)
+    return await make_relay(**settings)
+
+
+async def starttls(client: RawClient, context: ssl.SSLContext) -> None:
+    """STARTTLS on a RawClient's connection (the client said EHLO already)."""
+    assert (await client.cmd("STARTTLS")).startswith("220")
+    await client.writer.start_tls(context, server_hostname="relay.test")
+
+
+async def test_client_outside_allowed_networks_is_refused(make_relay: MakeRelay,
+                                                          sink: Sink) -> None:
+    """A client from 127.0.0.5 is told 421 4.7.0 when only 127.0.0.1/32 may connect."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", allowed_networks="127.0.0.1/32")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port,
+                                                   local_addr=("127.0.0.5", 0))
+    greeting = await asyncio.wait_for(reader.readline(), 5)
+    assert greeting.decode().rstrip() == str(replies.CLIENT_NOT_ALLOWED)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    writer.close()
+    allowed = await RawClient.connect(relay.port)  # from 127.0.0.1: greeted
+    assert (await allowed.cmd("NOOP")).startswith("250")
+    await allowed.close()
+
+
+async def test_connections_per_address_are_limited(make_relay: MakeRelay, sink: Sink) -> None:
+    """The third connection from one address gets 421 4.7.0; a freed slot is reusable."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_connections_per_ip=2)
+    first, second = await RawClient.connect(relay.port), await RawClient.connect(relay.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    line = await asyncio.wait_for(reader.readline(), 5)
+    assert line.decode().rstrip() == str(replies.TOO_MANY_CONNECTIONS_FROM_HOST)
+    writer.close()
+    await first.close()
+    await asyncio.sleep(0.2)
+    third = await RawClient.connect(relay.port)
+    assert (await third.cmd("NOOP")).startswith("250")
+    await second.close()
+    await third.close()
+
+
+async def test_total_connections_are_limited(make_relay: MakeRelay, sink: Sink) -> None:
+    """Past max_connections every new client gets 421 4.7.0, wherever it comes from."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_connections=1)
+    held = await RawClient.connect(relay.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port,
+                                                   local_addr=("127.0.0.9", 0))
+    line = await asyncio.wait_for(reader.readline(), 5)
+    assert line.decode().rstrip() == str(replies.TOO_MANY_CONNECTIONS)
+    writer.close()
+    await held.close()
+
+
+async def test_sender_outside_allowed_patterns_is_refused(make_relay: MakeRelay,
+                                                          sink: Sink) -> None:
+    """With allowed_senders, another reverse path gets 550 5.7.1 and a matching one 250."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}",
+                             allowed_senders="*@example.com,bounces-*@example.org")
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    assert await client.cmd("MAIL FROM:<ceo@evil.example>") == str(replies.SENDER_NOT_ALLOWED)
+    assert await client.cmd("MAIL FROM:<App@Example.com>") == str(replies.SENDER_OK)
+    await client.cmd("RSET")
+    assert await client.cmd("MAIL FROM:<bounces-7@example.org>") == str(replies.SENDER_OK)
+    await client.close()
+
+
+async def test_auth_is_offered_only_after_starttls(make_relay: MakeRelay, sink: Sink,
+                                                   pki: Pki, auth_file: Path) -> None:
+    """EHLO in clear offers STARTTLS, not AUTH; after TLS it offers AUTH PLAIN LOGIN."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    client = await RawClient.connect(relay.port)
+    clear = await client.cmd("EHLO client.test")
+    assert "STARTTLS" in clear and "AUTH" not in clear
+    assert (await client.cmd(f"AUTH PLAIN {PLAIN}")).startswith("538 5.7.11")
+    await starttls(client, pki.client_context)
+    secured = await client.cmd("EHLO client.test")
+    assert "250-AUTH LOGIN PLAIN" in secured and "STARTTLS" not in secured
+    assert await client.cmd(f"AUTH PLAIN {PLAIN}") == "235 2.7.0 Authentication successful"
+    await client.close()
+
+
+async def test_starttls_discards_plaintext_sent_before_the_handshake(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """A command pipelined after STARTTLS in clear is thrown away (RFC 3207 section 4.2)."""
+    relay = await tls_relay(make_relay, sink, pki)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await client.write(b"STARTTLS\r\nMAIL FROM:<injected@example.com>\r\n")
+    assert (await client.reply()).startswith("220")
+    await client.writer.start_tls(pki.client_context, server_hostname="relay.test")
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("RCPT TO:<user@example.net>")).startswith("503 5.5.1")
+    await client.close()
+
+
+async def test_authenticated_message_over_starttls_is_relayed(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """STARTTLS + AUTH + a message: relayed once, Received says ESMTPSA; MAIL before AUTH 530."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file, auth_required=True,
+                            tls_required=True)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("530 5.7.0")
+    await starttls(client, pki.client_context)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("530 5.7.0")
+    assert (await client.cmd(f"AUTH PLAIN {PLAIN}")).startswith("235")
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250")
+    assert (await client.cmd("RCPT TO:<user@example.net>")).startswith("250")
+    assert (await client.cmd("DATA")).startswith("354")
+    await client.write(message(key="TLS-1") + b".\r\n")
+    assert (await client.reply()).startswith("250 2.0.0 Ok: relayed 1")
+    await client.close()
+    assert len(sink.handler.delivered) == 1
+    assert b" with ESMTPSA id " in sink.handler.delivered[0].content
+
+
+async def test_implicit_tls_listener_offers_auth_without_starttls(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """On the implicit-TLS port the session is TLS from the first byte: AUTH, no STARTTLS."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", relay.tls_port, ssl=pki.client_context, server_hostname="relay.test")
+    client = RawClient(reader, writer)
+    assert (await client.reply()).startswith("220")
+    ehlo = await client.cmd("EHLO client.test")
+    assert "AUTH LOGIN PLAIN" in ehlo and "STARTTLS" not in ehlo
+    assert (await client.cmd(f"AUTH PLAIN {PLAIN}")).startswith("235")
+    await client.close()
+
+
+async def test_wrong_password_is_refused_and_counted(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """A wrong password gets 535 5.7.8 and moves relay_auth_failures_total."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file, auth_failure_delay=0.01)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await starttls(client, pki.client_context)
+    await client.cmd("EHLO client.test")
+    wrong = base64.b64encode(f"\0{USER}\0nope".encode()).decode()
+    assert (await client.cmd(f"AUTH PLAIN {wrong}")).startswith("535 5.7.8")
+    await client.close()
+    assert relay.registry.get_sample_value("relay_auth_failures_total") == 1.0
+
+
+async def test_auth_without_credentials_configured_is_not_available(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """With TLS but no auth file, EHLO offers no AUTH and AUTH is answered 502 5.5.1."""
+    relay = await tls_relay(make_relay, sink, pki)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await starttls(client, pki.client_context)
+    assert "AUTH" not in await client.cmd("EHLO client.test")
+    assert await client.cmd(f"AUTH PLAIN {PLAIN}") == str(replies.AUTH_NOT_AVAILABLE)
+    await client.close()
+
+
+async def test_proxy_protocol_admits_by_the_proxied_source(make_relay: MakeRelay,
+                                                           sink: Sink) -> None:
+    """Behind a balancer the PROXY header's source address is checked, not the balancer's."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", proxy_protocol=True,
+                             proxy_networks="127.0.0.1/32", allowed_networks="192.0.2.0/24")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(b"PROXY TCP4 192.0.2.10 127.0.0.1 40000 25\r\n")
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"220")
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(b"PROXY TCP4 198.51.100.1 127.0.0.1 40000 25\r\n")
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without a greeting
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port,
+                                                   local_addr=("127.0.0.7", 0))
+    assert (await asyncio.wait_for(reader.readline(), 5)).decode().rstrip() == str(
+        replies.CLIENT_NOT_ALLOWED)  # not a trusted balancer
+    writer.close()
+
+
+@pytest.fixture
+def swaks() -> Iterator[str]:
+    """The swaks binary (.ci/run installs it)."""
+    path = shutil.which("swaks")
+    if path is None:
+        pytest.fail("swaks is not installed (.ci/run installs it)")
+    yield path
+
+
+async def test_swaks_starttls_and_auth_session_succeeds(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path, swaks: str
+) -> None:
+    """swaks with STARTTLS and AUTH LOGIN sends twice through the relay: one delivery."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file, auth_required=True)
+    outputs = []
+    for _ in range(2):
+        proc = await asyncio.create_subprocess_exec(
+            swaks, "--server", "127.0.0.1", "--port", str(relay.port), "--tls",
+            "--tls-verify", "--tls-ca-path", str(pki.ca_file), "--tls-sni", "relay.test",
+            "--auth", "LOGIN", "--auth-user", USER, "--auth-password", PASSWORD,
+            "--from", "app@example.com", "--to", "user@example.net",
+            "--header", "X-Dedupe-Key: SWAKS-1", "--header", "X-Template: receipt",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, out.decode()
+        outputs.append(out.decode())
+    assert "235 2.7.0 Authentication successful" in outputs[0]
+    assert "250 2.0.0 Ok: relayed 1" in outputs[0]
+    assert "duplicate suppressed" in outputs[1]
+    assert len(sink.handler.delivered) == 1
