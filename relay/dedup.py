@@ -8,7 +8,6 @@ handles one message that the listener accepted at the final dot.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -16,18 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
-
 from relay import replies
 from relay.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.fingerprint import extract_dedup_headers, fingerprint, normalize_recipient, store_key
 from relay.interfaces import (
+    DeliveryProgress,
     DeliveryResult,
     FingerprintStore,
     Metrics,
@@ -41,6 +33,7 @@ from relay.interfaces import (
     State,
     Upstream,
 )
+from relay.settlement import Settler
 
 log = logging.getLogger("relay.dedup")
 
@@ -145,7 +138,13 @@ class DedupCore:
         self._metrics = metrics
         self._policy = policy
         self._clock = clock
-        self.background: set[asyncio.Task[None]] = set()
+        self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
+                                clock=clock)
+
+    @property
+    def background(self) -> set[asyncio.Task[None]]:
+        """Settlements still being retried after their message was answered."""
+        return self._settler.background
 
     async def process(self, msg: InboundMessage) -> Decision:
         """Handle one message end to end and return the reply for the final dot.
@@ -191,7 +190,7 @@ class DedupCore:
         except StoreError as exc:
             log.error("store reserve failed (%s); policy store_down=%s",
                       exc, self._policy.store_down)
-            await self._release_quietly(unique_keys, token)
+            await self._settler.release_quietly(unique_keys, token)
             if self._policy.store_down == "fail_open":
                 return await self._relay_plain(msg, relayed_outcome="store_down")
             tally = _Tally()
@@ -208,7 +207,12 @@ class DedupCore:
             for rcpt, key in keys.items():
                 if key in to_send:
                     first_rcpt.setdefault(key, rcpt)
-            result = await self._deliver(msg, list(first_rcpt.values()))
+            progress = DeliveryProgress()
+            try:
+                result = await self._deliver(msg, list(first_rcpt.values()), progress)
+            except asyncio.CancelledError:  # shutdown past its grace cut the transaction
+                await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written)
+                raise
             await self._settle(result, first_rcpt, token, lease_ends)
             self._tally_delivery(result, keys, first_rcpt, tally)
         return self._conclude(msg, tally, result)
@@ -235,7 +239,8 @@ class DedupCore:
                     tally.first_sent_at = at
         return to_send
 
-    async def _deliver(self, msg: InboundMessage, rcpts: list[str]) -> DeliveryResult:
+    async def _deliver(self, msg: InboundMessage, rcpts: list[str],
+                       progress: DeliveryProgress | None = None) -> DeliveryResult:
         outbound = OutboundMessage(
             mail_from=msg.mail_from,
             rcpt_tos=rcpts,
@@ -245,7 +250,7 @@ class DedupCore:
             utf8_headers=msg.utf8_headers,
         )
         started = time.perf_counter()
-        result = await self._upstream.deliver(outbound)
+        result = await self._upstream.deliver(outbound, progress)
         code = result.final_reply.code if result.final_reply is not None else next(
             (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
         self._metrics.upstream_call(time.perf_counter() - started, code)
@@ -259,14 +264,7 @@ class DedupCore:
             action = {RcptStatus.ACCEPTED: Settle.SENT, RcptStatus.UNKNOWN: Settle.UNKNOWN,
                       RcptStatus.REFUSED: Settle.RELEASE}[r.status]
             ops.append(SettleOp(key=key, action=action, reply=str(r.reply)))
-        applied = await self._settle_with_retry(ops, token)
-        if applied is None:
-            self._settle_later(ops, token, lease_ends)
-            return
-        for op, ok in zip(ops, applied, strict=True):
-            if not ok:
-                log.warning("settle %s found another attempt's reservation (lease ran out?)",
-                            op.action.value)
+        await self._settler.settle(ops, token, lease_ends)
 
     def _tally_delivery(self, result: DeliveryResult, keys: Mapping[str, str],
                         first_rcpt: Mapping[str, str], tally: _Tally) -> None:
@@ -320,81 +318,6 @@ class DedupCore:
             raise
         self._metrics.store_call("reserve", time.perf_counter() - started, True)
         return out
-
-    async def _release_quietly(self, keys: list[str], token: str) -> None:
-        """Undo whatever part of a failed reserve did land (compare-token, so always safe).
-
-        A reserve that timed out may still have run on the server; without this its keys
-        would answer every retry with 450 until the lease ends.
-        """
-        ops = [SettleOp(key=k, action=Settle.RELEASE) for k in keys]
-        with contextlib.suppress(StoreError):  # the store is down: the lease will free them
-            await self._store.settle(ops, token=token, window_s=self._policy.window_s,
-                                     now=self._clock())
-
-    def _settle_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
-        """Keep trying SENT/UNKNOWN marks in the background until the lease ends.
-
-        The client is answered meanwhile (the upstream's verdict stands). While the mark is
-        missing the key stays PENDING (retries get 450); a mark that never lands before the
-        lease ends would let a retry send again, so it is retried for as long as that helps
-        (better than DESIGN's "retry the write briefly"). Releases are not retried: the lease
-        ending has the same effect.
-        """
-        marks = [op for op in ops if op.action is not Settle.RELEASE]
-        if not marks:
-            return
-        log.error("settle failed; retrying %d mark(s) in the background until the lease ends",
-                  len(marks))
-        task = asyncio.create_task(self._keep_settling(marks, token, lease_ends))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _keep_settling(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_delay(max(0.0, lease_ends - time.monotonic() - 1.0)),
-                wait=wait_exponential(multiplier=0.2, max=5.0),
-                retry=retry_if_exception_type(StoreError),
-                reraise=True,
-            ):
-                with attempt:
-                    await self._store.settle(ops, token=token, window_s=self._policy.window_s,
-                                             now=self._clock())
-        except StoreError:
-            if any(op.action is Settle.SENT for op in ops):
-                self._metrics.mark_sent_failed()
-            log.error("settle never landed before the lease ended: a retry may be sent again")
-        else:
-            log.warning("settle landed after %d background attempt(s)",
-                        attempt.retry_state.attempt_number)
-
-    async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
-        """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure.
-
-        A mark-sent that never lands leaves the key PENDING until the lease ends: a retry in
-        that time is answered 450 (inflight), never relayed twice (DESIGN section 4).
-        """
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(3),
-                wait=wait_exponential(multiplier=0.1, max=1.0),
-                retry=retry_if_exception_type(StoreError),
-                reraise=True,
-            ):
-                with attempt:
-                    started = time.perf_counter()
-                    try:
-                        applied = await self._store.settle(
-                            ops, token=token, window_s=self._policy.window_s, now=self._clock())
-                    except StoreError:
-                        self._metrics.store_call("settle", time.perf_counter() - started, False)
-                        raise
-                    self._metrics.store_call("settle", time.perf_counter() - started, True)
-                    return applied
-        except StoreError as exc:
-            log.error("settle failed: %s", exc)
-        return None
 
 
 def _as_client_reply(result: RcptResult) -> SmtpReply:

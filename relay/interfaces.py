@@ -188,6 +188,17 @@ class RcptResult:
     from_upstream: bool = True
 
 
+@dataclass
+class DeliveryProgress:
+    """Filled in by the upstream while a transaction runs, read by the core if it is cancelled.
+
+    ``dot_written`` turns True once the message and its final dot were handed to the network
+    (after that, cutting the transaction leaves its outcome unknown, RFC 1047).
+    """
+
+    dot_written: bool = False
+
+
 @dataclass(frozen=True)
 class DeliveryResult:
     """Outcome of one upstream transaction: one :class:`RcptResult` per recipient sent."""
@@ -205,8 +216,14 @@ class Upstream(Protocol):
     UNKNOWN only when the final dot was fully written and no reply came.
     """
 
-    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
-        """Run one transaction for ``message`` and report every recipient's outcome."""
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        """Run one transaction for ``message`` and report every recipient's outcome.
+
+        ``progress.dot_written`` is set once the final dot is out, so that a caller that
+        cancels the transaction (shutdown past its grace) knows whether to release or to mark
+        the reservations UNKNOWN.
+        """
         ...
 
     async def ping(self) -> None:

@@ -26,6 +26,7 @@ import aiosmtplib
 
 from relay import replies
 from relay.interfaces import (
+    DeliveryProgress,
     DeliveryResult,
     OutboundMessage,
     RcptResult,
@@ -123,8 +124,10 @@ class SmtpUpstream:
             password=cfg.password,
         )
 
-    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
         """Run one upstream transaction; see :class:`relay.interfaces.Upstream`."""
+        progress = progress if progress is not None else DeliveryProgress()
         smtp = self._client()
         try:
             try:
@@ -133,7 +136,7 @@ class SmtpUpstream:
                 log.warning("upstream session failed: %s: %s", type(exc).__name__,
                             replies.client_safe_text(str(exc)))
                 return _all(message.rcpt_tos, _connection_failure(exc))
-            return await self._transaction(smtp, message)
+            return await self._transaction(smtp, message, progress)
         finally:
             await self._quit(smtp)
 
@@ -149,7 +152,8 @@ class SmtpUpstream:
                 raise
             await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
 
-    async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage) -> DeliveryResult:
+    async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
+                           progress: DeliveryProgress) -> DeliveryResult:
         wire = negotiate(message, smtp.esmtp_extensions.keys())
         if isinstance(wire, SmtpReply):
             return _all(message.rcpt_tos, _synthetic(wire))
@@ -165,7 +169,7 @@ class SmtpUpstream:
         results, accepted = await self._recipients(smtp, wire.rcpt_to, encoding)
         if not accepted:
             return DeliveryResult(recipients=results)
-        outcome = await self._data(smtp, message.content)
+        outcome = await self._data(smtp, message.content, progress)
         for rcpt in accepted:
             results[rcpt] = outcome
         final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
@@ -190,7 +194,8 @@ class SmtpUpstream:
                 results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
         return results, accepted
 
-    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes) -> RcptResult:
+    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes,
+                    progress: DeliveryProgress) -> RcptResult:
         """DATA, the message, the final dot; tell a failure before the dot from one after it."""
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
@@ -214,6 +219,7 @@ class SmtpUpstream:
             reader.cancel()
             smtp.close()
             return _synthetic(replies.UPSTREAM_LOST)
+        progress.dot_written = True
         return await self._final_reply(smtp, reader)
 
     async def _final_reply(self, smtp: aiosmtplib.SMTP,

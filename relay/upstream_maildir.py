@@ -12,7 +12,14 @@ import asyncio
 import mailbox
 from pathlib import Path
 
-from relay.interfaces import DeliveryResult, OutboundMessage, RcptResult, RcptStatus, SmtpReply
+from relay.interfaces import (
+    DeliveryProgress,
+    DeliveryResult,
+    OutboundMessage,
+    RcptResult,
+    RcptStatus,
+    SmtpReply,
+)
 
 _STORED = SmtpReply(250, "2.0.0 Ok: stored in Maildir")
 
@@ -30,8 +37,11 @@ class MaildirUpstream:
             trace = f"Return-Path: <{sender}>\r\nDelivered-To: {rcpt}\r\n".encode()
             box.add(trace + message.content)
 
-    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
         """Write one file per recipient; a filesystem error refuses all of them temporarily."""
+        if progress is not None:
+            progress.dot_written = True  # the writing thread cannot be stopped once started
         try:
             await asyncio.to_thread(self._deliver_sync, message)
         except OSError as exc:

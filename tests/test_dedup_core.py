@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from relay.dedup import DedupCore, InboundMessage, Policy
 from relay.errors import StoreError
 from relay.interfaces import (
+    DeliveryProgress,
     DeliveryResult,
     OutboundMessage,
     RcptResult,
@@ -42,7 +43,8 @@ class CountingUpstream:
     def __init__(self) -> None:
         self.sent: list[OutboundMessage] = []
 
-    async def deliver(self, message: OutboundMessage) -> DeliveryResult:
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
         self.sent.append(message)
         ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0 ok"))
         return DeliveryResult(recipients={r: ok for r in message.rcpt_tos})
