@@ -120,6 +120,7 @@ class Relay:
         self._server: asyncio.base_events.Server | None = None
         self._tls_server: asyncio.base_events.Server | None = None
         self.tls_port = 0
+        self._stopped = False
         self.health: HealthMonitor | None = None
         self._ops: OpsServer | None = None
         self.port = 0
@@ -170,19 +171,31 @@ class Relay:
                  f"{m_host}:{self.metrics_port}" if self._ops else "off")
 
     async def stop(self) -> None:
-        """Stop accepting, wait up to the shutdown grace for in-flight messages, close."""
+        """Graceful shutdown (DESIGN section 5), in this order.
+
+        1. Stop accepting connections. 2. Idle sessions are told ``421 4.3.2`` and closed;
+        sessions inside DATA finish that transaction, then get the same. 3. Wait up to
+        ``shutdown_grace`` seconds for them and for settlements still being retried.
+        4. Past the grace, cut what is left: a transaction whose final dot had not gone out is
+        released (the client's retry is relayed), one past the dot is marked UNKNOWN.
+        5. Close the metrics server, the upstream and the store. A second call does nothing.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
         for server in (self._server, self._tls_server):
             if server is not None:
                 server.close()
-        pending: set[asyncio.Task[Any]] = set()
-        if self.handler is not None:
-            pending |= self.handler.tasks
-        if self.core is not None:
-            pending |= self.core.background
-        if pending:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True),
-                                       self.settings.shutdown_grace)
+        handler = self.handler
+        if handler is not None:
+            for session in list(handler.sessions):
+                session.begin_shutdown()
+        if not await self._drained(self.settings.shutdown_grace):
+            await self._cut()
+        await self._close_parts()
+
+    async def _close_parts(self) -> None:
+        """Close the metrics server, the health probes, the upstream and the store."""
         if self._ops is not None:
             await self._ops.stop()
         if self.health is not None:
@@ -191,6 +204,38 @@ class Relay:
             await self.upstream.close()
         if self.store is not None:
             await self.store.close()
+
+    def _pending(self) -> set[asyncio.Task[Any]]:
+        pending: set[asyncio.Task[Any]] = set()
+        if self.handler is not None:
+            pending |= self.handler.tasks
+        if self.core is not None:
+            pending |= self.core.background
+        return pending
+
+    async def _drained(self, grace_s: float) -> bool:
+        """Wait until no session is inside DATA and nothing is pending; False past the grace."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while loop.time() < deadline:
+            busy = self.handler is not None and any(s.busy for s in self.handler.sessions)
+            if not busy and not self._pending():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def _cut(self) -> None:
+        """Past the grace: cancel what is left (the core settles cut transactions), close."""
+        pending = self._pending()
+        log.warning("shutdown grace over: cutting %d message(s)", len(pending))
+        for task in pending:
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True),
+                                   4 * self.settings.store_timeout)
+        if self.handler is not None:
+            for session in list(self.handler.sessions):
+                session.close_now()
 
 
 def _redact(url: str) -> str:

@@ -84,6 +84,7 @@ class RelayHandler:
         self._limits = limits
         self._sasl = sasl
         self.tasks: set[asyncio.Task[Decision]] = set()
+        self.sessions: set[RelaySMTP] = set()  # open client sessions, for graceful shutdown
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         """AUTH PLAIN (RFC 4616) against the credentials file."""

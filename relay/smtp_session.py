@@ -73,9 +73,11 @@ class RelaySMTP(SMTP):
         self._processing_timeout_s = processing_timeout_s
         self._client_timeout_s: float = kwargs.get("timeout", 300.0)
         self._in_helo = False
-        self._receiving_data = False
+        self._receiving_data = self._in_data = False
+        self.draining = False
         self._data_started = self._data_handled = False
         self._metrics = handler.metrics
+        self._sessions = handler.sessions
         self._counted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -83,6 +85,7 @@ class RelaySMTP(SMTP):
         if not self._counted:
             self._counted = True
             self._metrics.session(1)
+            self._sessions.add(self)
             self._refusal = self._admission(transport)
         super().connection_made(transport)
 
@@ -107,6 +110,7 @@ class RelaySMTP(SMTP):
         if self._counted:
             self._counted = False
             self._metrics.session(-1)
+            self._sessions.discard(self)
         if self._admitted_host is not None:
             self.gate.release(self._admitted_host)
             self._admitted_host = None
@@ -157,15 +161,39 @@ class RelaySMTP(SMTP):
 
     async def smtp_DATA(self, arg: str) -> None:
         """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives."""
-        self._receiving_data = True
+        self._receiving_data = self._in_data = True
         self._data_started = self._data_handled = False
         try:
             await super().smtp_DATA(arg)
         finally:
-            self._receiving_data = False
+            self._receiving_data = self._in_data = False
         if self._data_started and not self._data_handled and self.transport is not None:
             # aiosmtpd refused the content itself (line too long, too big): count it too
             self._metrics.message("invalid")
+        if self.draining:  # the transaction is answered: now the session goes
+            self._say_and_close(replies.SHUTTING_DOWN)
+
+    def begin_shutdown(self) -> None:
+        """Graceful stop: an idle session is told ``421 4.3.2`` and closed now; one inside DATA
+        (receiving the body, or waiting for the upstream) finishes its transaction first."""
+        self.draining = True
+        if not self._in_data:
+            self._say_and_close(replies.SHUTTING_DOWN)
+
+    @property
+    def busy(self) -> bool:
+        """True from DATA until its reply: the body is arriving or the upstream is working."""
+        return self._in_data
+
+    def close_now(self) -> None:
+        """Past the shutdown grace: ``421 4.3.2`` and close, whatever the session is doing."""
+        self._say_and_close(replies.SHUTTING_DOWN)
+
+    def _say_and_close(self, reply: SmtpReply) -> None:
+        transport = self.transport
+        if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
+            transport.write(f"{reply}\r\n".encode())
+            transport.close()
 
     async def smtp_EHLO(self, hostname: str) -> None:
         """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""

@@ -64,6 +64,7 @@ class SinkHandler:
     mail_plan: deque[str] = field(default_factory=deque)
     hang_after_dot_s: float = 0.0
     delay_s: float = 0.0
+    mail_delay_s: float = 0.0
     mail_commands: list[tuple[str, list[str]]] = field(default_factory=list)
     rcpt_commands: list[str] = field(default_factory=list)
 
@@ -71,6 +72,8 @@ class SinkHandler:
                           address: str, options: list[str]) -> str:
         self.transactions += 1
         self.mail_commands.append((address, options))
+        if self.mail_delay_s:
+            await asyncio.sleep(self.mail_delay_s)
         if self.mail_plan:
             return self.mail_plan.popleft()
         envelope.mail_from = address

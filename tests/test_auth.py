@@ -287,6 +287,7 @@ class AuthOnlyHandler:
     def __init__(self, sasl: SaslMechanisms) -> None:
         self.sasl = sasl
         self.metrics = PrometheusMetrics(registry=CollectorRegistry())
+        self.sessions: set[SMTP] = set()  # RelaySMTP registers itself here
         self.servers: list[SMTP] = []
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:

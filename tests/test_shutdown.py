@@ -1,0 +1,144 @@
+"""Graceful shutdown: stop accepting, finish what is inside DATA, cut the rest honestly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import MakeRelay, RawClient, Sink, free_port, message, send
+
+from relay import replies
+from relay.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.interfaces import State
+
+
+def key_for(prefix: str, rcpt: str = "user@example.net") -> str:
+    """Store key of (rcpt, 'welcome', 'K-1')."""
+    return store_key(prefix, fingerprint(normalize_recipient(rcpt), "welcome", "K-1"))
+
+
+async def test_idle_session_is_told_421_and_new_connections_are_refused(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """On stop an idle client gets 421 4.3.2 and the port no longer accepts connections."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await relay.stop()
+    assert await client.reply() == str(replies.SHUTTING_DOWN)
+    assert await client.reader.read() == b""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    except OSError:
+        pass
+    else:
+        writer.close()
+        raise AssertionError("the listener still accepts connections after stop")
+
+
+async def test_message_in_flight_finishes_then_session_closes(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """A message waiting on the upstream at stop is delivered and answered 250, then 421."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", shutdown_grace=10.0)
+    sink.handler.delay_s = 1.0
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await client.cmd("MAIL FROM:<app@example.com>")
+    await client.cmd("RCPT TO:<user@example.net>")
+    await client.cmd("DATA")
+    await client.write(message() + b".\r\n")
+    await asyncio.sleep(0.3)  # the relay is now waiting for the upstream
+    stopping = asyncio.create_task(relay.stop())
+    assert (await client.reply()).startswith("250 2.0.0 Ok: relayed 1")
+    assert await client.reply() == str(replies.SHUTTING_DOWN)
+    await stopping
+    assert len(sink.handler.delivered) == 1
+
+
+async def test_cut_before_the_dot_releases(make_relay: MakeRelay, sink: Sink) -> None:
+    """Past the grace, a transaction stuck before the final dot is released (retry is safe)."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", shutdown_grace=0.3,
+                             upstream_command_timeout=20.0, upstream_timeout=25.0)
+    sink.handler.mail_delay_s = 5.0
+    sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+    await asyncio.sleep(0.5)
+    await relay.stop()
+    record = await _inspect_after_stop(relay.settings.store, key_for(relay.settings.store_prefix))
+    assert record is State.ABSENT
+    sending.cancel()
+
+
+async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -> None:
+    """Past the grace, a transaction whose final dot is out is marked UNKNOWN, not released."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", shutdown_grace=0.3,
+                             upstream_timeout=20.0)
+    sink.handler.hang_after_dot_s = 5.0
+    sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+    await asyncio.sleep(0.5)
+    await relay.stop()
+    record = await _inspect_after_stop(relay.settings.store, key_for(relay.settings.store_prefix))
+    assert record is State.UNKNOWN
+    sending.cancel()
+
+
+async def _inspect_after_stop(url: str, key: str) -> State:
+    """The key's state, read with a fresh store (the relay's own is closed)."""
+    from relay.store_redis import RedisStore
+
+    store = RedisStore.from_url(url)
+    try:
+        return (await store.inspect(key)).state
+    finally:
+        await store.close()
+
+
+def test_sigterm_lets_the_message_in_flight_finish(tmp_path: Path) -> None:
+    """SIGTERM to `dedup-relay serve` mid-message: the client gets 250, the process exits 0."""
+    import smtplib
+    import threading
+    import time
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
+         "--upstream", "maildir:md", "--metrics-listen", "off"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        from test_cli import wait_for_port
+
+        wait_for_port(port, proc)
+        outcome: dict[str, object] = {}
+
+        def client() -> None:
+            smtp = smtplib.SMTP("127.0.0.1", port, timeout=30)
+            smtp.ehlo("client.test")
+            smtp.mail("app@example.com")
+            smtp.rcpt("user@example.net")
+            smtp.putcmd("data")
+            assert smtp.getreply()[0] == 354
+            smtp.send(message()[:40])  # part of the body, then SIGTERM arrives
+            time.sleep(0.8)
+            smtp.send(message()[40:] + b".\r\n")
+            outcome["reply"] = smtp.getreply()
+            outcome["after"] = smtp.getreply()  # the 421 4.3.2 that closes the session
+            smtp.close()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(0.4)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=30)
+        assert proc.wait(timeout=30) == 0
+        assert outcome["reply"][0] == 250  # type: ignore[index]
+        assert outcome["after"][0] == 421  # type: ignore[index]
+        assert len(list((tmp_path / "md" / "new").iterdir())) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
