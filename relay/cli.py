@@ -32,6 +32,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
     ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
     ("--log-format", {"type": click.Choice(["json", "text"]), "help": "log lines [json]"}),
+    ("--shutdown-grace", {"type": float,
+                          "help": "seconds in-flight messages get to finish on SIGTERM [30]"}),
     ("--tls-cert", {"type": click.Path(dir_okay=False, path_type=Path),
                     "help": "PEM certificate chain: enables STARTTLS"}),
     ("--tls-key", {"type": click.Path(dir_okay=False, path_type=Path),
