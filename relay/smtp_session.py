@@ -21,7 +21,7 @@ from relay.interfaces import SmtpReply
 if TYPE_CHECKING:
     from relay.listener import RelayHandler
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 controls
 # RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
 # blank; a blank or bracket inside the path is allowed in a quoted local part only
 _PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
@@ -44,10 +44,10 @@ def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
     """
     if arg is None or arg[: len(keyword)].upper() != keyword:
         return None  # aiosmtpd answers its own syntax error
-    rest = arg[len(keyword) :].strip()
     bad = replies.BAD_SENDER_SYNTAX if keyword == "FROM:" else replies.BAD_RECIPIENT_SYNTAX
-    if _CONTROL.search(rest):
+    if _CONTROL.search(arg):  # anywhere, also next to the path (TAB, CR, NEL...)
         return bad
+    rest = arg[len(keyword) :].strip(" ")
     if not rest.startswith("<"):
         return replies.PATH_NEEDS_BRACKETS
     if not _PATH.match(rest):  # no closing ">", or a blank outside a quoted string
@@ -58,8 +58,9 @@ def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
 class RelaySMTP(SMTP):
     """aiosmtpd's SMTP protocol with the relay's wire rules (DESIGN section 5)."""
 
-    # 998 octets + CRLF (RFC 5321 section 4.5.3.1.6); also the StreamReader limit
-    line_length_limit = 1000
+    # 998 octets + CRLF + a dot doubled for transparency, which RFC 5321 section 4.5.3.1.6
+    # does not count; the exact 998-octet rule is applied after unstuffing, in handle_DATA
+    line_length_limit = 1001
 
     def __init__(self, handler: RelayHandler, *, processing_timeout_s: float,
                  gate: ConnectionGate, proxy_networks: tuple[Network, ...] | None = None,
