@@ -36,8 +36,10 @@ log = logging.getLogger("relay.app")
 
 
 async def build_store(settings: Settings) -> FingerprintStore:
-    """Open the store named by ``settings.store`` (redis://, rediss:// or sqlite:///)."""
-    if settings.store.startswith(("redis://", "rediss://")):
+    """Open the store named by ``settings.store``: sqlite:///, or one Redis server (redis://,
+    rediss://), a Redis Cluster (redis+cluster://) or a Sentinel-managed master
+    (redis+sentinel://), the last two also as rediss+ (TLS)."""
+    if settings.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
         store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout)
         try:
             for warning in await store.check_server():
@@ -233,6 +235,7 @@ class Relay:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True),
                                    4 * self.settings.store_timeout)
+        await self._drained(1.0)  # let the cut transactions' sessions send their 451
         if self.handler is not None:
             for session in list(self.handler.sessions):
                 session.close_now()

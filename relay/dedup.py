@@ -212,10 +212,21 @@ class DedupCore:
                 result = await self._deliver(msg, list(first_rcpt.values()), progress)
             except asyncio.CancelledError:  # shutdown past its grace cut the transaction
                 await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written)
-                raise
+                return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
             await self._settle(result, first_rcpt, token, lease_ends)
             self._tally_delivery(result, keys, first_rcpt, tally)
         return self._conclude(msg, tally, result)
+
+    def _cut_decision(self, msg: InboundMessage, keys: Mapping[str, str],
+                      first_rcpt: Mapping[str, str], tally: _Tally,
+                      dot_written: bool) -> Decision:
+        """The reply for a transaction shutdown cut: in doubt after the dot, else try again."""
+        outcome, reply = (("unknown", replies.OUTCOME_UNKNOWN) if dot_written
+                          else ("refused_temp", replies.CUT_BY_SHUTDOWN))
+        for rcpt, key in keys.items():
+            if key in first_rcpt:
+                tally.temp(rcpt, outcome, _RANK_UNKNOWN, reply)
+        return self._conclude(msg, tally, None)
 
     def _partition(
         self, keys: Mapping[str, str], by_key: Mapping[str, Reservation], tally: _Tally

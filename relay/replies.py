@@ -53,6 +53,9 @@ UPSTREAM_NO_SMTPUTF8 = SmtpReply(550, "5.6.7 Upstream does not support SMTPUTF8 
 UPSTREAM_NO_8BITMIME = SmtpReply(554, "5.6.3 Upstream does not accept 8-bit data (RFC 6152)")
 UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0 Upstream protocol error, try again later")
 INTERNAL_ERROR = SmtpReply(451, "4.3.0 Internal error, try again later")
+CUT_BY_SHUTDOWN = SmtpReply(
+    451, "4.3.2 Relay shut down before the upstream took the message, try again later"
+)
 SHUTTING_DOWN = SmtpReply(421, "4.3.2 Service shutting down, try again later")
 CLIENT_TIMEOUT = SmtpReply(421, "4.4.2 Timeout, closing connection")
 

@@ -190,7 +190,7 @@ async def make_relay() -> AsyncIterator[MakeRelay]:
     yield make
     for relay in started:
         await relay.stop()
-        if relay.settings.store.startswith("redis"):
+        if relay.settings.store.startswith(("redis://", "rediss://")):  # not +cluster/+sentinel
             delete_prefix(relay.settings.store, relay.settings.store_prefix)
 
 
@@ -216,23 +216,33 @@ class SendResult:
 
 def _send_sync(port: int, mail_from: str, rcpts: Sequence[str], data: bytes,
                mail_options: Sequence[str]) -> SendResult:
-    with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
-        client.ehlo("client.test")
-        code, text = client.mail(mail_from, list(mail_options))
-        if code != 250:
-            return SendResult(code, text.decode())
-        refused: dict[str, tuple[int, str]] = {}
-        for rcpt in rcpts:
-            code, text = client.rcpt(rcpt)
-            if code not in (250, 251):
-                refused[rcpt] = (code, text.decode())
-        if len(refused) == len(rcpts):
-            return SendResult(554, "all recipients refused", refused)
-        try:
-            code, text = client.data(data)
-        except smtplib.SMTPDataError as exc:
-            code, text = exc.smtp_code, exc.smtp_error
-        return SendResult(code, text.decode(errors="replace"), refused)
+    client = smtplib.SMTP("127.0.0.1", port, timeout=30)
+    try:
+        return _transaction(client, mail_from, rcpts, data, mail_options)
+    finally:
+        with contextlib.suppress(smtplib.SMTPException, OSError):
+            client.quit()  # a relay shutting down may have closed the session already
+        client.close()
+
+
+def _transaction(client: smtplib.SMTP, mail_from: str, rcpts: Sequence[str], data: bytes,
+                 mail_options: Sequence[str]) -> SendResult:
+    client.ehlo("client.test")
+    code, text = client.mail(mail_from, list(mail_options))
+    if code != 250:
+        return SendResult(code, text.decode())
+    refused: dict[str, tuple[int, str]] = {}
+    for rcpt in rcpts:
+        code, text = client.rcpt(rcpt)
+        if code not in (250, 251):
+            refused[rcpt] = (code, text.decode())
+    if len(refused) == len(rcpts):
+        return SendResult(554, "all recipients refused", refused)
+    try:
+        code, text = client.data(data)
+    except smtplib.SMTPDataError as exc:
+        code, text = exc.smtp_code, exc.smtp_error
+    return SendResult(code, text.decode(errors="replace"), refused)
 
 
 async def send(port: int, rcpts: Sequence[str], data: bytes, *,

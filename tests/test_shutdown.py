@@ -70,7 +70,8 @@ async def test_cut_before_the_dot_releases(make_relay: MakeRelay, sink: Sink) ->
     await relay.stop()
     record = await _inspect_after_stop(relay.settings.store, key_for(relay.settings.store_prefix))
     assert record is State.ABSENT
-    sending.cancel()
+    result = await sending
+    assert (result.code, result.text) == (451, replies.CUT_BY_SHUTDOWN.text)
 
 
 async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -> None:
@@ -83,7 +84,8 @@ async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -
     await relay.stop()
     record = await _inspect_after_stop(relay.settings.store, key_for(relay.settings.store_prefix))
     assert record is State.UNKNOWN
-    sending.cancel()
+    result = await sending  # told "in doubt" before the session closes, never left guessing
+    assert (result.code, result.text) == (451, replies.OUTCOME_UNKNOWN.text)
 
 
 async def _inspect_after_stop(url: str, key: str) -> State:
