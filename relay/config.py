@@ -173,10 +173,19 @@ class Settings(BaseSettings):
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "sqlite:///")):
+        schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://",
+                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///")
+        if not value.startswith(schemes):
             raise ValueError(
-                "store must be a redis://, rediss:// or sqlite:///path URL, got " + repr(value)
+                "store must be a redis://, rediss:// or sqlite:///path URL, or a "
+                "redis+cluster://host:port,... or redis+sentinel://host:port,.../service URL "
+                "(rediss+ for TLS), got " + repr(value)
             )
+        # imported here: only this validator uses it (a pure parser, no I/O library)
+        from relay.store_redis_urls import is_multi_host_url, parse_multi_host_url
+
+        if is_multi_host_url(value):
+            parse_multi_host_url(value)  # its ValueError names the fault, never the password
         return value
 
     @model_validator(mode="after")

@@ -8,24 +8,36 @@ Values under a key (the caller builds the key, prefix included)::
     anything else (e.g. ``1``)       written by another application: counts as SENT
 
 Each script touches ``KEYS[1]`` only, so the store works on Redis Cluster without hash tags. A
-message's keys are reserved in one pipeline (one round trip) and settled in another. Every redis,
-socket and timeout error is translated into :class:`relay.errors.StoreError` here, at the
-adapter boundary; callers never see a redis-py exception.
+message's keys are reserved in one pipeline and settled in another: one round trip on a single
+server or a Sentinel-managed master; on a cluster redis-py splits the pipeline by node and
+sends the parts in parallel, one round trip per node. Every redis, socket and timeout error is
+translated into :class:`relay.errors.StoreError` here, at the adapter boundary; callers never
+see a redis-py exception.
+
+The servers are named by a URL: ``redis://``, ``rediss://`` or ``unix://`` for one server, and
+``redis+cluster://`` or ``redis+sentinel://`` (with ``rediss+`` forms) for a cluster or a
+Sentinel-managed master, see :mod:`relay.store_redis_urls`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from relay.errors import StoreError
 from relay.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.store_redis_checks import ConfigGet, server_warnings
+from relay.store_redis_clients import Client, SentinelService, open_client
+from relay.store_redis_replicas import ReplicaAcks
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
@@ -54,9 +66,13 @@ return {value, redis.call('PTTL', KEYS[1])}
 # ARGV[2] - the send time, unix milliseconds
 # ARGV[3] - the upstream reply text
 # ARGV[4] - the dedup window in milliseconds (TTL of the SENT value)
-# return 1 if KEYS[1] held PENDING(token) and now holds SENT, otherwise 0 (nothing changed)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT, otherwise 0
+# (nothing changed)
 _MARK_SENT_LUA = """
-if redis.pcall('GET', KEYS[1]) ~= 'P|' .. ARGV[1] then
+local value = redis.pcall('GET', KEYS[1])
+local sending = 'D|' .. ARGV[1] .. '|'
+if value ~= 'P|' .. ARGV[1]
+        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
     return 0
 end
 redis.call('SET', KEYS[1], 'S|' .. ARGV[2] .. '|' .. ARGV[3], 'PX', ARGV[4])
@@ -67,9 +83,13 @@ return 1
 # ARGV[1] - the attempt's token
 # ARGV[2] - the time of the in-doubt attempt, unix milliseconds
 # ARGV[3] - the dedup window in milliseconds (TTL of the UNKNOWN value)
-# return 1 if KEYS[1] held PENDING(token) and now holds UNKNOWN, otherwise 0 (nothing changed)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds UNKNOWN, otherwise 0
+# (nothing changed)
 _MARK_UNKNOWN_LUA = """
-if redis.pcall('GET', KEYS[1]) ~= 'P|' .. ARGV[1] then
+local value = redis.pcall('GET', KEYS[1])
+local sending = 'D|' .. ARGV[1] .. '|'
+if value ~= 'P|' .. ARGV[1]
+        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
     return 0
 end
 redis.call('SET', KEYS[1], 'U|' .. ARGV[2], 'PX', ARGV[3])
@@ -78,12 +98,29 @@ return 1
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
-# return 1 if KEYS[1] held PENDING(token) and was deleted, otherwise 0 (nothing changed)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and was deleted, otherwise 0
 _RELEASE_LUA = """
-if redis.pcall('GET', KEYS[1]) ~= 'P|' .. ARGV[1] then
+local value = redis.pcall('GET', KEYS[1])
+local sending = 'D|' .. ARGV[1] .. '|'
+if value ~= 'P|' .. ARGV[1]
+        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
     return 0
 end
 redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - now (the final dot is about to go out), unix milliseconds
+# ARGV[3] - the dedup window in milliseconds (TTL of the SENDING value: it must outlive a crash)
+# return 1 if KEYS[1] held PENDING(token) and now holds SENDING(token, now)
+# ("D|" .. token .. "|" .. ms), otherwise 0 (nothing changed)
+_MARK_SENDING_LUA = """
+if redis.pcall('GET', KEYS[1]) ~= 'P|' .. ARGV[1] then
+    return 0
+end
+redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
@@ -106,16 +143,22 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def decode_value(value: bytes, pttl_ms: int | None = None) -> Record:
+def decode_value(value: bytes, pttl_ms: int | None = None, *,
+                 lease_ms: int | None = None, now_ms: int | None = None) -> Record:
     """Turn a raw value and its PTTL (milliseconds, negative: none) into a :class:`Record`.
 
     A value that is not one of the relay's encodings counts as SENT with ``at`` and ``reply``
-    unknown (DESIGN section 3). Never raises.
+    unknown (DESIGN section 3). With ``lease_ms`` and ``now_ms`` (a reserve), SENDING reads as
+    PENDING while younger than the lease and as UNKNOWN after it. Never raises.
     """
     ttl_s = pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None
     tag, sep, rest = value.partition(b"|")
     if sep and tag == b"P" and rest:
         return Record(State.PENDING, token=_text(rest), ttl_s=ttl_s)
+    if sep and tag == b"D":
+        token, sep2, at_text = rest.rpartition(b"|")
+        if sep2 and token and at_text.isdigit():
+            return _sending(_text(token), int(at_text), ttl_s, lease_ms, now_ms)
     if sep and tag == b"S":
         at_ms, sep2, reply = rest.partition(b"|")
         if sep2 and at_ms.isdigit():
@@ -125,23 +168,24 @@ def decode_value(value: bytes, pttl_ms: int | None = None) -> Record:
     return Record(State.SENT, ttl_s=ttl_s)
 
 
-def _reservation(key: str, result: Any) -> Reservation:
+def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,
+             now_ms: int | None) -> Record:
+    """SENDING as such (inspect), or as a reserve sees it: PENDING, or UNKNOWN past the lease."""
+    at = at_ms / 1000
+    if lease_ms is None or now_ms is None:
+        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s)
+    if now_ms - at_ms < lease_ms:
+        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s)
+    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
+
+
+def _reservation(key: str, result: Any, lease_ms: int, now_ms: int) -> Reservation:
     """Interpret one reserve script result (see ``_RESERVE_LUA``)."""
     if result == 1:
         return Reservation(key=key, reserved=True)
     value, pttl_ms = result
-    return Reservation(key=key, reserved=False, found=decode_value(bytes(value), int(pttl_ms)))
-
-
-def _setting(config: Any, name: str) -> str | None:
-    """Read ``name`` from a CONFIG GET answer, whose keys and values may be bytes or str."""
-    if not isinstance(config, dict):
-        return None
-    for raw_key, raw_value in config.items():
-        key = _text(raw_key) if isinstance(raw_key, bytes) else str(raw_key)
-        if key.lower() == name:
-            return _text(raw_value) if isinstance(raw_value, bytes) else str(raw_value)
-    return None
+    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=now_ms)
+    return Reservation(key=key, reserved=False, found=found)
 
 
 @contextlib.asynccontextmanager
@@ -152,52 +196,68 @@ async def _translated(op: str, timeout_s: float) -> AsyncIterator[None]:
             yield
     except TimeoutError as exc:
         raise StoreError(op, f"redis did not answer within {timeout_s:g} s") from exc
+    # RedisClusterException: no slot owner known (mid-failover), not a RedisError in redis-py
     # UnicodeError: redis-py encodes str arguments strictly (a key holding a lone surrogate)
-    except (RedisError, OSError, UnicodeError) as exc:
+    except (RedisError, RedisClusterException, OSError, UnicodeError) as exc:
         text = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]
         raise StoreError(op, text) from exc
 
 
 class RedisStore:
-    """:class:`relay.interfaces.FingerprintStore` on Redis (or a Redis-compatible server).
+    """:class:`relay.interfaces.FingerprintStore` on Redis, Redis Cluster or Sentinel.
 
-    ``client`` is owned by the store from now on (``close`` closes it); it must be created with
-    ``decode_responses=False``. ``op_timeout_s`` bounds every operation, in seconds, connect and
-    retries included. Every method raises :class:`relay.errors.StoreError` on any failure.
+    ``client`` is owned by the store from now on (``close`` closes it, and ``sentinel``'s
+    connections); it must be created with ``decode_responses=False``. ``sentinel`` names the
+    sentinels and service behind a Sentinel-managed ``client``. ``op_timeout_s`` bounds every
+    operation, in seconds, connect, retries and redirections included. Every method raises
+    :class:`relay.errors.StoreError` on any failure.
+
+    On a cluster or a Sentinel-managed master, where a failover promotes a replica, the writes
+    the relay relies on (a reserve; a settle that marks SENT or UNKNOWN) end their pipeline
+    with ``WAIT 1 <ms>``: the call returns once a replica holds them, or raises StoreError
+    when the master dies first or its replica stopped acknowledging moments ago (a failover
+    under way), so the caller retries on the new master instead of trusting a write the
+    failover would lose. A server with no replica (for 10 s or more) is waited on for
+    ``min(250 ms, op_timeout_s / 4)`` once per 30 s and its writes count as on a single
+    server (:mod:`relay.store_redis_replicas`). Releases are not waited on: a lost one frees
+    its key when the lease ends anyway. A single server is never waited on.
     """
 
-    def __init__(self, *, client: redis.asyncio.Redis, op_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        client: Client,
+        op_timeout_s: float = 2.0,
+        sentinel: SentinelService | None = None,
+    ) -> None:
         self._client = client
         self._op_timeout_s = op_timeout_s
+        self._sentinel = sentinel
+        replicated = sentinel is not None or isinstance(client, redis.asyncio.RedisCluster)
+        self._acks = ReplicaAcks(client=client, enabled=replicated, op_timeout_s=op_timeout_s)
         self._reserve_script = client.register_script(_RESERVE_LUA)
         self._mark_sent_script = client.register_script(_MARK_SENT_LUA)
         self._mark_unknown_script = client.register_script(_MARK_UNKNOWN_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
+        self._mark_sending_script = client.register_script(_MARK_SENDING_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> RedisStore:
-        """Build a store from a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL.
+        """Build a store from a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, or a
+        ``redis+cluster://`` or ``redis+sentinel://`` URL (:mod:`relay.store_redis_urls`).
 
         Socket connect and read timeouts are ``op_timeout_s`` seconds. Nothing is connected yet.
         Raises :class:`ValueError` for another scheme or a malformed URL.
         """
-        scheme = url.partition("://")[0].lower()
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"store URL scheme {scheme!r} is not redis://, rediss:// or unix://")
-        client = redis.asyncio.from_url(
-            url,
-            socket_timeout=op_timeout_s,
-            socket_connect_timeout=op_timeout_s,
-            decode_responses=False,
-        )
-        return cls(client=client, op_timeout_s=op_timeout_s)
+        client, sentinel = open_client(url, op_timeout_s=op_timeout_s)
+        return cls(client=client, op_timeout_s=op_timeout_s, sentinel=sentinel)
 
     async def reserve(
         self, keys: Sequence[str], *, token: str, lease_s: float
     ) -> list[Reservation]:
         """Create ``P|token`` with a TTL of ``lease_s`` seconds under every absent key.
 
-        One round trip for all keys; one :class:`Reservation` per key, in order. A key that
+        One pipeline for all keys; one :class:`Reservation` per key, in order. A key that
         already holds ``P|token`` (same token) reports ``reserved=True`` again. Raises
         :class:`StoreError` (op ``reserve``).
         """
@@ -206,13 +266,15 @@ class RedisStore:
         args = (token, _ms(lease_s))
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
-            results = await self._run_scripts(calls)
-        return [_reservation(key, result) for key, result in zip(keys, results, strict=True)]
+            results = await self._run_scripts(calls, durable=set(keys))
+        now_ms = int(time.time() * 1000)
+        return [_reservation(key, result, args[1], now_ms)
+                for key, result in zip(keys, results, strict=True)]
 
     async def settle(
         self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
     ) -> list[bool]:
-        """Apply every settlement in one round trip, each only if its key holds ``P|token``.
+        """Apply every settlement in one pipeline, each only if its key holds ``P|token``.
 
         SENT and UNKNOWN get a TTL of ``window_s`` seconds and record ``now`` (unix seconds) as
         whole milliseconds. Returns per op whether it was applied. Raises :class:`StoreError`
@@ -228,10 +290,13 @@ class RedisStore:
                 calls.append((self._mark_sent_script, op.key, sent_args))
             elif op.action is Settle.UNKNOWN:
                 calls.append((self._mark_unknown_script, op.key, (token, at_ms, window_ms)))
+            elif op.action is Settle.SENDING:
+                calls.append((self._mark_sending_script, op.key, (token, at_ms, window_ms)))
             else:
                 calls.append((self._release_script, op.key, (token,)))
+        marks = {op.key for op in ops if op.action is not Settle.RELEASE}
         async with _translated("settle", self._op_timeout_s):
-            results = await self._run_scripts(calls)
+            results = await self._run_scripts(calls, durable=marks)
         return [result == 1 for result in results]
 
     async def inspect(self, key: str) -> Record:
@@ -269,53 +334,64 @@ class RedisStore:
             await self._client.ping()
 
     async def check_server(self) -> list[str]:
-        """Return readable warnings about the server's settings (empty when all is well).
+        """Return readable warnings about the servers' settings (empty when all is well).
 
-        Warns when ``maxmemory-policy`` is not ``noeviction`` (an evicted PENDING or SENT key
-        lets a duplicate through) and when the setting cannot be read (CONFIG refused, as on
-        many managed services). Raises :class:`StoreError` (op ``check_server``) only when the
-        server cannot be reached.
+        For the one server, the Sentinel-managed master or every master of a cluster: warns
+        when ``maxmemory-policy`` is not ``noeviction`` (an evicted PENDING or SENT key lets a
+        duplicate through), when persistence is off (``appendonly no`` and an empty ``save``),
+        and when these cannot be read (CONFIG refused, as on many managed services). With
+        Sentinel, also when the sentinels know no live replica. Raises :class:`StoreError`
+        (op ``check_server``) only when a server cannot be reached.
         """
+        warnings: list[str] = []
         async with _translated("check_server", self._op_timeout_s):
-            try:
-                config = await self._client.config_get("maxmemory-policy")
-            except ResponseError as exc:
-                return [
-                    "could not check Redis maxmemory-policy (CONFIG GET refused: "
-                    f"{str(exc)[:_ERROR_TEXT_MAX]}); make sure it is noeviction"
-                ]
-        policy = _setting(config, "maxmemory-policy")
-        if policy is None:
-            return [
-                "could not check Redis maxmemory-policy (not reported by CONFIG GET); "
-                "make sure it is noeviction"
-            ]
-        if policy != "noeviction":
-            return [
-                f"Redis maxmemory-policy is {policy!r}, not 'noeviction': under memory pressure "
-                "Redis may evict fingerprints and let duplicates through"
-            ]
-        return []
+            for where, config_get in await self._config_readers():
+                warnings.extend(await server_warnings(where, config_get))
+            if self._sentinel is not None:
+                service = self._sentinel.service
+                if not await self._sentinel.sentinel.discover_slaves(service):
+                    warnings.append(
+                        f"Redis Sentinel knows no live replica of {service!r}: a failover of "
+                        "its master has nothing to promote"
+                    )
+        return warnings
 
     async def close(self) -> None:
-        """Close the client and its connection pool. Never raises for a broken connection."""
+        """Close the client, its connections and the sentinels'. Never raises for a broken
+        connection."""
         with contextlib.suppress(RedisError, OSError):
             await self._client.aclose()
+        if self._sentinel is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._sentinel.sentinel.aclose()
 
-    async def _run_scripts(self, calls: Sequence[_ScriptCall]) -> list[Any]:
+    async def _config_readers(self) -> list[tuple[str, ConfigGet]]:
+        """One ``(name, CONFIG GET function)`` per server to check: every master of a cluster."""
+        client = self._client
+        if not isinstance(client, redis.asyncio.RedisCluster):
+            return [("Redis", client.config_get)]
+        await client.initialize()
+
+        def reader(node: ClusterNode) -> ConfigGet:
+            return lambda name: client.config_get(name, target_nodes=node)
+
+        return [(f"Redis at {node.name}", reader(node)) for node in client.get_primaries()]
+
+    async def _run_scripts(
+        self, calls: Sequence[_ScriptCall], *, durable: AbstractSet[str]
+    ) -> list[Any]:
         """Run ``calls`` by EVALSHA in one non-transactional pipeline; return their results.
 
-        A script the server does not know (NOSCRIPT: restarted, flushed, failed over) is loaded
-        and only the calls that failed for that reason are run again, so the common case stays
-        one round trip. Any other script error is raised as its redis-py exception.
+        The writes to the keys in ``durable`` are followed by WAIT (see the class docstring).
+        A server that does not know a script (NOSCRIPT: restarted, flushed, a replica just
+        promoted, a cluster node never used before) gets the calls that failed for that reason
+        again as EVAL, which runs the script and caches it on that server: one more round trip,
+        on that server only. Any other script error is raised as its redis-py exception.
         """
-        results = await self._pipeline(calls)
+        results = await self._pipeline(calls, durable, by_sha=True)
         missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if missing:
-            for script in {calls[i][0] for i in missing}:
-                sha = await self._client.script_load(script.script)
-                script.sha = _text(sha) if isinstance(sha, bytes) else str(sha)
-            retried = await self._pipeline([calls[i] for i in missing])
+            retried = await self._pipeline([calls[i] for i in missing], durable, by_sha=False)
             for i, result in zip(missing, retried, strict=True):
                 results[i] = result
         for result in results:
@@ -323,8 +399,28 @@ class RedisStore:
                 raise result
         return results
 
-    async def _pipeline(self, calls: Sequence[_ScriptCall]) -> list[Any]:
+    async def _pipeline(
+        self, calls: Sequence[_ScriptCall], durable: AbstractSet[str], *, by_sha: bool
+    ) -> list[Any]:
+        """Send ``calls``, then a WAIT per server written to for ``durable`` keys, in one
+        pipeline; return the calls' results.
+
+        On a cluster, redis-py groups the commands by node and runs the groups in parallel,
+        each on one connection, so a WAIT aimed at a node follows the writes sent to it. A
+        write answered with MOVED or ASK is sent again on its own, and its WAIT still goes to
+        the old node: after a failover that node is a replica and refuses WAIT, which fails
+        the call (the slot map is right for the next one); while slots migrate, the old node's
+        answer does not cover the moved write.
+        """
+        targets = await self._acks.targets([key for _, key, _ in calls if key in durable])
         async with self._client.pipeline(transaction=False) as pipe:
             for script, key, args in calls:
-                pipe.evalsha(script.sha, 1, key, *args)
-            return await pipe.execute(raise_on_error=False)
+                if by_sha:
+                    # execute_command: ClusterPipeline blocks its evalsha() helper method
+                    pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+                else:
+                    pipe.execute_command("EVAL", script.script, 1, key, *args)
+            self._acks.add_waits(pipe, targets)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        await self._acks.note(targets, results[len(calls) :])
+        return results[: len(calls)]
