@@ -207,7 +207,8 @@ class DedupCore:
             for rcpt, key in keys.items():
                 if key in to_send:
                     first_rcpt.setdefault(key, rcpt)
-            progress = DeliveryProgress()
+            progress = DeliveryProgress(
+                before_dot=self._settler.sending_marker(first_rcpt, token))
             try:
                 result = await self._deliver(msg, list(first_rcpt.values()), progress)
             except asyncio.CancelledError:  # shutdown past its grace cut the transaction
@@ -244,7 +245,8 @@ class DedupCore:
                   and self._policy.unknown == "hold"):
                 tally.temp(rcpt, "held", _RANK_HELD, replies.HELD_UNKNOWN)
             else:
-                tally.add(rcpt, "suppressed")
+                in_doubt = found is not None and found.state is State.UNKNOWN
+                tally.add(rcpt, "suppressed_unknown" if in_doubt else "suppressed")
                 at = found.at if found is not None else None
                 if at is not None and (tally.first_sent_at is None or at < tally.first_sent_at):
                     tally.first_sent_at = at
@@ -296,7 +298,8 @@ class DedupCore:
                   *, relayed_outcome: str = "relayed") -> Decision:
         """Aggregate per-recipient outcomes into one reply, worst first (DESIGN section 4)."""
         relayed = tally.count(relayed_outcome)
-        suppressed = tally.count("suppressed")
+        in_doubt = tally.count("suppressed_unknown")
+        suppressed = tally.count("suppressed") + in_doubt
         refused_perm = tally.count("refused_perm")
         upstream_reply = result.final_reply if result is not None else None
         if tally.temp_replies:
@@ -305,11 +308,12 @@ class DedupCore:
         elif refused_perm and not relayed:
             reply, res = tally.perm_replies[0], "permfail"
         elif relayed:
-            reply = replies.accepted(relayed, suppressed, refused_perm, msg.queue_id)
+            reply = replies.accepted(relayed, suppressed, refused_perm, msg.queue_id, in_doubt)
             res = "relayed" if relayed_outcome == "relayed" else relayed_outcome
         else:
             when = _iso(tally.first_sent_at)
-            reply, res = replies.all_suppressed(suppressed, when, msg.queue_id), "suppressed"
+            reply = replies.all_suppressed(suppressed, when, msg.queue_id, in_doubt)
+            res = "suppressed"
         return self._finish(msg, reply, res, tally.outcomes, upstream_reply)
 
     def _finish(self, msg: InboundMessage, reply: SmtpReply, result: str,

@@ -9,7 +9,7 @@ are wired together in :mod:`relay.app` only.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +23,7 @@ class State(enum.Enum):
 
     ABSENT = "absent"
     PENDING = "pending"
+    SENDING = "sending"  # final dot going out: outlives a crash of its attempt as UNKNOWN
     SENT = "sent"
     UNKNOWN = "unknown"
 
@@ -31,10 +32,11 @@ class State(enum.Enum):
 class Record:
     """What the store holds for one key.
 
-    ``token`` is set for PENDING only. ``at`` is the unix time in seconds of the send (SENT) or of
-    the in-doubt attempt (UNKNOWN); ``None`` when unknown (a foreign value such as ``1``, which
-    counts as SENT). ``reply`` is the upstream's reply text kept with SENT. ``ttl_s`` is the
-    remaining lifetime in seconds, ``None`` when the store cannot tell.
+    ``token`` is set for PENDING and SENDING only. ``at`` is the unix time in seconds of the send
+    (SENT), of the in-doubt attempt (UNKNOWN) or of the final dot going out (SENDING); ``None``
+    when unknown (a foreign value such as ``1``, which counts as SENT). ``reply`` is the
+    upstream's reply text kept with SENT. ``ttl_s`` is the remaining lifetime in seconds,
+    ``None`` when the store cannot tell.
     """
 
     state: State
@@ -49,7 +51,9 @@ class Reservation:
     """Result of reserving one store key.
 
     ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
-    record that was already there (PENDING of another attempt, SENT or UNKNOWN).
+    record that was already there (PENDING of another attempt, SENT or UNKNOWN). A SENDING
+    record is reported as PENDING while it is younger than the lease (its attempt is waiting for
+    the upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
     """
 
     key: str
@@ -60,9 +64,10 @@ class Reservation:
 class Settle(enum.Enum):
     """How to settle a reservation after the upstream transaction (DESIGN section 4)."""
 
-    SENT = "sent"  # PENDING(token) -> SENT(now, reply), TTL = dedup window
-    UNKNOWN = "unknown"  # PENDING(token) -> UNKNOWN(now), TTL = dedup window
-    RELEASE = "release"  # PENDING(token) -> absent
+    SENDING = "sending"  # PENDING(token) -> SENDING(token, now), TTL = dedup window
+    SENT = "sent"  # PENDING|SENDING(token) -> SENT(now, reply), TTL = dedup window
+    UNKNOWN = "unknown"  # PENDING|SENDING(token) -> UNKNOWN(now), TTL = dedup window
+    RELEASE = "release"  # PENDING|SENDING(token) -> absent
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class FingerprintStore(Protocol):
     async def settle(
         self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
     ) -> list[bool]:
-        """Apply every settlement in one round trip, each only if the key holds ``PENDING(token)``.
+        """Apply every settlement in one round trip, each only if the key holds ``PENDING(token)``
+        (or ``SENDING(token)``, except for the SENDING action itself).
 
         ``window_s`` is the dedup window in seconds (TTL of SENT and UNKNOWN, counted from
         ``now``, a unix time in seconds). Returns, per op, whether the token matched and the
@@ -190,12 +196,18 @@ class RcptResult:
 
 @dataclass
 class DeliveryProgress:
-    """Filled in by the upstream while a transaction runs, read by the core if it is cancelled.
+    """The core's hook into a running transaction, and what the upstream reports back.
 
+    ``before_dot`` (optional) is awaited by the upstream after the upstream accepted DATA and
+    before the message and final dot are written, with the recipients the upstream accepted;
+    it returns False to abort (no dot is sent, every recipient is refused temporarily). The
+    core uses it to mark those reservations SENDING, so that a relay killed while waiting for
+    the reply leaves them in doubt instead of lapsing into a duplicate.
     ``dot_written`` turns True once the message and its final dot were handed to the network
     (after that, cutting the transaction leaves its outcome unknown, RFC 1047).
     """
 
+    before_dot: Callable[[Sequence[str]], Awaitable[bool]] | None = None
     dot_written: bool = False
 
 

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from relay import __version__
 
 OUTCOMES = (
-    "relayed", "suppressed", "inflight", "held", "refused_temp", "refused_perm", "unknown",
+    "relayed", "suppressed", "suppressed_unknown", "inflight", "held", "refused_temp",
+    "refused_perm", "unknown",
     "no_key", "store_down",
 )
 RESULTS = ("relayed", "suppressed", "no_key", "store_down", "tempfail", "permfail", "invalid")

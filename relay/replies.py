@@ -161,18 +161,34 @@ def pass_through(reply: SmtpReply) -> SmtpReply:
     return SmtpReply(code, f"{enhanced} upstream: {client_safe_text(text)}".rstrip())
 
 
-def accepted(relayed: int, suppressed: int, refused: int, queue_id: str) -> SmtpReply:
-    """The ``250`` for a message with at least one recipient relayed (counts in the text)."""
+def accepted(relayed: int, suppressed: int, refused: int, queue_id: str,
+             in_doubt: int = 0) -> SmtpReply:
+    """The ``250`` for a message with at least one recipient relayed (counts in the text).
+
+    ``in_doubt`` of the ``suppressed`` were suppressed because an earlier attempt is in doubt
+    (UNKNOWN, ``unknown_policy = suppress``): the text says so, so a client or a log reader can
+    tell them from true duplicates.
+    """
     parts = [f"relayed {relayed}"]
     if suppressed:
-        parts.append(f"suppressed {suppressed} duplicate(s)")
+        doubt = f" ({in_doubt} in doubt)" if in_doubt else ""
+        parts.append(f"suppressed {suppressed} duplicate(s){doubt}")
     if refused:
         parts.append(f"refused permanently {refused}")
     return SmtpReply(250, f"2.0.0 Ok: {', '.join(parts)}; id={queue_id}")
 
 
-def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str) -> SmtpReply:
-    """The ``250`` for a message whose every recipient is a duplicate (DESIGN section 4)."""
+def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
+                   in_doubt: int = 0) -> SmtpReply:
+    """The ``250`` for a message whose every recipient is a duplicate (DESIGN section 4).
+
+    When ``in_doubt`` of them are suppressed because an earlier attempt is in doubt, the text
+    says "in doubt" instead of claiming the original went.
+    """
+    if in_doubt:
+        since = f" since {first_sent_iso}" if first_sent_iso else ""
+        return SmtpReply(250, f"2.0.0 Ok: duplicate suppressed for {count} recipient(s); "
+                              f"{in_doubt} in doubt{since}; id={queue_id}")
     when = f"; original sent {first_sent_iso}" if first_sent_iso else ""
     return SmtpReply(
         250, f"2.0.0 Ok: duplicate suppressed for {count} recipient(s){when}; id={queue_id}"

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from tenacity import (
     AsyncRetrying,
@@ -55,6 +55,33 @@ class Settler:
                 log.warning("settle %s found another attempt's reservation (lease ran out?)",
                             op.action.value)
 
+    def sending_marker(self, first_rcpt: Mapping[str, str],
+                       token: str) -> Callable[[Sequence[str]], Awaitable[bool]]:
+        """The ``before_dot`` hook: mark the keys of the accepted recipients SENDING.
+
+        ``first_rcpt`` maps store key -> the recipient sent upstream for it. The hook returns
+        False (abort, send no dot) when the store fails or a key is no longer this attempt's.
+        """
+
+        async def mark(accepted: Sequence[str]) -> bool:
+            wanted = set(accepted)
+            ops = [SettleOp(key=k, action=Settle.SENDING)
+                   for k, rcpt in first_rcpt.items() if rcpt in wanted]
+            started = time.perf_counter()
+            try:
+                applied = await self._store.settle(ops, token=token, window_s=self._window_s,
+                                                   now=self._clock())
+            except StoreError as exc:
+                self._metrics.store_call("settle", time.perf_counter() - started, False)
+                log.error("cannot mark SENDING before the final dot (%s): not sending", exc)
+                return False
+            self._metrics.store_call("settle", time.perf_counter() - started, True)
+            if not all(applied):
+                log.error("a reservation is no longer ours before the final dot: not sending")
+            return all(applied)
+
+        return mark
+
     async def release_quietly(self, keys: list[str], token: str) -> None:
         """Undo whatever part of a failed reserve did land (compare-token, so always safe).
 
@@ -86,11 +113,10 @@ class Settler:
 
         While the mark is missing the key stays PENDING (retries get 450). This is more than
         DESIGN's "retry the write briefly": a mark lost for good would let a retry send again
-        once the lease lapses. Releases are not retried: the lease ending has the same effect.
+        once the lease lapses. Releases are retried too: a key already marked SENDING would not
+        lapse with the lease but turn UNKNOWN.
         """
-        marks = [op for op in ops if op.action is not Settle.RELEASE]
-        if not marks:
-            return
+        marks = list(ops)
         log.error("settle failed; retrying %d mark(s) in the background until the lease ends",
                   len(marks))
         task = asyncio.create_task(self._keep_settling(marks, token, lease_ends))

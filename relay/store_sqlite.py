@@ -28,6 +28,7 @@ from relay.interfaces import Record, Reservation, Settle, SettleOp, State
 _T = TypeVar("_T")
 
 _PENDING, _SENT, _UNKNOWN = State.PENDING.value, State.SENT.value, State.UNKNOWN.value
+_SENDING = State.SENDING.value
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS fingerprints (
@@ -45,14 +46,20 @@ _UPSERT = (
     "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
     "VALUES (?, ?, ?, ?, ?, ?)"
 )
-# Parameters: key, token, now_ms. Touch the row only while it holds PENDING(token), unexpired.
+# Parameters: key, token, now_ms. Touch the row only while it holds PENDING(token) or
+# SENDING(token), unexpired.
 _RELEASE = (
     "DELETE FROM fingerprints "
-    "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: state, at_ms, reply, expires_at_ms, then key, token, now_ms as for _RELEASE.
 _SETTLE = (
     "UPDATE fingerprints SET state = ?, token = NULL, at_ms = ?, reply = ?, expires_at_ms = ? "
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: at_ms, expires_at_ms, then key, token, now_ms. PENDING(token) -> SENDING(token).
+_TO_SENDING = (
+    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ? "
     "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: key, now_ms. Deletes the row only while it is live (not expired).
@@ -96,13 +103,23 @@ def _clean(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _record(row: _Row, now_ms: int) -> Record:
-    """Turn a live row into a :class:`Record`; an unrecognised state counts as SENT."""
+def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
+    """Turn a live row into a :class:`Record`; an unrecognised state counts as SENT.
+
+    With ``lease_ms`` (a reserve) a SENDING row reads as PENDING while younger than the lease
+    and as UNKNOWN after it (its attempt died after the final dot).
+    """
     state, token, at_ms, reply, expires_at_ms = row
     ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
     at = at_ms / 1000 if at_ms is not None else None
     if state == _PENDING and token:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
+    if state == _SENDING and token and at_ms is not None:
+        if lease_ms is None:
+            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s)
+        if now_ms - at_ms < lease_ms:
+            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
     if state == _SENT:
         return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s)
     if state == _UNKNOWN:
@@ -287,7 +304,8 @@ class SqliteStore:
                 elif row[0] == _PENDING and row[1] == token:
                     out.append(Reservation(key=key, reserved=True))
                 else:
-                    out.append(Reservation(key=key, reserved=False, found=_record(row, now_ms)))
+                    found = _record(row, now_ms, lease_ms)
+                    out.append(Reservation(key=key, reserved=False, found=found))
             return out
 
         return self._transaction(body)
@@ -301,6 +319,8 @@ class SqliteStore:
                 mine = (op.key, token, now_ms)
                 if op.action is Settle.RELEASE:
                     cursor = conn.execute(_RELEASE, mine)
+                elif op.action is Settle.SENDING:
+                    cursor = conn.execute(_TO_SENDING, (at_ms, expires_ms, *mine))
                 else:
                     state = _SENT if op.action is Settle.SENT else _UNKNOWN
                     reply = _clean(op.reply) if op.action is Settle.SENT else None

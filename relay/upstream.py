@@ -169,7 +169,7 @@ class SmtpUpstream:
         results, accepted = await self._recipients(smtp, wire.rcpt_to, encoding)
         if not accepted:
             return DeliveryResult(recipients=results)
-        outcome = await self._data(smtp, message.content, progress)
+        outcome = await self._data(smtp, message.content, progress, accepted)
         for rcpt in accepted:
             results[rcpt] = outcome
         final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
@@ -194,8 +194,8 @@ class SmtpUpstream:
                 results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
         return results, accepted
 
-    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes,
-                    progress: DeliveryProgress) -> RcptResult:
+    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes, progress: DeliveryProgress,
+                    accepted: list[str]) -> RcptResult:
         """DATA, the message, the final dot; tell a failure before the dot from one after it."""
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
@@ -203,6 +203,9 @@ class SmtpUpstream:
             return _lost(exc)
         if start.code != 354:
             return _refusal(start.code, start.message)
+        if progress.before_dot is not None and not await progress.before_dot(accepted):
+            smtp.close()  # no dot: the upstream discards the transaction
+            return _synthetic(replies.STORE_DOWN)
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
         if protocol is None or not isinstance(transport, asyncio.WriteTransport):

@@ -12,6 +12,7 @@ import asyncio
 import mailbox
 from pathlib import Path
 
+from relay import replies
 from relay.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -41,6 +42,11 @@ class MaildirUpstream:
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
         """Write one file per recipient; a filesystem error refuses all of them temporarily."""
         if progress is not None:
+            if progress.before_dot is not None and not await progress.before_dot(
+                    message.rcpt_tos):
+                return DeliveryResult(recipients={
+                    r: RcptResult(RcptStatus.REFUSED, replies.STORE_DOWN, from_upstream=False)
+                    for r in message.rcpt_tos})
             progress.dot_written = True  # the writing thread cannot be stopped once started
         try:
             await asyncio.to_thread(self._deliver_sync, message)

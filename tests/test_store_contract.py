@@ -2,8 +2,11 @@
 
 The Redis store talks to the real server at ``RELAY_TEST_REDIS_URL`` (default
 ``redis://127.0.0.1:6379/0``); every test works under its own random key prefix and deletes its
-keys afterwards. Faults come from real fakes: a closed port, and a tiny RESP server on port 0
-that answers (or not) as the test chooses. The SQLite store uses a file under ``tmp_path``.
+keys afterwards. The contract also runs against a real Redis Cluster (three masters, three
+replicas) and a Sentinel-managed master with a replica, private servers this module starts on
+free loopback ports and stops at its end (``redis_servers.py``). Faults come from real fakes: a
+closed port, and a tiny RESP server on port 0 that answers (or not) as the test chooses. The
+SQLite store uses a file under ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from uuid import uuid4
 
 import pytest
 import redis.asyncio
+from redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
 
 from relay.errors import StoreError
 from relay.interfaces import FingerprintStore, Record, Settle, SettleOp, State
@@ -43,15 +47,38 @@ def db_path(tmp_path: Path) -> str:
     return str(tmp_path / "store.db")
 
 
-@pytest.fixture(params=["redis", "sqlite"])
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A private three-master, three-replica Redis Cluster for this module."""
+    with redis_cluster() as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def sentinel() -> Iterator[SentinelSet]:
+    """A private master, replica and sentinel for this module."""
+    with redis_sentinel() as servers:
+        yield servers
+
+
+@pytest.fixture(params=["redis", "sqlite", "cluster", "sentinel"])
 async def store(
     request: pytest.FixtureRequest, prefix: str, db_path: str
 ) -> AsyncIterator[FingerprintStore]:
-    """Each store in turn; Redis keys under ``prefix`` are deleted afterwards."""
+    """Each store in turn; Redis keys under ``prefix`` are deleted afterwards.
+
+    The cluster and sentinel servers are private to this module: their keys go with them.
+    """
     if request.param == "sqlite":
         sqlite_store = await SqliteStore.open(db_path)
         yield sqlite_store
         await sqlite_store.close()
+        return
+    if request.param in ("cluster", "sentinel"):
+        servers: Cluster | SentinelSet = request.getfixturevalue(request.param)
+        private_store = RedisStore.from_url(servers.url)
+        yield private_store
+        await private_store.close()
         return
     redis_store = RedisStore.from_url(REDIS_URL)
     yield redis_store
@@ -65,9 +92,8 @@ async def store(
 async def write_foreign(store: FingerprintStore, key: str, db_path: str) -> None:
     """Write what another application would: ``1`` in Redis, a row of unknown state in SQLite."""
     if isinstance(store, RedisStore):
-        client = redis.asyncio.from_url(REDIS_URL)
-        await client.set(key, "1")
-        await client.aclose()
+        # the store's own client reaches the right server whether single, cluster or sentinel
+        await store._client.set(key, "1")
         return
     with contextlib.closing(sqlite3.connect(db_path)) as conn, conn:
         conn.execute(
@@ -400,14 +426,12 @@ async def test_redis_silent_server_times_out() -> None:
 
 
 async def test_redis_reloads_script_after_noscript() -> None:
-    """A script the server lost (NOSCRIPT) is loaded again and the call still succeeds."""
+    """A script the server lost (NOSCRIPT) is run again by EVAL, which caches it, and succeeds."""
     seen: list[bytes] = []
 
     def answer(command: list[bytes]) -> Reply:
         seen.append(command[0].upper())
-        if command[0].upper() == b"SCRIPT":
-            return b"$40\r\n" + b"0" * 40 + b"\r\n"
-        if seen.count(b"EVALSHA") == 1:
+        if seen == [b"EVALSHA"]:
             return b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
         return b":1\r\n"
 
@@ -416,20 +440,39 @@ async def test_redis_reloads_script_after_noscript() -> None:
         [reservation] = await store.reserve(["k"], token="t", lease_s=1)
         await store.close()
     assert reservation.reserved
-    assert seen == [b"EVALSHA", b"SCRIPT", b"EVALSHA"]
+    assert seen == [b"EVALSHA", b"EVAL"]
+
+
+SAFE_CONFIG = {"maxmemory-policy": "noeviction", "appendonly": "yes", "save": "3600 1"}
+
+
+def config_server(settings: dict[str, str | None]) -> Callable[[list[bytes]], Reply]:
+    """Answer ``CONFIG GET <name>`` from ``settings`` (None: not reported) like Redis 7."""
+
+    def answer(command: list[bytes]) -> Reply:
+        value = settings.get(command[2].decode())
+        if value is None:
+            return b"%0\r\n"
+        name, raw = command[2], value.encode()
+        return b"%%1\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(name), name, len(raw), raw)
+
+    return answer
 
 
 @pytest.mark.parametrize(
-    ("config_reply", "warning_part"),
+    ("changes", "warning_part"),
     [
-        (b"%1\r\n$16\r\nmaxmemory-policy\r\n$11\r\nallkeys-lru\r\n", "'allkeys-lru'"),
-        (b"-ERR unknown command 'CONFIG'\r\n", "could not check"),
-        (b"%0\r\n", "could not check"),
+        ({"maxmemory-policy": "allkeys-lru"}, "'allkeys-lru'"),
+        ({"maxmemory-policy": None}, "could not check Redis maxmemory-policy"),
+        ({"appendonly": "no", "save": ""}, "persistence is off"),
+        ({"save": None}, "could not check Redis persistence"),
     ],
 )
-async def test_redis_check_server_warns(config_reply: bytes, warning_part: str) -> None:
-    """check_server warns when maxmemory-policy evicts or cannot be read."""
-    async with fake_redis(lambda command: config_reply) as url:
+async def test_redis_check_server_warns(
+    changes: dict[str, str | None], warning_part: str
+) -> None:
+    """check_server warns when maxmemory-policy evicts, persistence is off, or either is unread."""
+    async with fake_redis(config_server({**SAFE_CONFIG, **changes})) as url:
         store = RedisStore.from_url(url, op_timeout_s=1)
         warnings = await store.check_server()
         await store.close()
@@ -437,10 +480,20 @@ async def test_redis_check_server_warns(config_reply: bytes, warning_part: str) 
     assert warning_part in warnings[0]
 
 
-async def test_redis_check_server_quiet_on_noeviction() -> None:
-    """check_server returns no warning when maxmemory-policy is noeviction."""
-    reply = b"%1\r\n$16\r\nmaxmemory-policy\r\n$10\r\nnoeviction\r\n"
-    async with fake_redis(lambda command: reply) as url:
+async def test_redis_check_server_warns_once_when_config_refused() -> None:
+    """A server that refuses CONFIG gets one warning that it could not be checked."""
+    async with fake_redis(lambda command: b"-ERR unknown command 'CONFIG'\r\n") as url:
+        store = RedisStore.from_url(url, op_timeout_s=1)
+        warnings = await store.check_server()
+        await store.close()
+    assert len(warnings) == 1
+    assert "could not check" in warnings[0]
+
+
+@pytest.mark.parametrize("changes", [{}, {"appendonly": "no"}, {"save": ""}])
+async def test_redis_check_server_quiet_when_safe(changes: dict[str, str | None]) -> None:
+    """check_server is quiet with noeviction and either AOF or RDB snapshots on."""
+    async with fake_redis(config_server({**SAFE_CONFIG, **changes})) as url:
         store = RedisStore.from_url(url, op_timeout_s=1)
         assert await store.check_server() == []
         await store.close()
@@ -486,7 +539,7 @@ def test_decode_value_reads_malformed_values_as_sent(raw: bytes) -> None:
 
 
 def test_from_url_refuses_other_schemes() -> None:
-    """RedisStore.from_url refuses a URL that is not redis://, rediss:// or unix://."""
+    """RedisStore.from_url refuses a URL that is not one of the Redis store schemes."""
     with pytest.raises(ValueError, match="scheme"):
         RedisStore.from_url("http://127.0.0.1:6379/0")
 
@@ -598,3 +651,72 @@ def test_sqlite_path_from_url_refuses_bad_urls(url: str) -> None:
     """sqlite_path_from_url raises ValueError for anything but a sqlite:/// file URL."""
     with pytest.raises(ValueError, match="store URL"):
         sqlite_path_from_url(url)
+
+
+# ---------------------------------------------------------------------------------------------
+# SENDING: a reservation whose final dot is going out. A relay killed after the upstream took a
+# message, before it marked it sent, used to leave a PENDING key that lapsed with the lease, so
+# the retry was relayed again (the fault bench's "SIGKILL just after the upstream took a
+# message"). Marking the keys SENDING (TTL: the dedup window) before the dot makes it UNKNOWN.
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_sending_reads_as_pending_within_the_lease(store: FingerprintStore,
+                                                         prefix: str) -> None:
+    """Another attempt finds a SENDING key PENDING (450 inflight) while its lease runs."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    assert await store.settle([SettleOp(key, Settle.SENDING)], token=token, window_s=3600,
+                              now=time.time()) == [True]
+    found = (await store.reserve([key], token=new_token(), lease_s=30))[0]
+    assert not found.reserved and found.found is not None
+    assert found.found.state is State.PENDING
+    record = await store.inspect(key)
+    assert record.state is State.SENDING and record.token == token
+    assert record.ttl_s is not None and record.ttl_s > 3000  # the window, not the lease
+
+
+async def test_sending_older_than_the_lease_reads_as_unknown(store: FingerprintStore,
+                                                             prefix: str) -> None:
+    """A SENDING key whose attempt died outlives the lease and is then found UNKNOWN."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=0.3)
+    await store.settle([SettleOp(key, Settle.SENDING)], token=token, window_s=3600,
+                       now=time.time())
+    await asyncio.sleep(0.5)
+    found = (await store.reserve([key], token=new_token(), lease_s=0.3))[0]
+    assert not found.reserved and found.found is not None
+    assert found.found.state is State.UNKNOWN
+
+
+async def test_sending_settles_with_its_token_only(store: FingerprintStore,
+                                                   prefix: str) -> None:
+    """SENDING(token) goes to SENT, UNKNOWN or absent with its token, never with another."""
+    keys = [prefix + n for n in "abc"]
+    token = new_token()
+    await store.reserve(keys, token=token, lease_s=30)
+    await store.settle([SettleOp(k, Settle.SENDING) for k in keys], token=token,
+                       window_s=3600, now=time.time())
+    wrong = await store.settle([SettleOp(keys[0], Settle.SENT, "250 ok")], token=new_token(),
+                               window_s=3600, now=time.time())
+    assert wrong == [False]
+    done = await store.settle(
+        [SettleOp(keys[0], Settle.SENT, "250 ok"), SettleOp(keys[1], Settle.UNKNOWN),
+         SettleOp(keys[2], Settle.RELEASE)], token=token, window_s=3600, now=time.time())
+    assert done == [True, True, True]
+    states = [(await store.inspect(k)).state for k in keys]
+    assert states == [State.SENT, State.UNKNOWN, State.ABSENT]
+
+
+async def test_sending_needs_a_pending_reservation(store: FingerprintStore,
+                                                   prefix: str) -> None:
+    """SENDING is refused for an absent key and for another attempt's reservation."""
+    key, token = prefix + "k", new_token()
+    absent = await store.settle([SettleOp(key, Settle.SENDING)], token=token, window_s=3600,
+                                now=time.time())
+    assert absent == [False]
+    await store.reserve([key], token=token, lease_s=30)
+    other = await store.settle([SettleOp(key, Settle.SENDING)], token=new_token(),
+                               window_s=3600, now=time.time())
+    assert other == [False]
+    assert (await store.inspect(key)).state is State.PENDING
