@@ -1,0 +1,374 @@
+"""The fault bench's servers: a faulty upstream sink (aiosmtpd, in the bench's loop), a
+bench-owned redis-server, and `python -m relay serve` processes.
+
+The traffic and the checker are in ``faultbench_traffic``, the runs that combine them in
+``faultbench_scenarios``; ``tests/test_faults.py`` (short) and ``tools/faultbench.py`` (long)
+drive those. Loopback only, every wait bounded; each process started here is also killed at
+interpreter exit when a caller's ``finally`` could not run (a test timeout).
+
+The sink logs one JSON line per recipient of every message it accepted (``sink.jsonl``):
+``{"rcpt": ..., "key": <X-Dedupe-Key>, "t": <unix time>}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+REPO = Path(__file__).resolve().parent.parent
+_KEY_HEADER = re.compile(rb"^X-Dedupe-Key:[ \t]*(.*?)\r?$", re.I | re.M)
+_CHILD_PIDS: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@atexit.register
+def _kill_leftover_children() -> None:
+    """Last resort: kill the processes a caller could not stop (by pid, ours only)."""
+    for pid in list(_CHILD_PIDS):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _spawn(*argv: str, env: dict[str, str] | None, log_path: Path
+                 ) -> asyncio.subprocess.Process:
+    with log_path.open("ab") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, cwd=log_path.parent, stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file, stderr=log_file)
+    _CHILD_PIDS.add(proc.pid)
+    return proc
+
+
+async def _end(proc: asyncio.subprocess.Process, sig: int, wait_s: float) -> int:
+    """Send ``sig`` (unless it exited), wait up to ``wait_s``, then SIGKILL; return the code."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            await asyncio.wait_for(proc.wait(), wait_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await asyncio.wait_for(proc.wait(), 10)
+    _CHILD_PIDS.discard(proc.pid)
+    return int(proc.returncode if proc.returncode is not None else -1)
+
+
+async def wait_for_port(port: int, proc: asyncio.subprocess.Process | None,
+                        timeout_s: float = 15.0) -> None:
+    """Wait until 127.0.0.1:port accepts; raise if ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.returncode is not None:
+            raise RuntimeError(f"process {proc.pid} exited with {proc.returncode}")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1)
+        except (OSError, TimeoutError):
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+    raise RuntimeError(f"nothing accepts on 127.0.0.1:{port} after {timeout_s} s")
+
+
+# ------------------------------------------------------------------------------------------
+# the upstream sink
+# ------------------------------------------------------------------------------------------
+
+
+DECK = 20  # fates are dealt in shuffled blocks of 20 transactions: ratios are exact per block
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What the sink does to each transaction (MAIL to final dot; retries are transactions too).
+
+    Ratios are exact shares of every block of ``DECK`` transactions (in random order), so a
+    short run sees each fault; they are rounded to multiples of 1 / ``DECK``.
+
+    ``temp_ratio``: 451 to the final dot (not taken), or for one recipient at RCPT.
+    ``perm_ratio``: 554 to the final dot (not taken).
+    ``hang_ratio``: take the message, then send no reply for ``hang_s`` (longer than the
+    relay's upstream timeout: the relay sees the RFC 1047 case, the message IS delivered).
+    ``drop_ratio``: close the connection at the first RCPT (before any data).
+    ``slow_s``: every MAIL/RCPT/DATA reply is delayed by up to this many seconds.
+    """
+
+    temp_ratio: float = 0.0
+    perm_ratio: float = 0.0
+    hang_ratio: float = 0.0
+    hang_s: float = 3.0
+    drop_ratio: float = 0.0
+    slow_s: float = 0.0
+
+
+@dataclass
+class _Plan:
+    fate: str  # ok | temp_dot | temp_rcpt | perm | hang | drop
+    rcpts_seen: int = 0
+
+
+class BenchSink:
+    """aiosmtpd handler of the faulty smarthost; logs every accepted (recipient, key)."""
+
+    def __init__(self, faults: Faults, log_path: Path, seed: int) -> None:
+        self.faults = faults
+        self.log_path = log_path
+        self._rng = random.Random(seed)
+        self._plans: dict[int, _Plan] = {}
+        self._deck: list[str] = []
+        self._hold: tuple[asyncio.Event, float] | None = None
+        self.fates: Counter[str] = Counter()
+        self.held_keys: list[str] = []
+        log_path.touch()
+
+    def hold_next(self, hold_s: float) -> asyncio.Event:
+        """Hold the reply to the next message taken for ``hold_s``; the event says it was taken.
+
+        Lets a fault hit the relay at a chosen moment: upstream has the message, the relay
+        waits for the reply to its final dot.
+        """
+        self._hold = (asyncio.Event(), hold_s)
+        return self._hold[0]
+
+    def _draw(self) -> str:
+        """The next transaction's fate, dealt from shuffled blocks of ``DECK`` fates."""
+        if not self._deck:
+            f = self.faults
+            for fate, ratio in (("drop", f.drop_ratio), ("hang", f.hang_ratio),
+                                ("perm", f.perm_ratio), ("temp", f.temp_ratio)):
+                self._deck += [fate] * round(ratio * DECK)
+            self._deck += ["ok"] * max(0, DECK - len(self._deck))
+            self._rng.shuffle(self._deck)
+        fate = self._deck.pop()
+        if fate == "temp":
+            return self._rng.choice(("temp_dot", "temp_rcpt"))
+        return fate
+
+    async def _slow(self) -> None:
+        if self.faults.slow_s:
+            await asyncio.sleep(self._rng.uniform(0, self.faults.slow_s))
+
+    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
+                          address: str, options: list[str]) -> str:
+        await self._slow()
+        plan = _Plan(fate=self._draw())
+        self._plans[id(envelope)] = plan
+        self.fates[plan.fate] += 1
+        envelope.mail_from = address
+        envelope.mail_options.extend(options)
+        return "250 2.1.0 OK"
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope,
+                          address: str, options: list[str]) -> str:
+        await self._slow()
+        plan = self._plans.get(id(envelope), _Plan("ok"))
+        plan.rcpts_seen += 1
+        if plan.fate == "drop" and server.transport is not None:
+            server.transport.close()
+            return "421 4.4.2 bench: dropping the connection"
+        if plan.fate == "temp_rcpt" and plan.rcpts_seen == 1:
+            return "451 4.3.0 bench: recipient temporarily refused"
+        envelope.rcpt_tos.append(address)
+        return "250 2.1.5 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        await self._slow()
+        plan = self._plans.pop(id(envelope), _Plan("ok"))
+        if plan.fate == "temp_dot":
+            return "451 4.3.0 bench: temporary failure"
+        if plan.fate == "perm":
+            return "554 5.6.0 bench: permanent failure"
+        key = self._log(envelope)  # taken: logged before the reply, as a real MTA queues it
+        if self._hold is not None:
+            taken, hold_s = self._hold
+            self._hold = None
+            self.held_keys.append(key)
+            taken.set()
+            await asyncio.sleep(hold_s)
+        if plan.fate == "hang":
+            await asyncio.sleep(self.faults.hang_s)
+        return "250 2.0.0 Ok: queued as BENCH"
+
+    def _log(self, envelope: Envelope) -> str:
+        content = envelope.original_content or b""
+        head = content.split(b"\r\n\r\n", 1)[0]
+        match = _KEY_HEADER.search(head)
+        key = match.group(1).decode(errors="replace").strip() if match else ""
+        with self.log_path.open("a", encoding="utf-8") as out:
+            for rcpt in envelope.rcpt_tos:
+                out.write(json.dumps({"rcpt": rcpt.lower(), "key": key, "t": time.time()}) + "\n")
+        return key
+
+
+@dataclass
+class Sink:
+    """A running sink: ``port`` for the relays, ``handler`` for its log and counters."""
+
+    handler: BenchSink
+    port: int
+    server: asyncio.base_events.Server
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def start_sink(faults: Faults, log_path: Path, *, seed: int = 1) -> Sink:
+    """Serve a BenchSink on 127.0.0.1 (a free port) in the running loop."""
+    handler = BenchSink(faults, log_path, seed)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: SMTP(handler, hostname="sink.bench", decode_data=False, enable_SMTPUTF8=True),
+        host="127.0.0.1", port=0)
+    return Sink(handler=handler, port=server.sockets[0].getsockname()[1], server=server)
+
+
+# ------------------------------------------------------------------------------------------
+# the store: a redis-server the bench owns (AOF, like the compose stack)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchRedis:
+    """A redis-server on a free loopback port with AOF (fsync always) in ``data_dir``.
+
+    ``stop`` is a graceful shutdown (SIGTERM: Redis flushes the AOF); ``start`` brings it
+    back on the same port with the same data, as a restarted production Redis would be.
+    """
+
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (.ci/run installs it)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = await _spawn(
+            exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+            "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+            "--maxmemory-policy", "noeviction", env=None,
+            log_path=self.data_dir / "redis.log")
+        client = redis.asyncio.Redis(port=self.port, socket_timeout=0.5)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    if await client.ping():
+                        return
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+        raise RuntimeError(f"bench redis-server on port {self.port} did not start")
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await _end(self.proc, signal.SIGTERM, 10)
+            self.proc = None
+
+
+# ------------------------------------------------------------------------------------------
+# relay processes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """How the bench runs ``python -m relay serve`` (durations in seconds).
+
+    The lease outlives the worst upstream transaction (connect + 4 commands + final dot =
+    0.5 + 2 + 1 = 3.5 s), so only a relay that died holds a reservation past its lease.
+    """
+
+    lease_s: float = 5.0
+    upstream_timeout_s: float = 1.0
+    command_timeout_s: float = 0.5
+    connect_timeout_s: float = 0.5
+    store_timeout_s: float = 1.0
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass
+class RelayProcess:
+    """One ``python -m relay serve`` process on ``port``; its log goes to ``log_path``."""
+
+    port: int
+    upstream_port: int
+    store_url: str
+    store_prefix: str
+    log_path: Path
+    config: RelayConfig = field(default_factory=RelayConfig)
+    proc: asyncio.subprocess.Process | None = None
+    exit_codes: list[int] = field(default_factory=list)
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        c = self.config
+        env.update({
+            "RELAY_STORE_PREFIX": self.store_prefix,
+            "RELAY_HOSTNAME": "relay.bench",
+            "RELAY_UPSTREAM_COMMAND_TIMEOUT": str(c.command_timeout_s),
+            "RELAY_UPSTREAM_CONNECT_TIMEOUT": str(c.connect_timeout_s),
+            "RELAY_STORE_TIMEOUT": str(c.store_timeout_s),
+            "RELAY_SHUTDOWN_GRACE": str(c.shutdown_grace_s),
+            "RELAY_LOG_RECIPIENTS": "true",  # the checker's findings name fingerprints
+            "RELAY_MAX_CONNECTIONS_PER_IP": "200",  # every bench client is 127.0.0.1
+        })
+        return env
+
+    async def start(self) -> None:
+        """Start the process and wait until it accepts SMTP connections."""
+        c = self.config
+        self.proc = await _spawn(
+            sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{self.port}",
+            "--upstream", f"127.0.0.1:{self.upstream_port}", "--store", self.store_url,
+            "--metrics-listen", "off", "--lease", str(c.lease_s),
+            "--upstream-timeout", str(c.upstream_timeout_s), "--dedup-window", "3600",
+            "--log-format", "json", env=self._env(), log_path=self.log_path)
+        try:
+            await wait_for_port(self.port, self.proc)
+        except RuntimeError as exc:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-5:]
+            raise RuntimeError(f"relay on port {self.port} did not start: {exc}; log: {tail}"
+                               ) from exc
+
+    async def signal_and_wait(self, sig: int) -> int:
+        """Send ``sig``, wait for the exit (grace + 10 s at most), record the exit code."""
+        if self.proc is None:
+            return -1
+        code = await _end(self.proc, sig, self.config.shutdown_grace_s + 10)
+        self.exit_codes.append(code)
+        self.proc = None
+        return code
+
+    async def stop(self) -> None:
+        await self.signal_and_wait(signal.SIGTERM)

@@ -1,0 +1,277 @@
+"""The fault bench's runs: one relay process in front of a faulty sink, a bench-owned Redis,
+messages arriving at a steady rate from retrying clients, and one fault injected mid-load.
+
+:func:`run_scenario` is what ``tests/test_faults.py`` (30-60 messages per fault) and
+``tools/faultbench.py`` (hundreds, writes docs/reliability.md) both call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from faultbench_lib import (
+    BenchRedis,
+    Faults,
+    RelayConfig,
+    RelayProcess,
+    Sink,
+    free_port,
+    start_sink,
+)
+from faultbench_traffic import (
+    BenchMessage,
+    Counts,
+    MessageLog,
+    RetryPolicy,
+    check,
+    deliver,
+    make_messages,
+)
+
+FAULT_AT = 0.4  # the fault starts when this share of the arrival spread has passed
+SETTLE_S = 1.2  # after the load: upstream transactions still running land at the sink
+
+
+@dataclass
+class Bench:
+    """The parts of one run, handed to the fault action."""
+
+    store: BenchRedis
+    sink: Sink
+    relay: RelayProcess
+    notes: list[str] = field(default_factory=list)
+
+
+Action = Callable[[Bench], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One fault: how the sink behaves, and what is done to Redis or the relay mid-load."""
+
+    name: str
+    title: str
+    faults: Faults = field(default_factory=Faults)
+    action: Action | None = None
+    relay: RelayConfig = field(default_factory=RelayConfig)
+
+
+async def restart_redis(bench: Bench) -> None:
+    """Redis shut down (AOF flushed) and started again on the same port and data."""
+    await bench.store.stop()
+    await bench.store.start()
+    bench.notes.append("redis restarted")
+
+
+def redis_stopped(seconds: float) -> Action:
+    """Redis shut down for ``seconds``, then started again on the same port and data."""
+
+    async def action(bench: Bench) -> None:
+        await bench.store.stop()
+        await asyncio.sleep(seconds)
+        await bench.store.start()
+        bench.notes.append(f"redis was down {seconds:g} s")
+
+    return action
+
+
+def relay_signalled(sig: signal.Signals, *, hold_s: float | None = None) -> Action:
+    """The relay gets ``sig``; once it exited a new one starts on the same port and store.
+
+    With ``hold_s`` the signal goes at a chosen moment: just after the sink took a message
+    and while it holds its reply for ``hold_s`` (the relay waits on its final dot).
+    """
+
+    async def action(bench: Bench) -> None:
+        if hold_s is not None:
+            taken = bench.sink.handler.hold_next(hold_s)
+            await asyncio.wait_for(taken.wait(), 10)
+        code = await bench.relay.signal_and_wait(sig)
+        held = f" (upstream holding {bench.sink.handler.held_keys})" if hold_s else ""
+        bench.notes.append(f"relay exited {code} after {sig.name}{held}")
+        await bench.relay.start()
+
+    return action
+
+
+LATENCY_S = 0.1  # every scenario's sink answers each command within 0-100 ms, like a smarthost
+
+
+def scenarios(*, redis_down_s: float = 10.0) -> list[Scenario]:
+    """Every fault of the bench, the control run first."""
+    plain = Faults(slow_s=LATENCY_S)
+    return [
+        Scenario("baseline", "no fault (control)", faults=plain),
+        Scenario("redis-restart", "Redis restarted mid-load", faults=plain,
+                 action=restart_redis),
+        Scenario("redis-down", f"Redis stopped for {redis_down_s:g} s", faults=plain,
+                 action=redis_stopped(redis_down_s)),
+        Scenario("upstream-temp", "upstream 30 % temporary failures (451)",
+                 faults=Faults(temp_ratio=0.3, slow_s=LATENCY_S)),
+        Scenario("upstream-hang", "upstream hangs after the dot for 5 % (3 s > timeout 1 s)",
+                 faults=Faults(hang_ratio=0.05, hang_s=3.0, slow_s=LATENCY_S)),
+        Scenario("upstream-drop-perm",
+                 "upstream drops 10 % of connections at RCPT, refuses 10 % with 554",
+                 faults=Faults(drop_ratio=0.1, perm_ratio=0.1, slow_s=LATENCY_S)),
+        Scenario("relay-sigterm", "relay SIGTERM mid-load, new relay on the same port",
+                 faults=plain, action=relay_signalled(signal.SIGTERM)),
+        Scenario("relay-sigterm-inflight",
+                 "relay SIGTERM while upstream holds its reply to a dot 0.5 s, new relay",
+                 faults=plain, action=relay_signalled(signal.SIGTERM, hold_s=0.5)),
+        Scenario("relay-sigterm-cut",
+                 "relay SIGTERM with grace 0.3 s while upstream holds a reply 0.8 s, new relay",
+                 faults=plain, action=relay_signalled(signal.SIGTERM, hold_s=0.8),
+                 relay=RelayConfig(shutdown_grace_s=0.3)),
+        Scenario("relay-sigkill", "relay SIGKILL mid-load, then restarted", faults=plain,
+                 action=relay_signalled(signal.SIGKILL)),
+        Scenario("relay-sigkill-after-dot",
+                 "relay SIGKILL just after upstream took a message (reply held), restarted",
+                 faults=plain, action=relay_signalled(signal.SIGKILL, hold_s=0.5)),
+    ]
+
+
+@dataclass
+class RunResult:
+    """A finished run: its counts, what the fault action noted, where its logs are."""
+
+    scenario: Scenario
+    counts: Counts
+    notes: list[str]
+    workdir: Path
+    relay_exit_codes: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        return f"[{self.scenario.name}] {self.counts.summary()} notes={self.notes}"
+
+
+async def _load(msgs: list[BenchMessage], port: int, *, spread_s: float, deadline: float,
+                concurrency: int, seed: int, policy: RetryPolicy) -> list[MessageLog]:
+    """Messages arrive evenly over ``spread_s``; each is retried until it ends or ``deadline``."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(msg: BenchMessage) -> MessageLog:
+        await asyncio.sleep(msg.index * spread_s / max(1, len(msgs)))
+        return await deliver(msg, [port], policy, deadline, gate,
+                             random.Random(seed * 100_003 + msg.index))
+
+    return list(await asyncio.gather(*(one(m) for m in msgs)))
+
+
+async def _fault(bench: Bench, action: Action, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await action(bench)
+
+
+async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
+                       spread_s: float, deadline_s: float, concurrency: int = 20,
+                       seed: int = 1, policy: RetryPolicy | None = None) -> RunResult:
+    """Run one fault end to end and count the result; every process is stopped on return.
+
+    ``deadline_s`` bounds the clients (from the first arrival); the whole run ends at most
+    ``deadline_s`` + 2 * the client reply timeout + ``SETTLE_S`` + process stop times later.
+    """
+    policy = policy or RetryPolicy()
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
+    msgs = make_messages(messages, tag)
+    store = BenchRedis(workdir / "redis")
+    sink: Sink | None = None
+    relay: RelayProcess | None = None
+    fault: asyncio.Task[None] | None = None
+    loop = asyncio.get_running_loop()
+    try:
+        await store.start()
+        sink = await start_sink(scenario.faults, workdir / "sink.jsonl", seed=seed)
+        relay = RelayProcess(port=free_port(), upstream_port=sink.port, store_url=store.url,
+                             store_prefix=f"bench:{tag}:", log_path=workdir / "relay.log",
+                             config=scenario.relay)
+        await relay.start()
+        bench = Bench(store=store, sink=sink, relay=relay)
+        started = loop.time()
+        if scenario.action is not None:
+            fault = asyncio.create_task(_fault(bench, scenario.action, spread_s * FAULT_AT))
+        logs = await _load(msgs, relay.port, spread_s=spread_s, deadline=started + deadline_s,
+                           concurrency=concurrency, seed=seed, policy=policy)
+        wall_s = loop.time() - started
+        if fault is not None:
+            await asyncio.wait_for(fault, 60)
+        await asyncio.sleep(SETTLE_S)
+    finally:
+        if fault is not None and not fault.done():
+            fault.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fault
+        await _stop_all(relay, sink, store)
+    (workdir / "clients.jsonl").write_text("".join(lg.to_json() + "\n" for lg in logs))
+    counts = check(logs, workdir / "sink.jsonl")
+    counts.wall_s = wall_s
+    notes = [*bench.notes, f"sink fates {dict(bench.sink.handler.fates)}"]
+    return RunResult(scenario=scenario, counts=counts, notes=notes, workdir=workdir,
+                     relay_exit_codes=list(bench.relay.exit_codes))
+
+
+async def _stop_all(relay: RelayProcess | None, sink: Sink | None, store: BenchRedis) -> None:
+    """Stop the relay, the sink and Redis, each whatever happened to the others."""
+    try:
+        if relay is not None:
+            await relay.stop()
+    finally:
+        try:
+            if sink is not None:
+                sink.close()
+        finally:
+            await store.stop()
+
+
+def evidence(result: RunResult, limit: int = 16) -> list[str]:
+    """What the relay decided (and when the sink took a copy) for every concerned fingerprint.
+
+    The relay runs with ``log_recipients = true``, so its decision lines name the recipient;
+    a relay killed with SIGKILL left no line for the message it was relaying.
+    """
+    rcpts = {fp.split("|", 1)[0] for bucket, names in result.counts.concerned.items()
+             if bucket != "unfinished" for fp in names}
+    found: list[tuple[float, str]] = []
+    for line in (result.workdir / "sink.jsonl").read_text(encoding="utf-8").splitlines():
+        entry = json.loads(line)
+        if entry["rcpt"] in rcpts:
+            found.append((entry["t"], f"sink took {entry['rcpt']}"))
+    for line in (result.workdir / "relay.log").read_text(errors="replace").splitlines():
+        if any(r in line for r in rcpts):
+            found.append((_log_time(line), _decision(line)))
+    return [f"{_hms(t)} {text}" for t, text in sorted(found)][:limit]
+
+
+def _log_time(line: str) -> float:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        stamp = json.loads(line)["time"]
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    return 0.0
+
+
+def _decision(line: str) -> str:
+    """A relay log line, shortened to queue id, reply and per-recipient outcomes."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return f"relay: {line[:300]}"
+    if entry.get("message") != "message":
+        return f"relay {entry.get('level')}: {entry.get('message', '')[:300]}"
+    return f"relay {entry['queue_id']} answered {entry['reply']!r} outcomes {entry['outcomes']}"
+
+
+def _hms(t: float) -> str:
+    """Time of day; relay log times are whole seconds, so those show no fraction."""
+    if not t:
+        return "?"
+    text = datetime.fromtimestamp(t, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
+    return text[:-4] + "    " if t == int(t) else text

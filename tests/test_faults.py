@@ -1,0 +1,118 @@
+"""The fault bench, short version: a real `python -m relay serve` process in front of a faulty
+aiosmtpd sink, a bench-owned redis-server, 40 messages from clients that retry like MTAs, and
+one fault per test (tests/faultbench_scenarios.py; the long run is tools/faultbench.py).
+
+Each test asserts DESIGN section 1 as the checker counts it per fingerprint: no duplicate
+outside UNKNOWN, nothing answered 250 and lost, every message ended (250 or 5yz) before the
+deadline. The counts are printed (``pytest -s``) and are in every assertion message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
+
+MESSAGES = 40
+SPREAD_S = 1.5  # the messages arrive evenly over this time; the fault comes at 40 % of it
+DEADLINE_S = 40.0  # every client must have its 2yz/5yz by then (Redis down 10 s included)
+
+SCENARIOS = {s.name: s for s in scenarios(redis_down_s=10.0)}
+
+
+async def run(name: str, workdir: Path) -> RunResult:
+    """Run one scenario of the bench and print its counts."""
+    result = await run_scenario(SCENARIOS[name], messages=MESSAGES, workdir=workdir,
+                                spread_s=SPREAD_S, deadline_s=DEADLINE_S)
+    print(result.line())
+    return result
+
+
+def report(result: RunResult) -> str:
+    """The counts, the fingerprints concerned and what the relay logged about them."""
+    return "\n".join([result.line(), *evidence(result)])
+
+
+def assert_invariant(result: RunResult) -> None:
+    """0 duplicates outside UNKNOWN, 0 accepted-but-lost, every message ended in time."""
+    c = result.counts
+    assert (c.dup_outside, c.accepted_lost, c.unfinished, c.stray_copies) == (0, 0, 0, 0), (
+        report(result))
+
+
+async def test_control_run_delivers_each_fingerprint_once(tmp_path: Path) -> None:
+    """Without a fault every fingerprint reaches the sink exactly once on the first attempt."""
+    result = await run("baseline", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert (c.copies, c.delivered, c.retries) == (c.fingerprints, c.fingerprints, 0), (
+        report(result))
+
+
+async def test_redis_restart_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
+    """A Redis restart mid-load neither duplicates nor loses a message."""
+    assert_invariant(await run("redis-restart", tmp_path))
+
+
+async def test_redis_down_10s_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
+    """Redis down 10 s mid-load: clients are told 451 4.3.0, retry, and each is delivered once."""
+    result = await run("redis-down", tmp_path)
+    assert_invariant(result)
+    assert result.counts.replies["451 4.3.0"] > 0, report(result)
+    assert result.counts.copies == result.counts.fingerprints, report(result)
+
+
+async def test_upstream_temp_failures_keep_the_invariant(tmp_path: Path) -> None:
+    """With 30 % upstream 451s (at RCPT or at the dot) each retried message is delivered once."""
+    result = await run("upstream-temp", tmp_path)
+    assert_invariant(result)
+    assert result.counts.retries > 0, report(result)
+    assert result.counts.copies == result.counts.fingerprints, report(result)
+
+
+async def test_upstream_hang_after_dot_is_unknown_not_duplicated(tmp_path: Path) -> None:
+    """An unanswered final dot (5 %) is answered 451 4.4.2 in doubt, and no retry resends it."""
+    result = await run("upstream-hang", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.unknown > 0 and c.dup_unknown == 0, report(result)
+
+
+async def test_upstream_drops_and_perm_failures_keep_the_invariant(tmp_path: Path) -> None:
+    """Dropped upstream connections are retried and delivered once; 554s end as given up."""
+    result = await run("upstream-drop-perm", tmp_path)
+    assert_invariant(result)
+    assert result.counts.gave_up > 0, report(result)
+
+
+async def test_relay_sigterm_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
+    """SIGTERM mid-load: the relay exits 0 and, with its successor, loses and repeats nothing."""
+    result = await run("relay-sigterm", tmp_path)
+    assert_invariant(result)
+    assert result.relay_exit_codes[0] == 0, report(result)
+
+
+async def test_relay_sigterm_finishes_the_message_in_flight(tmp_path: Path) -> None:
+    """SIGTERM while upstream holds a reply: the relay finishes that message, then exits 0."""
+    result = await run("relay-sigterm-inflight", tmp_path)
+    assert_invariant(result)
+    assert result.relay_exit_codes[0] == 0, report(result)
+    assert result.counts.no_reply_after_dot == 0, report(result)
+
+
+async def test_relay_sigterm_past_the_grace_keeps_the_cut_message_once(tmp_path: Path) -> None:
+    """A transaction cut past the shutdown grace after its dot is never relayed a second time."""
+    result = await run("relay-sigterm-cut", tmp_path)
+    assert_invariant(result)
+    assert result.relay_exit_codes[0] == 0, report(result)
+    assert result.counts.copies == result.counts.fingerprints, report(result)
+
+
+async def test_relay_sigkill_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
+    """A relay killed by SIGKILL mid-load and restarted neither duplicates nor loses a message."""
+    assert_invariant(await run("relay-sigkill", tmp_path))
+
+
+async def test_relay_sigkill_after_upstream_took_a_message(tmp_path: Path) -> None:
+    """SIGKILL after upstream took a message but before the relay settled: no second copy."""
+    assert_invariant(await run("relay-sigkill-after-dot", tmp_path))
