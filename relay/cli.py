@@ -25,7 +25,9 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--upstream-user", {"help": "AUTH user at the smarthost"}),
     ("--upstream-password-file", {"type": click.Path(dir_okay=False, path_type=Path),
                                   "help": "file holding the smarthost AUTH password"}),
-    ("--store", {"help": f"redis://, rediss:// or sqlite:///PATH [{DEFAULT_STORE_URL}]"}),
+    ("--store", {"help": "redis://, rediss://, redis+cluster://H:P,..., "
+                         "redis+sentinel://H:P,.../SERVICE or sqlite:///PATH "
+                         f"[{DEFAULT_STORE_URL}]"}),
     ("--metrics-listen", {"help": "metrics HTTP HOST:PORT, or 'off' [127.0.0.1:9725]"}),
     ("--upstream-timeout", {"type": float,
                             "help": "seconds to wait for the reply to the final dot [600]"}),
