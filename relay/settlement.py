@@ -67,20 +67,28 @@ class Settler:
             wanted = set(accepted)
             ops = [SettleOp(key=k, action=Settle.SENDING)
                    for k, rcpt in first_rcpt.items() if rcpt in wanted]
-            started = time.perf_counter()
             try:
-                applied = await self._store.settle(ops, token=token, window_s=self._window_s,
-                                                   now=self._clock())
+                applied = await self._timed_settle(ops, token)
             except StoreError as exc:
-                self._metrics.store_call("settle", time.perf_counter() - started, False)
                 log.error("cannot mark SENDING before the final dot (%s): not sending", exc)
                 return False
-            self._metrics.store_call("settle", time.perf_counter() - started, True)
             if not all(applied):
                 log.error("a reservation is no longer ours before the final dot: not sending")
             return all(applied)
 
         return mark
+
+    async def _timed_settle(self, ops: list[SettleOp], token: str) -> list[bool]:
+        """One settle round trip, its latency and outcome recorded; raises StoreError."""
+        started = time.perf_counter()
+        try:
+            applied = await self._store.settle(ops, token=token, window_s=self._window_s,
+                                               now=self._clock())
+        except StoreError:
+            self._metrics.store_call("settle", time.perf_counter() - started, False)
+            raise
+        self._metrics.store_call("settle", time.perf_counter() - started, True)
+        return applied
 
     async def release_quietly(self, keys: list[str], token: str) -> None:
         """Undo whatever part of a failed reserve did land (compare-token, so always safe).
@@ -153,15 +161,7 @@ class Settler:
                 reraise=True,
             ):
                 with attempt:
-                    started = time.perf_counter()
-                    try:
-                        applied = await self._store.settle(
-                            ops, token=token, window_s=self._window_s, now=self._clock())
-                    except StoreError:
-                        self._metrics.store_call("settle", time.perf_counter() - started, False)
-                        raise
-                    self._metrics.store_call("settle", time.perf_counter() - started, True)
-                    return applied
+                    return await self._timed_settle(ops, token)
         except StoreError as exc:
             log.error("settle failed: %s", exc)
         return None
