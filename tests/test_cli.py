@@ -28,6 +28,16 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None
                           capture_output=True, text=True, timeout=60, check=False)
 
 
+def start_relay(cwd: Path, port: int, upstream: str, metrics: str = "off"
+                ) -> subprocess.Popen[str]:
+    """Start `python -m relay serve` on 127.0.0.1:``port`` (no RELAY_* env vars inherited)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
+         "--upstream", upstream, "--metrics-listen", metrics],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def wait_for_port(port: int, proc: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
     """Wait until something accepts on 127.0.0.1:port, failing if ``proc`` died first."""
     import socket
@@ -57,12 +67,8 @@ def smtp_send(port: int, data: bytes, rcpt: str = "user@example.net") -> tuple[i
 def serve(tmp_path: Path) -> Iterator[tuple[int, int, subprocess.Popen[str]]]:
     """`dedup-relay serve` with the Maildir upstream and no --store (embedded SQLite)."""
     port, metrics_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
-         "--upstream", f"maildir:{tmp_path / 'maildir'}",
-         "--metrics-listen", f"127.0.0.1:{metrics_port}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_relay(tmp_path, port, f"maildir:{tmp_path / 'maildir'}",
+                       f"127.0.0.1:{metrics_port}")
     try:
         wait_for_port(port, proc)
         yield port, metrics_port, proc
@@ -100,11 +106,7 @@ def test_fingerprints_survive_a_restart(tmp_path: Path) -> None:
     """The embedded store is a file: after a restart the same message is still suppressed."""
     for expected_files in (1, 1):
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
-             "--upstream", "maildir:md", "--metrics-listen", "off"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_relay(tmp_path, port, "maildir:md")
         try:
             wait_for_port(port, proc)
             assert smtp_send(port, message(key="RESTART-1"))[0] == 250

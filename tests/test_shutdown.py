@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from conftest import MakeRelay, RawClient, Sink, free_port, message, send
+from test_cli import start_relay, wait_for_port
 
 from relay import replies
 from relay.fingerprint import fingerprint, normalize_recipient, store_key
@@ -106,14 +104,8 @@ def test_sigterm_lets_the_message_in_flight_finish(tmp_path: Path) -> None:
     import time
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
-         "--upstream", "maildir:md", "--metrics-listen", "off"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_relay(tmp_path, port, "maildir:md")
     try:
-        from test_cli import wait_for_port
-
         wait_for_port(port, proc)
         outcome: dict[str, object] = {}
 
