@@ -68,11 +68,6 @@ class ConnectionGate:
         if self._open[host] <= 0:
             del self._open[host]
 
-    @property
-    def open_connections(self) -> int:
-        """Connections counted now."""
-        return sum(self._open.values())
-
 
 def sender_allowed(address: str, patterns: Sequence[str]) -> bool:
     """True when no patterns are set, or the reverse path matches one (case-insensitive glob).

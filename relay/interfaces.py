@@ -138,16 +138,6 @@ class SmtpReply:
     code: int
     text: str
 
-    @property
-    def is_positive(self) -> bool:
-        """True for 2yz replies."""
-        return 200 <= self.code < 300
-
-    @property
-    def is_transient(self) -> bool:
-        """True for 4yz replies."""
-        return 400 <= self.code < 500
-
     def __str__(self) -> str:
         return f"{self.code} {self.text}".rstrip()
 
