@@ -185,6 +185,7 @@ class DedupCore:
         token = secrets.token_hex(16)  # 128-bit random token per attempt (DESIGN section 3)
         lease_ends = time.monotonic() + self._policy.lease_s
         unique_keys = list(dict.fromkeys(keys.values()))
+        await self._settler.flush(unique_keys)
         try:
             reservations = await self._reserve(unique_keys, token)
         except StoreError as exc:

@@ -1,10 +1,13 @@
 """Settling reservations after the upstream answered (DESIGN sections 3 and 4).
 
 :class:`Settler` writes SENT / UNKNOWN / release for one attempt's keys in one store round
-trip, retries briefly, and when the store still fails keeps retrying the SENT and UNKNOWN
-marks in the background until the lease ends (a mark that never lands would let a retry send
-again once the lease lapses). It also undoes a reserve that landed but reported a failure, and
-settles a transaction that shutdown cut short.
+trip, retries briefly, and when the store still fails keeps retrying in the background until
+the write lands (a SENT mark that never lands would let a retry send again once the lease lapses;
+a release that never lands leaves a SENDING record that reads as UNKNOWN after the lease, so the
+retry of a message that never left would be suppressed as in doubt). What is still owed is
+applied first when a later attempt reserves the same key (:meth:`Settler.flush`), so a retry
+never races the background loop. It also undoes a reserve that landed but reported a failure,
+and settles a transaction that shutdown cut short.
 """
 
 from __future__ import annotations
@@ -39,6 +42,33 @@ class Settler:
         self._window_s = window_s
         self._clock = clock
         self.background: set[asyncio.Task[None]] = set()
+        # (store key, token) -> the settle still owed on it, until it lands or is given up
+        self._owed: dict[tuple[str, str], SettleOp] = {}
+
+    async def flush(self, keys: Sequence[str]) -> None:
+        """Apply now whatever background settle is still owed on ``keys``, one try.
+
+        Called before a reserve reads ``keys``: the retry of a message whose release (or SENT
+        mark) is still being retried must see the settled state, not the SENDING record that
+        reads as UNKNOWN past the lease. A store failure is swallowed: the reserve that follows
+        meets the same store and answers for it.
+        """
+        wanted = set(keys)
+        by_token: dict[str, list[SettleOp]] = {}
+        for (key, token), op in self._owed.items():
+            if key in wanted:
+                by_token.setdefault(token, []).append(op)
+        for token, ops in by_token.items():
+            try:
+                await self._timed_settle(ops, token)
+            except StoreError:
+                return
+            self._paid(ops, token)
+            log.warning("settle owed on %d key(s) landed before a retry's reserve", len(ops))
+
+    def _paid(self, ops: Sequence[SettleOp], token: str) -> None:
+        for op in ops:
+            self._owed.pop((op.key, token), None)
 
     async def settle(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         """Apply ``ops`` (one round trip, 3 quick tries), else keep trying in the background.
@@ -117,39 +147,69 @@ class Settler:
                 ops, token=token, window_s=self._window_s, now=self._clock()))
 
     def _settle_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
-        """Keep trying SENT/UNKNOWN marks in the background until the lease ends.
+        """Keep trying ``ops`` in the background until they land or the dedup window passes.
 
-        While the mark is missing the key stays PENDING (retries get 450). This is more than
-        DESIGN's "retry the write briefly": a mark lost for good would let a retry send again
-        once the lease lapses. Releases are retried too: a key already marked SENDING would not
-        lapse with the lease but turn UNKNOWN.
+        While a SENT mark is missing the key stays PENDING (retries get 450) and, once it was
+        marked SENDING, reads as UNKNOWN after the lease. This is more than DESIGN's "retry the
+        write briefly": a mark lost for good would let a retry send again once the lease lapses,
+        and a lost release would leave a SENDING record that suppresses the retry of a message
+        that was never sent. The ops are compare-token writes, so landing late is always safe.
         """
-        marks = list(ops)
-        log.error("settle failed; retrying %d mark(s) in the background until the lease ends",
-                  len(marks))
-        task = asyncio.create_task(self._keep_settling(marks, token, lease_ends))
+        for op in ops:
+            self._owed[(op.key, token)] = op
+        log.error("settle failed; retrying %d write(s) in the background until they land",
+                  len(ops))
+        task = asyncio.create_task(self._keep_settling(ops, token, lease_ends))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
     async def _keep_settling(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
+        """Retry what is still owed of ``ops`` until it lands (or a reserve's flush paid it).
+
+        Counts ``mark_sent_failed`` once when a SENT mark is still owed at the lease's end (from
+        then on a retry is answered as in doubt instead of with the original reply), or when it
+        is given up (dedup window over, or shutdown cut the loop).
+        """
         attempts = 0
+        counted = False
+
+        def owed() -> list[SettleOp]:
+            return [op for op in ops if (op.key, token) in self._owed]
+
+        def count_lost_mark() -> None:
+            nonlocal counted
+            if not counted and any(op.action is Settle.SENT for op in owed()):
+                counted = True
+                self._metrics.mark_sent_failed()
+
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_delay(max(0.0, lease_ends - time.monotonic() - 1.0)),
-                wait=wait_exponential(multiplier=0.2, max=5.0),
+                stop=stop_after_delay(self._window_s),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
                 retry=retry_if_exception_type(StoreError),
                 reraise=True,
             ):
                 with attempt:
+                    if time.monotonic() >= lease_ends:
+                        count_lost_mark()
+                    left = owed()
+                    if not left:
+                        return
                     attempts += 1
-                    await self._store.settle(ops, token=token, window_s=self._window_s,
+                    await self._store.settle(left, token=token, window_s=self._window_s,
                                              now=self._clock())
+                    self._paid(left, token)
         except StoreError:
-            if any(op.action is Settle.SENT for op in ops):
-                self._metrics.mark_sent_failed()
-            log.error("settle never landed before the lease ended: a retry may be sent again")
+            count_lost_mark()
+            log.error("settle never landed within the dedup window: given up")
+        except asyncio.CancelledError:
+            count_lost_mark()
+            log.error("settle still owed at shutdown: given up")
+            raise
         else:
             log.warning("settle landed after %d background attempt(s)", attempts)
+        finally:
+            self._paid(ops, token)
 
     async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
         """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure."""

@@ -11,6 +11,7 @@ import redis.asyncio as aredis
 from conftest import REDIS_URL, delete_prefix, message
 from prometheus_client import CollectorRegistry
 
+from relay import replies
 from relay.dedup import DedupCore, InboundMessage, Policy
 from relay.errors import StoreError
 from relay.interfaces import (
@@ -20,6 +21,7 @@ from relay.interfaces import (
     RcptResult,
     RcptStatus,
     Reservation,
+    Settle,
     SettleOp,
     SmtpReply,
     State,
@@ -45,6 +47,11 @@ class CountingUpstream:
 
     async def deliver(self, message: OutboundMessage,
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
+        if progress is not None and progress.before_dot is not None:
+            if not await progress.before_dot(message.rcpt_tos):  # the contract: no dot
+                refused = RcptResult(RcptStatus.REFUSED, replies.STORE_DOWN, from_upstream=False)
+                return DeliveryResult(recipients={r: refused for r in message.rcpt_tos})
+            progress.dot_written = True
         self.sent.append(message)
         ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0 ok"))
         return DeliveryResult(recipients={r: ok for r in message.rcpt_tos})
@@ -92,13 +99,13 @@ async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> No
 
 
 class SettleFailsFirst(RedisStore):
-    """A real RedisStore whose first ``failures`` settle calls fail (a store hiccup)."""
+    """A real RedisStore whose first ``failures`` settles after the dot fail (a store hiccup)."""
 
     failures = 5
 
     async def settle(self, ops: Sequence[SettleOp], *, token: str, window_s: float,
                      now: float) -> list[bool]:
-        if self.failures > 0:
+        if self.failures > 0 and all(op.action is not Settle.SENDING for op in ops):
             self.failures -= 1
             raise StoreError("settle", "TimeoutError: timed out")
         return await super().settle(ops, token=token, window_s=window_s, now=now)
@@ -123,3 +130,93 @@ async def test_mark_sent_that_fails_is_retried_until_it_lands(prefix: str) -> No
     assert len(upstream.sent) == 1
     assert registry.get_sample_value("relay_mark_sent_failed_total") == 0.0
     await store.close()
+
+
+class SendingLandsThenStoreDies(RedisStore):
+    """A real RedisStore whose SENDING mark runs on the server, then the store goes away.
+
+    That is Redis stopped just after it ran the script: the relay cannot know the mark landed,
+    and every write fails until ``up()`` (a restart) is called.
+    """
+
+    down = False
+    landed_unseen = 0
+
+    def up(self) -> None:
+        self.down = False
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str, window_s: float,
+                     now: float) -> list[bool]:
+        if self.down:
+            raise StoreError("settle", "ConnectionError: connection refused")
+        applied = await super().settle(ops, token=token, window_s=window_s, now=now)
+        if any(op.action is Settle.SENDING for op in ops) and not self.landed_unseen:
+            self.landed_unseen += 1
+            self.down = True
+            raise StoreError("settle", "TimeoutError: timed out")
+        return applied
+
+    async def reserve(self, keys: Sequence[str], *, token: str,
+                      lease_s: float) -> list[Reservation]:
+        if self.down:
+            raise StoreError("reserve", "ConnectionError: connection refused")
+        return await super().reserve(keys, token=token, lease_s=lease_s)
+
+
+async def _sending_landed_then_store_down_past_the_lease(
+        prefix: str) -> tuple[SendingLandsThenStoreDies, DedupCore, CountingUpstream,
+                              InboundMessage]:
+    store = SendingLandsThenStoreDies.from_url(REDIS_URL)
+    upstream = CountingUpstream()
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix, lease_s=1.0))
+    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                         content=message(), queue_id="q1")
+    first = await core.process(msg)
+    assert first.reply.code == 451 and upstream.sent == []  # no dot went out
+    assert core.background, "the release must go on being retried"
+    await asyncio.sleep(1.5)  # the store stays down past the lease
+    retry_while_down = await core.process(msg)
+    assert retry_while_down.reply.code == 451
+    store.up()
+    return store, core, upstream, msg
+
+
+async def test_release_owed_when_store_returns_is_paid_before_the_retry_reserves(
+        prefix: str) -> None:
+    """A SENDING mark that landed unseen, then a store outage past the lease: the retry is sent.
+
+    Without the owed release applied first, the SENDING record would read as UNKNOWN past the
+    lease and the retry of a message that never left would be suppressed "in doubt" (found by
+    the fault bench's Redis-down run).
+    """
+    store, core, upstream, msg = await _sending_landed_then_store_down_past_the_lease(prefix)
+    retry = await core.process(msg)  # at once: the background loop is still asleep
+    assert retry.outcomes == {"user@example.net": "relayed"}, retry
+    assert len(upstream.sent) == 1
+    again = await core.process(msg)
+    assert again.outcomes == {"user@example.net": "suppressed"}
+    assert len(upstream.sent) == 1
+    for task in core.background:
+        task.cancel()
+    await asyncio.gather(*core.background, return_exceptions=True)
+    await store.close()
+
+
+async def test_release_owed_lands_in_the_background_after_the_lease(prefix: str) -> None:
+    """The background loop keeps retrying the release past the lease until it lands."""
+    store, core, upstream, msg = await _sending_landed_then_store_down_past_the_lease(prefix)
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    client = aredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in client.scan_iter(match=prefix + "*")]
+    await client.aclose()
+    assert keys == []  # released: nothing SENDING left to read as UNKNOWN
+    plain = RedisStore.from_url(REDIS_URL)
+    core2 = DedupCore(store=plain, upstream=upstream,
+                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                      policy=Policy(key_prefix=prefix))
+    retry = await core2.process(msg)  # another relay: it never owed anything
+    assert retry.outcomes == {"user@example.net": "relayed"}
+    await store.close()
+    await plain.close()
