@@ -55,7 +55,8 @@ class PrometheusMetrics:
             "relay_message_bytes", "Size of received messages in bytes", registry=registry,
             buckets=(1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864))
         self._mark_sent_failed = Counter(
-            "relay_mark_sent_failed", "Upstream-accepted messages whose SENT mark had not landed by the lease end",
+            "relay_mark_sent_failed",
+            "Upstream-accepted messages whose SENT mark had not landed by the lease end",
             registry=registry)
         self._in_progress = Gauge(
             "relay_messages_in_progress",
