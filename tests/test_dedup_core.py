@@ -220,3 +220,24 @@ async def test_release_owed_lands_in_the_background_after_the_lease(prefix: str)
     assert retry.outcomes == {"user@example.net": "relayed"}
     await store.close()
     await plain.close()
+
+
+async def test_mark_sent_still_owed_at_the_lease_end_is_counted_and_still_lands(
+        prefix: str) -> None:
+    """A SENT mark missing past the lease is counted once, and lands when the store answers."""
+    store = SettleFailsFirst.from_url(REDIS_URL)
+    store.failures = 6  # 3 quick + 3 background tries: the 4th starts >= 1.7 s in, past the lease
+    upstream = CountingUpstream()
+    registry = CollectorRegistry()
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=registry),
+                     policy=Policy(key_prefix=prefix, lease_s=1.0))
+    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                         content=message(), queue_id="q1")
+    assert (await core.process(msg)).reply.code == 250
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=20)
+    assert registry.get_sample_value("relay_mark_sent_failed_total") == 1.0
+    retry = await core.process(msg)
+    assert retry.outcomes == {"user@example.net": "suppressed"}  # SENT, not in doubt
+    assert len(upstream.sent) == 1
+    await store.close()
