@@ -127,11 +127,17 @@ class RelaySMTP(SMTP):
         await super()._handle_client()
 
     async def smtp_AUTH(self, arg: str) -> None:
-        """AUTH, answered ``502 5.5.1`` when the relay has no credentials configured."""
+        """AUTH, answered ``502 5.5.1`` when the relay has no credentials configured.
+
+        The mechanism name is matched without regard to case (``AUTH plain``): RFC 4422
+        section 3.1 names mechanisms in upper case, and clients that send lower case exist;
+        aiosmtpd alone would answer them 504.
+        """
         if not self._auth_methods:
             await self.push(str(replies.AUTH_NOT_AVAILABLE))
             return
-        await super().smtp_AUTH(arg)
+        mechanism, sep, rest = (arg or "").partition(" ")
+        await super().smtp_AUTH(mechanism.upper() + sep + rest)
 
     async def push(self, status: str | bytes) -> None:
         """Send one reply line, with an RFC 3463 code added when aiosmtpd built it without.

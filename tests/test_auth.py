@@ -399,6 +399,17 @@ async def test_plain_with_initial_response(client: RawClient, auth_server: AuthS
     assert session.auth_data == USER
 
 
+@pytest.mark.parametrize("mechanism", ["plain", "Plain"])
+async def test_mechanism_name_is_matched_without_case(client: RawClient, mechanism: str) -> None:
+    """AUTH plain works like AUTH PLAIN (RFC 4422 3.1 names; lower-case clients exist)."""
+    assert await client.cmd(f"AUTH {mechanism} {PLAIN_OK}") == str(replies.AUTH_SUCCEEDED)
+
+
+async def test_login_mechanism_in_lower_case_gets_the_username_prompt(client: RawClient) -> None:
+    """AUTH login starts the LOGIN exchange (334 VXNlcm5hbWU6, 'Username:')."""
+    assert await client.cmd("AUTH login") == "334 VXNlcm5hbWU6"
+
+
 async def test_plain_authzid_equal_to_authcid_is_accepted(client: RawClient) -> None:
     """An authzid equal to the authcid is accepted (RFC 4616: acting as oneself)."""
     blob = b64(f"{USER}\0{USER}\0{PASSWORD}")
