@@ -51,7 +51,7 @@ class Policy:
     local_part_case_sensitive: bool = False
     secret: bytes | None = None
     missing_key: str = "relay"  # relay | reject
-    unknown: str = "suppress"  # suppress | hold
+    unknown: str = "suppress"  # suppress | hold | send
     store_down: str = "fail_closed"  # fail_closed | fail_open
 
 
@@ -239,6 +239,11 @@ class DedupCore:
             res = by_key[key]
             found = res.found
             if res.reserved:
+                if key not in to_send and found is not None and found.state is State.UNKNOWN:
+                    # unknown_policy = send (at-least-once, case 26): a possible duplicate
+                    log.warning("relaying again although an earlier attempt is in doubt "
+                                "(since %s): possible duplicate", _iso(found.at))
+                    self._metrics.unknown_resent()
                 to_send.add(key)
             elif found is not None and found.state is State.PENDING:
                 tally.temp(rcpt, "inflight", _RANK_INFLIGHT, replies.INFLIGHT)
@@ -328,7 +333,8 @@ class DedupCore:
     async def _reserve(self, keys: list[str], token: str) -> list[Reservation]:
         started = time.perf_counter()
         try:
-            out = await self._store.reserve(keys, token=token, lease_s=self._policy.lease_s)
+            out = await self._store.reserve(keys, token=token, lease_s=self._policy.lease_s,
+                                            resend_unknown=self._policy.unknown == "send")
         except StoreError:
             self._metrics.store_call("reserve", time.perf_counter() - started, False)
             raise

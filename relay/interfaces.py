@@ -51,9 +51,11 @@ class Reservation:
     """Result of reserving one store key.
 
     ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
-    record that was already there (PENDING of another attempt, SENT or UNKNOWN). A SENDING
-    record is reported as PENDING while it is younger than the lease (its attempt is waiting for
-    the upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
+    record that was already there (PENDING of another attempt, SENT or UNKNOWN). Both are set
+    when a reserve with ``resend_unknown`` replaced a record in doubt (``found`` is UNKNOWN).
+    A SENDING record is reported as PENDING while it is younger than the lease (its attempt is
+    waiting for the upstream's reply) and as UNKNOWN after that (its attempt died after the
+    final dot).
     """
 
     key: str
@@ -88,12 +90,15 @@ class FingerprintStore(Protocol):
     """
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
     ) -> list[Reservation]:
         """Create ``PENDING(token)`` with TTL ``lease_s`` seconds for every absent key.
 
         All keys go in one round trip; the result has one :class:`Reservation` per key, in order.
-        A value the store does not recognise is reported as SENT.
+        A value the store does not recognise is reported as SENT. With ``resend_unknown``
+        (``unknown_policy = send``) a record in doubt (UNKNOWN, or SENDING older than the lease)
+        is replaced by ``PENDING(token)`` in the same atomic step: ``reserved=True`` and
+        ``found`` is the UNKNOWN record. Raises :class:`relay.errors.StoreError`.
         """
         ...
 
@@ -266,7 +271,11 @@ class Metrics(Protocol):
         ...
 
     def mark_sent_failed(self) -> None:
-        """Count an upstream-accepted message whose mark-sent write failed."""
+        """Count an upstream-accepted message whose SENT mark had not landed by the lease end."""
+        ...
+
+    def unknown_resent(self, count: int = 1) -> None:
+        """Count recipients sent again while an earlier attempt is in doubt (possible copies)."""
         ...
 
     def session(self, delta: int) -> None:

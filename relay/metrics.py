@@ -58,6 +58,10 @@ class PrometheusMetrics:
             "relay_mark_sent_failed",
             "Upstream-accepted messages whose SENT mark had not landed by the lease end",
             registry=registry)
+        self._unknown_resent = Counter(
+            "relay_unknown_resent",
+            "Recipients relayed again while an earlier attempt was in doubt (unknown_policy = "
+            "send): possible duplicates", registry=registry)
         self._in_progress = Gauge(
             "relay_messages_in_progress",
             "Messages past the final dot whose reply is not yet sent (reserved, in flight)",
@@ -106,8 +110,12 @@ class PrometheusMetrics:
         self._bytes.observe(size)
 
     def mark_sent_failed(self) -> None:
-        """Count an accepted message whose mark-sent did not land."""
+        """Count an accepted message whose SENT mark had not landed by the lease end."""
         self._mark_sent_failed.inc()
+
+    def unknown_resent(self, count: int = 1) -> None:
+        """Count ``count`` recipients relayed again although an earlier attempt is in doubt."""
+        self._unknown_resent.inc(count)
 
     def session(self, delta: int) -> None:
         """Move the open-session gauge by ``delta``."""

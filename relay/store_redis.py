@@ -42,10 +42,14 @@ from relay.store_redis_replicas import ReplicaAcks
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the lease in milliseconds
+# ARGV[3] - "1": take over a record in doubt (unknown_policy = send), else "0"
+# ARGV[4] - now, unix milliseconds (a SENDING record older than the lease is in doubt)
 # return 1 if KEYS[1] now holds PENDING(token) ("P|" .. token) of this attempt: created now, or by
-# an earlier call with the same token (so a retried reserve is idempotent); otherwise the pair
-# {value, pttl}: the value found ("" when the key holds a non-string type) and its remaining
-# lifetime in milliseconds (-1: no expiry)
+# an earlier call with the same token (so a retried reserve is idempotent); the triple
+# {value, pttl, 1} when a record in doubt (UNKNOWN, or SENDING older than the lease) was
+# replaced by PENDING(token) (ARGV[3] = "1" only); otherwise the pair {value, pttl}: the value
+# found ("" when the key holds a non-string type) and its remaining lifetime in milliseconds
+# (-1: no expiry)
 _RESERVE_LUA = """
 local mine = 'P|' .. ARGV[1]
 if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then
@@ -58,7 +62,19 @@ end
 if value == mine then
     return 1
 end
-return {value, redis.call('PTTL', KEYS[1])}
+local pttl = redis.call('PTTL', KEYS[1])
+if ARGV[3] == '1' then
+    local in_doubt = string.match(value, '^U|%d+$') ~= nil
+    local sending_at = string.match(value, '^D|.+|(%d+)$')
+    if sending_at and tonumber(ARGV[4]) - tonumber(sending_at) >= tonumber(ARGV[2]) then
+        in_doubt = true
+    end
+    if in_doubt then
+        redis.call('SET', KEYS[1], mine, 'PX', ARGV[2])
+        return {value, pttl, 1}
+    end
+end
+return {value, pttl}
 """
 
 # KEYS[1] - the fingerprint key
@@ -183,9 +199,9 @@ def _reservation(key: str, result: Any, lease_ms: int, now_ms: int) -> Reservati
     """Interpret one reserve script result (see ``_RESERVE_LUA``)."""
     if result == 1:
         return Reservation(key=key, reserved=True)
-    value, pttl_ms = result
+    value, pttl_ms, *took_over = result
     found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=now_ms)
-    return Reservation(key=key, reserved=False, found=found)
+    return Reservation(key=key, reserved=bool(took_over), found=found)
 
 
 @contextlib.asynccontextmanager
@@ -253,22 +269,24 @@ class RedisStore:
         return cls(client=client, op_timeout_s=op_timeout_s, sentinel=sentinel)
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
     ) -> list[Reservation]:
         """Create ``P|token`` with a TTL of ``lease_s`` seconds under every absent key.
 
         One pipeline for all keys; one :class:`Reservation` per key, in order. A key that
-        already holds ``P|token`` (same token) reports ``reserved=True`` again. Raises
-        :class:`StoreError` (op ``reserve``).
+        already holds ``P|token`` (same token) reports ``reserved=True`` again. With
+        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
+        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
         """
         if not keys:
             return []
-        args = (token, _ms(lease_s))
+        now_ms = int(time.time() * 1000)
+        lease_ms = _ms(lease_s)
+        args = (token, lease_ms, "1" if resend_unknown else "0", now_ms)
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
             results = await self._run_scripts(calls, durable=set(keys))
-        now_ms = int(time.time() * 1000)
-        return [_reservation(key, result, args[1], now_ms)
+        return [_reservation(key, result, lease_ms, now_ms)
                 for key, result in zip(keys, results, strict=True)]
 
     async def settle(

@@ -165,18 +165,20 @@ class SqliteStore:
         return store
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
     ) -> list[Reservation]:
         """Create ``PENDING(token)`` with a TTL of ``lease_s`` seconds for every absent key.
 
         All keys in one transaction; one :class:`Reservation` per key, in order. A key already
-        holding ``PENDING(token)`` (same token) reports ``reserved=True`` again. Raises
-        :class:`StoreError` (op ``reserve``).
+        holding ``PENDING(token)`` (same token) reports ``reserved=True`` again. With
+        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
+        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
         """
         if not keys:
             return []
         lease_ms = _ms(lease_s)
-        return await self._call("reserve", lambda: self._reserve(keys, token, lease_ms))
+        return await self._call(
+            "reserve", lambda: self._reserve(keys, token, lease_ms, resend_unknown))
 
     async def settle(
         self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
@@ -292,20 +294,24 @@ class SqliteStore:
             raise
         return result
 
-    def _reserve(self, keys: Sequence[str], token: str, lease_ms: int) -> list[Reservation]:
+    def _reserve(self, keys: Sequence[str], token: str, lease_ms: int,
+                 resend_unknown: bool) -> list[Reservation]:
         def body(conn: sqlite3.Connection, now_ms: int) -> list[Reservation]:
             out: list[Reservation] = []
+            mine = (_PENDING, token, None, None, now_ms + lease_ms)
             for key in keys:
                 row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
                 if row is None:
-                    values = (key, _PENDING, token, None, None, now_ms + lease_ms)
-                    conn.execute(_UPSERT, values)
+                    conn.execute(_UPSERT, (key, *mine))
                     out.append(Reservation(key=key, reserved=True))
                 elif row[0] == _PENDING and row[1] == token:
                     out.append(Reservation(key=key, reserved=True))
                 else:
                     found = _record(row, now_ms, lease_ms)
-                    out.append(Reservation(key=key, reserved=False, found=found))
+                    take_over = resend_unknown and found.state is State.UNKNOWN
+                    if take_over:
+                        conn.execute(_UPSERT, (key, *mine))
+                    out.append(Reservation(key=key, reserved=take_over, found=found))
             return out
 
         return self._transaction(body)

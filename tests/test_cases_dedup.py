@@ -541,6 +541,31 @@ async def test_case26_hold_policy_answers_4yz_while_in_doubt(
     assert await state_of(relay, RCPT, "contract", "T-3") is State.UNKNOWN
 
 
+async def test_case26_send_policy_relays_the_retry_and_counts_a_possible_duplicate(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """With unknown_policy=send (the case's at-least-once) the retry is relayed and counted.
+
+    The second delivery settles the fingerprint SENT, so a third attempt is a true duplicate.
+    """
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_timeout=0.5,
+                             unknown_policy="send")
+    sink.handler.hang_after_dot_s = 1.5
+    first = await send(relay.port, [RCPT], CONTRACT)
+    assert (first.code, first.text) == (451, replies.OUTCOME_UNKNOWN.text)
+    assert await state_of(relay, RCPT, "contract", "T-3") is State.UNKNOWN
+    sink.handler.hang_after_dot_s = 0.0
+    retry = await send(relay.port, [RCPT], CONTRACT)
+    assert retry.code == 250 and "relayed 1" in retry.text
+    assert sink.handler.copies_to(RCPT) == 2  # the hung one was delivered too: at least once
+    assert relay.registry.get_sample_value("relay_unknown_resent_total") == 1.0
+    assert await state_of(relay, RCPT, "contract", "T-3") is State.SENT
+    third = await send(relay.port, [RCPT], CONTRACT)
+    assert third.code == 250 and "suppressed" in third.text and "in doubt" not in third.text
+    assert sink.handler.copies_to(RCPT) == 2
+    assert relay.registry.get_sample_value("relay_unknown_resent_total") == 1.0
+
+
 async def test_case26_silent_upstream_fails_within_the_connect_timeout(
     make_relay: MakeRelay,
 ) -> None:

@@ -33,9 +33,9 @@ from relay.store_redis import RedisStore
 class LandsThenTimesOut(RedisStore):
     """A real RedisStore whose reserve runs on the server, then reports a timeout."""
 
-    async def reserve(self, keys: Sequence[str], *, token: str,
-                      lease_s: float) -> list[Reservation]:
-        await super().reserve(keys, token=token, lease_s=lease_s)
+    async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
+                      resend_unknown: bool = False) -> list[Reservation]:
+        await super().reserve(keys, token=token, lease_s=lease_s, resend_unknown=resend_unknown)
         raise StoreError("reserve", "TimeoutError: timed out")
 
 
@@ -156,11 +156,12 @@ class SendingLandsThenStoreDies(RedisStore):
             raise StoreError("settle", "TimeoutError: timed out")
         return applied
 
-    async def reserve(self, keys: Sequence[str], *, token: str,
-                      lease_s: float) -> list[Reservation]:
+    async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
+                      resend_unknown: bool = False) -> list[Reservation]:
         if self.down:
             raise StoreError("reserve", "ConnectionError: connection refused")
-        return await super().reserve(keys, token=token, lease_s=lease_s)
+        return await super().reserve(keys, token=token, lease_s=lease_s,
+                                     resend_unknown=resend_unknown)
 
 
 async def _sending_landed_then_store_down_past_the_lease(

@@ -720,3 +720,77 @@ async def test_sending_needs_a_pending_reservation(store: FingerprintStore,
                                window_s=3600, now=time.time())
     assert other == [False]
     assert (await store.inspect(key)).state is State.PENDING
+
+
+# ---------------------------------------------------------------------------------------------
+# resend_unknown (unknown_policy = send, the at-least-once choice of case 26): a reserve takes
+# over a record in doubt atomically, and nothing else.
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_resend_unknown_takes_over_an_unknown_record(store: FingerprintStore,
+                                                           prefix: str) -> None:
+    """An UNKNOWN key is reserved again (found: the UNKNOWN record); only one attempt wins."""
+    key, token, now = prefix + "u", new_token(), time.time()
+    await store.reserve([key], token=token, lease_s=LEASE_S)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=token, window_s=WINDOW_S, now=now)
+    retry = new_token()
+    [took] = await store.reserve([key], token=retry, lease_s=LEASE_S, resend_unknown=True)
+    assert took.reserved and took.found is not None and took.found.state is State.UNKNOWN
+    assert took.found.at == pytest.approx(now, abs=0.002)
+    record = await store.inspect(key)
+    assert record.state is State.PENDING and record.token == retry
+    assert record.ttl_s is not None and record.ttl_s <= LEASE_S  # the lease, not the window
+    [second] = await store.reserve([key], token=new_token(), lease_s=LEASE_S,
+                                   resend_unknown=True)
+    assert not second.reserved and second.found is not None
+    assert second.found.state is State.PENDING
+    assert await store.settle([SettleOp(key, Settle.SENT, "250 ok")], token=retry,
+                              window_s=WINDOW_S, now=time.time()) == [True]
+
+
+async def test_resend_unknown_takes_over_sending_only_past_the_lease(
+        store: FingerprintStore, prefix: str) -> None:
+    """A SENDING key is in flight within the lease (kept) and in doubt after it (taken)."""
+    key, token = prefix + "d", new_token()
+    await store.reserve([key], token=token, lease_s=0.3)
+    await store.settle([SettleOp(key, Settle.SENDING)], token=token, window_s=3600,
+                       now=time.time())
+    [early] = await store.reserve([key], token=new_token(), lease_s=0.3, resend_unknown=True)
+    assert not early.reserved and early.found is not None
+    assert early.found.state is State.PENDING
+    await asyncio.sleep(0.5)
+    retry = new_token()
+    [late] = await store.reserve([key], token=retry, lease_s=0.3, resend_unknown=True)
+    assert late.reserved and late.found is not None and late.found.state is State.UNKNOWN
+    assert (await store.inspect(key)).token == retry
+    # the dead attempt's token no longer settles anything
+    assert await store.settle([SettleOp(key, Settle.RELEASE)], token=token, window_s=3600,
+                              now=time.time()) == [False]
+
+
+async def test_resend_unknown_leaves_sent_and_foreign_records(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    """SENT and values of other applications stay duplicates under resend_unknown."""
+    sent, foreign, token = prefix + "s", prefix + "f", new_token()
+    await store.reserve([sent], token=token, lease_s=LEASE_S)
+    await store.settle([SettleOp(sent, Settle.SENT, "250 ok")], token=token, window_s=WINDOW_S,
+                       now=time.time())
+    await write_foreign(store, foreign, db_path)
+    found = await store.reserve([sent, foreign], token=new_token(), lease_s=LEASE_S,
+                                resend_unknown=True)
+    assert [r.reserved for r in found] == [False, False]
+    assert [r.found.state for r in found if r.found is not None] == [State.SENT, State.SENT]
+
+
+async def test_without_resend_unknown_an_unknown_record_stays(store: FingerprintStore,
+                                                              prefix: str) -> None:
+    """The default reserve never replaces UNKNOWN (unknown_policy = suppress or hold)."""
+    key, token = prefix + "u", new_token()
+    await store.reserve([key], token=token, lease_s=LEASE_S)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=token, window_s=WINDOW_S,
+                       now=time.time())
+    [again] = await store.reserve([key], token=new_token(), lease_s=LEASE_S,
+                                  resend_unknown=False)
+    assert not again.reserved
+    assert (await store.inspect(key)).state is State.UNKNOWN
