@@ -33,6 +33,8 @@ TOO_MANY_RECIPIENTS = SmtpReply(452, "4.5.3 Too many recipients")
 BARE_CR_OR_LF = SmtpReply(550, "5.6.0 Message contains a bare CR or LF (RFC 5322 2.3)")
 NUL_IN_MESSAGE = SmtpReply(550, "5.6.0 Message contains a NUL octet (RFC 5322 2.3)")
 LINE_TOO_LONG = SmtpReply(500, "5.5.2 Line too long (RFC 5321 4.5.3.1.6)")
+BARE_CR_OR_LF_IN_COMMAND = SmtpReply(
+    421, "4.5.0 Command line with a bare CR or LF (RFC 5321 2.3.8), closing connection")
 MESSAGE_TOO_BIG = SmtpReply(552, "5.3.4 Message size exceeds fixed maximum message size")
 MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0 Message has no dedupe key header (policy: reject)")
 

@@ -9,8 +9,10 @@ decide about mail are in :mod:`relay.listener`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from aiosmtpd.smtp import SMTP
 
@@ -20,6 +22,8 @@ from relay.interfaces import SmtpReply
 
 if TYPE_CHECKING:
     from relay.listener import RelayHandler
+
+log = logging.getLogger("relay.smtp")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 controls
 # RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
@@ -53,6 +57,42 @@ def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
     if not _PATH.match(rest):  # no closing ">", or a blank outside a quoted string
         return bad
     return None
+
+
+class _CommandLineGuard:
+    """Wraps the session's StreamReader: a command line must end in CRLF, not LF or CR CRLF.
+
+    aiosmtpd reads commands with ``readuntil()`` (up to a bare LF) and strips CRs, so
+    ``RCPT TO:<a@x>\nRCPT TO:<b@y>\r\n`` would be two commands: a recipient smuggled past an
+    application that only strips CRLF (RFC 5321 section 2.3.8 allows CRLF only). A bad line
+    calls ``on_bad`` (the session answers 421 and closes, as sendmail does: nothing after it on
+    this connection can be trusted) and ends the session. DATA lines (``readuntil(b"\r\n")``)
+    and AUTH responses (``readline()``) pass through unchanged; every other attribute is the
+    wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
+    """
+
+    __slots__ = ("_inner", "_on_bad")
+    _inner: asyncio.StreamReader
+    _on_bad: Callable[[], None]
+
+    def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None]) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_on_bad", on_bad)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        line = await self._inner.readuntil(separator)
+        # a CR inside the line reaches the path checks (501); one just before the CRLF would be
+        # stripped by aiosmtpd unseen
+        if separator == b"\n" and (not line.endswith(b"\r\n") or line.endswith(b"\r\r\n")):
+            self._on_bad()
+            raise asyncio.CancelledError  # aiosmtpd's own end for a connection gone mid-command
+        return line
 
 
 class RelaySMTP(SMTP):
@@ -195,6 +235,18 @@ class RelaySMTP(SMTP):
     def close_now(self) -> None:
         """Past the shutdown grace: ``421 4.3.2`` and close, whatever the session is doing."""
         self._say_and_close(replies.SHUTTING_DOWN)
+
+    def _cb_client_connected(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        super()._cb_client_connected(reader, writer)
+        # duck-typed: it is the reader to aiosmtpd, with the line check in front
+        self._reader = cast(asyncio.StreamReader,
+                            _CommandLineGuard(reader, self._bad_command_line))
+
+    def _bad_command_line(self) -> None:
+        log.warning("command line with a bare CR or LF from %s: closing the connection",
+                    self._admitted_host or "?")
+        self._say_and_close(replies.BARE_CR_OR_LF_IN_COMMAND)
 
     def _say_and_close(self, reply: SmtpReply) -> None:
         transport = self.transport

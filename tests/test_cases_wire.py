@@ -928,6 +928,39 @@ async def test_case29_control_character_in_rcpt_is_501(
     assert [d.rcpt_tos for d in sink.handler.delivered] == [[RCPT]]
 
 
+@pytest.mark.parametrize("lines", [
+    b"RCPT TO:<a@example.net>\nRCPT TO:<attacker@example.org>\r\n",
+    b"RCPT TO:<a@example.net>\r\r\n",
+    b"RCPT TO:<a@example.net>\n",
+], ids=["LF-between-commands", "CR-before-CRLF", "LF-only"])
+async def test_case29_bare_cr_or_lf_in_a_command_line_closes_with_421(
+    relay: Relay, sink: Sink, lines: bytes
+) -> None:
+    """A command line ends in CRLF only (RFC 5321 2.3.8): a bare LF, or a CR just before the
+    CRLF, gets 421 and a close (a CR inside a path is the path check's 501, tested above).
+
+    Read as two commands, the first line would add a recipient an application that strips
+    only CRLF never meant to send to. Nothing of the transaction reaches upstream.
+    """
+    client, _ = await ehlo(relay.port)
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250 ")
+    await client.write(lines)
+    assert await client.reply() == str(replies.BARE_CR_OR_LF_IN_COMMAND)
+    assert await closed_by_server(client)
+    await client.close()
+    assert sink.handler.transactions == 0 and sink.handler.rcpt_commands == []
+    assert await stored_keys(relay) == []
+
+
+async def test_case29_lf_only_session_is_closed_at_its_first_command(relay: Relay) -> None:
+    """A client that ends its commands with LF only is told 421 at once, not left waiting."""
+    client = await RawClient.connect(relay.port)  # the 220 greeting read
+    await client.write(b"EHLO legacy.example.com\n")
+    assert await client.reply() == str(replies.BARE_CR_OR_LF_IN_COMMAND)
+    assert await closed_by_server(client)
+    await client.close()
+
+
 async def test_case29_control_character_in_mail_from_is_501(relay: Relay, sink: Sink) -> None:
     """A CR in the MAIL FROM path gets 501 5.1.7; the injected RCPT never reaches upstream."""
     client, _ = await ehlo(relay.port)
