@@ -155,9 +155,9 @@ def pass_through(reply: SmtpReply) -> SmtpReply:
         return UPSTREAM_PROTOCOL_ERROR
     code = 451 if reply.code == 421 else reply.code
     enhanced = enhanced_of(reply)
-    text = reply.text
-    if enhanced is not None:
-        text = text[len(enhanced) :].strip()
+    # a multi-line reply repeats its enhanced code on every line (RFC 2034 section 3)
+    text = " ".join(_ENHANCED_RE.sub("", line, count=1).strip()
+                    for line in reply.text.splitlines())
     if enhanced is None or enhanced[0] != str(code)[0]:
         enhanced = DEFAULT_ENHANCED.get(code, f"{code // 100}.0.0")
     return SmtpReply(code, f"{enhanced} upstream: {client_safe_text(text)}".rstrip())

@@ -70,6 +70,21 @@ def _refusal(code: int, text: str) -> RcptResult:
     return RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_PROTOCOL_ERROR, from_upstream=False)
 
 
+def _rcpt_reply(code: int, text: str) -> tuple[int, str]:
+    """A refusal of RCPT as the relay takes it: ``552`` is the temporary ``452``.
+
+    RFC 5321 section 4.5.3.1.10: servers that still answer 552 for too many recipients are
+    to be treated as if they said 452, so the client retries the rest (the recipients already
+    sent are then duplicates). The enhanced code's class follows (``5.5.3`` -> ``4.5.3``).
+    """
+    if code != 552:
+        return code, text
+    enhanced = replies.enhanced_of(SmtpReply(code, text))
+    if enhanced is None:
+        return 452, f"4.5.3 {text}"
+    return 452, "4" + text[1:]
+
+
 def _synthetic(reply: SmtpReply, status: RcptStatus = RcptStatus.REFUSED) -> RcptResult:
     return RcptResult(status, reply, from_upstream=False)
 
@@ -186,7 +201,7 @@ class SmtpUpstream:
                 await smtp.rcpt(wire_address, encoding=encoding)
                 accepted.append(rcpt)
             except aiosmtplib.SMTPResponseException as exc:
-                results[rcpt] = _refusal(exc.code, exc.message)
+                results[rcpt] = _refusal(*_rcpt_reply(exc.code, exc.message))
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
                 lost = _lost(exc)
                 return {r: results.get(r, lost) for r in rcpt_to}, []

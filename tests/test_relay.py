@@ -113,6 +113,29 @@ async def test_partial_refusal_then_retry_sends_only_the_rest(relay: Relay, sink
     assert b_state.state is State.ABSENT
 
 
+async def test_upstream_552_to_rcpt_is_temporary_and_the_retry_sends_the_rest(
+        relay: Relay, sink: Sink) -> None:
+    """A 552 to RCPT (too many recipients) is a 452 (RFC 5321 4.5.3.1.10): retried, not lost."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(["552 5.5.3 Too many recipients"])
+    rcpts = ["a@example.net", "b@example.net"]
+    first = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
+    assert (first.code, first.text) == (452, "4.5.3 upstream: Too many recipients")
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"]]
+    retry = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
+    assert retry.code == 250 and "relayed 1, suppressed 1" in retry.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+
+
+async def test_upstream_multiline_refusal_reaches_the_client_as_one_line(
+        relay: Relay, sink: Sink) -> None:
+    """A multi-line 550 is passed on as one line, its enhanced code given once."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(
+        ["550-5.1.1 The mailbox does not exist\r\n550 5.1.1 Check the address"])
+    result = await send(relay.port, ["b@example.net"], message(template="m", key="M-1"))
+    assert (result.code, result.text) == (
+        550, "5.1.1 upstream: The mailbox does not exist Check the address")
+
+
 async def test_all_nonduplicate_recipients_refused_permanently(relay: Relay, sink: Sink) -> None:
     """When every recipient left to send is refused permanently, the client gets the 5yz."""
     sink.handler.rcpt_plan["b@example.net"] = deque(["550 5.1.1 User unknown"] * 2)
