@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -35,14 +36,20 @@ from dataclasses import dataclass
 
 import idna
 
+from relay.address import ADDRESS_LITERAL, DOT_STRING, canonical_literal
 from relay.errors import InvalidAddressError, InvalidDedupKeyError
 
 DEFAULT_KEY_NAMES: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
 DEFAULT_TEMPLATE_NAMES: tuple[str, ...] = ("X-Template",)
 DEFAULT_MAX_KEY_CHARS = 256
 DEFAULT_STORE_PREFIX = "email:fp:"
-#: Joins several distinct values of one field, and the three fingerprint parts (DESIGN section 2).
+#: Joins the three fingerprint parts (DESIGN section 2).
 VALUE_SEPARATOR = "\0"
+#: Joins several distinct values of one field. DESIGN section 2 says NUL, but then the field
+#: boundary is lost: templates {a, b} with key c would hash like template a with keys {b, c}
+#: (mail wrongly suppressed). A value never holds a control character (refused with 554), so
+#: US (0x1F) cannot occur inside one. A single value per field, the Go seed's shape, is unchanged.
+SET_SEPARATOR = "\x1f"
 
 # -- header section -------------------------------------------------------------------------
 
@@ -58,9 +65,9 @@ _BLANK_RUN = re.compile(r"([ \t]+)")
 # token (no SPACE, CTLs or especials); encoded-text is printable ASCII without "?" and SPACE.
 _ENCODED_WORD = re.compile(
     r"=\?(?P<charset>[A-Za-z0-9!#$%&'+\-^_`{|}~]+)(?:\*[A-Za-z0-9\-]*)?"
-    r"\?(?P<encoding>[BbQq])\?(?P<text>[\x21-\x3e\x40-\x7e]+)\?="
+    r"\?(?P<encoding>[BbQq])\?(?P<text>[\x21-\x3e\x40-\x7e]*)\?="
 )
-_Q_VALID = re.compile(r"(?:[^=]|=[0-9A-Fa-f]{2})+")
+_Q_VALID = re.compile(r"(?:[^=]|=[0-9A-Fa-f]{2})*")
 _Q_TOKEN = re.compile(r"=([0-9A-Fa-f]{2})|_")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -78,13 +85,13 @@ class DedupHeaders:
 
     @property
     def key(self) -> str | None:
-        """The key values joined by NUL, or ``None`` when the message has no usable key."""
-        return VALUE_SEPARATOR.join(self.keys) if self.keys else None
+        """The key values joined by US (0x1F), or ``None`` when the message has no usable key."""
+        return SET_SEPARATOR.join(self.keys) if self.keys else None
 
     @property
     def template(self) -> str:
-        """The template values joined by NUL; ``""`` when absent or empty."""
-        return VALUE_SEPARATOR.join(self.templates)
+        """The template values joined by US (0x1F); ``""`` when absent or empty."""
+        return SET_SEPARATOR.join(self.templates)
 
 
 def extract_dedup_headers(
@@ -238,13 +245,24 @@ def _take_unit(
 
 
 def _parse_encoded_word(word: str) -> tuple[str, bytes] | None:
-    """(lower-cased charset, raw bytes) of one encoded-word, or None when it is not one."""
+    """(charset, raw bytes) of one encoded-word, or None when it is not one.
+
+    The charset is named by its Python codec (``utf8`` and ``UTF-8`` are one charset, so their
+    words join); an unknown one stays as written, lowercased, and later fails to decode. An
+    empty encoded-text (``=?utf-8?q??=``, which CPython's header folder writes) is the empty
+    string: RFC 2047 asks for at least one character, but the writer meant nothing else.
+    """
     match = _ENCODED_WORD.fullmatch(word)
     if match is None:
         return None
     text = match["text"]
     data = _b_decode(text) if match["encoding"] in "Bb" else _q_decode(text)
-    return None if data is None else (match["charset"].lower(), data)
+    if data is None:
+        return None
+    charset = match["charset"].lower()
+    with contextlib.suppress(LookupError):
+        charset = codecs.lookup(charset).name
+    return charset, data
 
 
 def _b_decode(text: str) -> bytes | None:
@@ -288,11 +306,6 @@ def _decode_charset(data: bytes, charset: str) -> str | None:
 # RFC 5321 section 4.1.2: A-d-l = At-domain *( "," At-domain ) ":", At-domain = "@" Domain.
 _AT_DOMAIN = r"@(?:\[[^\]]*\]|[^,:\[\]]*)"
 _SOURCE_ROUTE = re.compile(rf"{_AT_DOMAIN}(?:,[ \t]*{_AT_DOMAIN})*:")
-# RFC 5321 Dot-string over RFC 5322 atext, extended with UTF8-non-ascii by RFC 6531 section 3.3.
-_ATEXT = "[A-Za-z0-9!#$%&'*+\\-/=?^_`{|}~\u0080-\U0010ffff]"
-_DOT_STRING = re.compile(rf"{_ATEXT}+(?:\.{_ATEXT}+)*")
-# RFC 5321 section 4.1.3: address-literal = "[" ... "]", dcontent = %d33-90 / %d94-126.
-_ADDRESS_LITERAL = re.compile(r"\[[\x21-\x5a\x5e-\x7e]*\]")
 
 
 def normalize_recipient(address: str, *, local_part_case_sensitive: bool = False) -> str:
@@ -304,8 +317,10 @@ def normalize_recipient(address: str, *, local_part_case_sensitive: bool = False
     needed ones stay, escaping only ``"`` and ``\\``), is NFC-normalized and lowercased with
     ``str.lower()`` unless ``local_part_case_sensitive`` (RFC 5321 section 2.4); ``postmaster``
     in any case is always ``postmaster`` (RFC 5321 section 4.5.1). The domain becomes its
-    lower-case A-label (UTS 46 mapping, IDNA2008 check: RFC 5890/5891); an address literal
-    such as ``[192.0.2.1]`` is only lowercased. Without a domain only the local part is returned.
+    lower-case A-label (UTS 46 mapping, IDNA2008 check: RFC 5890/5891; a root dot, also one
+    mapped from U+3002, is refused); an IP address literal is written canonically
+    (``[IPv6:2001:DB8:0::1]`` -> ``[ipv6:2001:db8::1]``), another one lowercased. Without a
+    domain only the local part is returned.
 
     Returns ``local@domain`` as a str. Raises :class:`InvalidAddressError` for control
     characters (category Cc), invalid UTF-8 (surrogate escapes), an empty address, a malformed
@@ -388,17 +403,17 @@ def _normalize_local_part(local: str, *, case_sensitive: bool) -> str:
         return "postmaster"
     if not case_sensitive:
         text = unicodedata.normalize("NFC", text.lower())
-    if _DOT_STRING.fullmatch(text):
+    if DOT_STRING.fullmatch(text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _normalize_domain(domain: str) -> str:
-    """Lower-case A-label of ``domain``, or the lower-cased address literal."""
+    """Lower-case A-label of ``domain``, or the address literal in its canonical spelling."""
     if domain.startswith("["):
-        if _ADDRESS_LITERAL.fullmatch(domain) is None:
+        if ADDRESS_LITERAL.fullmatch(domain) is None:
             raise InvalidAddressError("address has a malformed address literal")
-        return domain.lower()
+        return canonical_literal(domain)
     return _a_label(domain)
 
 
@@ -412,6 +427,10 @@ def _a_label(domain: str) -> str:
         raise InvalidAddressError(
             f"domain is not a valid IDNA name ({type(exc).__name__})"
         ) from None
+    if encoded.endswith(b".") or not encoded:
+        # UTS 46 maps U+3002, U+FF0E and U+FF61 to ".": "example.net\u3002" would be a second
+        # spelling of example.net (RFC 5321 section 4.1.2: a Domain has no root dot)
+        raise InvalidAddressError("domain ends with a dot")
     return encoded.decode("ascii").lower()
 
 

@@ -25,6 +25,7 @@ from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
 
 from relay import replies
 from relay.access import ConnectionGate, Network, sender_allowed
+from relay.address import mailbox_problem
 from relay.dedup import Decision, DedupCore, InboundMessage
 from relay.errors import InvalidAddressError
 from relay.fingerprint import normalize_recipient
@@ -130,6 +131,9 @@ class RelayHandler:
         refusal = self._check_address(address, envelope)
         if refusal is not None:
             return str(refusal)
+        if address not in ("", "<>") and (problem := mailbox_problem(address)) is not None:
+            log.info("MAIL FROM refused: %s", problem)
+            return str(replies.BAD_SENDER_SYNTAX)
         if not sender_allowed(address, self._limits.allowed_senders):
             return str(replies.SENDER_NOT_ALLOWED)
         envelope.mail_from = address
@@ -142,6 +146,9 @@ class RelayHandler:
         refusal = self._check_address(address, envelope)
         if refusal is not None:
             return str(refusal)
+        if (problem := mailbox_problem(address, postmaster_alone=True)) is not None:
+            log.info("RCPT TO refused: %s", problem)
+            return str(replies.BAD_RECIPIENT_SYNTAX)
         if len(envelope.rcpt_tos) >= self._limits.max_recipients:
             return str(replies.TOO_MANY_RECIPIENTS)
         try:

@@ -107,7 +107,7 @@ def test_case09_every_occurrence_counts_as_a_sorted_set() -> None:
     assert fp_of(b) == fp_of(d)
     assert fp_of(a) != fp_of(b)
     assert extract_dedup_headers(a) == DedupHeaders(keys=("K-1", "K-2"), templates=("digest",))
-    assert extract_dedup_headers(a).key == "K-1\0K-2"
+    assert extract_dedup_headers(a).key == "K-1\x1fK-2"
 
 
 def test_case10_field_names_match_in_any_case() -> None:
@@ -196,7 +196,7 @@ def test_blank_template_equals_absent_template() -> None:
 def test_several_templates_are_a_sorted_set_joined_by_nul() -> None:
     """Distinct template values are sorted and joined by NUL like keys."""
     content = message("X-Template: b", "X-Template: a", "X-Template: b", "X-Dedupe-Key: K")
-    assert extract_dedup_headers(content).template == "a\0b"
+    assert extract_dedup_headers(content).template == "a\x1fb"
 
 
 # -- header section boundaries --------------------------------------------------------------------
@@ -590,3 +590,58 @@ def test_python_only_codecs_are_not_rfc2047_charsets() -> None:
     plain = extract_dedup_headers(b"X-Dedupe-Key: =?utf-8?q?A?=\r\n\r\n")
     assert plain.key == "A"
     assert escaped.key == "=?unicode_escape?q?=5Cu0041?="
+
+
+# -- found by a probing helper: field boundaries, root dots, literals, charsets ----------------
+
+
+def test_template_and_key_sets_keep_their_boundary() -> None:
+    """Templates {a, b} + key c and template a + keys {b, c} are different messages."""
+    one = extract_dedup_headers(b"X-Template: a\r\nX-Template: b\r\nX-Dedupe-Key: c\r\n\r\n")
+    two = extract_dedup_headers(b"X-Template: a\r\nX-Dedupe-Key: b\r\nX-Dedupe-Key: c\r\n\r\n")
+    assert one.key is not None and two.key is not None
+    assert (fingerprint("u@example.net", one.template, one.key)
+            != fingerprint("u@example.net", two.template, two.key))
+
+
+def test_single_values_still_hash_like_the_go_seed() -> None:
+    """One template and one key: the seed's NUL-joined input, unchanged by the set separator."""
+    headers = extract_dedup_headers(b"X-Template: welcome\r\nX-Dedupe-Key: W-1\r\n\r\n")
+    assert headers.key == "W-1" and headers.template == "welcome"
+    assert fingerprint("user@example.com", headers.template, headers.key) == hashlib.sha256(
+        b"user@example.com\0welcome\0W-1").hexdigest()
+
+
+@pytest.mark.parametrize("dot", [".", "\u3002", "\uff0e", "\uff61"])
+def test_a_root_dot_in_any_spelling_is_refused(dot: str) -> None:
+    """example.net. (or its ideographic/fullwidth full stop) is no second example.net."""
+    with pytest.raises(InvalidAddressError):
+        normalize_recipient(f"user@example.net{dot}")
+
+
+def test_a_mid_domain_ideographic_full_stop_is_a_dot() -> None:
+    """UTS 46 maps U+3002 to "." inside a domain: one mailbox, one fingerprint."""
+    assert normalize_recipient("user@example\u3002net") == "user@example.net"
+
+
+@pytest.mark.parametrize(("spelling", "canonical"), [
+    ("u@[IPv6:2001:db8:0:0:0:0:0:1]", "u@[ipv6:2001:db8::1]"),
+    ("u@[IPv6:2001:DB8::1]", "u@[ipv6:2001:db8::1]"),
+    ("u@[ipv6:0:0:0:0:0:0:0:1]", "u@[ipv6:::1]"),
+    ("u@[192.0.2.1]", "u@[192.0.2.1]"),
+    ("u@[X-Tag:Stuff]", "u@[x-tag:stuff]"),
+])
+def test_address_literals_have_one_spelling(spelling: str, canonical: str) -> None:
+    """IP literals are written canonically (RFC 5952 for IPv6), so spellings share one key."""
+    assert normalize_recipient(spelling) == canonical
+
+
+def test_charset_aliases_join_into_one_run() -> None:
+    """utf-8 and utf8 name one charset: split bytes of one character join across the words."""
+    assert normalize_header_value("=?utf-8?q?caf=C3?= =?utf8?q?=A9?=") == "café"
+
+
+def test_empty_encoded_word_is_empty() -> None:
+    """=?utf-8?q??= (CPython's folder writes it) decodes to nothing, not to itself."""
+    assert normalize_header_value("=?utf-8?q??=\r\n =?utf-8?q?=C3=B1?=") == "ñ"
+    assert normalize_header_value("=?utf-8?b??=") == ""
