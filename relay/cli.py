@@ -1,4 +1,5 @@
-"""Command line: ``dedup-relay serve`` and ``dedup-relay check-config``.
+"""Command line: ``dedup-relay serve``, ``check-config``, ``hash-password`` and the admin
+commands of :mod:`relay.cli_admin` (``fingerprint``, ``inspect``, ``release``).
 
 The click commands only turn flags into settings and call :func:`relay.app.run`; every flag
 is also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config`` TOML file.
@@ -13,6 +14,7 @@ from typing import Any, cast
 
 import click
 
+from relay.cli_admin import register as register_admin_commands
 from relay.config import DEFAULT_STORE_URL, Settings, load_settings
 from relay.errors import ConfigError
 from relay.logfmt import setup_logging
@@ -83,6 +85,9 @@ async def _serve(settings: Settings) -> None:
     from relay.app import run  # imported here so check-config stays light
 
     await run(settings)
+
+
+register_admin_commands(main)
 
 
 @main.command("hash-password")

@@ -256,20 +256,29 @@ def _describe(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+class AdminSettings(Settings):
+    """The settings as the admin commands read them: they talk to the store only, so the
+    upstream (required to serve) may be absent."""
+
+    upstream: str = "maildir:unused-by-admin-commands"
+
+
+def load_settings(overrides: dict[str, Any], config_file: Path | None = None, *,
+                  base: type[Settings] = Settings) -> Settings:
     """Build the settings from flags (``overrides``), env vars and an optional TOML file.
 
-    Keys of ``overrides`` are field names; entries whose value is None are ignored.
-    Raises ConfigError with one readable line per invalid setting.
+    Keys of ``overrides`` are field names; entries whose value is None are ignored. ``base``
+    is :class:`Settings` or :class:`AdminSettings`. Raises ConfigError with one readable line
+    per invalid setting.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
-    cls: type[Settings] = Settings
+    cls: type[Settings] = base
     if config_file is not None:
         if not config_file.is_file():
             raise ConfigError(f"config: no such file: {config_file}")
         cls = type(
             "FileSettings",
-            (Settings,),
+            (base,),
             {"model_config": SettingsConfigDict(**{**Settings.model_config,
                                                    "toml_file": config_file})},
         )

@@ -1,0 +1,116 @@
+"""Admin operations (DESIGN section 6): compute a fingerprint, inspect it, release it.
+
+The CLI (``dedup-relay fingerprint | inspect | release``) is a thin shell over these. They use
+the same settings as the relay (store URL, key prefix, fingerprint secret, local-part case
+rule), so the key they compute is the key the relay would use. A release is written to the
+``relay.audit`` log (one JSON line with ``--log-format json``): when, who, why, which key and
+what it held, so an operator's decision about an in-doubt message can be traced later.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from relay.address import mailbox_problem
+from relay.config import Settings
+from relay.errors import InvalidAddressError
+from relay.fingerprint import (
+    SET_SEPARATOR,
+    fingerprint,
+    normalize_header_value,
+    normalize_recipient,
+    store_key,
+)
+from relay.interfaces import FingerprintStore, Record
+
+audit = logging.getLogger("relay.audit")
+
+
+@dataclass(frozen=True)
+class FingerprintInput:
+    """One recipient's fingerprint inputs as given on the command line.
+
+    ``templates`` and ``keys`` are header values as an application would write them (several
+    occurrences allowed; RFC 2047 words are decoded, blanks collapsed, as the relay does).
+    """
+
+    rcpt: str
+    templates: Sequence[str]
+    keys: Sequence[str]
+
+
+def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
+    """(fingerprint hex, store key) the relay would use for ``given`` under ``settings``.
+
+    Raises :class:`relay.errors.InvalidAddressError` for a recipient the relay refuses,
+    :class:`relay.errors.InvalidDedupKeyError` for a key or template it refuses, and
+    ``ValueError`` when no key is given (a message without one is never deduplicated).
+    """
+    limit = settings.max_key_chars
+    keys = _value_set(given.keys, "dedupe key", limit)
+    if not keys:
+        raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
+    template = _value_set(given.templates, "template", limit)
+    problem = mailbox_problem(given.rcpt.strip(" ").removeprefix("<").removesuffix(">"),
+                              postmaster_alone=True)
+    if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
+        raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
+    rcpt = normalize_recipient(given.rcpt,
+                               local_part_case_sensitive=settings.local_part_case_sensitive)
+    secret = settings.fingerprint_secret
+    fp = fingerprint(rcpt, template, keys,
+                     secret=secret.get_secret_value().encode() if secret is not None else None)
+    return fp, store_key(settings.store_prefix, fp)
+
+
+def _value_set(values: Sequence[str], label: str, limit: int) -> str:
+    """The distinct normalized values, sorted and joined as the relay joins them."""
+    normalized = {normalize_header_value(v, label=label, max_chars=limit) for v in values}
+    return SET_SEPARATOR.join(sorted(v for v in normalized if v))
+
+
+def describe(key: str, record: Record) -> dict[str, object]:
+    """A record as plain data for printing: state, times as ISO 8601 UTC, TTL in seconds.
+
+    The attempt token of PENDING/SENDING is left out (it is a capability to settle the key).
+    """
+    return {
+        "key": key,
+        "state": record.state.value,
+        "at": _iso(record.at),
+        "reply": record.reply,
+        "ttl_s": None if record.ttl_s is None else round(record.ttl_s, 3),
+    }
+
+
+async def release(store: FingerprintStore, key: str, *, reason: str,
+                  operator: str | None = None) -> tuple[Record, bool]:
+    """Delete ``key`` whatever it holds; return (what it held, whether something was deleted).
+
+    Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS user), the
+    reason and the record released. Raises :class:`relay.errors.StoreError`.
+    """
+    before = await store.inspect(key)
+    deleted = await store.force_release(key)
+    audit.warning("fingerprint released by an operator", extra={
+        "event": "admin_release", "operator": operator or _os_user(), "reason": reason,
+        "released": deleted, "previous": describe(key, before),
+    })
+    return before, deleted
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for the uid (containers)
+        return "unknown"
+
+
+def _iso(at: float | None) -> str | None:
+    if at is None:
+        return None
+    return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

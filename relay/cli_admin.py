@@ -1,0 +1,157 @@
+"""Admin commands: ``dedup-relay fingerprint``, ``inspect`` and ``release`` (DESIGN section 6).
+
+They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``), so the
+key they compute is the one the relay uses; the upstream is not needed. Exit codes: 0 done,
+1 nothing there (inspect: absent; release: nothing deleted), 2 bad input or configuration,
+3 the store failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from relay.admin import FingerprintInput, describe, key_for, release
+from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, load_settings
+from relay.errors import ConfigError, InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.interfaces import FingerprintStore, State
+from relay.logfmt import setup_logging
+from relay.store_sqlite import sqlite_path_from_url
+
+_T = TypeVar("_T")
+
+
+def _store_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--store", default=None,
+                        help=f"store URL, as for serve [{DEFAULT_STORE_URL}]")(func)
+    return click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="RELAY_CONFIG", default=None, help="TOML settings file (env RELAY_CONFIG)",
+    )(func)
+
+
+def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--rcpt", help="envelope recipient (RCPT TO address)"),
+        click.option("--template", "templates", multiple=True,
+                     help="X-Template value (repeat for several occurrences)"),
+        click.option("--key", "keys", multiple=True,
+                     help="X-Dedupe-Key value (repeat for several occurrences)"),
+        click.option("--store-key", help="the store key itself (instead of --rcpt/--key)"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    click.echo(f"dedup-relay: {message}", err=True)
+    sys.exit(code)
+
+
+def _settings(config_file: Path | None, store: str | None) -> Settings:
+    try:
+        return load_settings({"store": store}, config_file, base=AdminSettings)
+    except ConfigError as exc:
+        _fail(2, f"invalid configuration:\n{exc}")
+
+
+def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+                  keys: tuple[str, ...], store_key: str | None) -> str:
+    if store_key is not None:
+        if rcpt is not None or keys or templates:
+            _fail(2, "give either --store-key or --rcpt/--template/--key, not both")
+        return store_key
+    if rcpt is None or not keys:
+        _fail(2, "give --rcpt and --key (and --template when the message has one), "
+                 "or --store-key")
+    try:
+        return key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys))[1]
+    except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
+        _fail(2, str(exc))
+
+
+def register(main: click.Group) -> None:
+    """Add the admin commands to the ``dedup-relay`` group."""
+
+    @main.command("fingerprint")
+    @_store_options
+    @click.option("--rcpt", required=True, help="envelope recipient (RCPT TO address)")
+    @click.option("--template", "templates", multiple=True,
+                  help="X-Template value (repeat for several occurrences)")
+    @click.option("--key", "keys", multiple=True, required=True,
+                  help="X-Dedupe-Key value (repeat for several occurrences)")
+    def fingerprint_command(config_file: Path | None, store: str | None, rcpt: str,
+                            templates: tuple[str, ...], keys: tuple[str, ...]) -> None:
+        """Print the fingerprint and store key the relay uses for one recipient."""
+        settings = _settings(config_file, store)
+        try:
+            fp, key = key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates,
+                                                         keys=keys))
+        except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
+            _fail(2, str(exc))
+        click.echo(json.dumps({"fingerprint": fp, "key": key}))
+
+    @main.command("inspect")
+    @_store_options
+    @_selection_options
+    def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
+                        templates: tuple[str, ...], keys: tuple[str, ...],
+                        store_key: str | None) -> None:
+        """Print what the store holds for a fingerprint (exit 1 when nothing)."""
+        settings = _settings(config_file, store)
+        setup_logging("WARNING", "text")
+        key = _selected_key(settings, rcpt, templates, keys, store_key)
+        record = _run_on_store(settings, lambda store: store.inspect(key))
+        click.echo(json.dumps(describe(key, record)))
+        if record.state is State.ABSENT:
+            sys.exit(1)
+
+    @main.command("release")
+    @_store_options
+    @_selection_options
+    @click.option("--reason", required=True,
+                  help="why (kept in the audit log line, e.g. 'upstream log shows no delivery')")
+    @click.option("--log-format", type=click.Choice(["json", "text"]), default="json",
+                  show_default=True, help="format of the audit line on stderr")
+    def release_command(config_file: Path | None, store: str | None, rcpt: str | None,
+                        templates: tuple[str, ...], keys: tuple[str, ...],
+                        store_key: str | None, reason: str, log_format: str) -> None:
+        """Delete a fingerprint whatever it holds, so the next attempt is relayed (audited)."""
+        settings = _settings(config_file, store)
+        setup_logging("INFO", log_format)
+        key = _selected_key(settings, rcpt, templates, keys, store_key)
+        before, deleted = _run_on_store(
+            settings, lambda store: release(store, key, reason=reason))
+        click.echo(json.dumps({"released": deleted, "previous": describe(key, before)}))
+        if not deleted:
+            sys.exit(1)
+
+
+def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]]) -> _T:
+    """Open the relay's store, run ``action`` on it, close it; exit 3 when the store fails."""
+
+    if settings.store.startswith("sqlite:///"):
+        path = Path(sqlite_path_from_url(settings.store))
+        if not path.is_file():  # opening would create an empty one and report "absent"
+            _fail(2, f"no database at {path}: run where the relay runs, or pass --store")
+
+    async def run() -> _T:
+        from relay.app import build_store  # the relay's own store factory, imported when needed
+
+        store = await build_store(settings)
+        try:
+            return await action(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except StoreError as exc:
+        _fail(3, f"store failed: {exc}")

@@ -1,0 +1,117 @@
+"""Admin commands (DESIGN section 6) as an operator runs them: `dedup-relay fingerprint`,
+`inspect` and `release` as processes, against the store a real relay process wrote to."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REDIS_URL, delete_prefix, maildir_files, message
+from test_cli import run_cli, serve, smtp_send
+
+from relay.fingerprint import fingerprint, normalize_recipient, store_key
+
+__all__ = ["serve"]  # the fixture, imported from test_cli
+
+SEED_FP = "30c8e812a32d46b8971d68a9c547dce6f95a92a86987f0ad79879616407139b6"
+
+
+def test_fingerprint_prints_the_seed_value(tmp_path: Path) -> None:
+    """The pinned seed value, from the command line, with no store and no upstream set up."""
+    done = run_cli("fingerprint", "--rcpt", "User@Example.com ", "--template", "welcome",
+                   "--key", "W-1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"fingerprint": SEED_FP, "key": "email:fp:" + SEED_FP}
+
+
+def test_fingerprint_follows_prefix_secret_and_several_keys(tmp_path: Path) -> None:
+    """RELAY_STORE_PREFIX / RELAY_FINGERPRINT_SECRET apply; repeated --key is the key set."""
+    env = {"RELAY_STORE_PREFIX": "app:", "RELAY_FINGERPRINT_SECRET": "s3cret"}
+    done = run_cli("fingerprint", "--rcpt", "u@example.net", "--key", "B", "--key", "A",
+                   "--key", "A", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    fp = fingerprint("u@example.net", "", "A\x1fB", secret=b"s3cret")
+    assert json.loads(done.stdout) == {"fingerprint": fp, "key": "app:" + fp}
+
+
+@pytest.mark.parametrize("args", [
+    ("--rcpt", "user", "--key", "k"),                 # no domain: the relay refuses it
+    ("--rcpt", "u@example.net", "--key", " "),        # an empty key: never deduplicated
+    ("--rcpt", "u@example.net", "--key", "a\x01b"),   # a control character: 554 at DATA
+])
+def test_fingerprint_refuses_what_the_relay_refuses(tmp_path: Path, args: tuple[str, ...]
+                                                    ) -> None:
+    """Inputs the relay would refuse have no fingerprint: exit 2 with a reason."""
+    done = run_cli("fingerprint", *args, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("dedup-relay: "), done
+
+
+def test_inspect_and_release_on_the_embedded_store(
+        serve: tuple[int, int, subprocess.Popen[str]], tmp_path: Path) -> None:
+    """Sent once -> SENT; released (audit line) -> absent; the next send is relayed again."""
+    port, _, _ = serve
+    assert smtp_send(port, message(key="order-42", template="receipt"))[0] == 250
+    select = ("--rcpt", "user@example.net", "--template", "receipt", "--key", "order-42")
+    seen = run_cli("inspect", *select, cwd=tmp_path)
+    assert seen.returncode == 0, seen.stderr
+    record = json.loads(seen.stdout)
+    assert record["state"] == "sent" and record["reply"] and record["ttl_s"] > 80000
+    assert smtp_send(port, message(key="order-42", template="receipt"))[0] == 250
+    assert len(maildir_files(tmp_path / "maildir")) == 1  # the retry was a duplicate
+    gone = run_cli("release", *select, "--reason", "customer asked for a copy", cwd=tmp_path)
+    assert gone.returncode == 0, gone.stderr
+    assert json.loads(gone.stdout)["released"] is True
+    audit = json.loads(gone.stderr.strip().splitlines()[-1])
+    assert audit["logger"] == "relay.audit" and audit["event"] == "admin_release"
+    assert audit["reason"] == "customer asked for a copy"
+    assert audit["previous"]["state"] == "sent" and audit["operator"]
+    after = run_cli("inspect", *select, cwd=tmp_path)
+    assert after.returncode == 1 and json.loads(after.stdout)["state"] == "absent"
+    assert smtp_send(port, message(key="order-42", template="receipt"))[0] == 250
+    assert len(maildir_files(tmp_path / "maildir")) == 2
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A random key prefix on the test Redis, deleted afterwards."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    yield prefix
+    delete_prefix(REDIS_URL, prefix)
+
+
+def test_release_by_store_key_on_redis(tmp_path: Path, redis_prefix: str) -> None:
+    """--store-key selects the key directly; releasing nothing exits 1 and says so."""
+    import redis
+
+    key = store_key(redis_prefix, fingerprint(normalize_recipient("a@example.net"), "t", "k"))
+    client = redis.Redis.from_url(REDIS_URL)
+    client.set(key, "U|1700000000000", px=60_000)  # an in-doubt record, as the relay writes it
+    env = {"RELAY_STORE": REDIS_URL, "RELAY_STORE_PREFIX": redis_prefix}
+    seen = run_cli("inspect", "--store-key", key, cwd=tmp_path, env=env)
+    assert json.loads(seen.stdout)["state"] == "unknown"
+    assert json.loads(seen.stdout)["at"] == "2023-11-14T22:13:20.000000Z"
+    first = run_cli("release", "--store-key", key, "--reason", "upstream log: not delivered",
+                    cwd=tmp_path, env=env)
+    assert first.returncode == 0 and client.exists(key) == 0, first.stderr
+    again = run_cli("release", "--store-key", key, "--reason", "twice", cwd=tmp_path, env=env)
+    assert again.returncode == 1 and json.loads(again.stdout)["released"] is False
+    client.close()
+
+
+def test_admin_commands_refuse_a_missing_sqlite_file(tmp_path: Path) -> None:
+    """Run in the wrong directory, inspect does not create an empty database and say absent."""
+    done = run_cli("inspect", "--store-key", "email:fp:x", cwd=tmp_path)
+    assert done.returncode == 2 and "no database at data/dedup-relay.db" in done.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_admin_commands_report_a_store_that_is_down(tmp_path: Path) -> None:
+    """A Redis that does not answer: exit 3 with the store's error, not a traceback."""
+    done = run_cli("inspect", "--store", "redis://127.0.0.1:1/0", "--store-key", "k",
+                   cwd=tmp_path, env={"RELAY_STORE_TIMEOUT": "1"})
+    assert done.returncode == 3 and "store failed" in done.stderr, done
+    assert "Traceback" not in done.stderr
