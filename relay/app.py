@@ -76,7 +76,7 @@ def build_policy(settings: Settings) -> Policy:
         local_part_case_sensitive=settings.local_part_case_sensitive,
         secret=secret.get_secret_value().encode() if secret is not None else None,
         missing_key=settings.missing_key, unknown=settings.unknown_policy,
-        store_down=settings.store_down,
+        store_down=settings.store_down, strip_headers=settings.strip_dedupe_headers,
     )
 
 

@@ -101,6 +101,7 @@ class Settings(BaseSettings):
     local_part_case_sensitive: bool = False
     fingerprint_secret: SecretStr | None = None
     missing_key: Literal["relay", "reject"] = "relay"
+    strip_dedupe_headers: bool = False
     unknown_policy: Literal["suppress", "hold", "send"] = "suppress"
     store_down: Literal["fail_closed", "fail_open"] = "fail_closed"
 

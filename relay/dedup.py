@@ -17,7 +17,13 @@ from datetime import UTC, datetime
 
 from relay import replies
 from relay.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.fingerprint import extract_dedup_headers, fingerprint, normalize_recipient, store_key
+from relay.fingerprint import (
+    extract_dedup_headers,
+    fingerprint,
+    normalize_recipient,
+    store_key,
+    strip_fields,
+)
 from relay.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -53,6 +59,7 @@ class Policy:
     missing_key: str = "relay"  # relay | reject
     unknown: str = "suppress"  # suppress | hold | send
     store_down: str = "fail_closed"  # fail_closed | fail_open
+    strip_headers: bool = False  # remove the key and template fields before relaying
 
 
 @dataclass(frozen=True)
@@ -260,10 +267,14 @@ class DedupCore:
 
     async def _deliver(self, msg: InboundMessage, rcpts: list[str],
                        progress: DeliveryProgress | None = None) -> DeliveryResult:
+        content = msg.content
+        if self._policy.strip_headers:  # DESIGN section 5: the headers are the relay's
+            content = strip_fields(content, (*self._policy.key_names,
+                                             *self._policy.template_names))
         outbound = OutboundMessage(
             mail_from=msg.mail_from,
             rcpt_tos=rcpts,
-            content=msg.trace + msg.content,
+            content=msg.trace + content,
             smtputf8=msg.smtputf8,
             eight_bit=msg.eight_bit,
             utf8_headers=msg.utf8_headers,

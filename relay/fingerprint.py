@@ -158,6 +158,32 @@ def normalize_header_value(
     return text
 
 
+def strip_fields(content: bytes, names: Sequence[str]) -> bytes:
+    """``content`` without the header fields named ``names`` (their continuation lines too).
+
+    The header section is read by the same rules as :func:`extract_dedup_headers` (so what
+    is stripped is exactly what was read); the body and every other byte stay as they are.
+    Used for the ``strip_dedupe_headers`` option (DESIGN section 5). Raises ``ValueError``
+    when a name is not an RFC 5322 field name.
+    """
+    wanted = _field_names(names)
+    end = _HEADER_END.search(content)
+    cut = len(content) if end is None else end.start() + (1 if end.group().startswith(b"\n")
+                                                           else 0)
+    kept: list[bytes] = []
+    dropping = False
+    for line in content[:cut].splitlines(keepends=True):
+        if line[:1] in (b" ", b"\t"):
+            if not dropping:
+                kept.append(line)
+            continue
+        name, _ = _field_start(line.rstrip(b"\r\n"))
+        dropping = name in wanted
+        if not dropping:
+            kept.append(line)
+    return b"".join(kept) + content[cut:]
+
+
 def _field_names(names: Sequence[str]) -> frozenset[bytes]:
     """Lower-cased ASCII field names; a bare str counts as one name, not as its letters."""
     if isinstance(names, str):

@@ -22,6 +22,7 @@ from relay.fingerprint import (
     normalize_header_value,
     normalize_recipient,
     store_key,
+    strip_fields,
 )
 
 SEED_HEX = "30c8e812a32d46b8971d68a9c547dce6f95a92a86987f0ad79879616407139b6"
@@ -645,3 +646,35 @@ def test_empty_encoded_word_is_empty() -> None:
     """=?utf-8?q??= (CPython's folder writes it) decodes to nothing, not to itself."""
     assert normalize_header_value("=?utf-8?q??=\r\n =?utf-8?q?=C3=B1?=") == "ñ"
     assert normalize_header_value("=?utf-8?b??=") == ""
+
+
+# -- strip_fields: the strip_dedupe_headers option ----------------------------------------------
+
+NAMES = ("X-Dedupe-Key", "Idempotency-Key", "X-Template")
+
+
+@pytest.mark.parametrize(("content", "stripped"), [
+    (b"A: 1\r\nX-Dedupe-Key: k\r\n  more\r\nB: 2\r\n\r\nX-Dedupe-Key: body\r\n",
+     b"A: 1\r\nB: 2\r\n\r\nX-Dedupe-Key: body\r\n"),
+    (b"\r\nX-Dedupe-Key: k\r\n", b"\r\nX-Dedupe-Key: k\r\n"),  # no header section at all
+    (b"X-Template : t\r\nA: 1", b"A: 1"),  # blank before the colon, no body
+    (b"junk line\r\n continued\r\nX-Dedupe-Key: k\r\n\r\n", b"junk line\r\n continued\r\n\r\n"),
+])
+def test_strip_fields_cases(content: bytes, stripped: bytes) -> None:
+    """Only named fields of the header section leave, with their continuation lines."""
+    assert strip_fields(content, NAMES) == stripped
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"X-Dedupe-Key: k1", b"x-template: t", b" folded",
+                                 b"\tfolded", b"Subject: s", b"Idempotency-Key: i",
+                                 b"junk", b""]), max_size=12),
+       st.binary(max_size=40))
+def test_nothing_is_read_from_a_stripped_message(lines: list[bytes], body: bytes) -> None:
+    """What is stripped is exactly what is read: afterwards no key and no template remain,
+    and every byte after the header section is unchanged."""
+    content = b"\r\n".join(lines) + b"\r\n\r\n" + body
+    out = strip_fields(content, NAMES)
+    headers = extract_dedup_headers(out.replace(b"\x00", b""))
+    assert headers.keys == () and headers.templates == ()
+    assert out.endswith(b"\r\n\r\n" + body) or out.endswith(body)

@@ -261,3 +261,23 @@ def test_policy_defaults_match_design() -> None:
     p = Policy()
     assert (p.lease_s, p.window_s, p.key_prefix) == (900.0, 86400.0, "email:fp:")
     assert (p.missing_key, p.unknown, p.store_down) == ("relay", "suppress", "fail_closed")
+
+
+async def test_strip_dedupe_headers_removes_exactly_the_fields_read(
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """strip_dedupe_headers: key and template fields (any case, folded, alias) leave; the rest,
+    and a body line that looks like one, stay byte for byte; dedup works as before."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", strip_dedupe_headers=True)
+    data = (b"From: app@example.com\r\nx-dedupe-key: K-1\r\n\tcontinued\r\n"
+            b"Subject: hi\r\nX-TEMPLATE: welcome\r\nIdempotency-Key: I-1\r\n"
+            b"X-Other: keep\r\n\r\nX-Dedupe-Key: in the body\r\n")
+    first = await send(relay.port, ["user@example.net"], data)
+    assert first.code == 250
+    [delivered] = sink.handler.delivered
+    assert delivered.content.endswith(
+        b"From: app@example.com\r\nSubject: hi\r\nX-Other: keep\r\n\r\n"
+        b"X-Dedupe-Key: in the body\r\n")
+    assert b"K-1" not in delivered.content and b"I-1" not in delivered.content
+    again = await send(relay.port, ["user@example.net"], data)
+    assert again.code == 250 and "suppressed" in again.text
+    assert len(sink.handler.delivered) == 1
