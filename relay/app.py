@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from relay.access import ConnectionGate, parse_networks
 from relay.auth import CredentialFile, SaslMechanisms
-from relay.config import Settings, split_host_port
+from relay.config import Settings, redact_url, split_host_port
 from relay.dedup import DedupCore, Policy
-from relay.errors import StoreError
+from relay.errors import ConfigError, StartupError, StoreError
 from relay.health import HealthMonitor
 from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
@@ -169,7 +169,7 @@ class Relay:
             self.metrics_port = self._ops.port
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
         log.info("listening on %s:%d, upstream %s, store %s (%s), metrics %s",
-                 host, self.port, s.upstream, _redact(s.store), store_kind,
+                 host, self.port, s.upstream, redact_url(s.store), store_kind,
                  f"{m_host}:{self.metrics_port}" if self._ops else "off")
 
     async def stop(self) -> None:
@@ -241,24 +241,46 @@ class Relay:
                 session.close_now()
 
 
-def _redact(url: str) -> str:
-    """Hide a password in a store URL for logs."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user = creds.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{host}"
-
-
 async def run(settings: Settings) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    """Serve until SIGTERM or SIGINT, then stop gracefully.
+
+    The signal handlers are installed before start-up, so a signal during a slow start (a
+    store that does not answer) stops the relay too. Raises :class:`StartupError` with one
+    readable line when the relay cannot start.
+    """
     relay = Relay(settings)
-    await relay.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: stopping")
+    starting = asyncio.create_task(_start(relay))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("signal received during start-up: stopping")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+    else:
+        try:
+            starting.result()
+        except StartupError:
+            stopping.cancel()
+            await relay.stop()
+            raise
+        await stopping
+        log.info("signal received: stopping")
     await relay.stop()
+
+
+async def _start(relay: Relay) -> None:
+    """``relay.start()`` with the operator's usual mistakes turned into :class:`StartupError`."""
+    try:
+        await relay.start()
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from exc
+    except StoreError as exc:
+        raise StartupError(f"cannot open the store {redact_url(relay.settings.store)}: "
+                           f"{exc}") from exc
+    except OSError as exc:  # a port in use, an address not on this host, a name unknown
+        raise StartupError(f"cannot listen or read a file: {exc}") from exc

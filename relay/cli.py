@@ -8,6 +8,7 @@ is also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config``
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -15,8 +16,14 @@ from typing import Any, cast
 import click
 
 from relay.cli_admin import register as register_admin_commands
-from relay.config import DEFAULT_STORE_URL, Settings, load_settings
-from relay.errors import ConfigError
+from relay.config import (
+    DEFAULT_STORE_URL,
+    Settings,
+    load_settings,
+    redact_url,
+    unknown_env_vars,
+)
+from relay.errors import ConfigError, StartupError
 from relay.logfmt import setup_logging
 
 _FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -59,6 +66,8 @@ def _settings_options(func: Any) -> Any:
 
 
 def _load(config_file: Path | None, flags: dict[str, Any]) -> Settings:
+    for name in unknown_env_vars(os.environ):
+        click.echo(f"dedup-relay: warning: {name} is not a setting and is ignored", err=True)
     try:
         return load_settings(flags, config_file)
     except ConfigError as exc:
@@ -77,8 +86,17 @@ def main() -> None:
 def serve(config_file: Path | None, **flags: Any) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config_file, flags)
+    try:
+        settings.upstream_password_value()  # the file is read now, not at the first message
+    except ConfigError as exc:
+        click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
+        sys.exit(2)
     setup_logging(settings.log_level, settings.log_format)
-    asyncio.run(_serve(settings))
+    try:
+        asyncio.run(_serve(settings))
+    except StartupError as exc:
+        click.echo(f"dedup-relay: cannot start: {exc}", err=True)
+        sys.exit(2)
 
 
 async def _serve(settings: Settings) -> None:
@@ -125,4 +143,4 @@ def check_config(config_file: Path | None, **flags: Any) -> None:
         click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
         sys.exit(2)
     click.echo(f"configuration ok: listen {settings.listen}, upstream {settings.upstream}, "
-               f"store {settings.store.split('@')[-1]}")
+               f"store {redact_url(settings.store)}")

@@ -9,9 +9,12 @@ Durations are seconds (floats), sizes bytes.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -28,6 +31,25 @@ DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
 
 # a list setting: a TOML array, or in an env var / flag a comma-separated string
 CsvList = Annotated[tuple[str, ...], NoDecode]
+
+
+_SECRET_PARAM = re.compile(r"(?i)([?&][^=&#]*password[^=&#]*=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for logs: the password of the userinfo and of any query parameter whose
+    name holds "password" (``sentinel_password=``) become ``***``; for a sqlite:/// URL the
+    file's absolute path (a relative one depends on the working directory)."""
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        return f"sqlite:///{Path(path).absolute()}" if path and not path.startswith("/") else url
+    scheme, sep, rest = url.partition("://")
+    authority, slash, tail = rest.partition("/")
+    creds, at, hosts = authority.rpartition("@")
+    if at:
+        user = creds.split(":", 1)[0]
+        authority = f"{user}:***@{hosts}"
+    return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
 
 
 def split_host_port(value: str, *, what: str) -> tuple[str, int]:
@@ -187,6 +209,14 @@ class Settings(BaseSettings):
 
         if is_multi_host_url(value):
             parse_multi_host_url(value)  # its ValueError names the fault, never the password
+        elif value.startswith("sqlite:///"):
+            from relay.store_sqlite import sqlite_path_from_url
+
+            sqlite_path_from_url(value)  # "sqlite:///" alone names no file
+        else:  # redis:// or rediss://: redis-py would quietly take db 0 for /abc
+            db = urlsplit(value).path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(f"store URL database must be a number, got /{db}")
         return value
 
     @model_validator(mode="after")
@@ -245,16 +275,31 @@ class Settings(BaseSettings):
         try:
             return self.upstream_password_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ConfigError(f"upstream-password-file: {exc.strerror}") from exc
+            raise ConfigError(
+                f"upstream-password-file: {exc.strerror}: {self.upstream_password_file}"
+            ) from exc
 
 
 def _describe(exc: ValidationError) -> str:
+    """One line per problem, naming the setting as flag, env var and file key."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "settings"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown setting (see config/dedup-relay.example.toml)")
+            continue
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where.replace('_', '-')}: {msg}")
+        if err["type"] == "missing":
+            msg = "required"
+        flag = where.replace("_", "-")
+        lines.append(f"{flag}: {msg} (--{flag}, RELAY_{where.upper()} or `{where}` in the file)")
     return "\n".join(lines)
+
+
+def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
+    """``RELAY_*`` names in ``environ`` that are no setting (a typo is otherwise ignored)."""
+    known = {f"RELAY_{name.upper()}" for name in Settings.model_fields} | {"RELAY_CONFIG"}
+    return sorted(k for k in environ if k.upper().startswith("RELAY_") and k.upper() not in known)
 
 
 class AdminSettings(Settings):
@@ -288,4 +333,4 @@ def load_settings(overrides: dict[str, Any], config_file: Path | None = None, *,
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from exc
     except ValueError as exc:  # e.g. TOML syntax errors from the file source
-        raise ConfigError(f"config: {exc}") from exc
+        raise ConfigError(f"config file {config_file}: {exc}") from exc

@@ -25,6 +25,11 @@ class ConfigError(RelayError):
     """Settings are invalid; the message is readable by an operator."""
 
 
+class StartupError(RelayError):
+    """The relay cannot start (a port in use, an unopenable store, an unreadable file...);
+    the message is one readable line for the operator."""
+
+
 class StoreError(RelayError):
     """The fingerprint store failed, refused or timed out.
 

@@ -61,4 +61,11 @@ def setup_logging(level: str, fmt: str = "json") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     # aiosmtpd logs every command line at INFO, recipients included: keep it at WARNING
-    logging.getLogger("mail.log").setLevel(max(logging.WARNING, root.level))
+    aiosmtpd_log = logging.getLogger("mail.log")
+    aiosmtpd_log.setLevel(max(logging.WARNING, root.level))
+    # ...and warns on every successful AUTH that a field it sets itself is deprecated
+    aiosmtpd_log.addFilter(_drop_login_data_warning)
+
+
+def _drop_login_data_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Session.login_data is deprecated")

@@ -9,7 +9,9 @@ section 4.4), so what "went upstream" can be counted per recipient. Uses stdlib 
 from __future__ import annotations
 
 import asyncio
+import errno
 import mailbox
+import os
 from pathlib import Path
 
 from relay import replies
@@ -61,11 +63,24 @@ class MaildirUpstream:
         )
 
     async def ping(self) -> None:
-        """Raise ConnectionError when the Maildir cannot be created or written."""
+        """Raise ConnectionError when the Maildir cannot be created or written.
+
+        ``mailbox.Maildir`` accepts a path that is a plain file (it only creates a missing
+        one), so the ``tmp``/``new`` directories are checked as deliveries use them.
+        """
         try:
-            await asyncio.to_thread(mailbox.Maildir, self._path, None, True)
+            await asyncio.to_thread(self._check_sync)
         except OSError as exc:
             raise ConnectionError(f"maildir {self._path}: {exc.strerror}") from exc
+
+    def _check_sync(self) -> None:
+        mailbox.Maildir(self._path, create=True)
+        for sub in ("tmp", "new"):
+            directory = self._path / sub
+            if not directory.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a Maildir (no tmp/ and new/)")
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, f"{sub}/ is not writable")
 
     async def close(self) -> None:
         """Nothing to close."""

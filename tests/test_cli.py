@@ -135,7 +135,8 @@ def test_check_config_requires_an_upstream(tmp_path: Path) -> None:
     """Without --upstream (or RELAY_UPSTREAM) check-config exits 2 saying upstream is missing."""
     result = run_cli("check-config", cwd=tmp_path)
     assert result.returncode == 2
-    assert "upstream: Field required" in result.stderr
+    assert "upstream: required (--upstream, RELAY_UPSTREAM or `upstream` in the file)" in (
+        result.stderr)
 
 
 def test_env_vars_and_flags_priority(tmp_path: Path) -> None:
@@ -154,3 +155,114 @@ def test_check_config_rejects_a_bad_store_url(tmp_path: Path) -> None:
                      cwd=tmp_path)
     assert result.returncode == 2
     assert "store must be a redis://, rediss:// or sqlite:///path URL" in result.stderr
+
+
+def test_check_config_names_an_unknown_file_key_as_written(tmp_path: Path) -> None:
+    """A misspelt key in the TOML file is named as written and called unknown."""
+    (tmp_path / "relay.toml").write_text('upstream = "maildir:x"\nlisten_port = 25\n')
+    result = run_cli("check-config", "--config", "relay.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "listen_port: unknown setting" in result.stderr
+
+
+def test_a_misspelt_env_var_is_warned_about(tmp_path: Path) -> None:
+    """RELAY_UPSTREM_TLS is no setting: said on stderr instead of silently ignored."""
+    result = run_cli("check-config", "--upstream", "maildir:x", cwd=tmp_path,
+                     env={"RELAY_UPSTREM_TLS": "tls"})
+    assert result.returncode == 0
+    assert "RELAY_UPSTREM_TLS is not a setting and is ignored" in result.stderr
+
+
+def test_check_config_hides_every_store_password(tmp_path: Path) -> None:
+    """Neither the userinfo password nor a sentinel_password query parameter is printed."""
+    url = "redis+sentinel://u:userpw@s1:26379,s2:26379/mymaster?sentinel_password=topsecret"
+    result = run_cli("check-config", "--upstream", "maildir:x", "--store", url, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "userpw" not in result.stdout and "topsecret" not in result.stdout
+    assert "sentinel_password=***" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message_part"), [
+    (("--upstream-user", "u", "--upstream-password-file", "missing-file"),
+     "upstream-password-file: No such file or directory: missing-file"),
+    (("--store", "sqlite:///not-a-db.txt"), "cannot start: cannot open the store"),
+    (("--listen", "192.0.2.77:2525"), "cannot start: cannot listen"),
+])
+def test_serve_start_up_mistakes_are_one_readable_line(
+        tmp_path: Path, args: tuple[str, ...], message_part: str) -> None:
+    """A missing password file, a store that is no database, an address not on this host:
+    exit 2 with one line, no traceback."""
+    (tmp_path / "not-a-db.txt").write_text("plain text, not sqlite\n" * 100)
+    result = run_cli("serve", "--upstream", "maildir:md", "--metrics-listen", "off", *args,
+                     cwd=tmp_path)
+    assert result.returncode == 2, result
+    assert message_part in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_readable_line(tmp_path: Path) -> None:
+    """Another process holds the SMTP port: exit 2, 'address already in use', no traceback."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_cli("serve", "--upstream", "maildir:md", "--metrics-listen", "off",
+                         "--listen", f"127.0.0.1:{port}", cwd=tmp_path)
+    assert result.returncode == 2, result
+    assert "cannot start" in result.stderr and "in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
+    """SIGINT while the store does not answer yet: the relay stops instead of starting."""
+    import socket
+
+    with socket.socket() as silent:  # accepts connections, never answers: a hung Redis
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        env["RELAY_STORE_TIMEOUT"] = "30"
+        smtp_port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", "serve", "--upstream", "maildir:md",
+             "--metrics-listen", "off", "--listen", f"127.0.0.1:{smtp_port}",
+             "--store", f"redis://127.0.0.1:{silent.getsockname()[1]}/0"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(2.0)  # python started, the start-up store check is waiting
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = proc.stderr.read() if proc.stderr else ""
+    assert "signal received during start-up" in log
+    assert "listening on" not in log
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+    ("rediss://h:6380/0?password=x&ssl_cert_reqs=none",
+     "rediss://h:6380/0?password=***&ssl_cert_reqs=none"),
+    ("redis+sentinel://u:p@s1:1,s2:2/m?sentinel_password=t",
+     "redis+sentinel://u:***@s1:1,s2:2/m?sentinel_password=***"),
+    ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
+])
+def test_redact_url_hides_passwords(url: str, shown: str) -> None:
+    """Store URLs in logs and check-config output carry no password."""
+    from relay.config import redact_url
+
+    assert redact_url(url) == shown
+
+
+def test_redact_url_shows_where_a_relative_sqlite_file_is(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default store is relative to the working directory: the log names the real file."""
+    from relay.config import redact_url
+
+    monkeypatch.chdir(tmp_path)
+    assert redact_url("sqlite:///data/dedup-relay.db") == f"sqlite:///{tmp_path}/data/dedup-relay.db"

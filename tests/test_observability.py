@@ -260,3 +260,14 @@ async def test_content_refused_by_the_listener_is_counted_invalid(observed: Rela
     samples = await scrape(observed)
     assert value(samples, "relay_messages_total", result="invalid") == 1
     assert value(samples, "relay_messages_total", result="relayed") == 0
+
+
+async def test_maildir_readiness_fails_for_a_plain_file(tmp_path: Path) -> None:
+    """--upstream maildir:FILE: readiness says upstream down (deliveries would all fail)."""
+    from relay.upstream_maildir import MaildirUpstream
+
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(ConnectionError, match=r"not a Maildir|Not a directory"):
+        await MaildirUpstream(path=tmp_path / "afile").ping()
+    await MaildirUpstream(path=tmp_path / "box").ping()  # a missing one is created: ready
+    assert (tmp_path / "box" / "new").is_dir()
