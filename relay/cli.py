@@ -18,6 +18,7 @@ import click
 from relay.cli_admin import register as register_admin_commands
 from relay.config import (
     DEFAULT_STORE_URL,
+    AdminSettings,
     Settings,
     load_settings,
     redact_url,
@@ -130,6 +131,43 @@ def hash_password_command(user: str, scheme: str, password_stdin: bool) -> None:
     except ValueError as exc:
         click.echo(f"dedup-relay: {exc}", err=True)
         sys.exit(2)
+
+
+@main.command("healthcheck")
+@click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")
+@_settings_options
+def healthcheck(config_file: Path | None, timeout: float, **flags: Any) -> None:
+    """Exit 0 when the relay on this host serves (container HEALTHCHECK), else 1.
+
+    Asks ``/healthz`` on the metrics port; with metrics off, waits for the SMTP greeting.
+    """
+    import socket
+    import urllib.request
+
+    try:
+        settings = load_settings(flags, config_file, base=AdminSettings)
+    except ConfigError as exc:
+        click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
+        sys.exit(2)
+    metrics = settings.metrics_address
+    try:
+        if metrics is not None:
+            url = f"http://{_local(metrics[0])}:{metrics[1]}/healthz"
+            with urllib.request.urlopen(url, timeout=timeout) as reply:
+                ok = reply.status == 200
+        else:
+            host, port = settings.listen_address
+            with socket.create_connection((_local(host), port), timeout=timeout) as conn:
+                ok = conn.recv(4).startswith(b"220")
+    except OSError as exc:
+        click.echo(f"dedup-relay: not healthy: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(0 if ok else 1)
+
+
+def _local(host: str) -> str:
+    """Where to reach a listener bound to ``host`` from this host (a wildcard: loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # noqa: S104
 
 
 @main.command("check-config")

@@ -123,6 +123,19 @@ def test_check_config_accepts_the_example_file(tmp_path: Path) -> None:
     assert "configuration ok" in result.stdout
 
 
+def test_example_config_names_every_setting() -> None:
+    """The README calls the example file the list of every setting: each field is in it
+    (set, or commented out for the optional secrets and paths)."""
+    import re
+    import tomllib
+
+    from relay.config import Settings
+
+    text = EXAMPLE_CONFIG.read_text()
+    named = set(tomllib.loads(text)) | set(re.findall(r"^#\s*([a-z_]+)\s*=", text, re.M))
+    assert set(Settings.model_fields) - named == set()
+
+
 def test_check_config_rejects_a_lease_shorter_than_the_upstream_timeout(tmp_path: Path) -> None:
     """check-config exits 2 and names the setting when the lease cannot outlive a send."""
     result = run_cli("check-config", "--upstream", "127.0.0.1:25", "--lease", "60",
@@ -266,3 +279,19 @@ def test_redact_url_shows_where_a_relative_sqlite_file_is(tmp_path: Path,
 
     monkeypatch.chdir(tmp_path)
     assert redact_url("sqlite:///data/dedup-relay.db") == f"sqlite:///{tmp_path}/data/dedup-relay.db"
+
+
+def test_healthcheck_asks_healthz_or_the_smtp_greeting(
+        serve: tuple[int, int, subprocess.Popen[str]], tmp_path: Path) -> None:
+    """The image's HEALTHCHECK: 0 against a serving relay (metrics on, or off: SMTP 220),
+    1 when nothing answers."""
+    port, metrics_port, _ = serve
+    by_metrics = run_cli("healthcheck", "--metrics-listen", f"0.0.0.0:{metrics_port}",
+                         cwd=tmp_path)
+    assert by_metrics.returncode == 0, by_metrics.stderr
+    by_smtp = run_cli("healthcheck", "--metrics-listen", "off", "--listen",
+                      f"127.0.0.1:{port}", cwd=tmp_path)
+    assert by_smtp.returncode == 0, by_smtp.stderr
+    nobody = run_cli("healthcheck", "--metrics-listen", f"127.0.0.1:{free_port()}",
+                     cwd=tmp_path)
+    assert nobody.returncode == 1 and "not healthy" in nobody.stderr

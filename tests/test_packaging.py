@@ -65,14 +65,25 @@ def test_base_images_are_pinned() -> None:
 
 
 def test_image_runs_as_non_root_with_a_healthcheck_on_healthz() -> None:
-    """The final stage has a non-root USER and a HEALTHCHECK on the metrics port's /healthz."""
+    """The final stage has a non-root USER and a HEALTHCHECK running `dedup-relay healthcheck`
+    (a command of the project's CLI: /healthz, or the SMTP greeting with metrics off)."""
     steps = dockerfile()
     final = steps[max(i for i, (w, _) in enumerate(steps) if w == "FROM"):]
     users = [a for w, a in final if w == "USER"]
     assert users and users[-1] not in ("root", "0")
     health = [a for w, a in final if w == "HEALTHCHECK"]
-    _, metrics_port = split_host_port(docker_env()["RELAY_METRICS_LISTEN"], what="metrics")
-    assert health and f"127.0.0.1:{metrics_port}/healthz" in health[0]
+    assert health
+    command = yaml.safe_load(health[0].split("CMD", 1)[1])
+    assert command[:2] == ["dedup-relay", "healthcheck"]
+    assert "healthcheck" in cli_main.commands
+
+
+def test_compose_gives_the_relay_time_to_drain() -> None:
+    """stop_grace_period outlasts shutdown_grace, or Docker kills in-flight transactions."""
+    relay = compose()["services"]["relay"]
+    grace = float(relay["environment"].get("RELAY_SHUTDOWN_GRACE", Settings.model_fields[
+        "shutdown_grace"].default))
+    assert float(str(relay["stop_grace_period"]).removesuffix("s")) > grace
 
 
 def test_image_command_is_the_projects_console_script() -> None:
