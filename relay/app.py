@@ -63,6 +63,8 @@ def build_upstream(settings: Settings) -> Upstream:
         connect_timeout_s=settings.upstream_connect_timeout,
         command_timeout_s=settings.upstream_command_timeout,
         final_timeout_s=settings.upstream_timeout,
+        pool_size=settings.upstream_pool_size, pool_idle_s=settings.upstream_pool_idle,
+        pool_max_messages=settings.upstream_pool_max_messages,
     ))
 
 

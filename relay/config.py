@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     upstream_timeout: float = Field(default=600.0, gt=0)
     upstream_command_timeout: float = Field(default=60.0, gt=0)
     upstream_connect_timeout: float = Field(default=30.0, gt=0)
+    upstream_pool_size: int = Field(default=4, ge=0)
+    upstream_pool_idle: float = Field(default=30.0, gt=0)
+    upstream_pool_max_messages: int = Field(default=100, ge=1)
 
     # store and dedup
     store: str = DEFAULT_STORE_URL

@@ -1,7 +1,11 @@
 """The SMTP upstream (smarthost) adapter, built on aiosmtplib.
 
-One connection per transaction (connect, EHLO, optional STARTTLS and AUTH, MAIL, RCPT..., DATA,
-QUIT). Every aiosmtplib exception is translated here into a per-recipient
+Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (DESIGN section 5): after a
+transaction that ended cleanly (the upstream answered every command, none with 421) the
+connection waits idle for the next one, which starts with RSET; a pooled connection that fails
+its RSET is closed and a fresh one is opened, so a connection the smarthost dropped while idle
+costs nothing. A connection whose transaction failed, timed out or is in doubt is never reused
+(case 26). Every aiosmtplib exception is translated here into a per-recipient
 :class:`relay.interfaces.RcptResult`; nothing from aiosmtplib escapes this module.
 
 The DATA phase is run by hand on aiosmtplib's public protocol methods (``execute_command``,
@@ -60,6 +64,18 @@ class SmtpUpstreamConfig:
     connect_timeout_s: float = 30.0
     command_timeout_s: float = 60.0
     final_timeout_s: float = 600.0
+    pool_size: int = 4  # idle connections kept; 0: one connection per transaction
+    pool_idle_s: float = 30.0  # an idle connection older than this is closed, not reused
+    pool_max_messages: int = 100  # transactions per connection before it is closed
+
+
+@dataclass
+class _Pooled:
+    """An idle upstream connection: since when (``time.monotonic()``) and how often used."""
+
+    smtp: aiosmtplib.SMTP
+    idle_since: float
+    uses: int
 
 
 def _refusal(code: int, text: str) -> RcptResult:
@@ -118,6 +134,7 @@ class SmtpUpstream:
 
     def __init__(self, *, config: SmtpUpstreamConfig) -> None:
         self._cfg = config
+        self._idle: list[_Pooled] = []  # most recently used last
 
     def _client(self) -> aiosmtplib.SMTP:
         cfg = self._cfg
@@ -143,17 +160,54 @@ class SmtpUpstream:
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
         """Run one upstream transaction; see :class:`relay.interfaces.Upstream`."""
         progress = progress if progress is not None else DeliveryProgress()
+        try:
+            smtp, uses = await self._acquire()
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            log.warning("upstream session failed: %s: %s", type(exc).__name__,
+                        replies.client_safe_text(str(exc)))
+            return _all(message.rcpt_tos, _connection_failure(exc))
+        clean = False
+        try:
+            result, clean = await self._transaction(smtp, message, progress)
+            return result
+        finally:
+            await self._release(smtp, uses + 1, clean)
+
+    async def _acquire(self) -> tuple[aiosmtplib.SMTP, int]:
+        """A connection ready for MAIL and how many transactions it ran: a pooled one that
+        answered RSET (RFC 5321 section 4.1.1.5), else a new one. Raises what connecting raises.
+        """
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            pooled = self._idle.pop()
+            if (loop.time() - pooled.idle_since > self._cfg.pool_idle_s
+                    or not pooled.smtp.is_connected):
+                await self._quit(pooled.smtp)
+                continue
+            try:
+                reply = await pooled.smtp.rset(timeout=self._cfg.command_timeout_s)
+            except (aiosmtplib.SMTPException, OSError, TimeoutError):
+                pooled.smtp.close()  # dropped while idle: nothing was sent on it
+                continue
+            if reply.code == 250:
+                return pooled.smtp, pooled.uses
+            await self._quit(pooled.smtp)
         smtp = self._client()
         try:
-            try:
-                await self._open(smtp)
-            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-                log.warning("upstream session failed: %s: %s", type(exc).__name__,
-                            replies.client_safe_text(str(exc)))
-                return _all(message.rcpt_tos, _connection_failure(exc))
-            return await self._transaction(smtp, message, progress)
-        finally:
+            await self._open(smtp)
+        except BaseException:
             await self._quit(smtp)
+            raise
+        return smtp, 0
+
+    async def _release(self, smtp: aiosmtplib.SMTP, uses: int, clean: bool) -> None:
+        """Pool ``smtp`` when its transaction ended cleanly and there is room, else QUIT."""
+        cfg = self._cfg
+        if (clean and smtp.is_connected and uses < cfg.pool_max_messages
+                and len(self._idle) < cfg.pool_size):
+            self._idle.append(_Pooled(smtp, asyncio.get_running_loop().time(), uses))
+            return
+        await self._quit(smtp)
 
     async def _open(self, smtp: aiosmtplib.SMTP) -> None:
         """Connect (TLS, AUTH as configured) and greet: EHLO, or HELO when EHLO is refused."""
@@ -168,95 +222,106 @@ class SmtpUpstream:
             await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
 
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
-                           progress: DeliveryProgress) -> DeliveryResult:
+                           progress: DeliveryProgress) -> tuple[DeliveryResult, bool]:
+        """The transaction's result, and whether the connection may be reused (every command
+        answered, none with 421: the session is in a known state)."""
         wire = negotiate(message, smtp.esmtp_extensions.keys())
         if isinstance(wire, SmtpReply):
-            return _all(message.rcpt_tos, _synthetic(wire))
+            return _all(message.rcpt_tos, _synthetic(wire)), True
         encoding = "utf-8" if wire.smtputf8 else "ascii"
         try:
             await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
         except aiosmtplib.SMTPResponseException as exc:
-            return _all(message.rcpt_tos, _refusal(exc.code, exc.message))
+            return _all(message.rcpt_tos, _refusal(exc.code, exc.message)), exc.code != 421
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            return _all(message.rcpt_tos, _lost(exc))
+            return _all(message.rcpt_tos, _lost(exc)), False
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
-            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX))
-        results, accepted = await self._recipients(smtp, wire.rcpt_to, encoding)
+            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False
+        results, accepted, clean = await self._recipients(smtp, wire.rcpt_to, encoding)
         if not accepted:
-            return DeliveryResult(recipients=results)
-        outcome = await self._data(smtp, message.content, progress, accepted)
+            return DeliveryResult(recipients=results), clean
+        outcome, clean = await self._data(smtp, message.content, progress, accepted)
         for rcpt in accepted:
             results[rcpt] = outcome
         final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
-        return DeliveryResult(recipients=results, final_reply=final)
+        return DeliveryResult(recipients=results, final_reply=final), clean
 
     async def _recipients(
         self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str], encoding: str
-    ) -> tuple[dict[str, RcptResult], list[str]]:
-        """RCPT for each recipient (wire form): refusals by recipient, and the accepted ones."""
+    ) -> tuple[dict[str, RcptResult], list[str], bool]:
+        """RCPT for each recipient (wire form): refusals by recipient, the accepted ones, and
+        whether the session is still in a known state."""
         results: dict[str, RcptResult] = {}
         accepted: list[str] = []
+        clean = True
         for rcpt, wire_address in rcpt_to.items():
             try:
                 await smtp.rcpt(wire_address, encoding=encoding)
                 accepted.append(rcpt)
             except aiosmtplib.SMTPResponseException as exc:
                 results[rcpt] = _refusal(*_rcpt_reply(exc.code, exc.message))
+                clean = clean and exc.code != 421
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
                 lost = _lost(exc)
-                return {r: results.get(r, lost) for r in rcpt_to}, []
+                return {r: results.get(r, lost) for r in rcpt_to}, [], False
             except ValueError:
                 results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
-        return results, accepted
+        return results, accepted, clean
 
     async def _data(self, smtp: aiosmtplib.SMTP, content: bytes, progress: DeliveryProgress,
-                    accepted: list[str]) -> RcptResult:
-        """DATA, the message, the final dot; tell a failure before the dot from one after it."""
+                    accepted: list[str]) -> tuple[RcptResult, bool]:
+        """DATA, the message, the final dot; tell a failure before the dot from one after it.
+
+        Also says whether the session is in a known state afterwards (reusable).
+        """
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            return _lost(exc)
+            return _lost(exc), False
         if start.code != 354:
-            return _refusal(start.code, start.message)
+            return _refusal(start.code, start.message), start.code != 421
         if progress.before_dot is not None and not await progress.before_dot(accepted):
             smtp.close()  # no dot: the upstream discards the transaction
-            return _synthetic(replies.STORE_DOWN)
+            return _synthetic(replies.STORE_DOWN), False
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
         if protocol is None or not isinstance(transport, asyncio.WriteTransport):
-            return _synthetic(replies.UPSTREAM_LOST)
+            return _synthetic(replies.UPSTREAM_LOST), False
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
             payload += b"\r\n"
         try:
             protocol.write(payload + b".\r\n")
         except aiosmtplib.SMTPException:
-            return _synthetic(replies.UPSTREAM_LOST)
+            return _synthetic(replies.UPSTREAM_LOST), False
         reader = asyncio.ensure_future(protocol.read_response(timeout=self._cfg.final_timeout_s))
         if not await self._flushed(transport, reader):
             reader.cancel()
             smtp.close()
-            return _synthetic(replies.UPSTREAM_LOST)
+            return _synthetic(replies.UPSTREAM_LOST), False
         progress.dot_written = True
         return await self._final_reply(smtp, reader)
 
     async def _final_reply(self, smtp: aiosmtplib.SMTP,
-                           reader: asyncio.Future[aiosmtplib.SMTPResponse]) -> RcptResult:
-        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN."""
+                           reader: asyncio.Future[aiosmtplib.SMTPResponse]
+                           ) -> tuple[RcptResult, bool]:
+        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
+        reused: a late reply would be read as the next command's)."""
         try:
             response = await reader
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
                       type(exc).__name__)
-            return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+            return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
+        reply = SmtpReply(response.code, response.message)
         if 200 <= response.code < 300:
-            return RcptResult(RcptStatus.ACCEPTED, SmtpReply(response.code, response.message))
+            return RcptResult(RcptStatus.ACCEPTED, reply), True
         if 400 <= response.code < 600:
-            return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
+            return RcptResult(RcptStatus.REFUSED, reply), response.code != 421
         smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
         log.error("upstream answered the final dot with %d: outcome unknown", response.code)
-        return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+        return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
 
     async def _flushed(
         self, transport: asyncio.WriteTransport, reader: asyncio.Future[aiosmtplib.SMTPResponse]
@@ -296,4 +361,6 @@ class SmtpUpstream:
             await self._quit(smtp)
 
     async def close(self) -> None:
-        """Nothing is pooled yet: every transaction has its own connection."""
+        """QUIT every pooled connection (the relay is stopping)."""
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(self._quit(p.smtp) for p in idle))
