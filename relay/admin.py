@@ -41,6 +41,7 @@ class FingerprintInput:
     rcpt: str
     templates: Sequence[str]
     keys: Sequence[str]
+    auth_user: str | None = None  # the sender's AUTH identity, with scope_by_auth
 
 
 def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
@@ -48,8 +49,11 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
 
     Raises :class:`relay.errors.InvalidAddressError` for a recipient the relay refuses,
     :class:`relay.errors.InvalidDedupKeyError` for a key or template it refuses, and
-    ``ValueError`` when no key is given (a message without one is never deduplicated).
+    ``ValueError`` when no key is given (a message without one is never deduplicated) or
+    when ``auth_user`` is given but ``scope_by_auth`` is off (it would change nothing).
     """
+    if given.auth_user and not settings.scope_by_auth:
+        raise ValueError("scope_by_auth is off: the AUTH identity is not part of fingerprints")
     limit = settings.max_key_chars
     keys = _value_set(given.keys, "dedupe key", limit)
     if not keys:
@@ -63,7 +67,8 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
                                local_part_case_sensitive=settings.local_part_case_sensitive)
     secret = settings.fingerprint_secret
     fp = fingerprint(rcpt, template, keys,
-                     secret=secret.get_secret_value().encode() if secret is not None else None)
+                     secret=secret.get_secret_value().encode() if secret is not None else None,
+                     scope=given.auth_user or None)
     return fp, store_key(settings.store_prefix, fp)
 
 

@@ -79,6 +79,7 @@ def build_policy(settings: Settings) -> Policy:
         secret=secret.get_secret_value().encode() if secret is not None else None,
         missing_key=settings.missing_key, unknown=settings.unknown_policy,
         store_down=settings.store_down, strip_headers=settings.strip_dedupe_headers,
+        scope_by_auth=settings.scope_by_auth,
     )
 
 

@@ -10,7 +10,7 @@ The credentials file holds one ``username:hash`` per line, the hash made by bcry
 (``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
 :func:`format_entry`. Hash checks run in a worker thread (they cost ~100 ms each). Passwords,
 hashes and AUTH blobs are never logged or put in an exception; the username is logged at DEBUG
-only. The authenticated identity is not part of the dedup fingerprint.
+only. The authenticated identity is part of the dedup fingerprint only with ``scope_by_auth``.
 
 :class:`SaslMechanisms` plugs into aiosmtpd: the listener's handler exposes its ``auth_PLAIN``
 and ``auth_LOGIN`` (aiosmtpd offers every handler method named ``auth_<MECH>``).

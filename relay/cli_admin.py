@@ -43,6 +43,7 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="X-Template value (repeat for several occurrences)"),
         click.option("--key", "keys", multiple=True,
                      help="X-Dedupe-Key value (repeat for several occurrences)"),
+        click.option("--auth-user", help="the sender's AUTH identity (with scope_by_auth)"),
         click.option("--store-key", help="the store key itself (instead of --rcpt/--key)"),
     ]
     for option in reversed(options):
@@ -63,16 +64,17 @@ def _settings(config_file: Path | None, store: str | None) -> Settings:
 
 
 def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
-                  keys: tuple[str, ...], store_key: str | None) -> str:
+                  keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
     if store_key is not None:
-        if rcpt is not None or keys or templates:
+        if rcpt is not None or keys or templates or auth_user:
             _fail(2, "give either --store-key or --rcpt/--template/--key, not both")
         return store_key
     if rcpt is None or not keys:
         _fail(2, "give --rcpt and --key (and --template when the message has one), "
                  "or --store-key")
     try:
-        return key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys))[1]
+        return key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
+                                                  auth_user=auth_user))[1]
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
         _fail(2, str(exc))
 
@@ -87,13 +89,15 @@ def register(main: click.Group) -> None:
                   help="X-Template value (repeat for several occurrences)")
     @click.option("--key", "keys", multiple=True, required=True,
                   help="X-Dedupe-Key value (repeat for several occurrences)")
+    @click.option("--auth-user", help="the sender's AUTH identity (with scope_by_auth)")
     def fingerprint_command(config_file: Path | None, store: str | None, rcpt: str,
-                            templates: tuple[str, ...], keys: tuple[str, ...]) -> None:
+                            templates: tuple[str, ...], keys: tuple[str, ...],
+                            auth_user: str | None) -> None:
         """Print the fingerprint and store key the relay uses for one recipient."""
         settings = _settings(config_file, store)
         try:
             fp, key = key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates,
-                                                         keys=keys))
+                                                         keys=keys, auth_user=auth_user))
         except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
             _fail(2, str(exc))
         click.echo(json.dumps({"fingerprint": fp, "key": key}))
@@ -103,11 +107,11 @@ def register(main: click.Group) -> None:
     @_selection_options
     def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
                         templates: tuple[str, ...], keys: tuple[str, ...],
-                        store_key: str | None) -> None:
+                        auth_user: str | None, store_key: str | None) -> None:
         """Print what the store holds for a fingerprint (exit 1 when nothing)."""
         settings = _settings(config_file, store)
         setup_logging("WARNING", "text")
-        key = _selected_key(settings, rcpt, templates, keys, store_key)
+        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
         record = _run_on_store(settings, lambda store: store.inspect(key))
         click.echo(json.dumps(describe(key, record)))
         if record.state is State.ABSENT:
@@ -122,11 +126,12 @@ def register(main: click.Group) -> None:
                   show_default=True, help="format of the audit line on stderr")
     def release_command(config_file: Path | None, store: str | None, rcpt: str | None,
                         templates: tuple[str, ...], keys: tuple[str, ...],
-                        store_key: str | None, reason: str, log_format: str) -> None:
+                        auth_user: str | None, store_key: str | None, reason: str,
+                        log_format: str) -> None:
         """Delete a fingerprint whatever it holds, so the next attempt is relayed (audited)."""
         settings = _settings(config_file, store)
         setup_logging("INFO", log_format)
-        key = _selected_key(settings, rcpt, templates, keys, store_key)
+        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
         before, deleted = _run_on_store(
             settings, lambda store: release(store, key, reason=reason))
         click.echo(json.dumps({"released": deleted, "previous": describe(key, before)}))

@@ -127,6 +127,7 @@ class Settings(BaseSettings):
     fingerprint_secret: SecretStr | None = None
     missing_key: Literal["relay", "reject"] = "relay"
     strip_dedupe_headers: bool = False
+    scope_by_auth: bool = False
     unknown_policy: Literal["suppress", "hold", "send"] = "suppress"
     store_down: Literal["fail_closed", "fail_open"] = "fail_closed"
 

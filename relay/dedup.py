@@ -60,6 +60,7 @@ class Policy:
     unknown: str = "suppress"  # suppress | hold | send
     store_down: str = "fail_closed"  # fail_closed | fail_open
     strip_headers: bool = False  # remove the key and template fields before relaying
+    scope_by_auth: bool = False  # the AUTH identity is part of the fingerprint (tenants)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class InboundMessage:
     eight_bit: bool = False
     utf8_headers: bool = False
     queue_id: str = ""
+    auth_user: str | None = None  # the AUTH identity of the session, when it authenticated
 
 
 @dataclass(frozen=True)
@@ -174,18 +176,21 @@ class DedupCore:
                 return self._finish(msg, replies.MISSING_KEY_REJECTED, "invalid", {})
             return await self._relay_plain(msg, relayed_outcome="no_key")
         try:
-            keys = self._keys(msg.rcpt_tos, headers.template, headers.key)
+            scope = msg.auth_user if p.scope_by_auth else None
+            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, scope)
         except InvalidAddressError:
             return self._finish(msg, replies.BAD_RECIPIENT_ADDRESS, "invalid", {})
         return await self._relay_dedup(msg, keys)
 
-    def _keys(self, rcpt_tos: Sequence[str], template: str, key: str) -> dict[str, str]:
+    def _keys(self, rcpt_tos: Sequence[str], template: str, key: str,
+              scope: str | None) -> dict[str, str]:
         """Map each recipient to its store key (DESIGN section 2)."""
         p = self._policy
         out: dict[str, str] = {}
         for rcpt in rcpt_tos:
             norm = normalize_recipient(rcpt, local_part_case_sensitive=p.local_part_case_sensitive)
-            out[rcpt] = store_key(p.key_prefix, fingerprint(norm, template, key, secret=p.secret))
+            fp = fingerprint(norm, template, key, secret=p.secret, scope=scope)
+            out[rcpt] = store_key(p.key_prefix, fp)
         return out
 
     async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:

@@ -463,15 +463,20 @@ def _a_label(domain: str) -> str:
 # -- fingerprint ------------------------------------------------------------------------------
 
 
-def fingerprint(norm_rcpt: str, template: str, key: str, *, secret: bytes | None = None) -> str:
+def fingerprint(norm_rcpt: str, template: str, key: str, *, secret: bytes | None = None,
+                scope: str | None = None) -> str:
     """Lower-case hex SHA-256 of ``norm_rcpt NUL template NUL key`` (DESIGN section 2).
 
     Inputs are :func:`normalize_recipient` output and :class:`DedupHeaders` ``template`` /
     ``key``; they are encoded as UTF-8 with ``surrogateescape``, so raw non-UTF-8 header bytes
     hash as themselves. With ``secret`` the digest is HMAC-SHA-256 (RFC 2104) keyed by it.
-    Returns 64 hex characters. Raises ``ValueError`` for an empty secret.
+    A non-empty ``scope`` (the AUTH identity, DESIGN section 2's optional tenant scoping) is a
+    fourth NUL-joined part, so two tenants' equal keys never suppress each other; without one
+    the input is the seed's three parts. Returns 64 hex characters. Raises ``ValueError`` for
+    an empty secret.
     """
-    data = VALUE_SEPARATOR.join((norm_rcpt, template, key)).encode("utf-8", "surrogateescape")
+    parts = (norm_rcpt, template, key, scope) if scope else (norm_rcpt, template, key)
+    data = VALUE_SEPARATOR.join(parts).encode("utf-8", "surrogateescape")
     if secret is None:
         return hashlib.sha256(data).hexdigest()
     if not secret:

@@ -181,7 +181,8 @@ class RelayHandler:
         msg = InboundMessage(
             mail_from=mail_from, rcpt_tos=list(envelope.rcpt_tos), content=content,
             trace=self._received(server, session, queue_id, smtputf8), smtputf8=smtputf8,
-            eight_bit=not content.isascii(), utf8_headers=utf8_headers, queue_id=queue_id)
+            eight_bit=not content.isascii(), utf8_headers=utf8_headers, queue_id=queue_id,
+            auth_user=str(session.auth_data) if session.authenticated else None)
         started = time.perf_counter()
         # shielded: a client that hangs up mid-wait must not cancel an upstream transaction
         # half way (the reservation would be left PENDING with the message maybe delivered)

@@ -115,3 +115,16 @@ def test_admin_commands_report_a_store_that_is_down(tmp_path: Path) -> None:
                    cwd=tmp_path, env={"RELAY_STORE_TIMEOUT": "1"})
     assert done.returncode == 3 and "store failed" in done.stderr, done
     assert "Traceback" not in done.stderr
+
+
+def test_fingerprint_with_auth_user_follows_scope_by_auth(tmp_path: Path) -> None:
+    """--auth-user adds the tenant part when scope_by_auth is on, and is refused when off."""
+    scoped = run_cli("fingerprint", "--rcpt", "u@example.net", "--key", "k", "--auth-user",
+                     "shop@example.com", cwd=tmp_path, env={"RELAY_SCOPE_BY_AUTH": "true"})
+    assert scoped.returncode == 0, scoped.stderr
+    expected = fingerprint("u@example.net", "", "k", scope="shop@example.com")
+    assert json.loads(scoped.stdout)["fingerprint"] == expected
+    assert expected != fingerprint("u@example.net", "", "k")
+    off = run_cli("fingerprint", "--rcpt", "u@example.net", "--key", "k", "--auth-user",
+                  "shop@example.com", cwd=tmp_path)
+    assert off.returncode == 2 and "scope_by_auth is off" in off.stderr

@@ -283,3 +283,46 @@ async def test_swaks_starttls_and_auth_session_succeeds(
     assert "250 2.0.0 Ok: relayed 1" in outputs[0]
     assert "duplicate suppressed" in outputs[1]
     assert len(sink.handler.delivered) == 1
+
+
+async def _send_as(relay: Relay, pki: Pki, user: str | None, key: str) -> str:
+    """One message to user@example.net over STARTTLS, authenticated as ``user`` (or not)."""
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await starttls(client, pki.client_context)
+    await client.cmd("EHLO client.test")
+    if user is not None:
+        blob = base64.b64encode(f"\0{user}\0{PASSWORD}".encode()).decode()
+        assert (await client.cmd(f"AUTH PLAIN {blob}")).startswith("235")
+    for command in ("MAIL FROM:<app@example.com>", "RCPT TO:<user@example.net>", "DATA"):
+        assert (await client.cmd(command))[:1] in ("2", "3")
+    await client.write(message(key=key) + b".\r\n")
+    reply = await client.reply()
+    await client.close()
+    return reply
+
+
+@pytest.mark.parametrize("scoped", [True, False])
+async def test_scope_by_auth_keeps_tenants_apart(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, tmp_path: Path, scoped: bool
+) -> None:
+    """Two applications (AUTH identities) use the same key for the same recipient: with
+    scope_by_auth each is delivered and each one's retry suppressed; without it the second
+    application's message would be taken for a duplicate of the first's (DESIGN section 2)."""
+    from relay.auth import format_entry, hash_password
+
+    users = ["billing@example.com", "shop@example.com"]
+    creds = tmp_path / "users"
+    creds.write_text("".join(format_entry(u, hash_password(PASSWORD, scheme="bcrypt")) + "\n"
+                             for u in users))
+    relay = await tls_relay(make_relay, sink, pki, auth_file=creds, scope_by_auth=scoped)
+    replies_seen = [await _send_as(relay, pki, u, "order-42") for u in [*users, *users]]
+    if scoped:
+        assert ["relayed 1" in r for r in replies_seen] == [True, True, False, False]
+        assert all("suppressed" in r for r in replies_seen[2:])
+        assert len(sink.handler.delivered) == 2
+    else:
+        assert ["relayed 1" in r for r in replies_seen] == [True, False, False, False]
+        assert len(sink.handler.delivered) == 1
+    unauthenticated = await _send_as(relay, pki, None, "order-42")  # the unscoped namespace
+    assert ("relayed 1" in unauthenticated) is scoped
