@@ -1,12 +1,12 @@
 """The SMTP upstream (smarthost) adapter, built on aiosmtplib.
 
-Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (DESIGN section 5): after a
-transaction that ended cleanly (the upstream answered every command, none with 421) the
-connection waits idle for the next one, which starts with RSET; a pooled connection that fails
-its RSET is closed and a fresh one is opened, so a connection the smarthost dropped while idle
-costs nothing. A connection whose transaction failed, timed out or is in doubt is never reused
-(case 26). Every aiosmtplib exception is translated here into a per-recipient
-:class:`relay.interfaces.RcptResult`; nothing from aiosmtplib escapes this module.
+Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (DESIGN section 5,
+:mod:`relay.upstream_pool`): after a transaction that ended cleanly (every command answered by
+its own reply, none with 421) the connection waits idle for the next one, which starts with
+RSET; a pooled connection that fails its RSET is closed and a fresh one is opened. A connection
+whose transaction failed, timed out or is in doubt is never reused (case 26). Every aiosmtplib
+exception is translated here into a per-recipient :class:`relay.interfaces.RcptResult`;
+nothing from aiosmtplib escapes this module.
 
 The DATA phase is run by hand on aiosmtplib's public protocol methods (``execute_command``,
 ``protocol.write``, ``protocol.read_response``) rather than ``SMTP.data()``, because ``data()``
@@ -38,11 +38,13 @@ from relay.interfaces import (
     SmtpReply,
 )
 from relay.negotiate import negotiate
+from relay.upstream_pool import ConnectionPool, quit_politely
 
 log = logging.getLogger("relay.upstream")
 
 _LEADING_DOT = re.compile(rb"(?m)^\.")
 _FLUSH_POLL_S = 0.005
+_PROBE_TIMEOUT_S = 2.0  # an idle connection's RSET: a live smarthost answers at once
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,6 @@ class SmtpUpstreamConfig:
     pool_max_messages: int = 100  # transactions per connection before it is closed
 
 
-@dataclass
-class _Pooled:
-    """An idle upstream connection: since when (``time.monotonic()``) and how often used."""
-
-    smtp: aiosmtplib.SMTP
-    idle_since: float
-    uses: int
-
-
 def _refusal(code: int, text: str) -> RcptResult:
     """An upstream refusal; a reply that is neither 4yz nor 5yz is a protocol error (temp)."""
     if 400 <= code < 600:
@@ -99,6 +92,12 @@ def _rcpt_reply(code: int, text: str) -> tuple[int, str]:
     if enhanced is None:
         return 452, f"4.5.3 {text}"
     return 452, "4" + text[1:]
+
+
+def _clean(code: int) -> bool:
+    """Whether the session is in a known state after a refusal with ``code``: a 4yz or 5yz
+    other than 421 (closing). Any other code where a refusal was due is a protocol error."""
+    return 400 <= code < 600 and code != 421
 
 
 def _synthetic(reply: SmtpReply, status: RcptStatus = RcptStatus.REFUSED) -> RcptResult:
@@ -134,7 +133,11 @@ class SmtpUpstream:
 
     def __init__(self, *, config: SmtpUpstreamConfig) -> None:
         self._cfg = config
-        self._idle: list[_Pooled] = []  # most recently used last
+        self._pool = ConnectionPool(
+            size=config.pool_size, idle_s=config.pool_idle_s,
+            max_messages=config.pool_max_messages,
+            probe_timeout_s=min(_PROBE_TIMEOUT_S, config.command_timeout_s),
+            open_new=self._connect)
 
     def _client(self) -> aiosmtplib.SMTP:
         cfg = self._cfg
@@ -161,7 +164,7 @@ class SmtpUpstream:
         """Run one upstream transaction; see :class:`relay.interfaces.Upstream`."""
         progress = progress if progress is not None else DeliveryProgress()
         try:
-            smtp, uses = await self._acquire()
+            smtp, uses = await self._pool.acquire()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             log.warning("upstream session failed: %s: %s", type(exc).__name__,
                         replies.client_safe_text(str(exc)))
@@ -171,43 +174,18 @@ class SmtpUpstream:
             result, clean = await self._transaction(smtp, message, progress)
             return result
         finally:
-            await self._release(smtp, uses + 1, clean)
+            self._pool.release(smtp, uses + 1, clean)
 
-    async def _acquire(self) -> tuple[aiosmtplib.SMTP, int]:
-        """A connection ready for MAIL and how many transactions it ran: a pooled one that
-        answered RSET (RFC 5321 section 4.1.1.5), else a new one. Raises what connecting raises.
-        """
-        loop = asyncio.get_running_loop()
-        while self._idle:
-            pooled = self._idle.pop()
-            if (loop.time() - pooled.idle_since > self._cfg.pool_idle_s
-                    or not pooled.smtp.is_connected):
-                await self._quit(pooled.smtp)
-                continue
-            try:
-                reply = await pooled.smtp.rset(timeout=self._cfg.command_timeout_s)
-            except (aiosmtplib.SMTPException, OSError, TimeoutError):
-                pooled.smtp.close()  # dropped while idle: nothing was sent on it
-                continue
-            if reply.code == 250:
-                return pooled.smtp, pooled.uses
-            await self._quit(pooled.smtp)
+    async def _connect(self) -> aiosmtplib.SMTP:
+        """A new connection, greeted (and STARTTLS/AUTH as configured); raises what
+        connecting raises, after closing the socket."""
         smtp = self._client()
         try:
             await self._open(smtp)
         except BaseException:
-            await self._quit(smtp)
+            smtp.close()
             raise
-        return smtp, 0
-
-    async def _release(self, smtp: aiosmtplib.SMTP, uses: int, clean: bool) -> None:
-        """Pool ``smtp`` when its transaction ended cleanly and there is room, else QUIT."""
-        cfg = self._cfg
-        if (clean and smtp.is_connected and uses < cfg.pool_max_messages
-                and len(self._idle) < cfg.pool_size):
-            self._idle.append(_Pooled(smtp, asyncio.get_running_loop().time(), uses))
-            return
-        await self._quit(smtp)
+        return smtp
 
     async def _open(self, smtp: aiosmtplib.SMTP) -> None:
         """Connect (TLS, AUTH as configured) and greet: EHLO, or HELO when EHLO is refused."""
@@ -232,7 +210,7 @@ class SmtpUpstream:
         try:
             await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
         except aiosmtplib.SMTPResponseException as exc:
-            return _all(message.rcpt_tos, _refusal(exc.code, exc.message)), exc.code != 421
+            return _all(message.rcpt_tos, _refusal(exc.code, exc.message)), _clean(exc.code)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             return _all(message.rcpt_tos, _lost(exc)), False
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
@@ -260,7 +238,7 @@ class SmtpUpstream:
                 accepted.append(rcpt)
             except aiosmtplib.SMTPResponseException as exc:
                 results[rcpt] = _refusal(*_rcpt_reply(exc.code, exc.message))
-                clean = clean and exc.code != 421
+                clean = clean and _clean(exc.code)
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
                 lost = _lost(exc)
                 return {r: results.get(r, lost) for r in rcpt_to}, [], False
@@ -279,7 +257,7 @@ class SmtpUpstream:
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             return _lost(exc), False
         if start.code != 354:
-            return _refusal(start.code, start.message), start.code != 421
+            return _refusal(start.code, start.message), _clean(start.code)
         if progress.before_dot is not None and not await progress.before_dot(accepted):
             smtp.close()  # no dot: the upstream discards the transaction
             return _synthetic(replies.STORE_DOWN), False
@@ -318,7 +296,7 @@ class SmtpUpstream:
         if 200 <= response.code < 300:
             return RcptResult(RcptStatus.ACCEPTED, reply), True
         if 400 <= response.code < 600:
-            return RcptResult(RcptStatus.REFUSED, reply), response.code != 421
+            return RcptResult(RcptStatus.REFUSED, reply), _clean(response.code)
         smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
         log.error("upstream answered the final dot with %d: outcome unknown", response.code)
         return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
@@ -342,14 +320,6 @@ class SmtpUpstream:
                 return False  # asyncio drops the unsent bytes of a closed transport
             await asyncio.sleep(_FLUSH_POLL_S)
 
-    async def _quit(self, smtp: aiosmtplib.SMTP) -> None:
-        if not smtp.is_connected:
-            return
-        try:
-            await smtp.quit(timeout=min(5.0, self._cfg.command_timeout_s))
-        except (aiosmtplib.SMTPException, OSError, TimeoutError):
-            smtp.close()
-
     async def ping(self) -> None:
         """Connect, EHLO and QUIT; raise ConnectionError when the smarthost does not answer."""
         smtp = self._client()
@@ -358,9 +328,8 @@ class SmtpUpstream:
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             raise ConnectionError(f"upstream {self._cfg.host}:{self._cfg.port}: {exc}") from exc
         finally:
-            await self._quit(smtp)
+            await quit_politely(smtp)
 
     async def close(self) -> None:
         """QUIT every pooled connection (the relay is stopping)."""
-        idle, self._idle = self._idle, []
-        await asyncio.gather(*(self._quit(p.smtp) for p in idle))
+        await self._pool.close()

@@ -65,6 +65,14 @@ async def serve_pool_sink() -> AsyncIterator[ServePool]:
         server.close()
 
 
+async def eventually(check: Callable[[], bool], within_s: float = 3.0) -> None:
+    """Wait until ``check()`` holds (QUITs go out in the background), failing after a while."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
 async def _send_keys(relay: Relay, keys: list[str]) -> list[int]:
     return [(await send(relay.port, ["user@example.net"], message(key=k))).code for k in keys]
 
@@ -98,7 +106,8 @@ async def test_pool_size_zero_opens_a_connection_per_message(
     sink, handler = await serve_pool_sink()
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_pool_size=0)
     assert await _send_keys(relay, ["Z-1", "Z-2"]) == [250, 250]
-    assert len(set(handler.mail_peers)) == 2 and handler.rsets == 0 and handler.quits == 2
+    assert len(set(handler.mail_peers)) == 2 and handler.rsets == 0
+    await eventually(lambda: handler.quits == 2)
 
 
 async def test_a_connection_is_retired_after_its_message_limit(
@@ -109,7 +118,7 @@ async def test_a_connection_is_retired_after_its_message_limit(
     assert await _send_keys(relay, ["M-1", "M-2", "M-3"]) == [250, 250, 250]
     peers = handler.mail_peers
     assert peers[0] == peers[1] != peers[2]
-    assert handler.quits == 1  # the retired one said goodbye
+    await eventually(lambda: handler.quits == 1)  # the retired one said goodbye
 
 
 async def test_an_idle_connection_past_pool_idle_is_not_reused(
@@ -120,7 +129,8 @@ async def test_an_idle_connection_past_pool_idle_is_not_reused(
     assert await _send_keys(relay, ["I-1"]) == [250]
     await asyncio.sleep(0.5)
     assert await _send_keys(relay, ["I-2"]) == [250]
-    assert len(set(handler.mail_peers)) == 2 and handler.rsets == 0 and handler.quits == 1
+    assert len(set(handler.mail_peers)) == 2 and handler.rsets == 0
+    await eventually(lambda: handler.quits == 1)
 
 
 async def test_a_refused_recipient_leaves_no_trace_on_the_reused_connection(
@@ -159,3 +169,131 @@ async def test_stopping_the_relay_quits_the_pooled_connections(
     assert handler.quits == 0
     await relay.stop()
     assert handler.quits == len(set(handler.mail_peers)) >= 1
+
+
+# -- a smarthost that misbehaves on purpose (raw asyncio server: aiosmtpd cannot) ------------
+
+
+@dataclass
+class RawSmarthost:
+    """A minimal SMTP server over asyncio streams whose faults the test scripts.
+
+    ``double_first_dot``: the first final dot of each connection gets two 250 replies in one
+    write (the second one nobody asked for). ``silent_rset``: RSET gets no reply at all.
+    """
+
+    double_first_dot: bool = False
+    silent_rset: bool = False
+    connections: int = 0
+    delivered: list[list[str]] = field(default_factory=list)
+    port: int = 0
+    server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._session, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _session(self, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        state: dict[str, Any] = {"dots": 0, "rcpts": []}
+        writer.write(b"220 raw.test ESMTP\r\n")
+        try:
+            while line := await reader.readline():
+                if line[:4].upper() == b"QUIT":
+                    writer.write(b"221 2.0.0 bye\r\n")
+                    break
+                writer.write(await self._answer(line, state, reader, writer))
+                await writer.drain()
+        except (ConnectionError, IndexError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, line: bytes, state: dict[str, Any], reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bytes:
+        verb = line[:4].upper()
+        if verb == b"EHLO":
+            return b"250-raw.test\r\n250 8BITMIME\r\n"
+        if verb == b"RSET":
+            state["rcpts"] = []
+            return b"" if self.silent_rset else b"250 2.0.0 OK\r\n"
+        if verb == b"RCPT":
+            address = line.split(b"<", 1)[1].split(b">", 1)[0].decode()
+            if address.startswith("bad@"):
+                return b"550 5.1.1 " + address.encode() + b": user unknown\r\n"
+            state["rcpts"].append(address)
+            return b"250 2.1.5 OK\r\n"
+        if verb != b"DATA":
+            return b"250 2.0.0 OK\r\n"  # MAIL, NOOP
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        while (await reader.readline()) != b".\r\n":
+            pass
+        state["dots"] += 1
+        self.delivered.append(state["rcpts"])
+        state["rcpts"] = []
+        if self.double_first_dot and state["dots"] == 1:
+            return b"250 2.0.0 queued\r\n250 2.0.0 queued again\r\n"
+        return b"250 2.0.0 queued\r\n"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture
+async def raw_smarthost() -> AsyncIterator[RawSmarthost]:
+    """A RawSmarthost on 127.0.0.1:0, closed afterwards."""
+    host = RawSmarthost()
+    await host.start()
+    yield host
+    host.close()
+
+
+async def test_an_unasked_reply_keeps_a_connection_out_of_the_pool(
+        make_relay: MakeRelay, raw_smarthost: RawSmarthost) -> None:
+    """Two replies to one final dot: reused, that connection would pair every later command
+    with the previous command's reply (a good recipient bounced with another's 550). It is
+    closed instead, and the next message goes on a fresh connection with the right replies."""
+    raw_smarthost.double_first_dot = True
+    relay = await make_relay(upstream=f"127.0.0.1:{raw_smarthost.port}")
+    assert await _send_keys(relay, ["U-1"]) == [250]
+    second = await send(relay.port, ["good@example.net", "bad@example.net"],
+                        message(key="U-2"))
+    assert second.code == 250 and "relayed 1, refused permanently 1" in second.text
+    assert raw_smarthost.delivered == [["user@example.net"], ["good@example.net"]]
+    assert raw_smarthost.connections == 2
+
+
+async def test_one_silent_probe_drops_every_idle_connection(
+        make_relay: MakeRelay, raw_smarthost: RawSmarthost) -> None:
+    """Idle connections through a path that went silent (a NAT that forgot them): the first
+    RSET probe times out and the others are dropped with it, so the message waits one short
+    probe (2 s at most), not one command timeout per pooled connection."""
+    relay = await make_relay(upstream=f"127.0.0.1:{raw_smarthost.port}",
+                             upstream_command_timeout=4.0)
+    codes = await asyncio.gather(*(send(relay.port, ["user@example.net"], message(key=f"S-{i}"))
+                                   for i in range(4)))
+    assert [c.code for c in codes] == [250] * 4
+    opened = raw_smarthost.connections
+    assert opened >= 2  # several idle connections to go silent
+    raw_smarthost.silent_rset = True
+    started = asyncio.get_running_loop().time()
+    assert await _send_keys(relay, ["S-9"]) == [250]
+    waited = asyncio.get_running_loop().time() - started
+    assert waited < 4.0, f"waited {waited:.1f} s: more than one probe"
+    assert raw_smarthost.connections == opened + 1
+    assert len(raw_smarthost.delivered) == 5
+
+
+async def test_idle_connections_are_closed_in_a_quiet_period(
+        make_relay: MakeRelay, serve_pool_sink: ServePool) -> None:
+    """No traffic after a burst: the idle connections are QUIT once upstream_pool_idle
+    passes, not held open until the next message."""
+    sink, handler = await serve_pool_sink()
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_pool_idle=0.3)
+    await asyncio.gather(*(send(relay.port, ["user@example.net"], message(key=f"Q-{i}"))
+                           for i in range(3)))
+    opened = len(set(handler.mail_peers))
+    await eventually(lambda: handler.quits == opened, within_s=3.0)
