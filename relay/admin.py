@@ -1,16 +1,21 @@
-"""Admin operations (DESIGN section 6): compute a fingerprint, inspect it, release it.
+"""Admin operations (DESIGN section 6): compute a fingerprint, inspect it, release it, or
+mark it sent.
 
-The CLI (``dedup-relay fingerprint | inspect | release``) is a thin shell over these. They use
-the same settings as the relay (store URL, key prefix, fingerprint secret, local-part case
-rule), so the key they compute is the key the relay would use. A release is written to the
-``relay.audit`` log (one JSON line with ``--log-format json``): when, who, why, which key and
-what it held, so an operator's decision about an in-doubt message can be traced later.
+The CLI (``dedup-relay fingerprint | inspect | release | mark-sent``) is a thin shell over
+these. They use the same settings as the relay (store URL, key prefix, fingerprint secret,
+local-part case rule, scope), so the key they compute is the key the relay would use. A release
+or mark-sent is written to the ``relay.audit`` log (one JSON line with ``--log-format json``):
+when, who, why, which key and what it held, so an operator's decision about an in-doubt message
+can be traced later. Both refuse a record that is in flight (PENDING, or SENDING within the
+lease) unless forced: deleting it would let the retry go out while the first copy is still
+being delivered.
 """
 
 from __future__ import annotations
 
 import getpass
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,7 +30,7 @@ from relay.fingerprint import (
     normalize_recipient,
     store_key,
 )
-from relay.interfaces import FingerprintStore, Record
+from relay.interfaces import FingerprintStore, Record, State
 
 audit = logging.getLogger("relay.audit")
 
@@ -59,12 +64,11 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     if not keys:
         raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
     template = _value_set(given.templates, "template", limit)
-    problem = mailbox_problem(given.rcpt.strip(" ").removeprefix("<").removesuffix(">"),
-                              postmaster_alone=True)
-    if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
-        raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
     rcpt = normalize_recipient(given.rcpt,
                                local_part_case_sensitive=settings.local_part_case_sensitive)
+    problem = mailbox_problem(rcpt, postmaster_alone=True)  # source route already dropped
+    if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
+        raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
     secret = settings.fingerprint_secret
     fp = fingerprint(rcpt, template, keys,
                      secret=secret.get_secret_value().encode() if secret is not None else None,
@@ -78,34 +82,83 @@ def _value_set(values: Sequence[str], label: str, limit: int) -> str:
     return SET_SEPARATOR.join(sorted(v for v in normalized if v))
 
 
-def describe(key: str, record: Record) -> dict[str, object]:
-    """A record as plain data for printing: state, times as ISO 8601 UTC, TTL in seconds.
+class InFlightError(Exception):
+    """The record belongs to an attempt that may still be delivering (refused unless forced)."""
+
+
+def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
+    """The state a new attempt would see: SENDING is PENDING within the lease (``lease_s``
+    seconds from its ``at``) and UNKNOWN after it (its relay died after the final dot)."""
+    if record.state is not State.SENDING:
+        return record.state
+    now = time.time() if now is None else now
+    at = record.at if record.at is not None else now
+    return State.PENDING if now - at < lease_s else State.UNKNOWN
+
+
+def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
+    """A record as plain data for printing: state, what a retry would read it as
+    (``reads_as``), times as ISO 8601 UTC, TTL in seconds.
 
     The attempt token of PENDING/SENDING is left out (it is a capability to settle the key).
     """
     return {
         "key": key,
         "state": record.state.value,
+        "reads_as": reads_as(record, lease_s).value,
         "at": _iso(record.at),
         "reply": record.reply,
         "ttl_s": None if record.ttl_s is None else round(record.ttl_s, 3),
     }
 
 
-async def release(store: FingerprintStore, key: str, *, reason: str,
-                  operator: str | None = None) -> tuple[Record, bool]:
+async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
+                  force: bool = False, operator: str | None = None) -> tuple[Record, bool]:
     """Delete ``key`` whatever it holds; return (what it held, whether something was deleted).
 
-    Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS user), the
-    reason and the record released. Raises :class:`relay.errors.StoreError`.
+    Raises :class:`InFlightError` (nothing done) when the record is in flight and not
+    ``force``. Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS
+    user), the reason and the record released. Raises :class:`relay.errors.StoreError`.
     """
-    before = await store.inspect(key)
+    before = await _not_in_flight(store, key, lease_s, force)
     deleted = await store.force_release(key)
-    audit.warning("fingerprint released by an operator", extra={
-        "event": "admin_release", "operator": operator or _os_user(), "reason": reason,
-        "released": deleted, "previous": describe(key, before),
-    })
+    _audit("fingerprint released by an operator", "admin_release", key, before, lease_s,
+           reason, operator, released=deleted)
     return before, deleted
+
+
+async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
+                    window_s: float, force: bool = False,
+                    operator: str | None = None) -> Record:
+    """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
+    found the message delivered, so its retries are duplicates. Returns what it held.
+
+    Raises :class:`InFlightError` as :func:`release`, and :class:`relay.errors.StoreError`.
+    """
+    before = await _not_in_flight(store, key, lease_s, force)
+    await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
+                                window_s=window_s, now=time.time())
+    _audit("fingerprint marked sent by an operator", "admin_mark_sent", key, before, lease_s,
+           reason, operator)
+    return before
+
+
+async def _not_in_flight(store: FingerprintStore, key: str, lease_s: float,
+                         force: bool) -> Record:
+    before = await store.inspect(key)
+    if not force and reads_as(before, lease_s) is State.PENDING:
+        raise InFlightError(
+            f"{key} is {before.state.value}: an attempt may still be delivering it; wait for "
+            "its lease to end, or force")
+    return before
+
+
+def _audit(message: str, event: str, key: str, before: Record, lease_s: float, reason: str,
+           operator: str | None, **fields: object) -> None:
+    audit.warning(message, extra={
+        "event": event, "operator": operator or _os_user(), "reason": reason,
+        **fields, "previous": describe(key, before, lease_s),
+    })
 
 
 def _os_user() -> str:

@@ -42,9 +42,14 @@ async def build_store(settings: Settings) -> FingerprintStore:
     if settings.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
         store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout)
         try:
+            await store.ping()
             for warning in await store.check_server():
                 log.warning("redis: %s", warning)
         except StoreError as exc:
+            if "DB index is out of range" in str(exc):  # a setting error, not an outage
+                await store.close()
+                raise ConfigError(f"store: the Redis server has no database of that number "
+                                  f"({redact_url(settings.store)})") from exc
             log.warning("redis not reachable at start-up (%s); will fail closed until it is", exc)
         return store
     return await SqliteStore.open(
@@ -171,9 +176,9 @@ class Relay:
             await self._ops.start()
             self.metrics_port = self._ops.port
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
-        log.info("listening on %s:%d, upstream %s, store %s (%s), metrics %s",
-                 host, self.port, s.upstream, redact_url(s.store), store_kind,
-                 f"{m_host}:{self.metrics_port}" if self._ops else "off")
+        log.info("listening on %s, upstream %s, store %s (%s), metrics %s",
+                 _host_port(host, self.port), s.upstream, redact_url(s.store), store_kind,
+                 _host_port(m_host, self.metrics_port) if self._ops else "off")
 
     async def stop(self) -> None:
         """Graceful shutdown (DESIGN section 5), in this order.
@@ -242,6 +247,11 @@ class Relay:
         if self.handler is not None:
             for session in list(self.handler.sessions):
                 session.close_now()
+
+
+def _host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (RFC 3986 section 3.2.2)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def run(settings: Settings) -> None:

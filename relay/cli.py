@@ -158,7 +158,9 @@ def healthcheck(config_file: Path | None, timeout: float, **flags: Any) -> None:
         else:
             host, port = settings.listen_address
             with socket.create_connection((_local(host), port), timeout=timeout) as conn:
-                ok = conn.recv(4).startswith(b"220")
+                # any greeting proves the process serves: a 421 is the allowed_networks
+                # refusal when loopback is not among them, or a connection limit
+                ok = conn.recv(4)[:3] in (b"220", b"421")
     except OSError as exc:
         click.echo(f"dedup-relay: not healthy: {exc}", err=True)
         sys.exit(1)

@@ -218,9 +218,14 @@ class Settings(BaseSettings):
 
             sqlite_path_from_url(value)  # "sqlite:///" alone names no file
         else:  # redis:// or rediss://: redis-py would quietly take db 0 for /abc
-            db = urlsplit(value).path.strip("/")
+            parts = urlsplit(value)
+            db = parts.path.strip("/")
             if db and not db.isdigit():
                 raise ValueError(f"store URL database must be a number, got /{db}")
+            try:
+                parts.port  # noqa: B018  # raises ValueError for a port that is no number
+            except ValueError:
+                raise ValueError("store URL port must be a number from 0 to 65535") from None
         return value
 
     @model_validator(mode="after")
@@ -277,11 +282,14 @@ class Settings(BaseSettings):
         if self.upstream_password_file is None:
             return None
         try:
-            return self.upstream_password_file.read_text(encoding="utf-8").strip()
+            password = self.upstream_password_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(
                 f"upstream-password-file: {exc.strerror}: {self.upstream_password_file}"
             ) from exc
+        if not password:
+            raise ConfigError(f"upstream-password-file: {self.upstream_password_file} is empty")
+        return password
 
 
 def _describe(exc: ValidationError) -> str:

@@ -8,6 +8,7 @@ handles one message that the listener accepted at the final dot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -84,12 +85,15 @@ class InboundMessage:
 
 @dataclass(frozen=True)
 class Decision:
-    """What the core decided: the client ``reply``, one outcome per recipient, a ``result``."""
+    """What the core decided: the client ``reply``, one outcome per recipient, a ``result``,
+    and each recipient's store key (``keys``; empty for a message without a dedupe key), so an
+    operator can find the record of an in-doubt message from its log line."""
 
     reply: SmtpReply
     result: str
     outcomes: Mapping[str, str] = field(default_factory=dict)
     upstream_reply: SmtpReply | None = None
+    keys: Mapping[str, str] = field(default_factory=dict)
 
 
 # rank of temporary outcomes, worst first (DESIGN section 4: "reply to the client, worst first")
@@ -180,7 +184,8 @@ class DedupCore:
             keys = self._keys(msg.rcpt_tos, headers.template, headers.key, scope)
         except InvalidAddressError:
             return self._finish(msg, replies.BAD_RECIPIENT_ADDRESS, "invalid", {})
-        return await self._relay_dedup(msg, keys)
+        decision = await self._relay_dedup(msg, keys)
+        return dataclasses.replace(decision, keys=keys)
 
     def _keys(self, rcpt_tos: Sequence[str], template: str, key: str,
               scope: str | None) -> dict[str, str]:
@@ -212,7 +217,7 @@ class DedupCore:
             return self._conclude(msg, tally, None)
         by_key = {r.key: r for r in reservations}
         tally = _Tally()
-        to_send = self._partition(keys, by_key, tally)
+        to_send = self._partition(keys, by_key, tally, msg.queue_id)
         result: DeliveryResult | None = None
         if to_send:
             # one upstream recipient per fingerprint: the first spelling the client used
@@ -243,7 +248,8 @@ class DedupCore:
         return self._conclude(msg, tally, None)
 
     def _partition(
-        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation], tally: _Tally
+        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation], tally: _Tally,
+        queue_id: str,
     ) -> set[str]:
         """Sort recipients by what the store holds; return the keys this attempt reserved."""
         to_send: set[str] = set()
@@ -254,7 +260,8 @@ class DedupCore:
                 if key not in to_send and found is not None and found.state is State.UNKNOWN:
                     # unknown_policy = send (at-least-once, case 26): a possible duplicate
                     log.warning("relaying again although an earlier attempt is in doubt "
-                                "(since %s): possible duplicate", _iso(found.at))
+                                "(since %s): possible duplicate", _iso(found.at),
+                                extra={"queue_id": queue_id, "key": key})
                     self._metrics.unknown_resent()
                 to_send.add(key)
             elif found is not None and found.state is State.PENDING:

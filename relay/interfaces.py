@@ -122,6 +122,12 @@ class FingerprintStore(Protocol):
         """Delete ``key`` whatever it holds (operator action); True when something was deleted."""
         ...
 
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
+        """Set ``key`` to SENT(``now``, ``reply``) for ``window_s`` seconds whatever it holds
+        (operator action: an in-doubt message the upstream's log shows delivered).
+        Raises :class:`relay.errors.StoreError`."""
+        ...
+
     async def ping(self) -> None:
         """Check that the store answers; raise StoreError when it does not."""
         ...

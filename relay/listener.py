@@ -232,6 +232,7 @@ class RelayHandler:
             "result": decision.result,
             "reply": str(decision.reply),
             "outcomes": {show(r): o for r, o in decision.outcomes.items()},
+            "keys": {show(r): k for r, k in decision.keys.items()},
             "upstream_reply": str(upstream) if upstream is not None else None,
             "upstream_queue_id": match.group(1) if match else None,
             "bytes": size,

@@ -346,6 +346,13 @@ class RedisStore:
             deleted = await self._client.delete(key)
         return bool(deleted)
 
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
+        """Set ``S|<now ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds, whatever it
+        held (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
+        value = b"S|%d|" % int(now * 1000) + _reply_bytes(reply)
+        async with _translated("force_mark_sent", self._op_timeout_s):
+            await self._client.set(key, value, px=_ms(window_s))
+
     async def ping(self) -> None:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""
         async with _translated("ping", self._op_timeout_s):

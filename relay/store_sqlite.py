@@ -209,6 +209,17 @@ class SqliteStore:
         """
         return await self._call("force_release", lambda: self._force_release(key))
 
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
+        """Set SENT(``now``, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
+        (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
+        at_ms = int(now * 1000)
+        row = (key, _SENT, None, at_ms, _clean(reply), at_ms + _ms(window_s))
+
+        def body(conn: sqlite3.Connection, now_ms: int) -> None:
+            conn.execute(_UPSERT, row)
+
+        await self._call("force_mark_sent", lambda: self._transaction(body))
+
     async def ping(self) -> None:
         """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
         await self._call("ping", lambda: self._db().execute("SELECT 1").fetchone())

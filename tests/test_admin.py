@@ -111,7 +111,7 @@ def test_admin_commands_refuse_a_missing_sqlite_file(tmp_path: Path) -> None:
 
 def test_admin_commands_report_a_store_that_is_down(tmp_path: Path) -> None:
     """A Redis that does not answer: exit 3 with the store's error, not a traceback."""
-    done = run_cli("inspect", "--store", "redis://127.0.0.1:1/0", "--store-key", "k",
+    done = run_cli("inspect", "--store", "redis://127.0.0.1:1/0", "--store-key", "email:fp:k",
                    cwd=tmp_path, env={"RELAY_STORE_TIMEOUT": "1"})
     assert done.returncode == 3 and "store failed" in done.stderr, done
     assert "Traceback" not in done.stderr
@@ -128,3 +128,71 @@ def test_fingerprint_with_auth_user_follows_scope_by_auth(tmp_path: Path) -> Non
     off = run_cli("fingerprint", "--rcpt", "u@example.net", "--key", "k", "--auth-user",
                   "shop@example.com", cwd=tmp_path)
     assert off.returncode == 2 and "scope_by_auth is off" in off.stderr
+
+
+def _env(prefix: str, **extra: str) -> dict[str, str]:
+    return {"RELAY_STORE": REDIS_URL, "RELAY_STORE_PREFIX": prefix, **extra}
+
+
+def test_in_flight_records_are_refused_unless_forced(tmp_path: Path, redis_prefix: str) -> None:
+    """PENDING, and SENDING within the lease, may still be delivered: release and mark-sent
+    exit 4 and change nothing; --force acts; SENDING past the lease reads as unknown."""
+    import time
+
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    pending, sending, old = (redis_prefix + n for n in ("p", "s", "o"))
+    now_ms = int(time.time() * 1000)
+    client.set(pending, "P|tok", px=60_000)
+    client.set(sending, f"D|tok|{now_ms}", px=60_000)
+    client.set(old, f"D|tok|{now_ms - 120_000}", px=60_000)  # its relay died 2 min ago
+    env = _env(redis_prefix, RELAY_LEASE="60", RELAY_UPSTREAM_TIMEOUT="30")
+    for key in (pending, sending):
+        for command in ("release", "mark-sent"):
+            done = run_cli(command, "--store-key", key, "--reason", "r", cwd=tmp_path, env=env)
+            assert done.returncode == 4 and "in flight" not in done.stdout, done
+            assert "may still be delivering" in done.stderr
+    assert client.exists(pending, sending) == 2
+    seen = json.loads(run_cli("inspect", "--store-key", old, cwd=tmp_path, env=env).stdout)
+    assert (seen["state"], seen["reads_as"]) == ("sending", "unknown")
+    assert run_cli("release", "--store-key", old, "--reason", "dead relay", cwd=tmp_path,
+                   env=env).returncode == 0
+    forced = run_cli("release", "--store-key", pending, "--reason", "stuck", "--force",
+                     cwd=tmp_path, env=env)
+    assert forced.returncode == 0 and client.exists(pending, old) == 0
+    client.close()
+
+
+def test_mark_sent_turns_an_in_doubt_record_into_a_duplicate(
+        tmp_path: Path, redis_prefix: str) -> None:
+    """The upstream's log shows the in-doubt message delivered: mark-sent makes retries
+    duplicates (SENT for the dedup window), with an audit line."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    key = redis_prefix + "u"
+    client.set(key, "U|1700000000000", px=60_000)
+    env = _env(redis_prefix, RELAY_DEDUP_WINDOW="7200")
+    done = run_cli("mark-sent", "--store-key", key, "--reason", "smarthost log: queued as X1",
+                   cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["previous"]["state"] == "unknown"
+    audit = json.loads(done.stderr.strip().splitlines()[-1])
+    assert audit["event"] == "admin_mark_sent" and audit["reason"].startswith("smarthost log")
+    seen = json.loads(run_cli("inspect", "--store-key", key, cwd=tmp_path, env=env).stdout)
+    assert seen["state"] == "sent" and "smarthost log: queued as X1" in seen["reply"]
+    assert 7000 < seen["ttl_s"] <= 7200
+    client.close()
+
+
+@pytest.mark.parametrize("args", [
+    ("inspect", "--store-key", "app:session:42"),
+    ("release", "--store-key", "app:session:42", "--reason", "oops"),
+    ("release", "--store-key", "email:fp:x", "--reason", "  "),
+])
+def test_keys_outside_the_prefix_and_empty_reasons_are_refused(
+        tmp_path: Path, args: tuple[str, ...]) -> None:
+    """A key of the application sharing the Redis is never touched; a reason is required."""
+    done = run_cli(*args, cwd=tmp_path, env={"RELAY_STORE": REDIS_URL})
+    assert done.returncode == 2 and done.stderr.startswith("dedup-relay: "), done

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
+from relay.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.logfmt import TextFormatter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,6 +187,10 @@ async def test_one_json_decision_line_per_message(
     line = json.loads(JsonFormatter().format(records[0]))
     assert line["result"] == "relayed"
     assert line["outcomes"] == {"j***@example.net": "relayed"}
+    # the store key, so an operator can inspect / release the record of this message
+    [key] = line["keys"].values()
+    assert key == store_key(observed.settings.store_prefix, fingerprint(
+        normalize_recipient("john.doe@example.net"), "welcome", "LOG-1"))
     assert line["upstream_queue_id"] == "ABC123"
     assert line["latency_ms"] >= 0 and line["bytes"] > 0
     assert "john.doe" not in json.dumps(line)

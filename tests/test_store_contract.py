@@ -794,3 +794,20 @@ async def test_without_resend_unknown_an_unknown_record_stays(store: Fingerprint
                                   resend_unknown=False)
     assert not again.reserved
     assert (await store.inspect(key)).state is State.UNKNOWN
+
+
+async def test_force_mark_sent_overrides_any_state(store: FingerprintStore, prefix: str) -> None:
+    """An operator's mark-sent turns an UNKNOWN (or any) record into SENT for the window."""
+    key, token, now = prefix + "m", new_token(), time.time()
+    await store.reserve([key], token=token, lease_s=LEASE_S)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=token, window_s=WINDOW_S, now=now)
+    await store.force_mark_sent(key, reply="marked sent by ops", window_s=WINDOW_S, now=now)
+    record = await store.inspect(key)
+    assert record.state is State.SENT and record.reply == "marked sent by ops"
+    assert record.at == pytest.approx(now, abs=0.002)
+    assert record.ttl_s is not None and WINDOW_S - 10 < record.ttl_s <= WINDOW_S
+    [again] = await store.reserve([key], token=new_token(), lease_s=LEASE_S, resend_unknown=True)
+    assert not again.reserved and again.found is not None and again.found.state is State.SENT
+    absent = prefix + "never"
+    await store.force_mark_sent(absent, reply="x", window_s=WINDOW_S, now=now)
+    assert (await store.inspect(absent)).state is State.SENT
