@@ -71,21 +71,31 @@ async def prefix() -> AsyncIterator[str]:
     delete_prefix(REDIS_URL, p)
 
 
+def make_core(store: RedisStore, upstream: CountingUpstream, prefix: str, *,
+              lease_s: float = 900.0, registry: CollectorRegistry | None = None) -> DedupCore:
+    """A DedupCore over ``store`` and ``upstream`` with a fresh (or the given) registry."""
+    return DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(
+                         registry=registry if registry is not None else CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix, lease_s=lease_s))
+
+
+def one_message() -> InboundMessage:
+    """The message every test here sends: one recipient, the default key."""
+    return InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                          content=message(), queue_id="q1")
+
+
 async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> None:
     """A reserve that ran but timed out is undone, so the retry is relayed, not held 450."""
     store = LandsThenTimesOut.from_url(REDIS_URL)
     upstream = CountingUpstream()
-    core = DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix))
-    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
-                         content=message(), queue_id="q1")
+    core = make_core(store, upstream, prefix)
+    msg = one_message()
     first = await core.process(msg)
     assert first.reply.code == 451 and first.outcomes == {"user@example.net": "store_down"}
     plain = RedisStore.from_url(REDIS_URL)
-    core2 = DedupCore(store=plain, upstream=upstream,
-                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                      policy=Policy(key_prefix=prefix))
+    core2 = make_core(plain, upstream, prefix)
     second = await core2.process(msg)
     assert second.reply.code == 250 and second.outcomes == {"user@example.net": "relayed"}
     assert len(upstream.sent) == 1
@@ -116,11 +126,8 @@ async def test_mark_sent_that_fails_is_retried_until_it_lands(prefix: str) -> No
     store = SettleFailsFirst.from_url(REDIS_URL)
     upstream = CountingUpstream()
     registry = CollectorRegistry()
-    core = DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(registry=registry),
-                     policy=Policy(key_prefix=prefix, lease_s=20.0))
-    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
-                         content=message(), queue_id="q1")
+    core = make_core(store, upstream, prefix, lease_s=20.0, registry=registry)
+    msg = one_message()
     first = await core.process(msg)
     assert first.reply.code == 250  # the upstream accepted: that verdict stands
     assert core.background, "the mark must go on being retried"
@@ -169,11 +176,8 @@ async def _sending_landed_then_store_down_past_the_lease(
                               InboundMessage]:
     store = SendingLandsThenStoreDies.from_url(REDIS_URL)
     upstream = CountingUpstream()
-    core = DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix, lease_s=1.0))
-    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
-                         content=message(), queue_id="q1")
+    core = make_core(store, upstream, prefix, lease_s=1.0)
+    msg = one_message()
     first = await core.process(msg)
     assert first.reply.code == 451 and upstream.sent == []  # no dot went out
     assert core.background, "the release must go on being retried"
@@ -214,9 +218,7 @@ async def test_release_owed_lands_in_the_background_after_the_lease(prefix: str)
     await client.aclose()
     assert keys == []  # released: nothing SENDING left to read as UNKNOWN
     plain = RedisStore.from_url(REDIS_URL)
-    core2 = DedupCore(store=plain, upstream=upstream,
-                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                      policy=Policy(key_prefix=prefix))
+    core2 = make_core(plain, upstream, prefix)
     retry = await core2.process(msg)  # another relay: it never owed anything
     assert retry.outcomes == {"user@example.net": "relayed"}
     await store.close()
@@ -230,11 +232,8 @@ async def test_mark_sent_still_owed_at_the_lease_end_is_counted_and_still_lands(
     store.failures = 6  # 3 quick + 3 background tries: the 4th starts >= 1.7 s in, past the lease
     upstream = CountingUpstream()
     registry = CollectorRegistry()
-    core = DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(registry=registry),
-                     policy=Policy(key_prefix=prefix, lease_s=1.0))
-    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
-                         content=message(), queue_id="q1")
+    core = make_core(store, upstream, prefix, lease_s=1.0, registry=registry)
+    msg = one_message()
     assert (await core.process(msg)).reply.code == 250
     await asyncio.wait_for(asyncio.gather(*core.background), timeout=20)
     assert registry.get_sample_value("relay_mark_sent_failed_total") == 1.0
