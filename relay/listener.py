@@ -165,6 +165,8 @@ class RelayHandler:
         content: bytes = envelope.original_content or b""
         self.metrics.message_bytes(len(content))
         queue_id = secrets.token_hex(6)
+        if len(content) > self._limits.max_message_size:  # RFC 1870 3: unstuffed octets
+            return self._refuse(queue_id, replies.MESSAGE_TOO_BIG)
         if _BARE_CR_OR_LF.search(content):
             return self._refuse(queue_id, replies.BARE_CR_OR_LF)
         if b"\x00" in content:

@@ -66,30 +66,55 @@ class _CommandLineGuard:
     ``RCPT TO:<a@x>\nRCPT TO:<b@y>\r\n`` would be two commands: a recipient smuggled past an
     application that only strips CRLF (RFC 5321 section 2.3.8 allows CRLF only). A bad line
     calls ``on_bad`` (the session answers 421 and closes, as sendmail does: nothing after it on
-    this connection can be trusted) and ends the session. DATA lines (``readuntil(b"\r\n")``)
-    and AUTH responses (``readline()``) pass through unchanged; every other attribute is the
-    wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
+    this connection can be trusted) and ends the session. A line over the reader's limit reaches
+    aiosmtpd in pieces (``read(consumed)`` after a ``LimitOverrunError``, then ``readuntil()``):
+    the check then looks at the end of the whole line, so a long line ending in CRLF gets
+    aiosmtpd's ``500`` and one ending in a bare LF the ``421``. DATA lines
+    (``readuntil(b"\r\n")``) and AUTH responses (``readline()``) pass through unchanged; every
+    other attribute is the wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
     """
 
-    __slots__ = ("_inner", "_on_bad")
+    __slots__ = ("_inner", "_on_bad", "_overrun", "_tail")
     _inner: asyncio.StreamReader
     _on_bad: Callable[[], None]
+    _overrun: bool  # inside an over-long command line
+    _tail: bytes  # its last bytes drained so far
 
     def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None]) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_on_bad", on_bad)
+        object.__setattr__(self, "_overrun", False)
+        object.__setattr__(self, "_tail", b"")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._inner, name, value)
+        if name in self.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._inner.read(n)
+        if self._overrun and data:
+            self._tail = (self._tail + data)[-2:]
+        return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:
-        line = await self._inner.readuntil(separator)
+        try:
+            line = await self._inner.readuntil(separator)
+        except asyncio.LimitOverrunError:
+            if separator == b"\n":
+                self._overrun = True
+            raise
+        if separator != b"\n":
+            return line
+        end = self._tail + line if self._overrun else line
+        self._overrun, self._tail = False, b""
         # a CR inside the line reaches the path checks (501); one just before the CRLF would be
         # stripped by aiosmtpd unseen
-        if separator == b"\n" and (not line.endswith(b"\r\n") or line.endswith(b"\r\r\n")):
+        if not end.endswith(b"\r\n") or end.endswith(b"\r\r\n"):
             self._on_bad()
             raise asyncio.CancelledError  # aiosmtpd's own end for a connection gone mid-command
         return line
@@ -207,12 +232,22 @@ class RelaySMTP(SMTP):
         super().data_received(data)
 
     async def smtp_DATA(self, arg: str) -> None:
-        """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives."""
+        """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives.
+
+        aiosmtpd counts its size limit on the wire, transparency dots included; RFC 1870
+        section 3 does not count them. So while the body arrives its limit is raised by the
+        most stuffing can add (a third: every line a lone dot), and the exact limit is applied
+        to the unstuffed message in the handler.
+        """
         self._receiving_data = self._in_data = True
         self._data_started = self._data_handled = False
+        exact = self.data_size_limit
+        if exact:
+            self.data_size_limit = exact + exact // 3 + 4
         try:
             await super().smtp_DATA(arg)
         finally:
+            self.data_size_limit = exact
             self._receiving_data = self._in_data = False
         if self._data_started and not self._data_handled and self.transport is not None:
             # aiosmtpd refused the content itself (line too long, too big): count it too

@@ -673,6 +673,41 @@ async def test_case16_relayed_message_declares_its_actual_size_upstream(
     assert f"SIZE={len(delivered.content)}" in sink.handler.mail_commands[0][1]
 
 
+def message_of_exactly(size: int) -> bytes:
+    """An export message of exactly ``size`` octets whose body lines are lone dots, so that
+    on the wire, stuffed, it is a third longer."""
+    head = msg(*EXPORT, body=b"")[:-2]  # headers and the empty line
+    body_lines, rest = divmod(size - len(head), 3)
+    content = head + b".\r\n" * body_lines + b"x" * rest
+    if rest:
+        content = head + b".\r\n" * (body_lines - 1) + b"x" * (rest + 1) + b"\r\n"
+    assert len(content) == size
+    return content
+
+
+@pytest.mark.parametrize(("size", "accepted"), [(4096, True), (4097, False)])
+async def test_case16_size_counts_the_message_not_its_transparency_dots(
+    make_relay: MakeRelay, sink: Sink, size: int, accepted: bool
+) -> None:
+    """SIZE 4096: a message of exactly 4096 octets is relayed though, stuffed, the wire
+    carried ~5400; 4097 octets get 552 5.3.4 (RFC 1870 section 3 does not count the dots)."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_message_size=4096)
+    content = message_of_exactly(size)
+    stuffed = b"".join(b"." + line if line.startswith(b".") else line
+                       for line in content.splitlines(keepends=True))
+    assert len(stuffed) > size * 1.3
+    client, _ = await ehlo(relay.port)
+    got = await transaction(client, [RCPT], stuffed,
+                            mail=f"MAIL FROM:<app@example.com> SIZE={size}".encode())
+    await client.close()
+    if accepted:
+        assert codes(got) == [250, 250, 354, 250]
+        assert_relayed_unchanged(sink.handler.delivered[0], content)
+    else:
+        assert codes(got)[0] == 552 or got[-1].startswith("552 5.3.4")
+        assert sink.handler.transactions == 0 and await stored_keys(relay) == []
+
+
 async def test_case16_upstream_552_at_mail_is_552_and_no_key(relay: Relay, sink: Sink) -> None:
     """Upstream 552 at MAIL (its limit is smaller) gives the client 552 after DATA, no key."""
     sink.handler.mail_plan.append("552 5.3.4 Message size exceeds fixed maximum message size")
@@ -950,6 +985,30 @@ async def test_case29_bare_cr_or_lf_in_a_command_line_closes_with_421(
     await client.close()
     assert sink.handler.transactions == 0 and sink.handler.rcpt_commands == []
     assert await stored_keys(relay) == []
+
+
+async def test_an_over_long_command_line_ending_in_crlf_is_500_and_the_session_stays(
+        relay: Relay) -> None:
+    """1001+ octets then CRLF: 500 5.5.2 (too long, RFC 5321 4.5.3.1.4), not the bare-LF 421."""
+    client, _ = await ehlo(relay.port)
+    for length in (996, 2000, 5000):
+        await client.write(b"EHLO " + b"h" * length + b"\r\n")
+        assert (await client.reply()).startswith("500 5.5.2"), length
+    assert (await client.cmd("NOOP")).startswith("250")
+    await client.close()
+
+
+async def test_an_over_long_command_line_ending_in_a_bare_lf_is_421(relay: Relay,
+                                                                    sink: Sink) -> None:
+    """A long line hides a bare LF past the reader's limit: still 421 and a close, so the
+    RCPT after it is not read as a command."""
+    client, _ = await ehlo(relay.port)
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250 ")
+    await client.write(b"NOOP " + b"x" * 3000 + b"\nRCPT TO:<attacker@example.org>\r\n")
+    assert await client.reply() == str(replies.BARE_CR_OR_LF_IN_COMMAND)
+    assert await closed_by_server(client)
+    await client.close()
+    assert sink.handler.rcpt_commands == []
 
 
 async def test_case29_lf_only_session_is_closed_at_its_first_command(relay: Relay) -> None:
