@@ -310,10 +310,18 @@ class DedupCore:
 
     def _tally_delivery(self, result: DeliveryResult, keys: Mapping[str, str],
                         first_rcpt: Mapping[str, str], tally: _Tally) -> None:
+        """Each recipient's outcome from the upstream result of its fingerprint. A second
+        spelling of one mailbox in the message (``a@x`` and ``A@X``) shares the one upstream
+        copy: it is ``suppressed`` when that copy was accepted (counting it ``relayed`` too
+        would say two went out), and shares the refusal otherwise."""
         for rcpt, key in keys.items():
             if key not in first_rcpt:
                 continue
-            tally.record(rcpt, result.recipients[first_rcpt[key]], "relayed")
+            shared = result.recipients[first_rcpt[key]]
+            if first_rcpt[key] != rcpt and shared.status is RcptStatus.ACCEPTED:
+                tally.add(rcpt, "suppressed")
+            else:
+                tally.record(rcpt, shared, "relayed")
 
     async def _relay_plain(self, msg: InboundMessage, *, relayed_outcome: str) -> Decision:
         """Relay without dedup (no key, or store down with fail_open): all recipients at once."""

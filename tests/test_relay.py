@@ -50,6 +50,18 @@ async def test_recipient_case_and_idn_variants_are_one_recipient(relay: Relay, s
     assert sink.handler.delivered[0].rcpt_tos == ["User@Bücher.example"]
 
 
+async def test_two_spellings_in_one_message_are_one_copy_and_counted_so(
+        relay: Relay, sink: Sink) -> None:
+    """alice@ and ALICE@ in one message: one upstream copy, answered and counted as one
+    relayed and one suppressed (not two relayed), as the metrics say."""
+    result = await send(relay.port, ["alice@example.net", "ALICE@Example.NET"], message())
+    assert result.code == 250 and "relayed 1, suppressed 1 duplicate(s)" in result.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["alice@example.net"]]
+    sample = relay.registry.get_sample_value
+    assert sample("relay_recipients_total", {"outcome": "relayed"}) == 1.0
+    assert sample("relay_recipients_total", {"outcome": "suppressed"}) == 1.0
+
+
 async def test_second_message_carries_only_the_new_recipient(relay: Relay, sink: Sink) -> None:
     """A message to a, then to a and b: the second upstream transaction has b only."""
     await send(relay.port, ["a@example.net"], message())
