@@ -24,7 +24,7 @@ from relay.address import mailbox_problem
 from relay.config import Settings
 from relay.errors import InvalidAddressError
 from relay.fingerprint import (
-    SET_SEPARATOR,
+    DedupHeaders,
     fingerprint,
     normalize_header_value,
     normalize_recipient,
@@ -60,26 +60,24 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     if given.auth_user and not settings.scope_by_auth:
         raise ValueError("scope_by_auth is off: the AUTH identity is not part of fingerprints")
     limit = settings.max_key_chars
-    keys = _value_set(given.keys, "dedupe key", limit)
-    if not keys:
+    headers = DedupHeaders(keys=_normalized(given.keys, "dedupe key", limit),
+                           templates=_normalized(given.templates, "template", limit))
+    if headers.key is None:
         raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
-    template = _value_set(given.templates, "template", limit)
     rcpt = normalize_recipient(given.rcpt,
                                local_part_case_sensitive=settings.local_part_case_sensitive)
     problem = mailbox_problem(rcpt, postmaster_alone=True)  # source route already dropped
     if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
         raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
-    secret = settings.fingerprint_secret
-    fp = fingerprint(rcpt, template, keys,
-                     secret=secret.get_secret_value().encode() if secret is not None else None,
-                     scope=given.auth_user or None)
+    fp = fingerprint(rcpt, headers.template, headers.key,
+                     secret=settings.fingerprint_secret_bytes, scope=given.auth_user or None)
     return fp, store_key(settings.store_prefix, fp)
 
 
-def _value_set(values: Sequence[str], label: str, limit: int) -> str:
-    """The distinct normalized values, sorted and joined as the relay joins them."""
+def _normalized(values: Sequence[str], label: str, limit: int) -> tuple[str, ...]:
+    """The distinct non-empty normalized values, sorted, as :class:`DedupHeaders` holds them."""
     normalized = {normalize_header_value(v, label=label, max_chars=limit) for v in values}
-    return SET_SEPARATOR.join(sorted(v for v in normalized if v))
+    return tuple(sorted(v for v in normalized if v))
 
 
 class InFlightError(Exception):

@@ -75,13 +75,12 @@ def build_upstream(settings: Settings) -> Upstream:
 
 def build_policy(settings: Settings) -> Policy:
     """The dedup policy of DESIGN sections 2-4 from the settings."""
-    secret = settings.fingerprint_secret
     return Policy(
         lease_s=settings.lease, window_s=settings.dedup_window, key_prefix=settings.store_prefix,
         key_names=settings.dedupe_headers, template_names=settings.template_headers,
         max_key_chars=settings.max_key_chars,
         local_part_case_sensitive=settings.local_part_case_sensitive,
-        secret=secret.get_secret_value().encode() if secret is not None else None,
+        secret=settings.fingerprint_secret_bytes,
         missing_key=settings.missing_key, unknown=settings.unknown_policy,
         store_down=settings.store_down, strip_headers=settings.strip_dedupe_headers,
         scope_by_auth=settings.scope_by_auth,

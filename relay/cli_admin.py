@@ -94,9 +94,14 @@ def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ..
     if rcpt is None or not keys:
         _fail(2, "give --rcpt and --key (and --template when the message has one), "
                  "or --store-key")
+    return _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
+                                                auth_user=auth_user))[1]
+
+
+def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
+    """:func:`relay.admin.key_for`, exiting 2 with its reason for input the relay refuses."""
     try:
-        return key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
-                                                  auth_user=auth_user))[1]
+        return key_for(settings, given)
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
         _fail(2, str(exc))
 
@@ -117,11 +122,8 @@ def register(main: click.Group) -> None:
                             auth_user: str | None) -> None:
         """Print the fingerprint and store key the relay uses for one recipient."""
         settings = _settings(config_file, store)
-        try:
-            fp, key = key_for(settings, FingerprintInput(rcpt=rcpt, templates=templates,
-                                                         keys=keys, auth_user=auth_user))
-        except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
-            _fail(2, str(exc))
+        fp, key = _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates,
+                                                       keys=keys, auth_user=auth_user))
         click.echo(json.dumps({"fingerprint": fp, "key": key}))
 
     @main.command("inspect")

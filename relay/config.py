@@ -272,6 +272,12 @@ class Settings(BaseSettings):
             return None
         return split_host_port(self.metrics_listen, what="metrics-listen")
 
+    @property
+    def fingerprint_secret_bytes(self) -> bytes | None:
+        """The HMAC key of the fingerprint (UTF-8 of ``fingerprint_secret``), or None."""
+        secret = self.fingerprint_secret
+        return secret.get_secret_value().encode() if secret is not None else None
+
     def upstream_password_value(self) -> str | None:
         """The upstream AUTH password, read from the password file when one is configured.
 
