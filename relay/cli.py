@@ -66,11 +66,12 @@ def _settings_options(func: Any) -> Any:
     )(func)
 
 
-def _load(config_file: Path | None, flags: dict[str, Any]) -> Settings:
+def _load(config_file: Path | None, flags: dict[str, Any], *,
+          base: type[Settings] = Settings) -> Settings:
     for name in unknown_env_vars(os.environ):
         click.echo(f"dedup-relay: warning: {name} is not a setting and is ignored", err=True)
     try:
-        return load_settings(flags, config_file)
+        return load_settings(flags, config_file, base=base)
     except ConfigError as exc:
         click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
         sys.exit(2)
@@ -144,11 +145,7 @@ def healthcheck(config_file: Path | None, timeout: float, **flags: Any) -> None:
     import socket
     import urllib.request
 
-    try:
-        settings = load_settings(flags, config_file, base=AdminSettings)
-    except ConfigError as exc:
-        click.echo(f"dedup-relay: invalid configuration:\n{exc}", err=True)
-        sys.exit(2)
+    settings = _load(config_file, flags, base=AdminSettings)
     metrics = settings.metrics_address
     try:
         if metrics is not None:
