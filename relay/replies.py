@@ -55,6 +55,10 @@ UPSTREAM_NO_SMTPUTF8 = SmtpReply(550, "5.6.7 Upstream does not support SMTPUTF8 
 UPSTREAM_NO_8BITMIME = SmtpReply(554, "5.6.3 Upstream does not accept 8-bit data (RFC 6152)")
 UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0 Upstream protocol error, try again later")
 INTERNAL_ERROR = SmtpReply(451, "4.3.0 Internal error, try again later")
+RESERVATION_LOST = SmtpReply(
+    451, "4.3.0 The reservation of this message lapsed before the final dot; nothing was sent, "
+    "try again later"
+)
 CUT_BY_SHUTDOWN = SmtpReply(
     451, "4.3.2 Relay shut down before the upstream took the message, try again later"
 )
@@ -208,3 +212,5 @@ AUTH_FAILED = SmtpReply(535, "5.7.8 Authentication credentials invalid")
 AUTH_CANCELLED = SmtpReply(501, "5.7.0 Auth aborted")
 AUTH_BAD_BASE64 = SmtpReply(501, "5.5.2 Can't decode base64")
 AUTH_TOO_MANY_FAILURES = SmtpReply(421, "4.7.0 Too many failed authentication attempts")
+BAD_AUTH_PARAMETER = SmtpReply(
+    501, "5.5.4 AUTH= takes <> or an xtext mailbox (RFC 4954 5, RFC 3461 4)")

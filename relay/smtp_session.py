@@ -59,6 +59,40 @@ def check_path_argument(arg: str | None, keyword: str) -> SmtpReply | None:
     return None
 
 
+# RFC 3461 section 4: xtext = *( xchar / hexchar ), xchar = "!".."~" but "+" and "=",
+# hexchar = "+" two upper-case hex digits (lower case accepted: aiosmtpd upper-cases parameters)
+_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-Fa-f]{2})+")
+
+
+def take_parameter(arg: str, keyword: str, name: str) -> tuple[str, list[str]]:
+    """Split the ``name=value`` parameters off a MAIL/RCPT argument already checked by
+    :func:`check_path_argument`.
+
+    Returns ``(arg without them, their values in order)``; the name is matched without
+    case (RFC 5321 section 4.1.2, ``esmtp-keyword``). ``"FROM:<a@x> AUTH=<> SIZE=9"`` with
+    name ``AUTH`` gives ``("FROM:<a@x> SIZE=9", ["<>"])``.
+    """
+    rest = arg[len(keyword) :].strip(" ")
+    match = _PATH.match(rest)
+    if match is None:
+        return arg, []
+    path = rest[: match.end()].rstrip()
+    kept: list[str] = []
+    values: list[str] = []
+    for param in rest[match.end() :].split():
+        key, _eq, value = param.partition("=")
+        if key.upper() == name:
+            values.append(value)
+        else:
+            kept.append(param)
+    return " ".join([keyword + path, *kept]), values
+
+
+def xtext_ok(value: str) -> bool:
+    """True when ``value`` is a non-empty xtext (RFC 3461 section 4), e.g. ``<>``."""
+    return _XTEXT.fullmatch(value) is not None
+
+
 class _CommandLineGuard:
     """Wraps the session's StreamReader: a command line must end in CRLF, not LF or CR CRLF.
 
@@ -306,12 +340,30 @@ class RelaySMTP(SMTP):
             self._in_helo = False
 
     async def smtp_MAIL(self, arg: str | None) -> None:
-        """MAIL FROM, refused early when the path lacks brackets or holds control characters."""
+        """MAIL FROM, refused early when the path lacks brackets or holds control characters.
+
+        Where EHLO advertised AUTH, its ``AUTH=`` parameter (RFC 4954 section 5) is accepted
+        with ``<>`` or any xtext (else ``501 5.5.4``) and not passed on: the relay does not
+        vouch for the original submitter, and the upstream gets no parameter it did not
+        advertise. aiosmtpd checks SIZE, BODY and SMTPUTF8 and answers ``555 5.5.4`` to any
+        other parameter.
+        """
         refusal = check_path_argument(arg, "FROM:")
         if refusal is not None:
             await self.push(str(refusal))
             return
+        if arg is not None and self._auth_advertised():
+            arg, values = take_parameter(arg, "FROM:", "AUTH")
+            if values and (len(values) > 1 or not xtext_ok(values[0])):
+                await self.push(str(replies.BAD_AUTH_PARAMETER))
+                return
         await super().smtp_MAIL(arg)
+
+    def _auth_advertised(self) -> bool:
+        """True when this session's EHLO listed AUTH (mechanisms, and TLS where required)."""
+        return (self.session is not None and self.session.extended_smtp
+                and bool(self._auth_methods)
+                and (not self._auth_require_tls or self._tls_protocol is not None))
 
     async def smtp_RCPT(self, arg: str | None) -> None:
         """RCPT TO, refused early when the path lacks brackets or holds control characters."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import shutil
+import smtplib
 import ssl
 import subprocess
 import sys
@@ -326,3 +327,114 @@ async def test_scope_by_auth_keeps_tenants_apart(
         assert len(sink.handler.delivered) == 1
     unauthenticated = await _send_as(relay, pki, None, "order-42")  # the unscoped namespace
     assert ("relayed 1" in unauthenticated) is scoped
+
+
+# ------------------------------------------------------------------------------------------
+# MAIL and RCPT parameters (RFC 5321 section 4.1.2, RFC 4954 section 5)
+# ------------------------------------------------------------------------------------------
+
+
+def _smtplib_auth_send(port: int, context: ssl.SSLContext, mail_options: list[str]) -> int:
+    """STARTTLS, AUTH PLAIN and one message with ``mail_options``; the DATA reply code."""
+    client = smtplib.SMTP("127.0.0.1", port, timeout=30)
+    try:
+        client.ehlo("client.test")
+        client.starttls(context=context)
+        client.ehlo("client.test")
+        client.login(USER, PASSWORD)
+        refused = client.sendmail("app@example.com", ["user@example.net"],
+                                  message(key="AUTHPARAM-1"), mail_options=mail_options)
+        assert refused == {}
+        return 250
+    finally:
+        client.quit()
+
+
+async def test_mail_auth_parameter_after_auth_is_relayed_and_not_forwarded(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """MAIL FROM ... AUTH=<> from an authenticated client (Exim, JavaMail) is relayed, and
+    the upstream, which does not advertise AUTH, is sent no AUTH parameter (RFC 4954 5)."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    code = await asyncio.to_thread(_smtplib_auth_send, relay.port, pki.client_context,
+                                   ["AUTH=<>"])
+    assert code == 250
+    assert len(sink.handler.delivered) == 1
+    assert not any(o.upper().startswith("AUTH") for o in sink.handler.mail_commands[0][1])
+
+
+async def _authenticated_client(relay: Relay, pki: Pki) -> RawClient:
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await starttls(client, pki.client_context)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd(f"AUTH PLAIN {PLAIN}")).startswith("235")
+    return client
+
+
+@pytest.mark.parametrize("value", [
+    "<>", "app@example.com", "app+2Buser@example.com", "e+3Dmc2@example.com"])
+async def test_mail_auth_parameter_takes_any_xtext(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path, value: str
+) -> None:
+    """AUTH= with <> or any xtext mailbox (RFC 4954 5, RFC 3461 4) is 250 at MAIL."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    client = await _authenticated_client(relay, pki)
+    assert await client.cmd(f"MAIL FROM:<app@example.com> AUTH={value}") == str(
+        replies.SENDER_OK)
+    await client.close()
+
+
+@pytest.mark.parametrize("value", ["", "a+zz@example.com", "a+2@example.com", "a=b"])
+async def test_mail_auth_parameter_that_is_no_xtext_is_501(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path, value: str
+) -> None:
+    """AUTH= whose value is empty or no xtext (a bad +XX escape) is 501 5.5.4."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    client = await _authenticated_client(relay, pki)
+    reply = await client.cmd(f"MAIL FROM:<app@example.com> AUTH={value}")
+    assert reply.startswith("501 5.5.4"), reply
+    await client.close()
+
+
+async def test_mail_auth_parameter_is_555_where_auth_is_not_advertised(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """Before STARTTLS the relay offers no AUTH, so AUTH= is 555 5.5.4 (RFC 5321 4.1.2)."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file)
+    client = await RawClient.connect(relay.port)
+    assert "AUTH" not in await client.cmd("EHLO client.test")
+    reply = await client.cmd("MAIL FROM:<app@example.com> AUTH=<>")
+    assert reply.startswith("555 5.5.4"), reply
+    await client.close()
+
+
+@pytest.mark.parametrize(("command", "code"), [
+    ("MAIL FROM:<app@example.com> SIZE=100 BODY=8BITMIME SMTPUTF8", "250 2.1.0"),
+    ("MAIL FROM:<app@example.com> BODY=7BIT", "250 2.1.0"),
+    ("MAIL FROM:<app@example.com> RET=HDRS", "555 5.5.4"),
+    ("MAIL FROM:<app@example.com> ENVID=x", "555 5.5.4"),
+    ("MAIL FROM:<app@example.com> BODY=BINARYMIME", "501 5.5.4"),
+    ("MAIL FROM:<app@example.com> SMTPUTF8=yes", "501 5.5.4"),
+])
+async def test_mail_parameters_follow_what_ehlo_advertised(
+    relay: Relay, command: str, code: str
+) -> None:
+    """SIZE, BODY and SMTPUTF8 are advertised and accepted; DSN's RET/ENVID are not: 555."""
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd(command)).startswith(code)
+    await client.close()
+
+
+@pytest.mark.parametrize("param", ["NOTIFY=NEVER", "ORCPT=rfc822;user@example.net", "X=1"])
+async def test_rcpt_parameters_of_unadvertised_extensions_are_555(
+    relay: Relay, param: str
+) -> None:
+    """RCPT TO with a parameter (DSN is not advertised) is 555 5.5.4 (RFC 5321 4.1.2)."""
+    client = await RawClient.connect(relay.port)
+    assert "DSN" not in await client.cmd("EHLO client.test")
+    await client.cmd("MAIL FROM:<app@example.com>")
+    reply = await client.cmd(f"RCPT TO:<user@example.net> {param}")
+    assert reply.startswith("555 5.5.4"), reply
+    await client.close()
