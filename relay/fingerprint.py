@@ -10,8 +10,9 @@ With one key, one template and plain ASCII values this equals the seed Go mailer
 
 Rules and where they come from (details in each public function):
 
-- Header section: lines before the first empty line (RFC 5322 section 2.1); field names match
-  case-insensitively; every occurrence counts (contract N2, N4).
+- Header section: lines before the first empty line or the first line that is neither a field
+  nor a continuation (RFC 5322 sections 2.1, 3.5); field names match case-insensitively; every
+  occurrence counts (contract N2, N4).
 - Values (contract N3): unfolded (RFC 5322 section 2.2.3), encoded-words decoded (RFC 2047
   sections 4, 6.2), NFC, blank runs collapsed, trimmed; non-UTF-8 bytes kept (case 06).
 - Recipient (contract N1): source route dropped, minimal quoting (RFC 5321 section 4.1.2),
@@ -53,8 +54,6 @@ SET_SEPARATOR = "\x1f"
 
 # -- header section -------------------------------------------------------------------------
 
-# The first empty line: at the very start, or right after a line end (CRLF, or a bare LF).
-_HEADER_END = re.compile(rb"(?:^|\n)\r?\n")
 # RFC 5322 section 3.6.8: field-name = 1*ftext, ftext = %d33-57 / %d59-126.
 _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+")
 _FOLD = re.compile(r"\r?\n(?=[ \t])")
@@ -104,8 +103,10 @@ def extract_dedup_headers(
     """Read every dedupe-key and template occurrence from a message's header section.
 
     ``content`` is the message as received (CRLF line ends; a bare LF is accepted as a line end
-    too; any bytes). Only lines before the first empty line are read (RFC 5322 section 2.1);
-    lines there that are neither a field nor a continuation are skipped. Names in ``key_names``
+    too; any bytes). Only the header section is read (:func:`header_section_end`: it ends at
+    the first empty line or the first line that is neither a field nor a continuation, RFC 5322
+    sections 2.1, 3.5), so a body that starts without the empty line, such as a first MIME
+    part, is never read as header. Names in ``key_names``
     are aliases of one field and match case-insensitively (RFC 5322 section 1.2.2), as do
     ``template_names``; a name in both counts as a key. Each value is normalized with
     :func:`normalize_header_value`; values empty after normalization are ignored.
@@ -167,21 +168,56 @@ def strip_fields(content: bytes, names: Sequence[str]) -> bytes:
     when a name is not an RFC 5322 field name.
     """
     wanted = _field_names(names)
-    end = _HEADER_END.search(content)
-    cut = len(content) if end is None else end.start() + (1 if end.group().startswith(b"\n")
-                                                           else 0)
+    cut = header_section_end(content)
     kept: list[bytes] = []
     dropping = False
-    for line in content[:cut].splitlines(keepends=True):
+    for line in _split_lines(content[:cut]):
         if line[:1] in (b" ", b"\t"):
             if not dropping:
                 kept.append(line)
             continue
-        name, _ = _field_start(line.rstrip(b"\r\n"))
+        name, _ = _field_start(line.removesuffix(b"\n").removesuffix(b"\r"))
         dropping = name in wanted
         if not dropping:
             kept.append(line)
     return b"".join(kept) + content[cut:]
+
+
+def header_section_end(content: bytes) -> int:
+    """Offset in ``content`` of the first byte after the top-level header section.
+
+    The section ends at the first empty line (RFC 5322 section 2.1) or at the first line that
+    can be neither a field (``name [blanks] ":"``, RFC 5322 sections 3.6.8, 4.5.8) nor a
+    continuation (starts with SP or HTAB, section 2.2.3): a body that starts without the empty
+    line is body, never header (RFC 5322 section 3.5; Python's MissingHeaderBodySeparatorDefect
+    rule). A first line ``From ...`` (an mbox envelope line) is skipped, as Python's parser does.
+    The returned offset is where that empty or non-field line starts, or ``len(content)``.
+    Line ends are CRLF or a bare LF.
+    """
+    offset = 0
+    for line in _split_lines(content):
+        if not _in_header_section(line.removesuffix(b"\n").removesuffix(b"\r"), offset == 0):
+            return offset
+        offset += len(line)
+    return len(content)
+
+
+def _in_header_section(line: bytes, first: bool) -> bool:
+    """Whether ``line`` (without its line end) can belong to a header section."""
+    if line[:1] in (b" ", b"\t"):
+        return True
+    if first and line.startswith(b"From "):
+        return True
+    return _field_start(line)[0] is not None
+
+
+def _split_lines(data: bytes) -> Iterator[bytes]:
+    """The lines of ``data``, each with its LF (or CRLF) end; the last may have none."""
+    start = 0
+    while start < len(data):
+        stop = data.find(b"\n", start) + 1 or len(data)
+        yield data[start:stop]
+        start = stop
 
 
 def _field_names(names: Sequence[str]) -> frozenset[bytes]:
@@ -199,12 +235,10 @@ def _field_names(names: Sequence[str]) -> frozenset[bytes]:
 
 def _header_fields(content: bytes) -> Iterator[tuple[bytes, bytes]]:
     """Yield (lower-cased name, unfolded raw value) for each field of the header section."""
-    end = _HEADER_END.search(content)
-    section = content if end is None else content[: end.start()]
     name: bytes | None = None
     parts: list[bytes] = []
-    for line in section.split(b"\n"):
-        line = line.removesuffix(b"\r")
+    for raw_line in _split_lines(content[: header_section_end(content)]):
+        line = raw_line.removesuffix(b"\n").removesuffix(b"\r")
         if line[:1] in (b" ", b"\t"):
             parts.append(line)  # RFC 5322 section 2.2.3: unfolding deletes the line end only
             continue

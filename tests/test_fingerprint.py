@@ -19,6 +19,7 @@ from relay.fingerprint import (
     DedupHeaders,
     extract_dedup_headers,
     fingerprint,
+    header_section_end,
     normalize_header_value,
     normalize_recipient,
     store_key,
@@ -232,10 +233,52 @@ def test_bare_lf_line_ends_are_accepted() -> None:
     assert extract_dedup_headers(content) == DedupHeaders(keys=("K-1",), templates=("t",))
 
 
-def test_lines_that_are_not_fields_are_skipped() -> None:
-    """A header line without a colon is skipped; the fields after it still count."""
+def test_a_first_mbox_from_line_is_skipped() -> None:
+    """A first line 'From sender date' (an mbox envelope) is skipped; the fields after count."""
     content = message("From sender@example.com Mon Jan 1", "X-Dedupe-Key: K-1")
     assert extract_dedup_headers(content).key == "K-1"
+
+
+MULTIPART_WITHOUT_SEPARATOR = (
+    b"From: app@example.com\r\nX-Template: invoice\r\n"
+    b"Content-Type: multipart/mixed; boundary=b1\r\n"
+    b"--b1\r\nContent-Type: text/plain\r\nX-Dedupe-Key: part-key\r\n\r\n%s\r\n--b1--\r\n")
+
+
+def test_a_body_starting_without_the_empty_line_is_not_header() -> None:
+    """The first line that is no field ends the header: a MIME part's X-Dedupe-Key is body."""
+    first = extract_dedup_headers(MULTIPART_WITHOUT_SEPARATOR % b"invoice 1")
+    second = extract_dedup_headers(MULTIPART_WITHOUT_SEPARATOR % b"invoice 2")
+    assert first == second == DedupHeaders(keys=(), templates=("invoice",))
+
+
+@pytest.mark.parametrize("line", [b"no colon here", b":empty name", b"bad name: v",
+                                  b"From sender@example.com Mon Jan 1", b"\xc3\xa9: v"])
+def test_a_line_that_cannot_be_a_field_ends_the_header(line: bytes) -> None:
+    """After the first line, a line that is no field and no continuation starts the body."""
+    content = b"X-Template: t\r\n" + line + b"\r\nX-Dedupe-Key: K-1\r\n X-Template: u\r\n"
+    assert extract_dedup_headers(content) == DedupHeaders(keys=(), templates=("t",))
+    assert header_section_end(content) == len(b"X-Template: t\r\n")
+    assert strip_fields(content, NAMES) == content[len(b"X-Template: t\r\n"):]
+
+
+def test_a_first_line_that_cannot_be_a_field_leaves_no_header() -> None:
+    """A message whose first line is no field and no mbox From line has no header section."""
+    content = b"hello world\r\nX-Dedupe-Key: K-1\r\n\r\n"
+    assert header_section_end(content) == 0
+    assert extract_dedup_headers(content).key is None
+
+
+def test_a_leading_continuation_line_does_not_end_the_header() -> None:
+    """A first line starting with a blank is a stray continuation, skipped like Python's parser."""
+    assert extract_dedup_headers(b" stray\r\nX-Dedupe-Key: K-1\r\n\r\nbody").key == "K-1"
+
+
+def test_header_section_end_is_where_the_empty_line_starts() -> None:
+    """The section ends where the empty line starts, for CRLF and bare LF line ends."""
+    assert header_section_end(b"A: 1\r\n\r\nB: 2") == 6
+    assert header_section_end(b"A: 1\n\nB: 2") == 5
+    assert header_section_end(b"A: 1\r\n folded") == len(b"A: 1\r\n folded")
 
 
 def test_blanks_before_the_colon_are_obsolete_syntax_for_the_same_field() -> None:
@@ -658,7 +701,10 @@ NAMES = ("X-Dedupe-Key", "Idempotency-Key", "X-Template")
      b"A: 1\r\nB: 2\r\n\r\nX-Dedupe-Key: body\r\n"),
     (b"\r\nX-Dedupe-Key: k\r\n", b"\r\nX-Dedupe-Key: k\r\n"),  # no header section at all
     (b"X-Template : t\r\nA: 1", b"A: 1"),  # blank before the colon, no body
-    (b"junk line\r\n continued\r\nX-Dedupe-Key: k\r\n\r\n", b"junk line\r\n continued\r\n\r\n"),
+    (b"junk line\r\n continued\r\nX-Dedupe-Key: k\r\n\r\n",
+     b"junk line\r\n continued\r\nX-Dedupe-Key: k\r\n\r\n"),  # a body without the empty line
+    (b"A: 1\r\nX-Dedupe-Key: k\r\n--b\r\nX-Dedupe-Key: part\r\n",
+     b"A: 1\r\n--b\r\nX-Dedupe-Key: part\r\n"),  # the part's field is body
 ])
 def test_strip_fields_cases(content: bytes, stripped: bytes) -> None:
     """Only named fields of the header section leave, with their continuation lines."""
@@ -678,3 +724,28 @@ def test_nothing_is_read_from_a_stripped_message(lines: list[bytes], body: bytes
     headers = extract_dedup_headers(out.replace(b"\x00", b""))
     assert headers.keys == () and headers.templates == ()
     assert out.endswith(b"\r\n\r\n" + body) or out.endswith(body)
+
+
+_HEADER_LINES = st.lists(st.sampled_from([b"X-Dedupe-Key: k1", b"x-template: t", b" folded",
+                                          b"Subject: s", b"Idempotency-Key: i"]), max_size=8)
+# A line that cannot be a field, neither empty nor starting with a blank: no colon, a blank
+# inside the name or a non-ASCII byte in it, or a colon first.
+_NON_FIELD = st.one_of(
+    st.from_regex(rb"\A[A-Za-z0-9\-][A-Za-z0-9\- ]{0,12}\Z"),
+    st.from_regex(rb"\A[A-Za-z\-]{0,6}(?:[\x80-\xff]|[A-Za-z] [A-Za-z])[A-Za-z\-]{0,6}"
+                  rb":[ -~]{0,6}\Z"),
+    st.from_regex(rb"\A:[ -~]{0,8}\Z"),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_HEADER_LINES, _NON_FIELD, st.lists(st.sampled_from(
+    [b"X-Dedupe-Key: body", b"X-Template: body", b" folded", b"", b"--b"]), max_size=6))
+def test_nothing_after_the_first_non_field_line_is_header(
+        head: list[bytes], stop: bytes, rest: list[bytes]) -> None:
+    """Whatever follows the first non-field line changes neither the key nor what is stripped."""
+    prefix = b"".join(line + b"\r\n" for line in head) if head else b"Subject: s\r\n"
+    tail = stop + b"\r\n" + b"\r\n".join(rest)
+    assert extract_dedup_headers(prefix + tail) == extract_dedup_headers(prefix + b"\r\n")
+    assert header_section_end(prefix + tail) == len(prefix)
+    assert strip_fields(prefix + tail, NAMES).endswith(tail)

@@ -293,3 +293,25 @@ async def test_strip_dedupe_headers_removes_exactly_the_fields_read(
     again = await send(relay.port, ["user@example.net"], data)
     assert again.code == 250 and "suppressed" in again.text
     assert len(sink.handler.delivered) == 1
+
+
+MIME_WITHOUT_SEPARATOR = (
+    b"From: app@example.com\r\nSubject: invoice\r\nX-Template: invoice\r\n"
+    b"Content-Type: multipart/mixed; boundary=b1\r\n"
+    b"--b1\r\nContent-Type: text/plain\r\nX-Dedupe-Key: part-key\r\n\r\n%s\r\n--b1--\r\n")
+
+
+async def test_a_key_in_a_mime_part_after_a_missing_separator_suppresses_nothing(
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """A body starting without the empty line is body: two messages whose first MIME parts
+    carry one X-Dedupe-Key are both relayed, and that part reaches upstream even when the
+    dedupe headers are stripped."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", strip_dedupe_headers=True)
+    first = await send(relay.port, ["user@example.net"], MIME_WITHOUT_SEPARATOR % b"invoice 1")
+    second = await send(relay.port, ["user@example.net"], MIME_WITHOUT_SEPARATOR % b"invoice 2")
+    assert (first.code, second.code) == (250, 250)
+    assert "suppressed" not in second.text
+    assert len(sink.handler.delivered) == 2
+    for copy in sink.handler.delivered:
+        assert b"--b1\r\nContent-Type: text/plain\r\nX-Dedupe-Key: part-key\r\n" in copy.content
+        assert b"X-Template: invoice" not in copy.content
