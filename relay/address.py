@@ -28,7 +28,9 @@ _QUOTED_STRING = re.compile(r'"(?:[\x20\x21\x23-\x5b\x5d-\x7e\u0080-\U0010ffff]|
 # RFC 5321 section 4.1.3: address-literal = "[" ... "]", dcontent = %d33-90 / %d94-126.
 ADDRESS_LITERAL = re.compile(r"\[[\x21-\x5a\x5e-\x7e]*\]")
 _GENERAL_TAG = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")
-_LABEL = re.compile(r"[^.\s@\[\]]+")
+# A label holds no RFC 5322 special (section 3.2.3: ()<>[]:;@\\,.") and no blank: those are
+# never part of a domain, and "u@example.net>" is an unbalanced path, not a domain "net>".
+_LABEL = re.compile(r'[^.\s@\[\]<>():;\\,"]+')
 
 
 def mailbox_problem(path: str, *, postmaster_alone: bool = False) -> str | None:
@@ -45,6 +47,8 @@ def mailbox_problem(path: str, *, postmaster_alone: bool = False) -> str | None:
         return "no domain"
     if not (DOT_STRING.fullmatch(local) or _QUOTED_STRING.fullmatch(local)):
         return "local part is neither a dot-string nor a quoted string"
+    if local == '""':  # a Quoted-string may be empty (RFC 5321 4.1.2), a mailbox name not
+        return "local part is empty"
     if domain.startswith("["):
         return None if address_literal_ok(domain) else "malformed address literal"
     if not all(_LABEL.fullmatch(label) for label in domain.split(".")):

@@ -212,5 +212,6 @@ AUTH_FAILED = SmtpReply(535, "5.7.8 Authentication credentials invalid")
 AUTH_CANCELLED = SmtpReply(501, "5.7.0 Auth aborted")
 AUTH_BAD_BASE64 = SmtpReply(501, "5.5.2 Can't decode base64")
 AUTH_TOO_MANY_FAILURES = SmtpReply(421, "4.7.0 Too many failed authentication attempts")
+TLS_ALREADY_ACTIVE = SmtpReply(503, "5.5.1 TLS already active (RFC 3207 4.2)")
 BAD_AUTH_PARAMETER = SmtpReply(
     501, "5.5.4 AUTH= takes <> or an xtext mailbox (RFC 4954 5, RFC 3461 4)")

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from aiosmtpd.smtp import SMTP
+from aiosmtpd.smtp import SMTP, TLSSetupException
 
 from relay import replies
 from relay.access import ConnectionGate, Network, address_in
@@ -322,6 +322,23 @@ class RelaySMTP(SMTP):
         if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
             transport.write(f"{reply}\r\n".encode())
             transport.close()
+
+    async def smtp_STARTTLS(self, arg: str) -> None:
+        """STARTTLS; inside TLS (after STARTTLS, or on the implicit-TLS port) it is
+        ``503 5.5.1`` and the session goes on (RFC 3207 section 4.2)."""
+        if self._tls_protocol is not None or self.implicit_tls:
+            await self.push(str(replies.TLS_ALREADY_ACTIVE))
+            return
+        await super().smtp_STARTTLS(arg)
+
+    async def handle_exception(self, error: Exception) -> str:
+        """A failed STARTTLS handshake is one WARNING line (scanners make many), not a
+        traceback; aiosmtpd then closes the connection. Other errors go to the handler."""
+        if isinstance(error, TLSSetupException):
+            log.warning("TLS handshake failed with %s: %s", self._admitted_host or "?",
+                        error.__cause__ or error)
+            return str(replies.INTERNAL_ERROR)  # not sent: aiosmtpd closes the connection
+        return await super().handle_exception(error)
 
     async def smtp_EHLO(self, hostname: str) -> None:
         """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""

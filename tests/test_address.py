@@ -111,3 +111,25 @@ async def test_rcpt_with_a_mapped_root_dot_is_refused(relay: Relay, path: str) -
     assert (await client.cmd("MAIL FROM:<app@example.com> SMTPUTF8")).startswith("250 ")
     assert (await client.cmd(f"RCPT TO:{path}")).startswith("553 5.1.3")
     await client.close()
+
+
+@pytest.mark.parametrize("path", ['""@example.com', '""@[192.0.2.1]'])
+def test_quoted_local_part_that_is_empty_is_refused(path: str) -> None:
+    """A quoted local part with nothing between its quotes names no mailbox."""
+    assert mailbox_problem(path) == "local part is empty"
+
+
+@pytest.mark.parametrize(("command", "reply"), [
+    ('MAIL FROM:<""@example.com>', replies.BAD_SENDER_SYNTAX),
+    ('RCPT TO:<""@example.net>', replies.BAD_RECIPIENT_SYNTAX),
+])
+async def test_empty_quoted_local_part_is_501_on_the_wire(relay: Relay, command: str,
+                                                          reply: object) -> None:
+    """MAIL FROM:<""@x> is 501 5.1.7 and RCPT TO:<""@x> is 501 5.1.3."""
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    if command.startswith("RCPT"):
+        assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250")
+    assert await client.cmd(command) == str(reply)
+    await client.close()
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import shutil
 import smtplib
 import ssl
@@ -438,3 +439,83 @@ async def test_rcpt_parameters_of_unadvertised_extensions_are_555(
     reply = await client.cmd(f"RCPT TO:<user@example.net> {param}")
     assert reply.startswith("555 5.5.4"), reply
     await client.close()
+
+
+# ------------------------------------------------------------------------------------------
+# TLS details (RFC 3207, Mozilla intermediate configuration)
+# ------------------------------------------------------------------------------------------
+
+
+async def test_second_starttls_inside_tls_is_503_and_the_session_goes_on(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """STARTTLS inside TLS is 503 5.5.1 (RFC 3207 4.2) and the session keeps working."""
+    relay = await tls_relay(make_relay, sink, pki)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    await starttls(client, pki.client_context)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("STARTTLS")).startswith("503 5.5.1")
+    assert (await client.cmd("NOOP")).startswith("250")
+    await client.close()
+
+
+async def test_starttls_on_the_implicit_tls_port_is_503(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """On the implicit-TLS port STARTTLS is 503 5.5.1 too: TLS is already active."""
+    relay = await tls_relay(make_relay, sink, pki)
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", relay.tls_port, ssl=pki.client_context, server_hostname="relay.test")
+    client = RawClient(reader, writer)
+    await client.reply()
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("STARTTLS")).startswith("503 5.5.1")
+    assert (await client.cmd("NOOP")).startswith("250")
+    await client.close()
+
+
+async def test_failed_starttls_handshake_logs_one_warning_without_traceback(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Garbage instead of a ClientHello after STARTTLS is one WARNING line, no traceback."""
+    relay = await tls_relay(make_relay, sink, pki)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    assert (await client.cmd("STARTTLS")).startswith("220")
+    caplog.clear()
+    await client.write(b"GET / HTTP/1.0\r\n\r\n" * 20)
+    assert await asyncio.wait_for(client.reader.read(), 5) == b""  # closed
+    await client.close()
+    await asyncio.sleep(0.1)
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+                and "TLS handshake" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def _cbc_only_tls12_context(pki: Pki) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(pki.ca_file))
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers("ECDHE-ECDSA-AES128-SHA:ECDHE-RSA-AES128-SHA:ECDHE-ECDSA-AES256-SHA384:"
+                        "ECDHE-RSA-AES256-SHA384:ECDHE-ECDSA-AES128-SHA256:"
+                        "ECDHE-RSA-AES128-SHA256:AES128-SHA:AES256-SHA")
+    return context
+
+
+async def test_tls12_offers_no_cbc_suite(make_relay: MakeRelay, sink: Sink, pki: Pki) -> None:
+    """A TLS 1.2 client restricted to CBC suites gets no handshake (Mozilla intermediate)."""
+    relay = await tls_relay(make_relay, sink, pki)
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):  # alert, or reset before it
+        _reader, writer = await asyncio.open_connection(
+            "127.0.0.1", relay.tls_port, ssl=_cbc_only_tls12_context(pki),
+            server_hostname="relay.test")
+        writer.close()
+    tls12 = ssl.create_default_context(cafile=str(pki.ca_file))
+    tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", relay.tls_port, ssl=tls12, server_hostname="relay.test")
+    assert "GCM" in writer.get_extra_info("cipher")[0] or "CHACHA20" in writer.get_extra_info(
+        "cipher")[0]
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"220")
+    writer.close()
