@@ -173,6 +173,15 @@ class Settings(BaseSettings):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return value
 
+    @field_validator("dedupe_headers", "template_headers")
+    @classmethod
+    def _check_header_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # imported here: only this validator uses it (pure, no I/O)
+        from relay.fingerprint import check_field_names
+
+        check_field_names(value)  # ValueError names the bad one: non-ASCII, blank, colon
+        return value
+
     @field_validator("allowed_networks", "proxy_networks")
     @classmethod
     def _check_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:

@@ -220,6 +220,12 @@ def _split_lines(data: bytes) -> Iterator[bytes]:
         start = stop
 
 
+def check_field_names(names: Sequence[str]) -> None:
+    """Raise ``ValueError`` (naming the bad one) unless every name is an RFC 5322 field name
+    (section 3.6.8: printable ASCII without the colon); the settings check this at start-up."""
+    _field_names(names)
+
+
 def _field_names(names: Sequence[str]) -> frozenset[bytes]:
     """Lower-cased ASCII field names; a bare str counts as one name, not as its letters."""
     if isinstance(names, str):
@@ -384,7 +390,8 @@ def normalize_recipient(address: str, *, local_part_case_sensitive: bool = False
 
     Returns ``local@domain`` as a str. Raises :class:`InvalidAddressError` for control
     characters (category Cc), invalid UTF-8 (surrogate escapes), an empty address, a malformed
-    source route, quoted string or address literal, or a domain IDNA refuses.
+    source route, quoted string or address literal, an unbalanced angle bracket, or a domain
+    IDNA refuses.
     """
     text = _strip_path_syntax(address)
     local, domain = _split_mailbox(text)
@@ -421,6 +428,8 @@ def _strip_path_syntax(address: str) -> str:
     text = address.strip(" ")
     if text.startswith("<") and text.endswith(">"):
         text = text[1:-1]
+    if text.startswith(("<", ">")) or text.endswith(("<", ">")):  # never a Mailbox's ends
+        raise InvalidAddressError("address has an unbalanced angle bracket")
     if text.startswith("@"):
         route = _SOURCE_ROUTE.match(text)
         if route is None:

@@ -133,3 +133,24 @@ async def test_empty_quoted_local_part_is_501_on_the_wire(relay: Relay, command:
     assert await client.cmd(command) == str(reply)
     await client.close()
 
+
+UNBALANCED = ["<user@example.net", "user@example.net>", "<<user@example.net>",
+              "<user@example.net>>", ">user@example.net<"]
+
+
+@pytest.mark.parametrize("path", UNBALANCED)
+def test_a_path_with_an_unbalanced_angle_bracket_is_no_mailbox(path: str) -> None:
+    """A path with a stray '<' or '>' outside a quoted string is no Mailbox."""
+    assert mailbox_problem(path) is not None
+
+
+@pytest.mark.parametrize("path", ["<user@example.net", "<<user@example.net>",
+                                  "user@example.net>"])
+async def test_rcpt_with_an_unbalanced_angle_bracket_is_refused(
+        relay: Relay, sink: Sink, path: str) -> None:
+    """RCPT TO:<user@x (no closing bracket) or with a doubled one is refused 5yz, not relayed."""
+    client = await _session(relay)
+    assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250 ")
+    assert (await client.cmd(f"RCPT TO:{path}"))[:1] == "5"
+    await client.close()
+    assert sink.handler.rcpt_commands == []

@@ -178,6 +178,23 @@ def test_check_config_names_an_unknown_file_key_as_written(tmp_path: Path) -> No
     assert "listen_port: unknown setting" in result.stderr
 
 
+@pytest.mark.parametrize(("setting", "value"), [
+    ("RELAY_DEDUPE_HEADERS", "X-Dedupe-Key,X-Clé"), ("RELAY_TEMPLATE_HEADERS", "X-Modèle"),
+    ("RELAY_DEDUPE_HEADERS", "X Dedupe Key"), ("RELAY_TEMPLATE_HEADERS", "X-Template:"),
+])
+def test_a_header_name_that_is_no_field_name_is_refused_at_start_up(
+        tmp_path: Path, setting: str, value: str) -> None:
+    """A key or template header name that is no RFC 5322 field name (non-ASCII, a blank, a
+    colon) stops check-config and serve with exit 2 and the setting's name, no traceback."""
+    for command in ("check-config", "serve"):
+        result = run_cli(command, "--upstream", "maildir:md", "--metrics-listen", "off",
+                         "--listen", "127.0.0.1:0", cwd=tmp_path, env={setting: value})
+        assert result.returncode == 2, result
+        assert setting.removeprefix("RELAY_").lower() in result.stderr
+        assert "not an RFC 5322 header field name" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_a_misspelt_env_var_is_warned_about(tmp_path: Path) -> None:
     """RELAY_UPSTREM_TLS is no setting: said on stderr instead of silently ignored."""
     result = run_cli("check-config", "--upstream", "maildir:x", cwd=tmp_path,

@@ -296,6 +296,23 @@ def test_rfc2047_base64_word_is_decoded() -> None:
     assert fp_of(content) == fp_of(message("X-Dedupe-Key: Kö-1"))
 
 
+@pytest.mark.parametrize(("unpadded", "padded"), [
+    ("=?UTF-8?B?S8O2LTE?=", "=?UTF-8?B?S8O2LTE=?="), ("=?utf-8?b?S8O2?=", "=?utf-8?b?S8O2?="),
+    ("=?UTF-8?B?S8O2LQ?=", "=?UTF-8?B?S8O2LQ==?="),
+])
+def test_rfc2047_base64_word_without_padding_is_the_padded_word(unpadded: str,
+                                                                padded: str) -> None:
+    """A B word whose '=' padding is left out decodes to the same key as the padded one."""
+    assert normalize_header_value(unpadded) == normalize_header_value(padded) != padded
+    assert fp_of(message(f"X-Dedupe-Key: {unpadded}")) == fp_of(
+        message(f"X-Dedupe-Key: {padded}"))
+
+
+def test_rfc2047_base64_word_with_an_impossible_length_stays_literal() -> None:
+    """A B word of 4n+1 characters is no base64 with or without padding: kept literal."""
+    assert normalize_header_value("=?utf-8?b?S8O2L?=") == "=?utf-8?b?S8O2L?="
+
+
 def test_rfc2047_q_word_in_lower_case_is_decoded() -> None:
     """A lower-case =?utf-8?q?...?= word decodes, with _ as a space."""
     content = message("X-Dedupe-Key: =?utf-8?q?K=C3=B6_1?=")
@@ -512,6 +529,14 @@ def test_needed_quotes_are_kept_in_minimal_form() -> None:
 def test_angle_brackets_and_surrounding_spaces_are_dropped() -> None:
     """' <User@Example.com> ' normalizes to user@example.com."""
     assert normalize_recipient(" <User@Example.com> ") == "user@example.com"
+
+
+@pytest.mark.parametrize("address", ["<user@example.net", "user@example.net>",
+                                     "<<user@example.net>>", ">user@example.net<"])
+def test_unbalanced_angle_brackets_are_refused(address: str) -> None:
+    """A path whose angle brackets are not one pair around it is no address: refused."""
+    with pytest.raises(InvalidAddressError, match="angle bracket"):
+        normalize_recipient(address)
 
 
 def test_address_literal_is_kept_and_lowercased() -> None:
