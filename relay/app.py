@@ -145,6 +145,8 @@ class Relay:
         limits = ListenerLimits(
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
+            data_deadline_s=s.data_deadline, session_lifetime_s=s.session_lifetime,
+            max_idle_commands=s.max_idle_commands,
             local_part_case_sensitive=s.local_part_case_sensitive,
             log_recipients=s.log_recipients, allowed_senders=s.allowed_senders)
         security = build_security(s)

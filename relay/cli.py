@@ -41,6 +41,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-listen", {"help": "metrics HTTP HOST:PORT, or 'off' [127.0.0.1:9725]"}),
     ("--upstream-timeout", {"type": float,
                             "help": "seconds to wait for the reply to the final dot [600]"}),
+    ("--data-deadline", {"type": float,
+                         "help": "seconds a client has from DATA's 354 to the final dot [600]"}),
     ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
     ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
     ("--log-format", {"type": click.Choice(["json", "text"]), "help": "log lines [json]"}),

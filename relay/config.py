@@ -93,10 +93,13 @@ class Settings(BaseSettings):
     tls_key: Path | None = None
     tls_listen: str | None = None
     tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
+    tls_handshake_timeout: float = Field(default=10.0, gt=0)
     tls_required: bool = False
     auth_file: Path | None = None
     auth_required: bool = False
     auth_failure_delay: float = Field(default=1.0, ge=0)
+    auth_max_failures: int = Field(default=5, ge=1)
+    auth_failure_window: float = Field(default=600.0, gt=0)
     proxy_protocol: bool = False
     proxy_networks: CsvList = ("127.0.0.0/8", "::1/128")
 

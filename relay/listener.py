@@ -46,12 +46,17 @@ _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 @dataclass(frozen=True)
 class ListenerLimits:
-    """Listener limits: ``max_recipients`` per message, ``max_message_size`` in bytes."""
+    """Listener limits: ``max_recipients`` per message, ``max_message_size`` in bytes; a
+    session's DATA ends ``data_deadline_s`` after the 354, the session ``session_lifetime_s``
+    after connect, or at ``max_idle_commands`` commands without a message."""
 
     hostname: str
     max_recipients: int = 100
     max_message_size: int = 10 * 1024 * 1024
     client_timeout_s: float = 300.0
+    data_deadline_s: float = 600.0
+    session_lifetime_s: float = 3600.0
+    max_idle_commands: int = 100
     local_part_case_sensitive: bool = False
     log_recipients: bool = False
     allowed_senders: tuple[str, ...] = ()
@@ -185,16 +190,22 @@ class RelayHandler:
             trace=self._received(server, session, queue_id, smtputf8), smtputf8=smtputf8,
             eight_bit=not content.isascii(), utf8_headers=utf8_headers, queue_id=queue_id,
             auth_user=str(session.auth_data) if session.authenticated else None)
-        started = time.perf_counter()
         # shielded: a client that hangs up mid-wait must not cancel an upstream transaction
-        # half way (the reservation would be left PENDING with the message maybe delivered)
+        # half way (the reservation would be left PENDING with the message maybe delivered),
+        # nor the decision's log line, which the in-doubt procedure starts from
         self.metrics.in_progress(1)
-        task = asyncio.ensure_future(self._core.process(msg))
+        task = asyncio.ensure_future(self._decide(msg, len(content)))
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
         decision = await asyncio.shield(task)
-        self._log_decision(msg, decision, time.perf_counter() - started, len(content))
         return str(decision.reply)
+
+    async def _decide(self, msg: InboundMessage, size: int) -> Decision:
+        """Run the core on ``msg`` and log its decision, whether or not the client still waits."""
+        started = time.perf_counter()
+        decision = await self._core.process(msg)
+        self._log_decision(msg, decision, time.perf_counter() - started, size)
+        return decision
 
     def _task_done(self, task: asyncio.Task[Decision]) -> None:
         self.tasks.discard(task)
@@ -263,6 +274,9 @@ def smtp_factory(handler: RelayHandler, limits: ListenerLimits, security: Listen
             gate=security.gate,
             proxy_networks=security.proxy_networks,
             implicit_tls=implicit_tls,
+            data_deadline_s=limits.data_deadline_s,
+            session_lifetime_s=limits.session_lifetime_s,
+            max_idle_commands=limits.max_idle_commands,
             hostname=limits.hostname,
             data_size_limit=limits.max_message_size,
             enable_SMTPUTF8=True,

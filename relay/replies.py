@@ -64,6 +64,10 @@ CUT_BY_SHUTDOWN = SmtpReply(
 )
 SHUTTING_DOWN = SmtpReply(421, "4.3.2 Service shutting down, try again later")
 CLIENT_TIMEOUT = SmtpReply(421, "4.4.2 Timeout, closing connection")
+DATA_DEADLINE = SmtpReply(421, "4.4.2 Message data took too long, closing connection")
+SESSION_TOO_LONG = SmtpReply(421, "4.4.2 Session lifetime reached, closing connection")
+TOO_MANY_IDLE_COMMANDS = SmtpReply(
+    421, "4.7.0 Too many commands without a message, closing connection")
 
 # --- access -----------------------------------------------------------------------------------
 CLIENT_NOT_ALLOWED = SmtpReply(421, "4.7.0 Client address not allowed, closing connection")

@@ -1,9 +1,11 @@
 """The SMTP session protocol: aiosmtpd's ``SMTP`` with the relay's wire rules.
 
 Enhanced status codes on every reply (RFC 2034), strict paths (RFC 5321 section 4.1.2), a
-``421 4.4.2`` before closing an idle client, 998-octet lines, per-chunk DATA timeout, and the
-access rules of :class:`relay.access.ConnectionGate` applied before the greeting. The hooks that
-decide about mail are in :mod:`relay.listener`.
+``421 4.4.2`` before closing an idle client, 998-octet lines read in bounded memory
+(:mod:`relay.smtp_data`), per-chunk DATA timeout and an overall DATA deadline, a session
+lifetime and a cap on commands without a message, replies owed to a client that half-closed,
+and the access rules of :class:`relay.access.ConnectionGate` applied before the greeting. The
+hooks that decide about mail are in :mod:`relay.listener`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from aiosmtpd.smtp import SMTP, TLSSetupException
+from aiosmtpd.smtp import MISSING, SMTP, TLSSetupException, syntax
 
 from relay import replies
 from relay.access import ConnectionGate, Network, address_in
 from relay.interfaces import SmtpReply
+from relay.smtp_data import ClientGone, read_message
 
 if TYPE_CHECKING:
     from relay.listener import RelayHandler
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.smtp")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 controls
+# the commands of a mail transaction, and QUIT: not counted against max_idle_commands
+_TRANSACTION_COMMANDS = frozenset({b"MAIL", b"RCPT", b"DATA", b"QUIT"})
 # RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
 # blank; a blank or bracket inside the path is allowed in a quoted local part only
 _PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
@@ -103,20 +108,26 @@ class _CommandLineGuard:
     this connection can be trusted) and ends the session. A line over the reader's limit reaches
     aiosmtpd in pieces (``read(consumed)`` after a ``LimitOverrunError``, then ``readuntil()``):
     the check then looks at the end of the whole line, so a long line ending in CRLF gets
-    aiosmtpd's ``500`` and one ending in a bare LF the ``421``. DATA lines
+    aiosmtpd's ``500`` and one ending in a bare LF the ``421``. Each good command line is shown
+    to ``on_command`` (the bytes, or ``b""`` for an over-long one), which returns False when the
+    session must end (it has said why). The end of the client's stream (EOF, a half-close)
+    ends the session once every command before it has been answered. DATA lines
     (``readuntil(b"\r\n")``) and AUTH responses (``readline()``) pass through unchanged; every
     other attribute is the wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
     """
 
-    __slots__ = ("_inner", "_on_bad", "_overrun", "_tail")
+    __slots__ = ("_inner", "_on_bad", "_on_command", "_overrun", "_tail")
     _inner: asyncio.StreamReader
     _on_bad: Callable[[], None]
+    _on_command: Callable[[bytes], bool]
     _overrun: bool  # inside an over-long command line
     _tail: bytes  # its last bytes drained so far
 
-    def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None]) -> None:
+    def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None],
+                 on_command: Callable[[bytes], bool]) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_on_bad", on_bad)
+        object.__setattr__(self, "_on_command", on_command)
         object.__setattr__(self, "_overrun", False)
         object.__setattr__(self, "_tail", b"")
 
@@ -142,15 +153,24 @@ class _CommandLineGuard:
             if separator == b"\n":
                 self._overrun = True
             raise
+        except asyncio.IncompleteReadError:
+            if separator != b"\n":
+                raise
+            # the client sent all it will (a half-close): every command before the EOF is
+            # answered; aiosmtpd closes the connection on this, its end for a gone client
+            raise asyncio.CancelledError from None
         if separator != b"\n":
             return line
-        end = self._tail + line if self._overrun else line
+        overrun = self._overrun
+        end = self._tail + line if overrun else line
         self._overrun, self._tail = False, b""
         # a CR inside the line reaches the path checks (501); one just before the CRLF would be
         # stripped by aiosmtpd unseen
         if not end.endswith(b"\r\n") or end.endswith(b"\r\r\n"):
             self._on_bad()
             raise asyncio.CancelledError  # aiosmtpd's own end for a connection gone mid-command
+        if not self._on_command(b"" if overrun else line):
+            raise asyncio.CancelledError
         return line
 
 
@@ -158,13 +178,21 @@ class RelaySMTP(SMTP):
     """aiosmtpd's SMTP protocol with the relay's wire rules (DESIGN section 5)."""
 
     # 998 octets + CRLF + a dot doubled for transparency, which RFC 5321 section 4.5.3.1.6
-    # does not count; the exact 998-octet rule is applied after unstuffing, in handle_DATA
+    # does not count; the exact 998-octet rule is applied after unstuffing (smtp_data)
     line_length_limit = 1001
 
     def __init__(self, handler: RelayHandler, *, processing_timeout_s: float,
                  gate: ConnectionGate, proxy_networks: tuple[Network, ...] | None = None,
-                 implicit_tls: bool = False, **kwargs: Any) -> None:
+                 implicit_tls: bool = False, data_deadline_s: float = 600.0,
+                 session_lifetime_s: float = 3600.0, max_idle_commands: int = 100,
+                 **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
+        self._data_deadline_s = data_deadline_s
+        self._session_lifetime_s = session_lifetime_s
+        self._max_idle_commands = max_idle_commands
+        self._idle_commands = 0
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # "lifetime", "data"
+        self._close_after_data: SmtpReply | None = None
         self.gate = gate
         self.implicit_tls = implicit_tls
         self._proxy_networks = proxy_networks
@@ -187,6 +215,7 @@ class RelaySMTP(SMTP):
             self._metrics.session(1)
             self._sessions.add(self)
             self._refusal = self._admission(transport)
+            self._start_timer("lifetime", self._session_lifetime_s, self._lifetime_over)
         super().connection_made(transport)
 
     def _admission(self, transport: asyncio.BaseTransport) -> SmtpReply | None:
@@ -214,7 +243,25 @@ class RelaySMTP(SMTP):
         if self._admitted_host is not None:
             self.gate.release(self._admitted_host)
             self._admitted_host = None
+        for timer in self._timers.values():
+            timer.cancel()
         super().connection_lost(error)
+
+    def eof_received(self) -> bool | None:
+        """The client shut down its sending side (a half-close, or a close not yet seen as one).
+
+        aiosmtpd cancels the session here, so an MTA that pipelines the final dot and QUIT and
+        then shuts down (Exim) got no 250 for a message the relay had relayed. A half-closed
+        client can still read: the commands it sent before the EOF are answered in order, then
+        the session ends at the end of its stream (:class:`_CommandLineGuard`). Over TLS the
+        EOF is a close_notify or a bare TCP EOF, after which asyncio's TLS layer closes the
+        connection itself: the message is still processed and logged, its reply cannot go out.
+        """
+        log.info("EOF from %s: answering what it sent, then closing", self._admitted_host or "?")
+        keep_open = asyncio.StreamReaderProtocol.eof_received(self)  # the reader sees the EOF
+        if self.session is not None and self.session.ssl is not None:
+            return False  # True has no effect on a TLS transport (asyncio warns)
+        return keep_open
 
     async def _handle_client(self) -> None:
         """Greet an admitted client; say ``421 4.7.0`` and close for a refused one."""
@@ -265,29 +312,92 @@ class RelaySMTP(SMTP):
             self._reset_timeout(self._client_timeout_s)
         super().data_received(data)
 
+    @syntax("DATA")
     async def smtp_DATA(self, arg: str) -> None:
-        """DATA, with the per-chunk timeout of :meth:`data_received` while the body arrives.
-
-        aiosmtpd counts its size limit on the wire, transparency dots included; RFC 1870
-        section 3 does not count them. So while the body arrives its limit is raised by the
-        most stuffing can add (a third: every line a lone dot), and the exact limit is applied
-        to the unstuffed message in the handler.
+        """DATA: the body is read by :func:`relay.smtp_data.read_message` (line and size limits
+        held while it arrives, in bounded memory), with the per-chunk timeout of
+        :meth:`data_received` and ``data_deadline_s`` from the 354 to the final dot (then
+        ``421 4.4.2`` and close). A session told to end meanwhile (shutdown, lifetime) ends
+        once this transaction is answered.
         """
         self._receiving_data = self._in_data = True
         self._data_started = self._data_handled = False
-        exact = self.data_size_limit
-        if exact:
-            self.data_size_limit = exact + exact // 3 + 4
         try:
-            await super().smtp_DATA(arg)
+            await self._data_transaction(arg)
         finally:
-            self.data_size_limit = exact
             self._receiving_data = self._in_data = False
+            self._stop_timer("data")
         if self._data_started and not self._data_handled and self.transport is not None:
-            # aiosmtpd refused the content itself (line too long, too big): count it too
+            # refused while reading (line too long, too big): counted like the handler's
             self._metrics.message("invalid")
-        if self.draining:  # the transaction is answered: now the session goes
-            self._say_and_close(replies.SHUTTING_DOWN)
+        closing = replies.SHUTTING_DOWN if self.draining else self._close_after_data
+        if closing is not None:  # the transaction is answered: now the session goes
+            self._say_and_close(closing)
+
+    async def _data_transaction(self, arg: str) -> None:
+        """aiosmtpd's DATA checks and replies, around the relay's own body reader."""
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        assert self.envelope is not None
+        if not self.envelope.rcpt_tos:
+            await self.push("503 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 Syntax: DATA")
+            return
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        self._start_timer("data", self._data_deadline_s, self._data_too_slow)
+        try:
+            content = await read_message(self._reader, max_size=self.data_size_limit)
+        except ClientGone:
+            raise asyncio.CancelledError from None  # aiosmtpd's end for a gone client
+        self._stop_timer("data")
+        if isinstance(content, SmtpReply):
+            self._set_post_data_state()  # type: ignore[no-untyped-call]  # aiosmtpd
+            await self.push(str(content))
+            return
+        self.envelope.content = self.envelope.original_content = content
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()  # type: ignore[no-untyped-call]  # aiosmtpd
+        await self.push("250 OK" if status is MISSING else status)
+
+    def _start_timer(self, name: str, delay_s: float, callback: Callable[[], None]) -> None:
+        self._stop_timer(name)
+        self._timers[name] = self.loop.call_later(delay_s, callback)
+
+    def _stop_timer(self, name: str) -> None:
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _data_too_slow(self) -> None:
+        """Past ``data_deadline_s`` without the final dot: ``421 4.4.2`` and close."""
+        log.warning("DATA from %s not ended after %g s: closing the connection",
+                    self._admitted_host or "?", self._data_deadline_s)
+        self._say_and_close(replies.DATA_DEADLINE)
+
+    def _lifetime_over(self) -> None:
+        """Past ``session_lifetime_s``: ``421 4.4.2`` and close, after the message in DATA."""
+        if self._in_data:  # being received (the DATA deadline bounds it) or processed
+            self._close_after_data = replies.SESSION_TOO_LONG
+            return
+        log.info("session of %s reached its lifetime of %g s: closing the connection",
+                 self._admitted_host or "?", self._session_lifetime_s)
+        self._say_and_close(replies.SESSION_TOO_LONG)
+
+    def _command_seen(self, line: bytes) -> bool:
+        """Count a command outside a mail transaction; past ``max_idle_commands`` since the
+        last message, say ``421 4.7.0``, close and return False."""
+        words = line.split(None, 1)
+        if words and words[0].upper() in _TRANSACTION_COMMANDS:
+            return True
+        self._idle_commands += 1
+        if self._idle_commands <= self._max_idle_commands:
+            return True
+        log.warning("%s sent %d commands without a message: closing the connection",
+                    self._admitted_host or "?", self._idle_commands)
+        self._say_and_close(replies.TOO_MANY_IDLE_COMMANDS)
+        return False
 
     def begin_shutdown(self) -> None:
         """Graceful stop: an idle session is told ``421 4.3.2`` and closed now; one inside DATA
@@ -309,8 +419,8 @@ class RelaySMTP(SMTP):
                              writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)
         # duck-typed: it is the reader to aiosmtpd, with the line check in front
-        self._reader = cast(asyncio.StreamReader,
-                            _CommandLineGuard(reader, self._bad_command_line))
+        self._reader = cast(asyncio.StreamReader, _CommandLineGuard(
+            reader, self._bad_command_line, self._command_seen))
 
     def _bad_command_line(self) -> None:
         log.warning("command line with a bare CR or LF from %s: closing the connection",
@@ -394,6 +504,7 @@ class RelaySMTP(SMTP):
         if command == "DATA":
             self._receiving_data = False
             self._data_handled = True
+            self._idle_commands = 0  # a message: the client is not idling
             # the idle timer must not cut the client off while upstream works (up to the
             # final-dot timeout): give the whole processing time instead
             self._reset_timeout(self._processing_timeout_s)
