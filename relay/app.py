@@ -107,8 +107,10 @@ def build_sasl(settings: Settings, metrics: PrometheusMetrics) -> SaslMechanisms
     if settings.auth_file is None:
         return None
     return SaslMechanisms(credentials=CredentialFile.load(settings.auth_file),
-                          on_failure=metrics.auth_failure,
-                          failure_delay_s=settings.auth_failure_delay)
+                          on_failure=metrics.auth_failure, on_refused=metrics.auth_refused,
+                          failure_delay_s=settings.auth_failure_delay,
+                          max_failures=settings.auth_max_failures,
+                          failure_window_s=settings.auth_failure_window)
 
 
 class Relay:

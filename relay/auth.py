@@ -24,8 +24,9 @@ import binascii
 import logging
 import re
 import secrets
-import weakref
-from collections.abc import Callable
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -45,7 +46,8 @@ Scheme = Literal["argon2", "bcrypt"]
 _BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
 _BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
 _BCRYPT_MAX_BYTES = 72  # bcrypt 5 refuses longer secrets instead of truncating them
-_MAX_DELAY_S = 5.0  # cap of the growing delay before a failed AUTH is answered
+_MAX_DELAY_S = 5.0  # cap of the growing delay before an AUTH attempt is answered
+_MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget (oldest go)
 # hash checks at once: argon2 defaults take 64 MiB each, and an AUTH flood must not fill the
 # default thread pool that other adapters (the SQLite store) share
 _MAX_CONCURRENT_CHECKS = 4
@@ -228,6 +230,62 @@ class CredentialFile:
         return ok and entry is not None
 
 
+class GuessBudget:
+    """AUTH attempts per key (a client address, a user name) within a sliding window.
+
+    An attempt is charged when it is made, before its password is checked, so a guess whose
+    client hangs up is counted and parallel connections share one budget; a successful
+    attempt is refunded. At most ``max_keys`` keys are kept (the least recently charged are
+    forgotten first), so memory stays bounded under a spray of addresses. ``clock`` gives
+    seconds (monotonic). Raises ValueError for ``max_attempts`` below 1 or a window <= 0.
+    """
+
+    def __init__(self, *, max_attempts: int, window_s: float,
+                 max_keys: int = _MAX_BUDGET_KEYS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_failures must be >= 1")
+        if window_s <= 0:
+            raise ValueError("failure_window_s must be > 0")
+        self._max = max_attempts
+        self._window_s = window_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._charges: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def spent(self, key: str) -> int:
+        """How many attempts ``key`` made within the window (refunded ones not counted)."""
+        charges = self._charges.get(key)
+        if charges is None:
+            return 0
+        horizon = self._clock() - self._window_s
+        while charges and charges[0] <= horizon:
+            charges.popleft()
+        return len(charges)
+
+    def exhausted(self, keys: Iterable[str]) -> bool:
+        """True when any of ``keys`` has no attempt left."""
+        return any(self.spent(key) >= self._max for key in keys)
+
+    def charge(self, keys: Iterable[str]) -> tuple[float, tuple[str, ...]]:
+        """Count one attempt for each key; the token :meth:`refund` takes back."""
+        stamp, charged = self._clock(), tuple(keys)
+        for key in charged:
+            self._charges.setdefault(key, deque()).append(stamp)
+            self._charges.move_to_end(key)
+        while len(self._charges) > self._max_keys:
+            self._charges.popitem(last=False)
+        return stamp, charged
+
+    def refund(self, token: tuple[float, tuple[str, ...]]) -> None:
+        """Take back an attempt :meth:`charge` counted (it succeeded)."""
+        stamp, keys = token
+        for key in keys:
+            charges = self._charges.get(key)
+            if charges is not None and stamp in charges:
+                charges.remove(stamp)
+
+
 def _decode_initial_response(arg: str) -> bytes | None:
     """The initial response of ``AUTH <mech> <arg>``; ``=`` is empty (RFC 4954 section 4)."""
     if arg == "=":
@@ -251,6 +309,10 @@ def _split_plain(message: bytes) -> tuple[str, str, str] | None:
 
 
 def _peer_host(server: SMTP) -> str:
+    """The client's address: behind a PROXY balancer the one its header gave."""
+    client = getattr(server, "client_host", None)
+    if isinstance(client, str) and client:
+        return client
     peer = server.session.peer if server.session is not None else None
     return str(peer[0]) if isinstance(peer, tuple) else str(peer)
 
@@ -258,27 +320,33 @@ def _peer_host(server: SMTP) -> str:
 class SaslMechanisms:
     """SASL PLAIN and LOGIN for aiosmtpd, checked against a :class:`CredentialFile`.
 
-    Each failed attempt calls ``on_failure`` (for a metric) and is answered after
-    ``failure_delay_s`` times the connection's failure count (at most 5 s); the
-    ``max_failures``-th failure of a connection is answered ``421 4.7.0`` and the connection
-    closed. A cancelled exchange (``*``) or bad base64 is answered ``501`` by aiosmtpd and is
-    not counted. Raises ValueError for a negative delay or ``max_failures`` below 1.
+    Guessing is bounded by a :class:`GuessBudget` per client address and per user name,
+    across connections: at most ``max_failures`` attempts within ``failure_window_s``
+    seconds, charged when an attempt is made (a guess whose client hangs up counts; a
+    success is refunded). An attempt from a spent address or at a spent user is not checked:
+    it calls ``on_refused`` and is answered ``421 4.7.0``, and the connection is closed; so is
+    the failure that spends the budget. Each failure calls ``on_failure`` (for a metric).
+
+    Every attempt, right or wrong, is answered at the same time after it was made:
+    ``failure_delay_s`` times (1 + the address's attempts already in the window), at most
+    5 s; so the reply time does not tell a right password from a wrong one (a client that
+    hangs up early learns nothing). A cancelled exchange (``*``) or bad base64 is answered
+    ``501`` by aiosmtpd and is not counted. Raises ValueError for a negative delay,
+    ``max_failures`` below 1 or a window <= 0.
     """
 
     def __init__(self, *, credentials: CredentialFile,
                  on_failure: Callable[[], None] | None = None,
-                 failure_delay_s: float = 1.0, max_failures: int = 3) -> None:
+                 on_refused: Callable[[], None] | None = None,
+                 failure_delay_s: float = 1.0, max_failures: int = 5,
+                 failure_window_s: float = 600.0) -> None:
         if failure_delay_s < 0:
             raise ValueError("failure_delay_s must be >= 0")
-        if max_failures < 1:
-            raise ValueError("max_failures must be >= 1")
+        self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
         self._credentials = credentials
         self._on_failure = on_failure
+        self._on_refused = on_refused
         self._failure_delay_s = failure_delay_s
-        self._max_failures = max_failures
-        # keyed on the connection (its SMTP protocol), which outlives the Session object
-        # aiosmtpd creates again after STARTTLS
-        self._failures: weakref.WeakKeyDictionary[SMTP, int] = weakref.WeakKeyDictionary()
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         """``AUTH PLAIN [initial-response]`` (RFC 4616); ``args`` is the AUTH line split.
@@ -298,9 +366,11 @@ class SaslMechanisms:
                 return AuthResult(success=False, handled=True)
             message = decoded
         parts = _split_plain(message)
-        if parts is None or parts[0] not in ("", parts[1]):
-            return await self._fail(server, "PLAIN", None)
-        _authzid, username, password = parts
+        if parts is None:
+            return await self._check(server, "PLAIN", None, None)
+        authzid, username, password = parts
+        if authzid not in ("", username):  # acting as another user is not offered
+            return await self._check(server, "PLAIN", username, None)
         return await self._check(server, "PLAIN", username, password)
 
     async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
@@ -328,33 +398,58 @@ class SaslMechanisms:
             username = username_bytes.decode("utf-8")
             password = password_blob.decode("utf-8")
         except UnicodeDecodeError:
-            return await self._fail(server, "LOGIN", None)
+            return await self._check(server, "LOGIN", None, None)
         return await self._check(server, "LOGIN", username, password)
 
-    async def _check(self, server: SMTP, mechanism: str, username: str,
-                     password: str) -> AuthResult:
-        if not username or not password:  # RFC 4616: authcid and passwd are 1*SAFE
-            return await self._fail(server, mechanism, username or None)
-        if not await self._credentials.verify(username, password):
-            return await self._fail(server, mechanism, username)
-        log.info("auth succeeded", extra={"mechanism": mechanism, "peer": _peer_host(server)})
+    async def _check(self, server: SMTP, mechanism: str, username: str | None,
+                     password: str | None) -> AuthResult:
+        """Charge the attempt, check it (not when malformed), answer it at the delay floor.
+
+        ``username`` is None when the exchange named none that can be decoded, ``password``
+        None when the attempt fails before its password matters.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        host = _peer_host(server)
+        keys = [f"address:{host}"] + ([f"user:{username}"] if username else [])
+        if self._budget.exhausted(keys):
+            await asyncio.sleep(self._failure_delay_s)
+            if self._on_refused is not None:
+                self._on_refused()
+            log.warning("auth budget spent, attempt refused unchecked", extra={"peer": host})
+            return await self._close(server)
+        prior = self._budget.spent(keys[0])
+        token = self._budget.charge(keys)
+        # RFC 4616: authcid and passwd are 1*SAFE; the hash check runs in a worker thread
+        ok = bool(username and password) and await self._credentials.verify(
+            username or "", password or "")
+        floor_s = min(self._failure_delay_s * (prior + 1), _MAX_DELAY_S)
+        await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
+        if not ok:
+            return await self._fail(server, mechanism, username, keys)
+        self._budget.refund(token)
+        log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
         log.debug("auth succeeded for user", extra={"username": username})
         return AuthResult(success=True, auth_data=username, message=str(replies.AUTH_SUCCEEDED))
 
-    async def _fail(self, server: SMTP, mechanism: str, username: str | None) -> AuthResult:
-        """Count the failure, wait, then answer 535, or 421 and close at ``max_failures``."""
-        failures = self._failures.get(server, 0) + 1
-        self._failures[server] = failures
+    async def _fail(self, server: SMTP, mechanism: str, username: str | None,
+                    keys: list[str]) -> AuthResult:
+        """Count the failure; answer 535, or 421 and close when it spent the budget."""
         if self._on_failure is not None:
             self._on_failure()
         log.info("auth failed", extra={
-            "mechanism": mechanism, "peer": _peer_host(server), "failures": failures})
+            "mechanism": mechanism, "peer": _peer_host(server),
+            "failures": self._budget.spent(keys[0])})
         if username is not None:
             log.debug("auth failed for user", extra={"username": username})
-        await asyncio.sleep(min(self._failure_delay_s * failures, _MAX_DELAY_S))
-        if failures < self._max_failures:
+        if not self._budget.exhausted(keys):
             return AuthResult(success=False, handled=False, message=str(replies.AUTH_FAILED))
         log.warning("too many auth failures, closing", extra={"peer": _peer_host(server)})
+        return await self._close(server)
+
+    @staticmethod
+    async def _close(server: SMTP) -> AuthResult:
+        """Answer ``421 4.7.0`` and close the connection."""
         await server.push(str(replies.AUTH_TOO_MANY_FAILURES))
         if server.transport is not None:
             server.transport.close()

@@ -72,6 +72,10 @@ class PrometheusMetrics:
         self._auth_failures = Counter(
             "relay_auth_failures", "Failed AUTH attempts (each answered slower)",
             registry=registry)
+        self._auth_refused = Counter(
+            "relay_auth_refused",
+            "AUTH attempts refused unchecked: the client address or user name spent its budget",
+            registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         for outcome in OUTCOMES:
@@ -128,6 +132,10 @@ class PrometheusMetrics:
     def auth_failure(self) -> None:
         """Count one failed AUTH attempt."""
         self._auth_failures.inc()
+
+    def auth_refused(self) -> None:
+        """Count one AUTH attempt refused unchecked (its failure budget was spent)."""
+        self._auth_refused.inc()
 
     def component_up(self, component: str, up: bool) -> None:
         """Set ``relay_component_up{component}`` to 1 or 0."""

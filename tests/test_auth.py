@@ -306,6 +306,7 @@ class AuthServer:
     port: int
     handler: AuthOnlyHandler
     failures: list[None] = field(default_factory=list)
+    refused: list[None] = field(default_factory=list)
 
     async def client(self) -> RawClient:
         """A connected client that has sent EHLO."""
@@ -324,7 +325,9 @@ async def start_server(credentials: CredentialFile) -> AsyncIterator[StartServer
 
     async def start(**kwargs: Any) -> AuthServer:
         failures: list[None] = []
+        refused: list[None] = []
         sasl = SaslMechanisms(credentials=credentials, on_failure=lambda: failures.append(None),
+                              on_refused=lambda: refused.append(None),
                               **{"failure_delay_s": 0.0, **kwargs})
         handler = AuthOnlyHandler(sasl)
         gate = ConnectionGate(allowed=parse_networks(["127.0.0.0/8"]), max_total=50,
@@ -335,7 +338,7 @@ async def start_server(credentials: CredentialFile) -> AsyncIterator[StartServer
                               enable_SMTPUTF8=True),
             "127.0.0.1", 0)
         servers.append(server)
-        return AuthServer(server.sockets[0].getsockname()[1], handler, failures)
+        return AuthServer(server.sockets[0].getsockname()[1], handler, failures, refused)
 
     yield start
     for server in servers:
@@ -501,17 +504,92 @@ async def test_failures_slow_down_then_close_with_421(start_server: StartServer)
     await client.close()
 
 
-async def test_failures_are_counted_per_connection(start_server: StartServer) -> None:
-    """A new connection starts with no failures: its first wrong password is 535, not 421."""
+async def _client_from(server: AuthServer, local_host: str) -> RawClient:
+    """A client of ``server`` from the loopback address ``local_host``, after EHLO."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
+                                                   local_addr=(local_host, 0))
+    client = RawClient(reader, writer)
+    await client.reply()
+    await client.cmd("EHLO client.test")
+    return client
+
+
+async def test_failure_budget_of_an_address_spans_connections(start_server: StartServer) -> None:
+    """Reconnecting does not reset the budget: once an address spent it, even the right
+    password from a new connection is 421 4.7.0, unchecked and counted as refused."""
     server = await start_server(max_failures=2)
     wrong = f"AUTH PLAIN {PLAIN_WRONG}"
     first = await server.client()
     assert await first.cmd(wrong) == str(replies.AUTH_FAILED)
     second = await server.client()
-    assert await second.cmd(wrong) == str(replies.AUTH_FAILED)
-    assert await second.cmd(f"AUTH PLAIN {PLAIN_OK}") == str(replies.AUTH_SUCCEEDED)
-    await first.close()
-    await second.close()
+    assert await second.cmd(wrong) == str(replies.AUTH_TOO_MANY_FAILURES)
+    third = await server.client()
+    assert await third.cmd(f"AUTH PLAIN {PLAIN_OK}") == str(replies.AUTH_TOO_MANY_FAILURES)
+    assert server.failures == [None, None]
+    assert server.refused == [None]
+    other = await _client_from(server, "127.0.0.2")  # another address, another user: fine
+    blob = b64(f"\0{BCRYPT_USER}\0{PASSWORD}")
+    assert await other.cmd(f"AUTH PLAIN {blob}") == str(replies.AUTH_SUCCEEDED)
+    for client in (first, second, third, other):
+        await client.close()
+
+
+async def test_failure_budget_of_a_user_spans_addresses(start_server: StartServer) -> None:
+    """Guesses at one user from many addresses share that user's budget."""
+    server = await start_server(max_failures=2)
+    for host in ("127.0.0.2", "127.0.0.3"):
+        client = await _client_from(server, host)
+        await client.cmd(f"AUTH PLAIN {PLAIN_WRONG}")
+        await client.close()
+    late = await _client_from(server, "127.0.0.4")
+    assert await late.cmd(f"AUTH PLAIN {PLAIN_OK}") == str(replies.AUTH_TOO_MANY_FAILURES)
+    bcrypt_user = await _client_from(server, "127.0.0.5")
+    blob = b64(f"\0{BCRYPT_USER}\0{PASSWORD}")
+    assert await bcrypt_user.cmd(f"AUTH PLAIN {blob}") == str(replies.AUTH_SUCCEEDED)
+    await late.close()
+    await bcrypt_user.close()
+
+
+async def test_a_guess_whose_client_hangs_up_is_counted(start_server: StartServer) -> None:
+    """A client that hangs up before its answer has still spent a guess of the budget."""
+    server = await start_server(max_failures=2, failure_delay_s=1.0)
+    for _ in range(2):
+        client = await server.client()
+        await client.write(f"AUTH PLAIN {PLAIN_WRONG}\r\n".encode())
+        await asyncio.sleep(0.2)  # the check has started; the answer would come at 1 s
+        await client.close()
+    client = await server.client()
+    assert await client.cmd(f"AUTH PLAIN {PLAIN_OK}") == str(replies.AUTH_TOO_MANY_FAILURES)
+    await client.close()
+
+
+async def test_parallel_guesses_get_no_more_than_the_budget(start_server: StartServer) -> None:
+    """Ten connections guessing at once from one address get at most max_failures checks."""
+    server = await start_server(max_failures=3, failure_delay_s=0.2)
+    clients = [await server.client() for _ in range(10)]
+    answers = await asyncio.gather(*(c.cmd(f"AUTH PLAIN {PLAIN_WRONG}") for c in clients))
+    assert answers.count(str(replies.AUTH_FAILED)) <= 2
+    assert len(server.failures) == 3
+    assert len(server.refused) == 7
+    for client in clients:
+        await client.close()
+
+
+async def test_right_and_wrong_passwords_are_answered_after_the_same_time(
+    start_server: StartServer
+) -> None:
+    """A right and a wrong password are both answered at the delay floor, not before it."""
+    server = await start_server(failure_delay_s=0.6, max_failures=5)
+    timings = {}
+    for name, blob, host in (("right", PLAIN_OK, "127.0.0.2"), ("wrong", PLAIN_WRONG, "127.0.0.3")):
+        client = await _client_from(server, host)
+        started = time.monotonic()
+        await client.cmd(f"AUTH PLAIN {blob}")
+        timings[name] = time.monotonic() - started
+        await client.close()
+    assert timings["right"] >= 0.55
+    assert timings["wrong"] >= 0.55
+    assert abs(timings["right"] - timings["wrong"]) < 0.2
 
 
 async def test_second_auth_after_success_is_503(client: RawClient) -> None:

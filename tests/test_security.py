@@ -519,3 +519,22 @@ async def test_tls12_offers_no_cbc_suite(make_relay: MakeRelay, sink: Sink, pki:
         "cipher")[0]
     assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"220")
     writer.close()
+
+
+async def test_auth_budget_spent_from_one_address_is_refused_and_counted(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path
+) -> None:
+    """With auth_max_failures = 1 a wrong password closes with 421, and the next connection's
+    AUTH is 421 unchecked, counted in relay_auth_refused_total."""
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file, auth_failure_delay=0.01,
+                            auth_max_failures=1)
+    wrong = base64.b64encode(f"\0{USER}\0nope".encode()).decode()
+    for blob in (wrong, PLAIN):
+        client = await RawClient.connect(relay.port)
+        await client.cmd("EHLO client.test")
+        await starttls(client, pki.client_context)
+        await client.cmd("EHLO client.test")
+        assert await client.cmd(f"AUTH PLAIN {blob}") == str(replies.AUTH_TOO_MANY_FAILURES)
+        await client.close()
+    assert relay.registry.get_sample_value("relay_auth_failures_total") == 1.0
+    assert relay.registry.get_sample_value("relay_auth_refused_total") == 1.0
