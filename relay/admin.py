@@ -86,9 +86,13 @@ class InFlightError(Exception):
 
 def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
     """The state a new attempt would see: SENDING is PENDING within the lease (``lease_s``
-    seconds from its ``at``) and UNKNOWN after it (its relay died after the final dot)."""
+    seconds from its last heartbeat ``at``) and UNKNOWN after it (its relay died after the
+    final dot). The age is the store's (``record.age_s``) when the store reported it, so this
+    host's clock does not decide; ``now`` (unix seconds) only for a record without one."""
     if record.state is not State.SENDING:
         return record.state
+    if record.age_s is not None:
+        return State.PENDING if record.age_s < lease_s else State.UNKNOWN
     now = time.time() if now is None else now
     at = record.at if record.at is not None else now
     return State.PENDING if now - at < lease_s else State.UNKNOWN
@@ -135,7 +139,7 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
     """
     before = await _not_in_flight(store, key, lease_s, force)
     await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
-                                window_s=window_s, now=time.time())
+                                window_s=window_s)
     _audit("fingerprint marked sent by an operator", "admin_mark_sent", key, before, lease_s,
            reason, operator)
     return before

@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024)
     max_recipients: int = Field(default=100, ge=1)
     client_timeout: float = Field(default=300.0, gt=0)
+    data_deadline: float = Field(default=600.0, gt=0)
+    session_lifetime: float = Field(default=3600.0, gt=0)
+    max_idle_commands: int = Field(default=100, ge=1)
 
     # listener security
     allowed_networks: CsvList = ("127.0.0.0/8", "::1/128")
@@ -133,6 +136,7 @@ class Settings(BaseSettings):
     scope_by_auth: bool = False
     unknown_policy: Literal["suppress", "hold", "send"] = "suppress"
     store_down: Literal["fail_closed", "fail_open"] = "fail_closed"
+    dsn_on_partial_failure: bool = True  # RFC 3464 notice for recipients refused after a 250
 
     # operations
     metrics_listen: str | None = "127.0.0.1:9725"
@@ -242,16 +246,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:
-        worst_upstream_s = (
-            self.upstream_connect_timeout
-            + 4 * self.upstream_command_timeout
-            + self.upstream_timeout
-        )
-        if self.lease <= self.upstream_timeout:
+        # an attempt renews its lease every third of it while it works, each renewal bounded
+        # by store-timeout: two renewals must fit before the lease lapses
+        if self.lease < 3 * self.store_timeout:
             raise ValueError(
-                f"lease ({self.lease:g} s) must be longer than upstream-timeout "
-                f"({self.upstream_timeout:g} s): a reservation must outlive the upstream "
-                f"transaction (worst case about {worst_upstream_s:g} s)"
+                f"lease ({self.lease:g} s) must be at least three times store-timeout "
+                f"({self.store_timeout:g} s): a working attempt renews its lease every third "
+                "of it, and a renewal may take store-timeout"
             )
         if self.dedup_window < self.lease:
             raise ValueError("dedup-window must not be shorter than the lease")

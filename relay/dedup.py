@@ -8,11 +8,12 @@ handles one message that the listener accepted at the final dot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -30,6 +31,8 @@ from relay.interfaces import (
     DeliveryResult,
     FingerprintStore,
     Metrics,
+    NonDelivery,
+    Notifier,
     OutboundMessage,
     RcptResult,
     RcptStatus,
@@ -107,6 +110,7 @@ class _Tally:
     outcomes: dict[str, str] = field(default_factory=dict)
     temp_replies: list[tuple[int, SmtpReply]] = field(default_factory=list)
     perm_replies: list[SmtpReply] = field(default_factory=list)
+    perm_results: dict[str, RcptResult] = field(default_factory=dict)  # for the DSN
     first_sent_at: float | None = None
 
     def add(self, rcpt: str, outcome: str) -> None:
@@ -125,6 +129,7 @@ class _Tally:
         elif result.reply.code >= 500:
             self.add(rcpt, "refused_perm")
             self.perm_replies.append(_as_client_reply(result))
+            self.perm_results[rcpt] = result
         else:
             self.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(result))
 
@@ -144,15 +149,15 @@ class DedupCore:
         upstream: Upstream,
         metrics: Metrics,
         policy: Policy,
-        clock: Callable[[], float] = time.time,
+        notifier: Notifier | None = None,
     ) -> None:
         self._store = store
         self._upstream = upstream
         self._metrics = metrics
         self._policy = policy
-        self._clock = clock
+        self._notifier = notifier  # RFC 3464 notices for refusals after a 250
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
-                                clock=clock)
+                                lease_s=policy.lease_s)
 
     @property
     def background(self) -> set[asyncio.Task[None]]:
@@ -200,41 +205,74 @@ class DedupCore:
 
     async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
         token = secrets.token_hex(16)  # 128-bit random token per attempt (DESIGN section 3)
-        lease_ends = time.monotonic() + self._policy.lease_s
         unique_keys = list(dict.fromkeys(keys.values()))
-        await self._settler.flush(unique_keys)
         try:
-            reservations = await self._reserve(unique_keys, token)
+            await self._settler.flush(unique_keys)
+            reservations = await self._reserve_uncut(unique_keys, token)
+        except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
+            _absorb_cancel()
+            tally = self._all_temp(msg, "refused_temp", replies.CUT_BY_SHUTDOWN)
+            return self._conclude(msg, tally, None)
         except StoreError as exc:
             log.error("store reserve failed (%s); policy store_down=%s",
                       exc, self._policy.store_down)
             await self._settler.release_quietly(unique_keys, token)
             if self._policy.store_down == "fail_open":
                 return await self._relay_plain(msg, relayed_outcome="store_down")
-            tally = _Tally()
-            for rcpt in msg.rcpt_tos:
-                tally.temp(rcpt, "store_down", _RANK_STORE_DOWN, replies.STORE_DOWN)
-            return self._conclude(msg, tally, None)
+            return self._conclude(msg, self._all_temp(msg, "store_down", replies.STORE_DOWN),
+                                  None)
         by_key = {r.key: r for r in reservations}
         tally = _Tally()
         to_send = self._partition(keys, by_key, tally, msg.queue_id)
-        result: DeliveryResult | None = None
-        if to_send:
-            # one upstream recipient per fingerprint: the first spelling the client used
-            first_rcpt: dict[str, str] = {}
-            for rcpt, key in keys.items():
-                if key in to_send:
-                    first_rcpt.setdefault(key, rcpt)
-            progress = DeliveryProgress(
-                before_dot=self._settler.sending_marker(first_rcpt, token))
-            try:
+        if not to_send:
+            return self._conclude(msg, tally, None)
+        # one upstream recipient per fingerprint: the first spelling the client used
+        first_rcpt: dict[str, str] = {}
+        for rcpt, key in keys.items():
+            if key in to_send:
+                first_rcpt.setdefault(key, rcpt)
+        return await self._send_reserved(msg, keys, first_rcpt, token, tally)
+
+    async def _send_reserved(self, msg: InboundMessage, keys: Mapping[str, str],
+                             first_rcpt: dict[str, str], token: str, tally: _Tally) -> Decision:
+        """Relay the fingerprints this attempt reserved, keeping their lease alive while the
+        upstream works, then settle them; the settle after a definite reply always completes
+        (a shutdown past its grace waits for it) and the client gets that reply."""
+        lease_ends = time.monotonic() + self._policy.lease_s
+        progress = DeliveryProgress()
+        progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress)
+        try:
+            async with self._settler.kept_alive(list(first_rcpt), token):
                 result = await self._deliver(msg, list(first_rcpt.values()), progress)
-            except asyncio.CancelledError:  # shutdown past its grace cut the transaction
-                await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written)
-                return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
-            await self._settle(result, first_rcpt, token, lease_ends)
-            self._tally_delivery(result, keys, first_rcpt, tally)
+        except asyncio.CancelledError:  # shutdown past its grace cut the transaction
+            _absorb_cancel()
+            await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
+                                           time.monotonic() + self._policy.lease_s)
+            return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
+        await self._settle(result, first_rcpt, token, lease_ends)
+        self._tally_delivery(result, keys, first_rcpt, tally)
         return self._conclude(msg, tally, result)
+
+    async def _reserve_uncut(self, keys: list[str], token: str) -> list[Reservation]:
+        """Reserve ``keys``; when shutdown cuts the wait, let the reserve finish, undo what of
+        it landed (compare-token), then raise the cancellation: a PENDING record left behind
+        would answer the client's retry with 450 until its lease ends."""
+        reserving = asyncio.ensure_future(self._reserve(keys, token))
+        try:
+            return await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            _absorb_cancel()
+            with contextlib.suppress(StoreError):
+                await reserving
+            await self._settler.release_quietly(keys, token)
+            raise asyncio.CancelledError from None
+
+    @staticmethod
+    def _all_temp(msg: InboundMessage, outcome: str, reply: SmtpReply) -> _Tally:
+        tally = _Tally()
+        for rcpt in msg.rcpt_tos:
+            tally.temp(rcpt, outcome, _RANK_STORE_DOWN, reply)
+        return tally
 
     def _cut_decision(self, msg: InboundMessage, keys: Mapping[str, str],
                       first_rcpt: Mapping[str, str], tally: _Tally,
@@ -324,8 +362,17 @@ class DedupCore:
                 tally.record(rcpt, shared, "relayed")
 
     async def _relay_plain(self, msg: InboundMessage, *, relayed_outcome: str) -> Decision:
-        """Relay without dedup (no key, or store down with fail_open): all recipients at once."""
-        result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)))
+        """Relay without dedup (no key, or store down with fail_open): all recipients at once.
+
+        Cut by shutdown: the client is told so (4yz), in doubt when the final dot was out."""
+        progress = DeliveryProgress()
+        try:
+            result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress)
+        except asyncio.CancelledError:
+            _absorb_cancel()
+            reply = replies.OUTCOME_UNKNOWN if progress.dot_written else replies.CUT_BY_SHUTDOWN
+            outcome = "unknown" if progress.dot_written else "refused_temp"
+            return self._conclude(msg, self._all_temp(msg, outcome, reply), None)
         tally = _Tally()
         for rcpt in msg.rcpt_tos:
             tally.record(rcpt, result.recipients[rcpt], relayed_outcome)
@@ -351,6 +398,11 @@ class DedupCore:
             when = _iso(tally.first_sent_at)
             reply = replies.all_suppressed(suppressed, when, msg.queue_id, in_doubt)
             res = "suppressed"
+        if self._notifier is not None and reply.code == 250 and tally.perm_results:
+            # RFC 5321 4.2.5, 6.1: a 250 makes the relay owe notice of the refused recipients
+            self._notifier.non_delivery(NonDelivery(
+                mail_from=msg.mail_from, failures=dict(tally.perm_results),
+                content=msg.trace + msg.content, queue_id=msg.queue_id))
         return self._finish(msg, reply, res, tally.outcomes, upstream_reply)
 
     def _finish(self, msg: InboundMessage, reply: SmtpReply, result: str,
@@ -371,6 +423,14 @@ class DedupCore:
             raise
         self._metrics.store_call("reserve", time.perf_counter() - started, True)
         return out
+
+
+def _absorb_cancel() -> None:
+    """Take back a cancellation the core answers for itself (shutdown past its grace): the
+    task goes on to settle and to give the client a reply that says what happened."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def _as_client_reply(result: RcptResult) -> SmtpReply:

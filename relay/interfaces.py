@@ -36,7 +36,8 @@ class Record:
     (SENT), of the in-doubt attempt (UNKNOWN) or of the final dot going out (SENDING); ``None``
     when unknown (a foreign value such as ``1``, which counts as SENT). ``reply`` is the
     upstream's reply text kept with SENT. ``ttl_s`` is the remaining lifetime in seconds,
-    ``None`` when the store cannot tell.
+    ``None`` when the store cannot tell; ``age_s`` how long ago ``at`` was by the store's own
+    clock (what decides whether a SENDING record is in doubt), ``None`` when not known.
     """
 
     state: State
@@ -44,6 +45,7 @@ class Record:
     at: float | None = None
     reply: str | None = None
     ttl_s: float | None = None
+    age_s: float | None = None  # seconds since ``at`` by the store's clock when it was read
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,9 @@ class Reservation:
     ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
     record that was already there (PENDING of another attempt, SENT or UNKNOWN). Both are set
     when a reserve with ``resend_unknown`` replaced a record in doubt (``found`` is UNKNOWN).
-    A SENDING record is reported as PENDING while it is younger than the lease (its attempt is
-    waiting for the upstream's reply) and as UNKNOWN after that (its attempt died after the
-    final dot).
+    A SENDING record is reported as PENDING while its last heartbeat (the SENDING mark or a
+    renewal, by the store's clock) is younger than the lease (its attempt is waiting for the
+    upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
     """
 
     key: str
@@ -103,14 +105,23 @@ class FingerprintStore(Protocol):
         ...
 
     async def settle(
-        self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
     ) -> list[bool]:
         """Apply every settlement in one round trip, each only if the key holds ``PENDING(token)``
-        (or ``SENDING(token)``, except for the SENDING action itself).
+        or ``SENDING(token)`` (a SENDING action on SENDING(token) is a retry: applied again).
 
-        ``window_s`` is the dedup window in seconds (TTL of SENT and UNKNOWN, counted from
-        ``now``, a unix time in seconds). Returns, per op, whether the token matched and the
-        transition was applied.
+        ``window_s`` is the dedup window in seconds (TTL of SENT and UNKNOWN). Every time
+        recorded (SENDING, SENT, UNKNOWN) is the store's own clock, never the relay's, so that
+        relays whose clocks disagree still agree on a record's age. Returns, per op, whether
+        the token matched and the transition was applied.
+        """
+        ...
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep an attempt that is still working alive, in one round trip: ``PENDING(token)``
+        lives ``lease_s`` seconds from now again; ``SENDING(token)`` gets the store's now as
+        its heartbeat (a SENDING record not renewed for a lease reads as in doubt). Returns,
+        per key, whether it was still this attempt's. Raises :class:`relay.errors.StoreError`.
         """
         ...
 
@@ -122,8 +133,8 @@ class FingerprintStore(Protocol):
         """Delete ``key`` whatever it holds (operator action); True when something was deleted."""
         ...
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
-        """Set ``key`` to SENT(``now``, ``reply``) for ``window_s`` seconds whatever it holds
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds whatever it holds
         (operator action: an in-doubt message the upstream's log shows delivered).
         Raises :class:`relay.errors.StoreError`."""
         ...
@@ -201,7 +212,8 @@ class DeliveryProgress:
 
     ``before_dot`` (optional) is awaited by the upstream after the upstream accepted DATA and
     before the message and final dot are written, with the recipients the upstream accepted;
-    it returns False to abort (no dot is sent, every recipient is refused temporarily). The
+    it returns False to abort (no dot is sent, every recipient is refused temporarily with
+    ``abort_reply``, set by the hook; the store's-unavailable reply when it is None). The
     core uses it to mark those reservations SENDING, so that a relay killed while waiting for
     the reply leaves them in doubt instead of lapsing into a duplicate.
     ``dot_written`` turns True once the message and its final dot were handed to the network
@@ -210,6 +222,7 @@ class DeliveryProgress:
 
     before_dot: Callable[[Sequence[str]], Awaitable[bool]] | None = None
     dot_written: bool = False
+    abort_reply: SmtpReply | None = None  # why ``before_dot`` said no, as the client is told
 
 
 @dataclass(frozen=True)
@@ -245,6 +258,38 @@ class Upstream(Protocol):
 
     async def close(self) -> None:
         """Close pooled connections."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Notices to the sender
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NonDelivery:
+    """A message answered ``250`` of which some recipients were refused permanently.
+
+    RFC 5321 sections 4.2.5 and 6.1: having accepted it, the relay owes the envelope sender a
+    non-delivery notification. ``mail_from`` is the original reverse path (``""`` for the null
+    sender); ``failures`` maps each refused recipient (as the client spelled it) to the result
+    that refused it; ``content`` is the message as relayed (the relay's ``Received:`` header
+    first, CRLF line ends; only its header section is quoted back); ``queue_id`` names it in logs.
+    """
+
+    mail_from: str
+    failures: Mapping[str, RcptResult]
+    content: bytes
+    queue_id: str = ""
+
+
+class Notifier(Protocol):
+    """Tells senders what became of mail the relay accepted (RFC 3464 delivery status)."""
+
+    def non_delivery(self, notice: NonDelivery) -> None:
+        """Owe ``notice.mail_from`` a notice; returns at once (the send runs in the background)
+        and never raises. The notifier decides whether a notice is due (none to the null
+        sender, RFC 5321 section 4.5.5)."""
         ...
 
 
@@ -294,4 +339,8 @@ class Metrics(Protocol):
 
     def component_up(self, component: str, up: bool) -> None:
         """Record the last readiness probe of ``component`` (``store`` or ``upstream``)."""
+        ...
+
+    def dsn(self, result: str) -> None:
+        """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
         ...

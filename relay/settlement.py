@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 from tenacity import (
     AsyncRetrying,
@@ -26,21 +27,26 @@ from tenacity import (
     wait_exponential,
 )
 
+from relay import replies
 from relay.errors import StoreError
-from relay.interfaces import FingerprintStore, Metrics, Settle, SettleOp
+from relay.interfaces import DeliveryProgress, FingerprintStore, Metrics, Settle, SettleOp
 
 log = logging.getLogger("relay.settlement")
 
+_T = TypeVar("_T")
+
 
 class Settler:
-    """Settles one attempt's reservations; ``window_s`` is the dedup window in seconds."""
+    """Settles one attempt's reservations; ``window_s`` is the dedup window and ``lease_s`` the
+    reservation lease, in seconds. No time of this host's clock is ever written: the store
+    records its own (DESIGN: clocks of relays sharing a store may disagree)."""
 
     def __init__(self, *, store: FingerprintStore, metrics: Metrics, window_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 lease_s: float = 900.0) -> None:
         self._store = store
         self._metrics = metrics
         self._window_s = window_s
-        self._clock = clock
+        self._lease_s = lease_s
         self.background: set[asyncio.Task[None]] = set()
         # (store key, token) -> the settle still owed on it, until it lands or is given up
         self._owed: dict[tuple[str, str], SettleOp] = {}
@@ -74,8 +80,17 @@ class Settler:
         """Apply ``ops`` (one round trip, 3 quick tries), else keep trying in the background.
 
         ``lease_ends`` is the ``time.monotonic()`` at which the reservations lapse. Never
-        raises: the client's reply depends on the upstream's verdict, not on this write.
+        raises: the client's reply depends on the upstream's verdict, not on this write. A
+        settle after a definite upstream reply is never cut short: when the caller is
+        cancelled (shutdown past its grace) the write still runs to its end, and only then
+        does the cancellation go on.
         """
+        write = asyncio.ensure_future(self._settle_or_owe(ops, token, lease_ends))
+        self.background.add(write)
+        write.add_done_callback(self.background.discard)
+        await _uncancellable(write)
+
+    async def _settle_or_owe(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         applied = await self._settle_with_retry(ops, token)
         if applied is None:
             self._settle_later(ops, token, lease_ends)
@@ -85,12 +100,13 @@ class Settler:
                 log.warning("settle %s found another attempt's reservation (lease ran out?)",
                             op.action.value)
 
-    def sending_marker(self, first_rcpt: Mapping[str, str],
-                       token: str) -> Callable[[Sequence[str]], Awaitable[bool]]:
+    def sending_marker(self, first_rcpt: Mapping[str, str], token: str,
+                       progress: DeliveryProgress) -> Callable[[Sequence[str]], Awaitable[bool]]:
         """The ``before_dot`` hook: mark the keys of the accepted recipients SENDING.
 
         ``first_rcpt`` maps store key -> the recipient sent upstream for it. The hook returns
-        False (abort, send no dot) when the store fails or a key is no longer this attempt's.
+        False (abort, send no dot) when the store fails, or when a key is no longer this
+        attempt's; it then sets ``progress.abort_reply`` to the reply that says which.
         """
 
         async def mark(accepted: Sequence[str]) -> bool:
@@ -101,19 +117,53 @@ class Settler:
                 applied = await self._timed_settle(ops, token)
             except StoreError as exc:
                 log.error("cannot mark SENDING before the final dot (%s): not sending", exc)
+                progress.abort_reply = replies.STORE_DOWN
                 return False
             if not all(applied):
-                log.error("a reservation is no longer ours before the final dot: not sending")
+                log.error("a reservation is no longer ours before the final dot "
+                          "(its lease lapsed): not sending")
+                progress.abort_reply = replies.RESERVATION_LOST
             return all(applied)
 
         return mark
+
+    @contextlib.asynccontextmanager
+    async def kept_alive(self, keys: Sequence[str], token: str) -> AsyncIterator[None]:
+        """Renew this attempt's reservations on ``keys`` every third of the lease while the
+        body runs (compare-token, in the store's clock), so a transaction longer than the lease
+        keeps its keys: PENDING does not expire under it and SENDING never reads as in doubt
+        while its relay still waits for the upstream's reply. A failed renewal is logged and
+        tried again at the next tick."""
+        task = asyncio.create_task(self._renew_every(list(keys), token, self._lease_s / 3))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _renew_every(self, keys: list[str], token: str, interval_s: float) -> None:
+        while keys:
+            await asyncio.sleep(interval_s)
+            started = time.perf_counter()
+            try:
+                held = await self._store.renew(keys, token=token, lease_s=self._lease_s)
+            except StoreError as exc:
+                self._metrics.store_call("renew", time.perf_counter() - started, False)
+                log.warning("cannot renew %d reservation(s) (%s): trying again in %.1f s",
+                            len(keys), exc, interval_s)
+                continue
+            self._metrics.store_call("renew", time.perf_counter() - started, True)
+            lost = [k for k, ok in zip(keys, held, strict=True) if not ok]
+            if lost:
+                log.error("%d reservation(s) no longer this attempt's while it works", len(lost))
+                keys = [k for k in keys if k not in lost]
 
     async def _timed_settle(self, ops: list[SettleOp], token: str) -> list[bool]:
         """One settle round trip, its latency and outcome recorded; raises StoreError."""
         started = time.perf_counter()
         try:
-            applied = await self._store.settle(ops, token=token, window_s=self._window_s,
-                                               now=self._clock())
+            applied = await self._store.settle(ops, token=token, window_s=self._window_s)
         except StoreError:
             self._metrics.store_call("settle", time.perf_counter() - started, False)
             raise
@@ -128,23 +178,22 @@ class Settler:
         """
         ops = [SettleOp(key=k, action=Settle.RELEASE) for k in keys]
         with contextlib.suppress(StoreError):  # the store is down: the lease will free them
-            await self._store.settle(ops, token=token, window_s=self._window_s,
-                                     now=self._clock())
+            await _uncancellable(asyncio.ensure_future(
+                self._store.settle(ops, token=token, window_s=self._window_s)))
 
-    async def settle_cut(self, keys: list[str], token: str, dot_written: bool) -> None:
+    async def settle_cut(self, keys: list[str], token: str, dot_written: bool,
+                         lease_ends: float) -> None:
         """Settle a transaction that was cancelled (shutdown past its grace).
 
         Before the final dot went out nothing can have been delivered: release, so the
-        client's retry is relayed. After it, the outcome is unknown: mark UNKNOWN.
-        Shielded from a second cancellation; bounded by the store's own timeout.
+        client's retry is relayed. After it, the outcome is unknown: mark UNKNOWN. Runs to its
+        end whatever cancels the caller, and what does not land is owed like any settle.
         """
         action = Settle.UNKNOWN if dot_written else Settle.RELEASE
         ops = [SettleOp(key=k, action=action) for k in keys]
         log.warning("transaction cut by shutdown %s the final dot: %s", "after" if dot_written
                     else "before", "marked UNKNOWN" if dot_written else "released")
-        with contextlib.suppress(StoreError):
-            await asyncio.shield(self._store.settle(
-                ops, token=token, window_s=self._window_s, now=self._clock()))
+        await self.settle(ops, token, lease_ends)
 
     def _settle_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         """Keep trying ``ops`` in the background until they land or the dedup window passes.
@@ -196,8 +245,7 @@ class Settler:
                     if not left:
                         return
                     attempts += 1
-                    await self._store.settle(left, token=token, window_s=self._window_s,
-                                             now=self._clock())
+                    await self._store.settle(left, token=token, window_s=self._window_s)
                     self._paid(left, token)
         except StoreError:
             count_lost_mark()
@@ -225,3 +273,19 @@ class Settler:
         except StoreError as exc:
             log.error("settle failed: %s", exc)
         return None
+
+
+async def _uncancellable(work: asyncio.Future[_T]) -> _T:
+    """``work``'s result, waited for even when the caller is cancelled meanwhile (shutdown past
+    its grace): a store write whose outcome the client's reply depends on is never cut half
+    way. The cancellation is absorbed (``uncancel``), so the caller goes on to give the client
+    its reply; ``work`` itself being cancelled is raised as usual."""
+    task = asyncio.current_task()
+    while True:
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if work.cancelled() or task is None:
+                raise
+            task.uncancel()
+            log.warning("a store write that must complete was asked to stop: finishing it")

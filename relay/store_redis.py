@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 import redis.asyncio
 from redis.asyncio.cluster import ClusterNode
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from relay.errors import StoreError
 from relay.interfaces import Record, Reservation, Settle, SettleOp, State
@@ -39,18 +39,29 @@ from relay.store_redis_checks import ConfigGet, server_warnings
 from relay.store_redis_clients import Client, SentinelService, open_client
 from relay.store_redis_replicas import ReplicaAcks
 
+# Every time a script records or compares comes from the Redis server's own clock (TIME), never
+# from a relay's: relays on hosts whose clocks disagree then still agree on a record's age (a
+# SENDING record older than the lease is in doubt). On a cluster each key lives on one node, so
+# its every timestamp comes from that node's clock. Scripts are replicated by their effects
+# (Redis >= 5 default, the only mode of Redis 7), so calling TIME before a write is allowed.
+_NOW_MS_LUA = """
+local function now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the lease in milliseconds
 # ARGV[3] - "1": take over a record in doubt (unknown_policy = send), else "0"
-# ARGV[4] - now, unix milliseconds (a SENDING record older than the lease is in doubt)
 # return 1 if KEYS[1] now holds PENDING(token) ("P|" .. token) of this attempt: created now, or by
-# an earlier call with the same token (so a retried reserve is idempotent); the triple
-# {value, pttl, 1} when a record in doubt (UNKNOWN, or SENDING older than the lease) was
-# replaced by PENDING(token) (ARGV[3] = "1" only); otherwise the pair {value, pttl}: the value
-# found ("" when the key holds a non-string type) and its remaining lifetime in milliseconds
-# (-1: no expiry)
-_RESERVE_LUA = """
+# an earlier call with the same token (so a retried reserve is idempotent); otherwise
+# {value, pttl, took_over, now}: the value found ("" when the key holds a non-string type), its
+# remaining lifetime in milliseconds (-1: no expiry), 1 when a record in doubt (UNKNOWN, or
+# SENDING not renewed for a lease) was replaced by PENDING(token) (ARGV[3] = "1" only) else 0,
+# and the server's time in unix milliseconds (so the caller can tell a SENDING record's age)
+_RESERVE_LUA = _NOW_MS_LUA + """
 local mine = 'P|' .. ARGV[1]
 if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then
     return 1
@@ -63,81 +74,114 @@ if value == mine then
     return 1
 end
 local pttl = redis.call('PTTL', KEYS[1])
+local now = now_ms()
 if ARGV[3] == '1' then
     local in_doubt = string.match(value, '^U|%d+$') ~= nil
     local sending_at = string.match(value, '^D|.+|(%d+)$')
-    if sending_at and tonumber(ARGV[4]) - tonumber(sending_at) >= tonumber(ARGV[2]) then
+    if sending_at and now - tonumber(sending_at) >= tonumber(ARGV[2]) then
         in_doubt = true
     end
     if in_doubt then
         redis.call('SET', KEYS[1], mine, 'PX', ARGV[2])
-        return {value, pttl, 1}
+        return {value, pttl, 1, now}
     end
 end
-return {value, pttl}
+return {value, pttl, 0, now}
+"""
+
+# The guard every settle and renewal starts with: KEYS[1] must hold PENDING(ARGV[1]) or
+# SENDING(ARGV[1], ...) of this attempt, else the script returns 0 and changes nothing.
+_OURS_LUA = """
+local value = redis.pcall('GET', KEYS[1])
+local sending = 'D|' .. ARGV[1] .. '|'
+local pending = value == 'P|' .. ARGV[1]
+local is_sending = type(value) == 'string' and string.sub(value, 1, #sending) == sending
+if not pending and not is_sending then
+    return 0
+end
 """
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
-# ARGV[2] - the send time, unix milliseconds
-# ARGV[3] - the upstream reply text
-# ARGV[4] - the dedup window in milliseconds (TTL of the SENT value)
-# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT, otherwise 0
-# (nothing changed)
-_MARK_SENT_LUA = """
-local value = redis.pcall('GET', KEYS[1])
-local sending = 'D|' .. ARGV[1] .. '|'
-if value ~= 'P|' .. ARGV[1]
-        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
-    return 0
-end
-redis.call('SET', KEYS[1], 'S|' .. ARGV[2] .. '|' .. ARGV[3], 'PX', ARGV[4])
+# ARGV[2] - the upstream reply text
+# ARGV[3] - the dedup window in milliseconds (TTL of the SENT value)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT at the server's
+# time, otherwise 0 (nothing changed)
+_MARK_SENT_LUA = _NOW_MS_LUA + _OURS_LUA + """
+redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
-# ARGV[2] - the time of the in-doubt attempt, unix milliseconds
-# ARGV[3] - the dedup window in milliseconds (TTL of the UNKNOWN value)
-# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds UNKNOWN, otherwise 0
-# (nothing changed)
-_MARK_UNKNOWN_LUA = """
-local value = redis.pcall('GET', KEYS[1])
-local sending = 'D|' .. ARGV[1] .. '|'
-if value ~= 'P|' .. ARGV[1]
-        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
-    return 0
-end
-redis.call('SET', KEYS[1], 'U|' .. ARGV[2], 'PX', ARGV[3])
+# ARGV[2] - the dedup window in milliseconds (TTL of the UNKNOWN value)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds UNKNOWN since the
+# server's time, otherwise 0 (nothing changed)
+_MARK_UNKNOWN_LUA = _NOW_MS_LUA + _OURS_LUA + """
+redis.call('SET', KEYS[1], 'U|' .. now_ms(), 'PX', ARGV[2])
 return 1
 """
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # return 1 if KEYS[1] held PENDING(token) or SENDING(token) and was deleted, otherwise 0
-_RELEASE_LUA = """
-local value = redis.pcall('GET', KEYS[1])
-local sending = 'D|' .. ARGV[1] .. '|'
-if value ~= 'P|' .. ARGV[1]
-        and (type(value) ~= 'string' or string.sub(value, 1, #sending) ~= sending) then
-    return 0
-end
+_RELEASE_LUA = _OURS_LUA + """
 redis.call('DEL', KEYS[1])
 return 1
 """
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
-# ARGV[2] - now (the final dot is about to go out), unix milliseconds
-# ARGV[3] - the dedup window in milliseconds (TTL of the SENDING value: it must outlive a crash)
-# return 1 if KEYS[1] held PENDING(token) and now holds SENDING(token, now)
-# ("D|" .. token .. "|" .. ms), otherwise 0 (nothing changed)
-_MARK_SENDING_LUA = """
-if redis.pcall('GET', KEYS[1]) ~= 'P|' .. ARGV[1] then
-    return 0
+# ARGV[2] - the dedup window in milliseconds (TTL of the SENDING value: it must outlive a crash)
+# return 1 if KEYS[1] holds SENDING(token, now) ("D|" .. token .. "|" .. ms, the server's time)
+# after the call: it held PENDING(token), or already SENDING(token) (a retried call is
+# idempotent); otherwise 0 (nothing changed)
+_MARK_SENDING_LUA = _NOW_MS_LUA + _OURS_LUA + """
+if is_sending then
+    return 1
 end
-redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms(), 'PX', ARGV[2])
 return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the lease in milliseconds
+# return 1 if the attempt still holds KEYS[1] and its lease was renewed: PENDING(token) gets a
+# TTL of the lease again; SENDING(token) gets the server's time as its heartbeat (a SENDING record
+# not renewed for a lease is in doubt), its TTL kept; otherwise 0 (nothing changed: the key is
+# no longer this attempt's)
+_RENEW_LUA = _NOW_MS_LUA + _OURS_LUA + """
+if pending then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+else
+    redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms(), 'KEEPTTL')
+end
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the upstream reply text an operator gives
+# ARGV[2] - the dedup window in milliseconds
+# sets SENT at the server's time whatever KEYS[1] held (an operator's decision); returns 1
+_FORCE_SENT_LUA = _NOW_MS_LUA + """
+redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# return {value, pttl, now}: the value (0 when the key is absent, "" when it holds a non-string
+# type), its remaining lifetime in milliseconds, and the server's time in unix milliseconds (so
+# a record's age is the server's, never the reader's clock)
+_INSPECT_LUA = _NOW_MS_LUA + """
+local value = redis.pcall('GET', KEYS[1])
+if value == false then
+    return {0, -2, now_ms()}
+end
+if type(value) ~= 'string' then
+    value = ''
+end
+return {value, redis.call('PTTL', KEYS[1]), now_ms()}
 """
 
 _ERROR_TEXT_MAX = 300  # characters of a redis error kept in StoreError (pipeline errors are long)
@@ -195,12 +239,13 @@ def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,
     return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
 
 
-def _reservation(key: str, result: Any, lease_ms: int, now_ms: int) -> Reservation:
-    """Interpret one reserve script result (see ``_RESERVE_LUA``)."""
+def _reservation(key: str, result: Any, lease_ms: int) -> Reservation:
+    """Interpret one reserve script result (see ``_RESERVE_LUA``): the age of a SENDING record
+    is judged by the server's time the script returned, never the relay's clock."""
     if result == 1:
         return Reservation(key=key, reserved=True)
-    value, pttl_ms, *took_over = result
-    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=now_ms)
+    value, pttl_ms, took_over, server_ms = result
+    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=int(server_ms))
     return Reservation(key=key, reserved=bool(took_over), found=found)
 
 
@@ -256,6 +301,9 @@ class RedisStore:
         self._mark_unknown_script = client.register_script(_MARK_UNKNOWN_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
         self._mark_sending_script = client.register_script(_MARK_SENDING_LUA)
+        self._renew_script = client.register_script(_RENEW_LUA)
+        self._inspect_script = client.register_script(_INSPECT_LUA)
+        self._force_sent_script = client.register_script(_FORCE_SENT_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> RedisStore:
@@ -280,36 +328,46 @@ class RedisStore:
         """
         if not keys:
             return []
-        now_ms = int(time.time() * 1000)
         lease_ms = _ms(lease_s)
-        args = (token, lease_ms, "1" if resend_unknown else "0", now_ms)
+        args = (token, lease_ms, "1" if resend_unknown else "0")
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
             results = await self._run_scripts(calls, durable=set(keys))
-        return [_reservation(key, result, lease_ms, now_ms)
+        return [_reservation(key, result, lease_ms)
                 for key, result in zip(keys, results, strict=True)]
 
-    async def settle(
-        self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
-    ) -> list[bool]:
-        """Apply every settlement in one pipeline, each only if its key holds ``P|token``.
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep this attempt's reservations alive: PENDING(token) gets a TTL of ``lease_s``
+        seconds again, SENDING(token) the server's time as its heartbeat. One pipeline; per key,
+        whether it was still this attempt's. Raises :class:`StoreError` (op ``renew``)."""
+        if not keys:
+            return []
+        calls = [(self._renew_script, key, (token, _ms(lease_s))) for key in keys]
+        async with _translated("renew", self._op_timeout_s):
+            results = await self._run_scripts(calls, durable=frozenset())
+        return [result == 1 for result in results]
 
-        SENT and UNKNOWN get a TTL of ``window_s`` seconds and record ``now`` (unix seconds) as
-        whole milliseconds. Returns per op whether it was applied. Raises :class:`StoreError`
-        (op ``settle``).
+    async def settle(
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
+    ) -> list[bool]:
+        """Apply every settlement in one pipeline, each only if its key holds ``P|token`` (or
+        ``D|token|...``).
+
+        SENT and UNKNOWN get a TTL of ``window_s`` seconds and record the Redis server's time.
+        Returns per op whether it was applied. Raises :class:`StoreError` (op ``settle``).
         """
         if not ops:
             return []
-        at_ms, window_ms = int(now * 1000), _ms(window_s)
+        window_ms = _ms(window_s)
         calls: list[_ScriptCall] = []
         for op in ops:
             if op.action is Settle.SENT:
-                sent_args = (token, at_ms, _reply_bytes(op.reply), window_ms)
+                sent_args = (token, _reply_bytes(op.reply), window_ms)
                 calls.append((self._mark_sent_script, op.key, sent_args))
             elif op.action is Settle.UNKNOWN:
-                calls.append((self._mark_unknown_script, op.key, (token, at_ms, window_ms)))
+                calls.append((self._mark_unknown_script, op.key, (token, window_ms)))
             elif op.action is Settle.SENDING:
-                calls.append((self._mark_sending_script, op.key, (token, at_ms, window_ms)))
+                calls.append((self._mark_sending_script, op.key, (token, window_ms)))
             else:
                 calls.append((self._release_script, op.key, (token,)))
         marks = {op.key for op in ops if op.action is not Settle.RELEASE}
@@ -323,19 +381,14 @@ class RedisStore:
         Raises :class:`StoreError` (op ``inspect``).
         """
         async with _translated("inspect", self._op_timeout_s):
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.get(key)
-                pipe.pttl(key)
-                value, pttl_ms = await pipe.execute(raise_on_error=False)
-            if isinstance(pttl_ms, Exception):
-                raise pttl_ms
-        if isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE"):
-            value = b""  # a hash, list, ... written by someone else: a foreign value
-        elif isinstance(value, Exception):
-            raise StoreError("inspect", f"{type(value).__name__}: {value}"[:_ERROR_TEXT_MAX])
-        if value is None:
+            [(value, pttl_ms, server_ms)] = await self._run_scripts(
+                [(self._inspect_script, key, ())], durable=frozenset())
+        if value == 0:
             return Record(State.ABSENT)
-        return decode_value(bytes(value), int(pttl_ms))
+        record = decode_value(bytes(value), int(pttl_ms))
+        if record.at is None:
+            return record
+        return dataclasses.replace(record, age_s=int(server_ms) / 1000 - record.at)
 
     async def force_release(self, key: str) -> bool:
         """Delete ``key`` whatever it holds; True when something was deleted.
@@ -346,12 +399,13 @@ class RedisStore:
             deleted = await self._client.delete(key)
         return bool(deleted)
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
-        """Set ``S|<now ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds, whatever it
-        held (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
-        value = b"S|%d|" % int(now * 1000) + _reply_bytes(reply)
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set ``S|<server time ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds,
+        whatever it held (an operator's decision). Raises :class:`StoreError` (op
+        ``force_mark_sent``)."""
+        call = (self._force_sent_script, key, (_reply_bytes(reply), _ms(window_s)))
         async with _translated("force_mark_sent", self._op_timeout_s):
-            await self._client.set(key, value, px=_ms(window_s))
+            await self._run_scripts([call], durable={key})
 
     async def ping(self) -> None:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""

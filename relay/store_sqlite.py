@@ -57,10 +57,21 @@ _SETTLE = (
     "UPDATE fingerprints SET state = ?, token = NULL, at_ms = ?, reply = ?, expires_at_ms = ? "
     "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms, expires_at_ms, then key, token, now_ms. PENDING(token) -> SENDING(token).
+# Parameters: at_ms, expires_at_ms, then key, token, now_ms. PENDING(token) -> SENDING(token);
+# SENDING(token) again is a retried call of the same attempt (idempotent).
 _TO_SENDING = (
     "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ? "
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: expires_at_ms, then key, token, now_ms. Renews the lease of PENDING(token).
+_RENEW_PENDING = (
+    "UPDATE fingerprints SET expires_at_ms = ? "
     "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: at_ms (the heartbeat), then key, token, now_ms. Renews SENDING(token).
+_RENEW_SENDING = (
+    "UPDATE fingerprints SET at_ms = ? "
+    "WHERE key = ? AND state = 'sending' AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: key, now_ms. Deletes the row only while it is live (not expired).
 _DELETE_LIVE = (
@@ -112,18 +123,19 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     state, token, at_ms, reply, expires_at_ms = row
     ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
     at = at_ms / 1000 if at_ms is not None else None
+    age_s = (now_ms - at_ms) / 1000 if at_ms is not None else None
     if state == _PENDING and token:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
     if state == _SENDING and token and at_ms is not None:
         if lease_ms is None:
-            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s)
+            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s)
         if now_ms - at_ms < lease_ms:
-            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s)
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
+            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
     if state == _SENT:
-        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s)
+        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
     if state == _UNKNOWN:
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
     return Record(State.SENT, ttl_s=ttl_s)
 
 
@@ -132,6 +144,26 @@ def _live(row: _Row | None, now_ms: int) -> _Row | None:
     if row is None or (row[4] is not None and row[4] <= now_ms):
         return None
     return row
+
+
+_QUEUE_LIMIT_S = 30.0  # how long a call may wait behind this process's other calls
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
+    """``future``'s result, waiting at most ``timeout_s`` seconds; raises TimeoutError only
+    when it is really not done (a loop that woke late to a finished future is no timeout)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(future)
+    except TimeoutError:
+        if future.done():
+            return future.result()
+        raise
 
 
 class SqliteStore:
@@ -181,19 +213,29 @@ class SqliteStore:
             "reserve", lambda: self._reserve(keys, token, lease_ms, resend_unknown))
 
     async def settle(
-        self, ops: Sequence[SettleOp], *, token: str, window_s: float, now: float
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
     ) -> list[bool]:
-        """Apply every settlement in one transaction, each only if its key holds PENDING(token).
+        """Apply every settlement in one transaction, each only if its key holds PENDING(token)
+        or SENDING(token).
 
-        SENT and UNKNOWN record ``now`` (unix seconds, kept as whole milliseconds) and expire
-        ``window_s`` seconds after it. Returns per op whether it was applied. Raises
-        :class:`StoreError` (op ``settle``).
+        SENT, UNKNOWN and SENDING record the time of the transaction (the clock of the host
+        that holds the file, read inside the transaction) and expire ``window_s`` seconds after
+        it. Returns per op whether it was applied. Raises :class:`StoreError` (op ``settle``).
         """
         if not ops:
             return []
-        at_ms = int(now * 1000)
-        expires_ms = at_ms + _ms(window_s)
-        return await self._call("settle", lambda: self._settle(ops, token, at_ms, expires_ms))
+        window_ms = _ms(window_s)
+        return await self._call("settle", lambda: self._settle(ops, token, window_ms))
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep this attempt's reservations alive: PENDING(token) expires ``lease_s`` seconds
+        from now again, SENDING(token) gets now as its heartbeat (its expiry kept). One
+        transaction; per key, whether it was still this attempt's. Raises :class:`StoreError`
+        (op ``renew``)."""
+        if not keys:
+            return []
+        lease_ms = _ms(lease_s)
+        return await self._call("renew", lambda: self._renew(keys, token, lease_ms))
 
     async def inspect(self, key: str) -> Record:
         """Return what ``key`` holds, ``ttl_s`` in seconds (None: no expiry).
@@ -209,14 +251,13 @@ class SqliteStore:
         """
         return await self._call("force_release", lambda: self._force_release(key))
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float, now: float) -> None:
-        """Set SENT(``now``, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
         (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
-        at_ms = int(now * 1000)
-        row = (key, _SENT, None, at_ms, _clean(reply), at_ms + _ms(window_s))
+        window_ms = _ms(window_s)
 
         def body(conn: sqlite3.Connection, now_ms: int) -> None:
-            conn.execute(_UPSERT, row)
+            conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
 
         await self._call("force_mark_sent", lambda: self._transaction(body))
 
@@ -243,13 +284,27 @@ class SqliteStore:
     # -- event-loop side ---------------------------------------------------------------------
 
     async def _call(self, op: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` in the worker thread within the timeout, translating every failure."""
+        """Run ``fn`` in the worker thread, translating every failure into StoreError.
+
+        The time limit is on the database, not on this process: ``op_timeout_s`` counts from
+        when the worker starts ``fn`` (time queued behind this process's own calls is not an
+        outage; SQLite's busy timeout bounds the wait for another process's lock), and a call
+        that finished is never reported as timed out because the event loop was too busy to
+        notice in time. ``_QUEUE_LIMIT_S`` bounds the wait for the worker.
+        """
         if self._closed:
             raise StoreError(op, "the SQLite store is closed")
         loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+
+        def run() -> _T:
+            loop.call_soon_threadsafe(_set_once, started)
+            return fn()
+
+        work = loop.run_in_executor(self._executor, run)
         try:
-            async with asyncio.timeout(self._op_timeout_s):
-                return await loop.run_in_executor(self._executor, fn)
+            await _within(started, max(_QUEUE_LIMIT_S, self._op_timeout_s))
+            return await _within(work, self._op_timeout_s)
         except TimeoutError as exc:
             raise StoreError(op, f"SQLite did not answer within {self._op_timeout_s:g} s") from exc
         # UnicodeError: a key or token that cannot be encoded as UTF-8 is refused by sqlite3
@@ -327,11 +382,10 @@ class SqliteStore:
 
         return self._transaction(body)
 
-    def _settle(
-        self, ops: Sequence[SettleOp], token: str, at_ms: int, expires_ms: int
-    ) -> list[bool]:
+    def _settle(self, ops: Sequence[SettleOp], token: str, window_ms: int) -> list[bool]:
         def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
             done: list[bool] = []
+            at_ms, expires_ms = now_ms, now_ms + window_ms
             for op in ops:
                 mine = (op.key, token, now_ms)
                 if op.action is Settle.RELEASE:
@@ -342,6 +396,19 @@ class SqliteStore:
                     state = _SENT if op.action is Settle.SENT else _UNKNOWN
                     reply = _clean(op.reply) if op.action is Settle.SENT else None
                     cursor = conn.execute(_SETTLE, (state, at_ms, reply, expires_ms, *mine))
+                done.append(cursor.rowcount == 1)
+            return done
+
+        return self._transaction(body)
+
+    def _renew(self, keys: Sequence[str], token: str, lease_ms: int) -> list[bool]:
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
+            done: list[bool] = []
+            for key in keys:
+                mine = (key, token, now_ms)
+                cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
+                if cursor.rowcount != 1:
+                    cursor = conn.execute(_RENEW_SENDING, (now_ms, *mine))
                 done.append(cursor.rowcount == 1)
             return done
 

@@ -329,6 +329,8 @@ class RelayProcess:
     config: RelayConfig = field(default_factory=RelayConfig)
     proc: asyncio.subprocess.Process | None = None
     exit_codes: list[int] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # more RELAY_* settings
+    clock_offset_s: float = 0.0  # run under faketime with the wall clock this far off
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
@@ -342,14 +344,18 @@ class RelayProcess:
             "RELAY_SHUTDOWN_GRACE": str(c.shutdown_grace_s),
             "RELAY_LOG_RECIPIENTS": "true",  # the checker's findings name fingerprints
             "RELAY_MAX_CONNECTIONS_PER_IP": "200",  # every bench client is 127.0.0.1
+            **self.extra_env,
         })
+        if self.clock_offset_s:  # libfaketime: only the wall clock; asyncio's monotonic stays
+            env.update({"FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"})
         return env
 
     async def start(self) -> None:
         """Start the process and wait until it accepts SMTP connections."""
         c = self.config
+        faked = ["faketime", "-f", f"{self.clock_offset_s:+g}s"] if self.clock_offset_s else []
         self.proc = await _spawn(
-            sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{self.port}",
+            *faked, sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{self.port}",
             "--upstream", f"127.0.0.1:{self.upstream_port}", "--store", self.store_url,
             "--metrics-listen", "off", "--lease", str(c.lease_s),
             "--upstream-timeout", str(c.upstream_timeout_s), "--dedup-window", "3600",

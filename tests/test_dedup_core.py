@@ -113,12 +113,12 @@ class SettleFailsFirst(RedisStore):
 
     failures = 5
 
-    async def settle(self, ops: Sequence[SettleOp], *, token: str, window_s: float,
-                     now: float) -> list[bool]:
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
         if self.failures > 0 and all(op.action is not Settle.SENDING for op in ops):
             self.failures -= 1
             raise StoreError("settle", "TimeoutError: timed out")
-        return await super().settle(ops, token=token, window_s=window_s, now=now)
+        return await super().settle(ops, token=token, window_s=window_s)
 
 
 async def test_mark_sent_that_fails_is_retried_until_it_lands(prefix: str) -> None:
@@ -152,11 +152,11 @@ class SendingLandsThenStoreDies(RedisStore):
     def up(self) -> None:
         self.down = False
 
-    async def settle(self, ops: Sequence[SettleOp], *, token: str, window_s: float,
-                     now: float) -> list[bool]:
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
         if self.down:
             raise StoreError("settle", "ConnectionError: connection refused")
-        applied = await super().settle(ops, token=token, window_s=window_s, now=now)
+        applied = await super().settle(ops, token=token, window_s=window_s)
         if any(op.action is Settle.SENDING for op in ops) and not self.landed_unseen:
             self.landed_unseen += 1
             self.down = True

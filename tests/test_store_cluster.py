@@ -90,7 +90,7 @@ async def mark_sent(store: RedisStore, keys: list[str], reply: str = "250 ok") -
     reservations = await store.reserve(keys, token=token, lease_s=LEASE_S)
     assert all(r.reserved for r in reservations)
     ops = [SettleOp(key, Settle.SENT, reply) for key in keys]
-    done = await store.settle(ops, token=token, window_s=WINDOW_S, now=time.time())
+    done = await store.settle(ops, token=token, window_s=WINDOW_S)
     assert done == [True] * len(keys)
 
 
@@ -324,8 +324,7 @@ async def test_cluster_master_crash_keeps_replicated_marks_and_recovers(
         assert cluster.is_master(replica)
         assert (await cluster_store.inspect(pending)).token == token
         done = await cluster_store.settle(
-            [SettleOp(pending, Settle.SENT, "250 ok")], token=token, window_s=WINDOW_S,
-            now=time.time())
+            [SettleOp(pending, Settle.SENT, "250 ok")], token=token, window_s=WINDOW_S)
         assert done == [True]
     finally:
         cluster.node(master).start()  # comes back as the new master's replica
@@ -475,8 +474,7 @@ async def test_check_server_warns_about_eviction_and_persistence(
 StoreCall = Callable[[RedisStore], Awaitable[object]]
 STORE_CALLS: dict[str, StoreCall] = {
     "reserve": lambda s: s.reserve(["k"], token="t", lease_s=1),
-    "settle": lambda s: s.settle([SettleOp("k", Settle.SENT, "250")], token="t", window_s=1,
-                                 now=0),
+    "settle": lambda s: s.settle([SettleOp("k", Settle.SENT, "250")], token="t", window_s=1),
     "inspect": lambda s: s.inspect("k"),
     "force_release": lambda s: s.force_release("k"),
     "ping": lambda s: s.ping(),
