@@ -27,40 +27,56 @@ from relay.interfaces import (
 _STORED = SmtpReply(250, "2.0.0 Ok: stored in Maildir")
 
 
+def _failed(exc: OSError | mailbox.Error) -> RcptResult:
+    """The temporary refusal of a recipient whose file could not be written."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return RcptResult(RcptStatus.REFUSED,
+                      SmtpReply(451, f"4.3.0 Maildir delivery failed: {reason}"))
+
+
 class MaildirUpstream:
     """Delivers into the Maildir at ``path`` (created when missing); an Upstream."""
 
     def __init__(self, *, path: Path) -> None:
         self._path = path
 
-    def _deliver_sync(self, message: OutboundMessage) -> None:
-        box = mailbox.Maildir(self._path, create=True)
+    def _deliver_sync(self, message: OutboundMessage) -> dict[str, RcptResult]:
+        """Write each recipient's file; each recipient's result is its own write's.
+
+        A recipient whose file was written is ACCEPTED even when a later one fails: refusing
+        it would release its reservation and the retry would write it twice (issue 8).
+        """
+        try:
+            box = mailbox.Maildir(self._path, create=True)
+        except OSError as exc:
+            return dict.fromkeys(message.rcpt_tos, _failed(exc))
         sender = message.mail_from
+        results: dict[str, RcptResult] = {}
         for rcpt in message.rcpt_tos:
             trace = f"Return-Path: <{sender}>\r\nDelivered-To: {rcpt}\r\n".encode()
-            box.add(trace + message.content)
+            try:
+                box.add(trace + message.content)
+            except (OSError, mailbox.Error) as exc:
+                results[rcpt] = _failed(exc)
+            else:
+                results[rcpt] = RcptResult(RcptStatus.ACCEPTED, _STORED)
+        return results
 
     async def deliver(self, message: OutboundMessage,
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
-        """Write one file per recipient; a filesystem error refuses all of them temporarily."""
+        """Write one file per recipient; a filesystem error refuses that recipient temporarily
+        (``451 4.3.0``), the others keep their own outcome."""
         if progress is not None:
             if progress.before_dot is not None and not await progress.before_dot(
                     message.rcpt_tos):
                 return DeliveryResult(recipients={
-                    r: RcptResult(RcptStatus.REFUSED, replies.STORE_DOWN, from_upstream=False)
+                    r: RcptResult(RcptStatus.REFUSED, progress.abort_reply or replies.STORE_DOWN,
+                                  from_upstream=False)
                     for r in message.rcpt_tos})
             progress.dot_written = True  # the writing thread cannot be stopped once started
-        try:
-            await asyncio.to_thread(self._deliver_sync, message)
-        except OSError as exc:
-            reply = SmtpReply(451, f"4.3.0 Maildir delivery failed: {exc.strerror}")
-            status = RcptStatus.REFUSED
-        else:
-            reply, status = _STORED, RcptStatus.ACCEPTED
-        return DeliveryResult(
-            recipients={r: RcptResult(status, reply) for r in message.rcpt_tos},
-            final_reply=reply if status is RcptStatus.ACCEPTED else None,
-        )
+        results = await asyncio.to_thread(self._deliver_sync, message)
+        accepted = any(r.status is RcptStatus.ACCEPTED for r in results.values())
+        return DeliveryResult(recipients=results, final_reply=_STORED if accepted else None)
 
     async def ping(self) -> None:
         """Raise ConnectionError when the Maildir cannot be created or written.
