@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import time
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import MakeRelay, RawClient, Sink, free_port, message
 from test_cli import smtp_send, start_relay, wait_for_port
+from test_security import Pki, tls_relay
+from test_security import pki as pki  # the module-scoped fixture, shared
 
 from relay import replies
 from relay.app import Relay
@@ -113,6 +117,45 @@ async def test_half_closed_pipelined_session_is_answered_command_by_command(
     assert [line[:3] for line in lines] == ["250", "250", "250", "354", "250", "250"]
     assert lines[4].startswith("250 2.0.0 Ok: relayed 1")
     await client.close()
+
+
+def starttls_dot_quit_half_close(port: int, context: ssl.SSLContext) -> bytes:
+    """Over STARTTLS, send a message, its dot and QUIT, shut down the TCP write side (no
+    close_notify) and return whatever the relay still sends."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    plain = raw.makefile("rb")
+    plain.readline()
+    raw.sendall(b"EHLO client.test\r\nSTARTTLS\r\n")
+    while not plain.readline().startswith(b"220"):
+        pass
+    with context.wrap_socket(raw, server_hostname="relay.test") as tls:
+        stream = tls.makefile("rb")
+        for line in (*ENVELOPE, "DATA"):
+            tls.sendall(line.encode() + b"\r\n")
+            while stream.readline()[3:4] == b"-":
+                pass
+        tls.sendall(message(key="TLS-HALF") + b".\r\nQUIT\r\n")
+        with socket.socket(fileno=os.dup(tls.fileno())) as same:
+            same.shutdown(socket.SHUT_WR)
+        try:
+            return stream.read()
+        except (OSError, ssl.SSLError):
+            return b""
+
+
+async def test_half_closed_tls_client_has_its_message_decided_and_logged(
+        make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    """Over STARTTLS a write shutdown after the dot still relays the message and logs it.
+
+    asyncio's TLS layer closes the connection on the EOF, so the 250 cannot reach this client
+    (as with a close_notify): its retry is answered "duplicate suppressed".
+    """
+    caplog.set_level(logging.INFO, logger="relay.listener")
+    relay = await tls_relay(make_relay, sink, pki)
+    sink.handler.delay_s = 0.3
+    await asyncio.to_thread(starttls_dot_quit_half_close, relay.port, pki.client_context)
+    assert (await wait_for_decision(caplog)).__dict__["result"] == "relayed"
+    assert len(sink.handler.delivered) == 1
 
 
 # ------------------------------------------------------------------------------------------
