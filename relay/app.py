@@ -20,8 +20,10 @@ from relay.access import ConnectionGate, parse_networks
 from relay.auth import CredentialFile, SaslMechanisms
 from relay.config import Settings, redact_url, split_host_port
 from relay.dedup import DedupCore, Policy
+from relay.dsn import DsnSender
 from relay.errors import ConfigError, StartupError, StoreError
 from relay.health import HealthMonitor
+from relay.implicit_tls import implicit_tls_factory
 from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
@@ -87,6 +89,19 @@ def build_policy(settings: Settings) -> Policy:
     )
 
 
+def build_dsn_sender(settings: Settings, upstream: Upstream,
+                     metrics: PrometheusMetrics) -> DsnSender | None:
+    """The RFC 3464 notifier for recipients refused after a 250, unless
+    ``dsn_on_partial_failure`` is off; it sends through the same upstream."""
+    if not settings.dsn_on_partial_failure:
+        return None
+    remote = None
+    if not settings.upstream.startswith("maildir:"):
+        remote = split_host_port(settings.upstream, what="upstream")[0]
+    return DsnSender(upstream=upstream, metrics=metrics, reporting_mta=settings.hostname,
+                     remote_mta=remote, log_addresses=settings.log_recipients)
+
+
 def build_security(settings: Settings) -> ListenerSecurity:
     """Client networks, connection limits, TLS, AUTH and PROXY settings of the listener."""
     s = settings
@@ -128,6 +143,7 @@ class Relay:
         self.upstream: Upstream | None = None
         self.handler: RelayHandler | None = None
         self.core: DedupCore | None = None
+        self.dsn: DsnSender | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tls_server: asyncio.base_events.Server | None = None
         self.tls_port = 0
@@ -142,8 +158,9 @@ class Relay:
         s = self.settings
         self.store = await build_store(s)
         self.upstream = build_upstream(s)
+        self.dsn = build_dsn_sender(s, self.upstream, self.metrics)
         core = DedupCore(store=self.store, upstream=self.upstream, metrics=self.metrics,
-                         policy=build_policy(s))
+                         policy=build_policy(s), notifier=self.dsn)
         limits = ListenerLimits(
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
@@ -164,9 +181,13 @@ class Relay:
         self.port = self._server.sockets[0].getsockname()[1]
         if s.tls_listen is not None and security.tls_context is not None:
             tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
+            # plain TCP: clients are admitted before their handshake (relay.implicit_tls)
             self._tls_server = await loop.create_server(
-                smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
-                host=tls_host, port=tls_port, ssl=security.tls_context)
+                implicit_tls_factory(
+                    smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
+                    gate=security.gate, proxy_networks=security.proxy_networks,
+                    context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout),
+                host=tls_host, port=tls_port)
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
         if s.metrics_address is not None:
             m_host, m_port = s.metrics_address
@@ -188,7 +209,8 @@ class Relay:
 
         1. Stop accepting connections. 2. Idle sessions are told ``421 4.3.2`` and closed;
         sessions inside DATA finish that transaction, then get the same. 3. Wait up to
-        ``shutdown_grace`` seconds for them and for settlements still being retried.
+        ``shutdown_grace`` seconds for them, for settlements still being retried and for
+        DSNs still being sent.
         4. Past the grace, cut what is left: a transaction whose final dot had not gone out is
         released (the client's retry is relayed), one past the dot is marked UNKNOWN.
         5. Close the metrics server, the upstream and the store. A second call does nothing.
@@ -224,6 +246,8 @@ class Relay:
             pending |= self.handler.tasks
         if self.core is not None:
             pending |= self.core.background
+        if self.dsn is not None:
+            pending |= self.dsn.background  # notices owed for mail already answered 250
         return pending
 
     async def _drained(self, grace_s: float) -> bool:

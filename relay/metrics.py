@@ -18,6 +18,7 @@ OUTCOMES = (
 RESULTS = ("relayed", "suppressed", "no_key", "store_down", "tempfail", "permfail", "invalid")
 STORE_OPS = ("reserve", "settle")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
+DSN_RESULTS = ("sent", "failed")
 
 
 class PrometheusMetrics:
@@ -76,6 +77,9 @@ class PrometheusMetrics:
             "relay_auth_refused",
             "AUTH attempts refused unchecked: the client address or user name spent its budget",
             registry=registry)
+        self._dsn = Counter(
+            "relay_dsn", "Delivery status notifications to senders (RFC 3464), by result",
+            ["result"], registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         for outcome in OUTCOMES:
@@ -88,6 +92,8 @@ class PrometheusMetrics:
             self._upstream_replies.labels(cls)
         for component in ("store", "upstream"):
             self._up.labels(component)
+        for dsn_result in DSN_RESULTS:
+            self._dsn.labels(dsn_result)
 
     def message(self, result: str) -> None:
         """Count one message by ``result``."""
@@ -140,3 +146,7 @@ class PrometheusMetrics:
     def component_up(self, component: str, up: bool) -> None:
         """Set ``relay_component_up{component}`` to 1 or 0."""
         self._up.labels(component).set(1 if up else 0)
+
+    def dsn(self, result: str) -> None:
+        """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
+        self._dsn.labels(result).inc()
