@@ -243,7 +243,7 @@ def test_alert_rules_pass_promtool() -> None:
     result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 7 rules found" in result.stdout
+    assert "SUCCESS: 8 rules found" in result.stdout
 
 
 def test_grafana_provisioning_matches_the_dashboard() -> None:
