@@ -85,10 +85,8 @@ class Settler:
         cancelled (shutdown past its grace) the write still runs to its end, and only then
         does the cancellation go on.
         """
-        write = asyncio.ensure_future(self._settle_or_owe(ops, token, lease_ends))
-        self.background.add(write)
-        write.add_done_callback(self.background.discard)
-        await _uncancellable(write)
+        # not in ``background``: a shutdown cancels those, and this one must never be cut
+        await _uncancellable(asyncio.ensure_future(self._settle_or_owe(ops, token, lease_ends)))
 
     async def _settle_or_owe(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         applied = await self._settle_with_retry(ops, token)

@@ -136,3 +136,34 @@ def test_sigterm_lets_the_message_in_flight_finish(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """The grace ends while the SENT mark after the upstream's 250 waits on a paused Redis
+    (DEBUG SLEEP on a private server): the mark still lands, the record is SENT and the client
+    reads its 250 (issue 8 item 2: it was cancelled, leaving SENDING and a bare disconnect)."""
+    import redis
+    import redis_servers
+
+    with redis_servers.server_group("settle-cut") as group:
+        port = redis_servers.free_port()
+        group.add(port, ["--save", "", "--appendonly", "no", "--enable-debug-command", "yes"])
+        url = f"redis://127.0.0.1:{port}/0"
+        relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=url,
+                                 shutdown_grace=0.8, store_timeout=4.0, lease=30.0)
+        sink.handler.hang_after_dot_s = 1.0  # the 250 comes 1 s after the final dot
+        sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+        await asyncio.sleep(0.5)  # the dot is out, SENDING is marked: Redis now sleeps 2 s
+        pauser = redis.Redis(port=port, socket_timeout=10)
+        pause = asyncio.create_task(asyncio.to_thread(pauser.execute_command, "DEBUG", "SLEEP", "2"))
+        await asyncio.sleep(0.05)
+        await relay.stop()  # the grace (0.8 s) ends while the SENT mark waits on Redis
+        await pause
+        pauser.close()
+        record = await _inspect_after_stop(url, key_for(relay.settings.store_prefix))
+        result = await sending
+    assert record is State.SENT
+    assert result.code == 250, result
+    assert len(sink.handler.delivered) == 1
