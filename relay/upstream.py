@@ -13,8 +13,12 @@ The DATA phase is run by hand on aiosmtplib's public protocol methods (``execute
 uses one timeout for the ``354`` and for the reply to the final dot and does not say which one
 ran out. The relay must know: a failure before the final dot was fully written releases the
 reservation (the retry is safe), a failure after it is UNKNOWN (RFC 1047; releasing it would
-send a duplicate). The wait for the final reply is ``final_timeout_s`` (default 600 s,
-RFC 5321 section 4.5.3.2.6).
+send a duplicate). The message is written by :mod:`relay.upstream_transfer`: the transfer
+times out when it stalls (no byte taken for ``command_timeout_s``, RFC 5321 section
+4.5.3.2.5), not after a total time, and a transfer given up while bytes are still buffered is
+reset, never closed gracefully, so the final dot cannot follow the relay's decision (issue 8).
+The wait for the final reply is ``final_timeout_s`` (default 600 s, RFC 5321 section
+4.5.3.2.6), counted from the moment the whole message is out.
 """
 
 from __future__ import annotations
@@ -38,12 +42,12 @@ from relay.interfaces import (
     SmtpReply,
 )
 from relay.negotiate import negotiate
-from relay.upstream_pool import ConnectionPool, quit_politely
+from relay.upstream_pool import ConnectionPool, discard, quit_politely
+from relay.upstream_transfer import Outcome, Transfer, write_backlog
 
 log = logging.getLogger("relay.upstream")
 
 _LEADING_DOT = re.compile(rb"(?m)^\.")
-_FLUSH_POLL_S = 0.005
 _PROBE_TIMEOUT_S = 2.0  # an idle connection's RSET: a live smarthost answers at once
 
 
@@ -121,6 +125,16 @@ def _connection_failure(exc: Exception) -> RcptResult:
     if isinstance(exc, TimeoutError):
         return _synthetic(replies.UPSTREAM_TIMEOUT)
     return _synthetic(replies.UPSTREAM_UNREACHABLE)
+
+
+def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
+    """The outcome of a reply that came before the whole message did (the rest is then reset,
+    never sent): a 4yz/5yz refuses it; any other reply cannot be about a message the upstream
+    never saw end, so whether it took something is unknown."""
+    if 400 <= response.code < 600:
+        return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
+    log.error("upstream answered %d before the final dot: outcome unknown", response.code)
+    return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
 
 def _lost(exc: Exception) -> RcptResult:
@@ -259,8 +273,8 @@ class SmtpUpstream:
         if start.code != 354:
             return _refusal(start.code, start.message), _clean(start.code)
         if progress.before_dot is not None and not await progress.before_dot(accepted):
-            smtp.close()  # no dot: the upstream discards the transaction
-            return _synthetic(replies.STORE_DOWN), False
+            discard(smtp)  # no dot: the upstream discards the transaction
+            return _synthetic(progress.abort_reply or replies.STORE_DOWN), False
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
         if protocol is None or not isinstance(transport, asyncio.WriteTransport):
@@ -268,17 +282,36 @@ class SmtpUpstream:
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
             payload += b"\r\n"
+        return await self._transfer(smtp, protocol, transport, payload + b".\r\n", progress)
+
+    async def _transfer(self, smtp: aiosmtplib.SMTP, protocol: aiosmtplib.protocol.SMTPProtocol,
+                        transport: asyncio.WriteTransport, payload: bytes,
+                        progress: DeliveryProgress) -> tuple[RcptResult, bool]:
+        """Write ``payload`` (final dot included) and take the reply: see
+        :mod:`relay.upstream_transfer`. Given up (stalled, lost, answered early, cancelled),
+        the connection is reset while bytes are buffered, so ``progress.dot_written`` stays
+        False only when the final dot cannot reach the upstream any more."""
+        transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s)
+        reader = asyncio.ensure_future(protocol.read_response(timeout=None))
         try:
-            protocol.write(payload + b".\r\n")
-        except aiosmtplib.SMTPException:
-            return _synthetic(replies.UPSTREAM_LOST), False
-        reader = asyncio.ensure_future(protocol.read_response(timeout=self._cfg.final_timeout_s))
-        if not await self._flushed(transport, reader):
+            outcome = await transfer.run(reader)
+        except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
             reader.cancel()
-            smtp.close()
-            return _synthetic(replies.UPSTREAM_LOST), False
-        progress.dot_written = True
-        return await self._final_reply(smtp, reader)
+            progress.dot_written = transfer.complete
+            discard(smtp)
+            raise
+        progress.dot_written = transfer.complete
+        if outcome is Outcome.SENT:
+            return await self._final_reply(smtp, reader)
+        if outcome is Outcome.ANSWERED:
+            discard(smtp)  # the rest must not follow the reply
+            return _early_reply(reader.result()), False
+        reader.cancel()
+        log.warning("upstream transfer %s with %d bytes unsent: reset, nothing delivered",
+                    outcome.value, write_backlog(transport))
+        discard(smtp)  # what is still buffered, the final dot included, never leaves
+        return _synthetic(replies.UPSTREAM_TIMEOUT if outcome is Outcome.STALLED
+                          else replies.UPSTREAM_LOST), False
 
     async def _final_reply(self, smtp: aiosmtplib.SMTP,
                            reader: asyncio.Future[aiosmtplib.SMTPResponse]
@@ -286,7 +319,7 @@ class SmtpUpstream:
         """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
         reused: a late reply would be read as the next command's)."""
         try:
-            response = await reader
+            response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
@@ -300,25 +333,6 @@ class SmtpUpstream:
         smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
         log.error("upstream answered the final dot with %d: outcome unknown", response.code)
         return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
-
-    async def _flushed(
-        self, transport: asyncio.WriteTransport, reader: asyncio.Future[aiosmtplib.SMTPResponse]
-    ) -> bool:
-        """Wait until the kernel took every byte of the message and the final dot.
-
-        False when the connection closed (or writing stalled past ``command_timeout_s``)
-        while bytes were still buffered: the upstream cannot have the whole message.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._cfg.command_timeout_s
-        while True:
-            if transport.get_write_buffer_size() == 0 and not transport.is_closing():
-                return True
-            if reader.done() and not reader.cancelled() and reader.exception() is None:
-                return True  # the upstream answered already (e.g. an early 552)
-            if transport.is_closing() or reader.done() or loop.time() > deadline:
-                return False  # asyncio drops the unsent bytes of a closed transport
-            await asyncio.sleep(_FLUSH_POLL_S)
 
     async def ping(self) -> None:
         """Connect, EHLO and QUIT; raise ConnectionError when the smarthost does not answer."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import aiosmtplib
 
+from relay.upstream_transfer import abort, write_backlog
+
 log = logging.getLogger("relay.upstream")
 
 _QUIT_TIMEOUT_S = 5.0
@@ -83,7 +85,7 @@ class ConnectionPool:
         """Take ``smtp`` back after a transaction (``uses`` counts it): keep it idle, QUIT it
         in the background, or close it at once when its session state is unknown."""
         if not clean or not smtp.is_connected or has_unread_reply(smtp):
-            smtp.close()  # QUIT would be read against a reply still due: pointless
+            discard(smtp)  # QUIT would be read against a reply still due: pointless
             return
         if uses >= self._max_messages or len(self._idle) >= self._size:
             self.retire(smtp)
@@ -144,6 +146,20 @@ class ConnectionPool:
         self._idle = keep
         if keep:
             self._reaper = loop.call_later(self._idle_s - (now - keep[0].since), self._reap)
+
+
+def discard(smtp: aiosmtplib.SMTP) -> None:
+    """Drop a connection whose session state is unknown, at once; never raises.
+
+    While bytes of a message are still buffered it is reset (:func:`relay.upstream_transfer.
+    abort`), not closed: a graceful close would go on sending them, final dot included, after
+    the relay decided the message did not go (issue 8).
+    """
+    transport = smtp.transport
+    if (isinstance(transport, asyncio.WriteTransport) and not transport.is_closing()
+            and write_backlog(transport) > 0):
+        abort(transport)
+    smtp.close()
 
 
 async def quit_politely(smtp: aiosmtplib.SMTP) -> None:

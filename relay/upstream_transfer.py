@@ -1,0 +1,111 @@
+"""The message transfer into the upstream connection, so that what the relay believes about the
+final dot is what happened on the wire (issue 8: a slow link must never make a duplicate).
+
+The payload (dot-stuffed content and the final dot, RFC 5321 section 4.5.2) is handed to the
+transport in chunks of :data:`CHUNK_BYTES`, never more than :data:`AHEAD_BYTES` ahead of what
+the kernel took. The transfer is *sent* once every byte, the last byte of the final dot
+included, left the process (the write buffers are empty: the kernel has them and sends them
+even after a close). It *stalls* when no byte left the process for ``stall_timeout_s``
+(RFC 5321 section 4.5.3.2.5: the data-block timeout runs per send, so a large message on a slow
+but moving link is not cut). A transfer given up while bytes are still buffered is aborted with
+:func:`abort`: the socket is reset and asyncio drops its buffer, so the final dot, always the
+last of those bytes, can never follow (a graceful ``close()`` would go on sending it).
+
+Through TLS, asyncio's SSL transport counts only the plaintext it has not encrypted yet; the
+encrypted bytes wait in the socket transport beneath it, which :func:`write_backlog` counts
+too (``_ssl_protocol._transport``, CPython 3.11+; tests/test_upstream_wire.py pins it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import socket
+import struct
+from typing import Any
+
+CHUNK_BYTES = 256 * 1024
+AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
+POLL_S = 0.005
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+
+
+class Outcome(enum.Enum):
+    """How a transfer ended."""
+
+    SENT = "sent"  # every byte, the final dot included, left the process
+    ANSWERED = "answered"  # the upstream replied before it had the whole message
+    STALLED = "stalled"  # nothing left the process for stall_timeout_s
+    LOST = "lost"  # the connection closed or failed
+
+
+def write_backlog(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport`` that the kernel has not taken yet (through TLS too)."""
+    size = _buffered(transport)
+    inner = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    if inner is not None and inner is not transport:
+        size += _buffered(inner)
+    return size
+
+
+def _buffered(transport: object) -> int:
+    if isinstance(transport, asyncio.WriteTransport):
+        return transport.get_write_buffer_size()
+    return 0
+
+
+def abort(transport: asyncio.WriteTransport) -> None:
+    """Reset the connection (SO_LINGER 0, then ``abort()``): asyncio drops what it buffered
+    and the kernel what it had not sent, so none of it can reach the peer. Never raises."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    transport.abort()
+
+
+class Transfer:
+    """One payload written into ``transport`` with progress tracking; see the module doc."""
+
+    def __init__(self, transport: asyncio.WriteTransport, payload: bytes, *,
+                 stall_timeout_s: float) -> None:
+        self._transport = transport
+        self._payload = payload
+        self._offset = 0
+        self._stall_timeout_s = stall_timeout_s
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole payload, final dot included, is out of the process's hands (or
+        was dropped by a transport that closed: either way the dot may be on the wire)."""
+        return self._offset == len(self._payload) and write_backlog(self._transport) == 0
+
+    async def run(self, reply: asyncio.Future[Any]) -> Outcome:
+        """Write the payload until it is sent, answered early (``reply`` resolved), stalled or
+        lost. Bytes still buffered on any outcome but SENT are the caller's to :func:`abort`."""
+        loop = asyncio.get_running_loop()
+        taken, progress_at = -1, loop.time()
+        while True:
+            self._fill()
+            if self.complete:
+                return Outcome.SENT
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                return Outcome.ANSWERED
+            if self._transport.is_closing() or reply.done():
+                return Outcome.LOST
+            now_taken = self._offset - write_backlog(self._transport)
+            if now_taken > taken:
+                taken, progress_at = now_taken, loop.time()
+            elif loop.time() - progress_at > self._stall_timeout_s:
+                return Outcome.STALLED
+            await asyncio.sleep(POLL_S)
+
+    def _fill(self) -> None:
+        """Hand the transport the next chunks while it holds less than AHEAD_BYTES."""
+        end = len(self._payload)
+        while (self._offset < end and not self._transport.is_closing()
+               and write_backlog(self._transport) < AHEAD_BYTES):
+            stop = min(self._offset + CHUNK_BYTES, end)
+            self._transport.write(self._payload[self._offset:stop])
+            self._offset = stop

@@ -1,0 +1,225 @@
+"""A slow upstream link never makes a duplicate (issue 8, item 1).
+
+The upstream here is a real TCP (or TLS) peer on loopback with a small receive buffer that
+pauses its reads after ``354`` or reads at a fixed rate, so the message backs up in the
+relay's write buffers as on a slow WAN link. What the peer receives is checked byte for byte:
+after the relay gave up on a transfer (451, reservation released) the peer never sees the
+final dot, and a transfer that keeps moving is never cut, however long it takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+import trustme
+from conftest import MakeRelay, message, send
+
+from relay import replies
+from relay.app import Relay
+from relay.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.interfaces import State
+from relay.store_redis import RedisStore
+
+TERMINATOR = b"\r\n.\r\n"
+RCVBUF_BYTES = 64 * 1024  # fixed, so the kernel does not grow it to tens of MB on loopback
+
+
+@dataclass
+class SlowPeer:
+    """An SMTP peer whose reads after ``354`` pause for ``pause_s`` or run at ``rate_bps``;
+    with ``early_reply`` it reads a first chunk and answers it before pausing.
+
+    ``dots`` counts messages received up to their final dot (each answered 250);
+    ``cut`` counts transfers that ended (EOF or reset) before the dot.
+    """
+
+    pause_s: float = 0.0
+    rate_bps: float = 0.0
+    early_reply: bytes = b""
+    port: int = 0
+    dots: int = 0
+    cut: int = 0
+    data_started: asyncio.Event = field(default_factory=asyncio.Event)
+    handlers: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        writer.write(b"220 slow.test ESMTP\r\n")
+        try:
+            while line := await reader.readline():
+                verb = line[:4].upper()
+                if verb == b"EHLO":
+                    writer.write(b"250-slow.test\r\n250-8BITMIME\r\n250 SIZE 100000000\r\n")
+                elif verb == b"DATA":
+                    writer.write(b"354 go ahead\r\n")
+                    await writer.drain()
+                    if self.early_reply:
+                        await reader.read(64 * 1024)
+                        writer.write(self.early_reply + b"\r\n")
+                        await writer.drain()
+                    if not await self._message(reader):
+                        return
+                    writer.write(b"250 2.0.0 queued\r\n")
+                elif verb == b"QUIT":
+                    writer.write(b"221 bye\r\n")
+                    return
+                else:
+                    writer.write(b"250 ok\r\n")
+                await writer.drain()
+        except OSError:
+            self.cut += 1  # a reset from the relay
+        finally:
+            writer.close()
+
+    async def _message(self, reader: asyncio.StreamReader) -> bool:
+        """Read up to the final dot at the configured pace; False when the relay hung up."""
+        self.data_started.set()
+        await asyncio.sleep(self.pause_s)
+        tail = b""
+        while True:
+            chunk = await reader.read(64 * 1024)
+            if not chunk:
+                self.cut += 1
+                return False
+            if TERMINATOR in tail + chunk:
+                self.dots += 1
+                return True
+            tail = (tail + chunk)[-len(TERMINATOR):]
+            if self.rate_bps:
+                await asyncio.sleep(len(chunk) / self.rate_bps)
+
+    async def finished(self, timeout_s: float = 30.0) -> None:
+        """Wait until every connection the peer served has ended."""
+        deadline = time.monotonic() + timeout_s
+        while any(not t.done() for t in self.handlers):
+            assert time.monotonic() < deadline, "the peer's connections did not end"
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def slow_peer(tls: ssl.SSLContext | None = None, **pace: float
+                    ) -> AsyncIterator[SlowPeer]:
+    """Serve a SlowPeer on 127.0.0.1:0 (TLS from the first byte when ``tls`` is given)."""
+    peer = SlowPeer(**pace)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+    sock.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(peer.handle, sock=sock, ssl=tls)
+    peer.port = sock.getsockname()[1]
+    try:
+        yield peer
+    finally:
+        server.close()
+        for task in peer.handlers:
+            task.cancel()
+
+
+@pytest.fixture(scope="module")
+def server_tls() -> ssl.SSLContext:
+    """A server context with a trustme certificate for 127.0.0.1."""
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return context
+
+
+def big_message(megabytes: int) -> bytes:
+    """A CRLF message of about ``megabytes`` MB with the dedupe headers."""
+    return message(body=("x" * 998 + "\r\n") * (megabytes * 1000))
+
+
+def key_for(prefix: str, rcpt: str = "user@example.net") -> str:
+    """Store key of (rcpt, template 'welcome', key 'K-1')."""
+    return store_key(prefix, fingerprint(normalize_recipient(rcpt), "welcome", "K-1"))
+
+
+async def slow_relay(make_relay: MakeRelay, peer: SlowPeer, tls: bool, **extra: object) -> Relay:
+    """A relay in front of ``peer`` with a 1 s command (stall) timeout."""
+    settings: dict[str, object] = {
+        "upstream": f"127.0.0.1:{peer.port}", "upstream_command_timeout": 1.0,
+        "upstream_timeout": 20.0, "max_message_size": 64 * 1024 * 1024}
+    if tls:
+        settings.update(upstream_tls="tls", upstream_verify=False)
+    settings.update(extra)
+    return await make_relay(**settings)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_stalled_transfer_is_given_up_and_its_dot_never_follows(
+    make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
+) -> None:
+    """An upstream pausing its reads past the stall timeout: 451, released, no dot ever sent."""
+    async with slow_peer(server_tls if tls else None, pause_s=4.0) as peer:
+        relay = await slow_relay(make_relay, peer, tls)
+        result = await send(relay.port, ["user@example.net"], big_message(8))
+        assert (result.code, result.text) == (451, replies.UPSTREAM_TIMEOUT.text)
+        record = await relay.store.inspect(key_for(relay.settings.store_prefix))
+        assert record.state is State.ABSENT
+        await peer.finished()
+        assert (peer.dots, peer.cut) == (0, 1)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_slow_but_moving_transfer_is_not_cut(
+    make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
+) -> None:
+    """10 MB through a 2 MB/s upstream takes ~5 s against a 1 s stall timeout and is sent once."""
+    async with slow_peer(server_tls if tls else None, rate_bps=2_000_000) as peer:
+        relay = await slow_relay(make_relay, peer, tls)
+        started = time.monotonic()
+        result = await send(relay.port, ["user@example.net"], big_message(10))
+        assert result.code == 250, result
+        assert time.monotonic() - started > 3.0  # far longer than the command timeout
+        assert peer.dots == 1
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_shutdown_cutting_the_transfer_resets_it_before_the_dot(
+    make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
+) -> None:
+    """A stop past its grace during a stalled transfer: released, and the dot never follows."""
+    async with slow_peer(server_tls if tls else None, pause_s=4.0) as peer:
+        relay = await slow_relay(make_relay, peer, tls, upstream_command_timeout=30.0,
+                                 upstream_timeout=40.0, lease=60.0, shutdown_grace=0.5)
+        sending = asyncio.create_task(
+            send(relay.port, ["user@example.net"], big_message(8)))
+        await asyncio.wait_for(peer.data_started.wait(), 20)
+        await asyncio.sleep(1.0)  # the message is backing up in the relay's buffers
+        await relay.stop()
+        result = await sending
+        assert (result.code, result.text) == (451, replies.CUT_BY_SHUTDOWN.text)
+        store = RedisStore.from_url(relay.settings.store)
+        try:
+            record = await store.inspect(key_for(relay.settings.store_prefix))
+        finally:
+            await store.close()
+        assert record.state is State.ABSENT
+        await peer.finished()
+        assert (peer.dots, peer.cut) == (0, 1)
+
+
+@pytest.mark.parametrize(("early", "code", "state"), [
+    (b"552 5.3.4 Message too big", 552, State.ABSENT),
+    (b"250 2.0.0 queued already", 451, State.UNKNOWN),
+])
+async def test_a_reply_before_the_whole_message_stops_the_transfer(
+    make_relay: MakeRelay, early: bytes, code: int, state: State
+) -> None:
+    """A reply mid-message resets the rest (no dot follows); only a refusal is taken as one."""
+    async with slow_peer(pause_s=2.0, early_reply=early) as peer:
+        relay = await slow_relay(make_relay, peer, False, upstream_command_timeout=10.0)
+        result = await send(relay.port, ["user@example.net"], big_message(8))
+        assert result.code == code, result
+        record = await relay.store.inspect(key_for(relay.settings.store_prefix))
+        assert record.state is state
+        await peer.finished()
+        assert (peer.dots, peer.cut) == (0, 1)
