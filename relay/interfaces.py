@@ -134,8 +134,8 @@ class FingerprintStore(Protocol):
         ...
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
-        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds whatever it holds
-        (operator action: an in-doubt message the upstream's log shows delivered).
+        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds whatever it
+        holds (operator action: an in-doubt message the upstream's log shows delivered).
         Raises :class:`relay.errors.StoreError`."""
         ...
 

@@ -157,7 +157,8 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
         await asyncio.sleep(0.5)  # the dot is out, SENDING is marked: Redis now sleeps 2 s
         pauser = redis.Redis(port=port, socket_timeout=10)
-        pause = asyncio.create_task(asyncio.to_thread(pauser.execute_command, "DEBUG", "SLEEP", "2"))
+        pause = asyncio.create_task(
+            asyncio.to_thread(pauser.execute_command, "DEBUG", "SLEEP", "2"))
         await asyncio.sleep(0.05)
         await relay.stop()  # the grace (0.8 s) ends while the SENT mark waits on Redis
         await pause
