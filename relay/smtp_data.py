@@ -1,4 +1,5 @@
-"""Reading the DATA block (RFC 5321 section 4.1.1.4) with its limits held while it arrives.
+"""Reading what the client sends, with its limits held while it arrives: command lines
+(:class:`CommandLineGuard`) and the DATA block (:func:`read_message`, RFC 5321 section 4.1.1.4).
 
 aiosmtpd's own DATA loop keeps every piece of a line that has no CRLF yet, even after it knows
 the line is too long: 400 MB without a line end grew the process by 400 MB. Here a line past the
@@ -11,6 +12,8 @@ is ended by the session's DATA deadline, not by memory.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 from relay import replies
 from relay.interfaces import SmtpReply
@@ -81,3 +84,79 @@ async def _skip_rest_of_line(reader: asyncio.StreamReader) -> None:
             await reader.readexactly(exc.consumed)
         except asyncio.IncompleteReadError as exc:
             raise ClientGone from exc
+
+
+class CommandLineGuard:
+    """Wraps the session's StreamReader: a command line must end in CRLF, not LF or CR CRLF.
+
+    aiosmtpd reads commands with ``readuntil()`` (up to a bare LF) and strips CRs, so
+    ``RCPT TO:<a@x>\nRCPT TO:<b@y>\r\n`` would be two commands: a recipient smuggled past an
+    application that only strips CRLF (RFC 5321 section 2.3.8 allows CRLF only). A bad line
+    calls ``on_bad`` (the session answers 421 and closes, as sendmail does: nothing after it on
+    this connection can be trusted) and ends the session. A line over the reader's limit reaches
+    aiosmtpd in pieces (``read(consumed)`` after a ``LimitOverrunError``, then ``readuntil()``):
+    the check then looks at the end of the whole line, so a long line ending in CRLF gets
+    aiosmtpd's ``500`` and one ending in a bare LF the ``421``. Each good command line is shown
+    to ``on_command`` (the bytes, or ``b""`` for an over-long one), which returns False when the
+    session must end (it has said why). The end of the client's stream (EOF, a half-close)
+    ends the session once every command before it has been answered. DATA lines
+    (``readuntil(b"\r\n")``) and AUTH responses (``readline()``) pass through unchanged; every
+    other attribute is the wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
+    """
+
+    __slots__ = ("_inner", "_on_bad", "_on_command", "_overrun", "_tail")
+    _inner: asyncio.StreamReader
+    _on_bad: Callable[[], None]
+    _on_command: Callable[[bytes], bool]
+    _overrun: bool  # inside an over-long command line
+    _tail: bytes  # its last bytes drained so far
+
+    def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None],
+                 on_command: Callable[[bytes], bool]) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_on_bad", on_bad)
+        object.__setattr__(self, "_on_command", on_command)
+        object.__setattr__(self, "_overrun", False)
+        object.__setattr__(self, "_tail", b"")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._inner.read(n)
+        if self._overrun and data:
+            self._tail = (self._tail + data)[-2:]
+        return data
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        try:
+            line = await self._inner.readuntil(separator)
+        except asyncio.LimitOverrunError:
+            if separator == b"\n":
+                self._overrun = True
+            raise
+        except asyncio.IncompleteReadError:
+            if separator != b"\n":
+                raise
+            # the client sent all it will (a half-close): every command before the EOF is
+            # answered; aiosmtpd closes the connection on this, its end for a gone client
+            raise asyncio.CancelledError from None
+        if separator != b"\n":
+            return line
+        overrun = self._overrun
+        end = self._tail + line if overrun else line
+        self._overrun, self._tail = False, b""
+        # a CR inside the line reaches the path checks (501); one just before the CRLF would be
+        # stripped by aiosmtpd unseen
+        if not end.endswith(b"\r\n") or end.endswith(b"\r\r\n"):
+            self._on_bad()
+            raise asyncio.CancelledError  # aiosmtpd's own end for a connection gone mid-command
+        if not self._on_command(b"" if overrun else line):
+            raise asyncio.CancelledError
+        return line

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, cast
 from aiosmtpd.smtp import MISSING, SMTP, TLSSetupException, syntax
 
 from relay import replies
-from relay.access import ConnectionGate, Network, address_in
+from relay.access import ConnectionGate, Network
 from relay.interfaces import SmtpReply
-from relay.smtp_data import ClientGone, read_message
+from relay.smtp_data import ClientGone, CommandLineGuard, read_message
 
 if TYPE_CHECKING:
     from relay.listener import RelayHandler
@@ -98,82 +98,6 @@ def xtext_ok(value: str) -> bool:
     return _XTEXT.fullmatch(value) is not None
 
 
-class _CommandLineGuard:
-    """Wraps the session's StreamReader: a command line must end in CRLF, not LF or CR CRLF.
-
-    aiosmtpd reads commands with ``readuntil()`` (up to a bare LF) and strips CRs, so
-    ``RCPT TO:<a@x>\nRCPT TO:<b@y>\r\n`` would be two commands: a recipient smuggled past an
-    application that only strips CRLF (RFC 5321 section 2.3.8 allows CRLF only). A bad line
-    calls ``on_bad`` (the session answers 421 and closes, as sendmail does: nothing after it on
-    this connection can be trusted) and ends the session. A line over the reader's limit reaches
-    aiosmtpd in pieces (``read(consumed)`` after a ``LimitOverrunError``, then ``readuntil()``):
-    the check then looks at the end of the whole line, so a long line ending in CRLF gets
-    aiosmtpd's ``500`` and one ending in a bare LF the ``421``. Each good command line is shown
-    to ``on_command`` (the bytes, or ``b""`` for an over-long one), which returns False when the
-    session must end (it has said why). The end of the client's stream (EOF, a half-close)
-    ends the session once every command before it has been answered. DATA lines
-    (``readuntil(b"\r\n")``) and AUTH responses (``readline()``) pass through unchanged; every
-    other attribute is the wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
-    """
-
-    __slots__ = ("_inner", "_on_bad", "_on_command", "_overrun", "_tail")
-    _inner: asyncio.StreamReader
-    _on_bad: Callable[[], None]
-    _on_command: Callable[[bytes], bool]
-    _overrun: bool  # inside an over-long command line
-    _tail: bytes  # its last bytes drained so far
-
-    def __init__(self, inner: asyncio.StreamReader, on_bad: Callable[[], None],
-                 on_command: Callable[[bytes], bool]) -> None:
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_on_bad", on_bad)
-        object.__setattr__(self, "_on_command", on_command)
-        object.__setattr__(self, "_overrun", False)
-        object.__setattr__(self, "_tail", b"")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__slots__:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._inner, name, value)
-
-    async def read(self, n: int = -1) -> bytes:
-        data = await self._inner.read(n)
-        if self._overrun and data:
-            self._tail = (self._tail + data)[-2:]
-        return data
-
-    async def readuntil(self, separator: bytes = b"\n") -> bytes:
-        try:
-            line = await self._inner.readuntil(separator)
-        except asyncio.LimitOverrunError:
-            if separator == b"\n":
-                self._overrun = True
-            raise
-        except asyncio.IncompleteReadError:
-            if separator != b"\n":
-                raise
-            # the client sent all it will (a half-close): every command before the EOF is
-            # answered; aiosmtpd closes the connection on this, its end for a gone client
-            raise asyncio.CancelledError from None
-        if separator != b"\n":
-            return line
-        overrun = self._overrun
-        end = self._tail + line if overrun else line
-        self._overrun, self._tail = False, b""
-        # a CR inside the line reaches the path checks (501); one just before the CRLF would be
-        # stripped by aiosmtpd unseen
-        if not end.endswith(b"\r\n") or end.endswith(b"\r\r\n"):
-            self._on_bad()
-            raise asyncio.CancelledError  # aiosmtpd's own end for a connection gone mid-command
-        if not self._on_command(b"" if overrun else line):
-            raise asyncio.CancelledError
-        return line
-
-
 class RelaySMTP(SMTP):
     """aiosmtpd's SMTP protocol with the relay's wire rules (DESIGN section 5)."""
 
@@ -197,7 +121,9 @@ class RelaySMTP(SMTP):
         self.implicit_tls = implicit_tls
         self._proxy_networks = proxy_networks
         self._refusal: SmtpReply | None = None
-        self._admitted_host: str | None = None
+        self._gate_counted = False  # the gate counts this connection (release it once)
+        self._admitted_host: str | None = None  # the client address the gate counts it under
+        self.client_host: str | None = None  # the client: the peer, or the PROXY source
         self._processing_timeout_s = processing_timeout_s
         self._client_timeout_s: float = kwargs.get("timeout", 300.0)
         self._in_helo = False
@@ -219,19 +145,32 @@ class RelaySMTP(SMTP):
         super().connection_made(transport)
 
     def _admission(self, transport: asyncio.BaseTransport) -> SmtpReply | None:
-        """The 421 refusal for this client, or None (then it is counted by the gate)."""
+        """The 421 refusal for this client, or None (then it is counted by the gate).
+
+        A connection of the implicit-TLS port was admitted before its handshake
+        (:meth:`admitted_before`). Behind a load balancer the balancer must be trusted; the
+        client's own address is checked when the PROXY header arrives
+        (RelayHandler.handle_PROXY, :meth:`admit_proxied`).
+        """
+        if self._gate_counted:
+            return None
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) else ""
-        if self._proxy_networks is not None:
-            # behind a load balancer: the balancer must be trusted; the client's own address
-            # is checked when the PROXY header arrives (RelayHandler.handle_PROXY)
-            if not address_in(host, self._proxy_networks):
-                return replies.CLIENT_NOT_ALLOWED
-        elif not self.gate.allows(host):
-            return replies.CLIENT_NOT_ALLOWED
-        refusal = self.gate.admit(host)
+        refusal = self.gate.enter(host, self._proxy_networks)
         if refusal is None:
-            self._admitted_host = host
+            self.admitted_before(None if self._proxy_networks is not None else host)
+        return refusal
+
+    def admitted_before(self, host: str | None) -> None:
+        """The gate counted this connection already (under ``host``); release it on close."""
+        self._gate_counted = True
+        self._admitted_host = self.client_host = host
+
+    def admit_proxied(self, client: str) -> SmtpReply | None:
+        """The PROXY header named ``client``: count it against the per-address limit."""
+        refusal = self.gate.admit_host(client)
+        if refusal is None:
+            self._admitted_host = self.client_host = client
         return refusal
 
     def connection_lost(self, error: Exception | None) -> None:
@@ -240,9 +179,9 @@ class RelaySMTP(SMTP):
             self._counted = False
             self._metrics.session(-1)
             self._sessions.discard(self)
-        if self._admitted_host is not None:
+        if self._gate_counted:
+            self._gate_counted = False
             self.gate.release(self._admitted_host)
-            self._admitted_host = None
         for timer in self._timers.values():
             timer.cancel()
         super().connection_lost(error)
@@ -253,9 +192,10 @@ class RelaySMTP(SMTP):
         aiosmtpd cancels the session here, so an MTA that pipelines the final dot and QUIT and
         then shuts down (Exim) got no 250 for a message the relay had relayed. A half-closed
         client can still read: the commands it sent before the EOF are answered in order, then
-        the session ends at the end of its stream (:class:`_CommandLineGuard`). Over TLS the
-        EOF is a close_notify or a bare TCP EOF, after which asyncio's TLS layer closes the
-        connection itself: the message is still processed and logged, its reply cannot go out.
+        the session ends at the end of its stream (:class:`relay.smtp_data.CommandLineGuard`).
+        Over TLS the EOF is a close_notify or a bare TCP EOF, after which asyncio's TLS layer
+        closes the connection itself: the message is still processed and logged, its reply
+        cannot go out.
         """
         log.info("EOF from %s: answering what it sent, then closing", self._admitted_host or "?")
         keep_open = asyncio.StreamReaderProtocol.eof_received(self)  # the reader sees the EOF
@@ -419,7 +359,7 @@ class RelaySMTP(SMTP):
                              writer: asyncio.StreamWriter) -> None:
         super()._cb_client_connected(reader, writer)
         # duck-typed: it is the reader to aiosmtpd, with the line check in front
-        self._reader = cast(asyncio.StreamReader, _CommandLineGuard(
+        self._reader = cast(asyncio.StreamReader, CommandLineGuard(
             reader, self._bad_command_line, self._command_seen))
 
     def _bad_command_line(self) -> None:

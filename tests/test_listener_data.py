@@ -119,6 +119,17 @@ async def test_half_closed_pipelined_session_is_answered_command_by_command(
     await client.close()
 
 
+async def test_half_close_inside_data_relays_nothing_and_closes(relay: Relay,
+                                                               sink: Sink) -> None:
+    """A message cut by the client's EOF before its final dot is dropped and the relay closes."""
+    client = await open_data(relay.port)
+    client.writer.write(message(key="HALF-3"))
+    client.writer.write_eof()
+    assert await read_to_eof(client) == []
+    assert sink.handler.delivered == []
+    await client.close()
+
+
 def starttls_dot_quit_half_close(port: int, context: ssl.SSLContext) -> bytes:
     """Over STARTTLS, send a message, its dot and QUIT, shut down the TCP write side (no
     close_notify) and return whatever the relay still sends."""
