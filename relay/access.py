@@ -47,26 +47,53 @@ class ConnectionGate:
         self._allowed = tuple(allowed)
         self._max_total = max_total
         self._max_per_ip = max_per_ip
+        self._total = 0
         self._open: Counter[str] = Counter()
 
     def allows(self, host: str) -> bool:
         """True when ``host`` is in an allowed network."""
         return address_in(host, self._allowed)
 
-    def admit(self, host: str) -> SmtpReply | None:
-        """Count a new connection from ``host``; the refusal when over a limit (not counted)."""
-        if sum(self._open.values()) >= self._max_total:
+    def admit(self, host: str | None) -> SmtpReply | None:
+        """Count a new connection, and with ``host`` one from that client address; the
+        refusal when over a limit (then nothing is counted). ``host`` is None behind a PROXY
+        balancer until its header names the client (:meth:`admit_host`)."""
+        if self._total >= self._max_total:
             return replies.TOO_MANY_CONNECTIONS
+        if host is not None and (refusal := self.admit_host(host)) is not None:
+            return refusal
+        self._total += 1
+        return None
+
+    def admit_host(self, host: str) -> SmtpReply | None:
+        """Count one more connection from the client address ``host``, or refuse it."""
         if self._open[host] >= self._max_per_ip:
             return replies.TOO_MANY_CONNECTIONS_FROM_HOST
         self._open[host] += 1
         return None
 
-    def release(self, host: str) -> None:
-        """Uncount a connection that :meth:`admit` counted."""
+    def release(self, host: str | None) -> None:
+        """Uncount a connection that :meth:`admit` counted (``host``: the address it was
+        counted under, by admit or admit_host, or None)."""
+        self._total -= 1
+        if host is None:
+            return
         self._open[host] -= 1
         if self._open[host] <= 0:
             del self._open[host]
+
+    def enter(self, host: str, proxy_networks: Sequence[Network] | None) -> SmtpReply | None:
+        """Admit a TCP connection from ``host`` before a byte is exchanged: the 421 refusal,
+        or None when it was counted. With ``proxy_networks`` (PROXY protocol) the peer must
+        be a trusted balancer and only the total is counted here; the client's address is
+        checked and counted when the header arrives."""
+        if proxy_networks is not None:
+            if not address_in(host, proxy_networks):
+                return replies.CLIENT_NOT_ALLOWED
+            return self.admit(None)
+        if not self.allows(host):
+            return replies.CLIENT_NOT_ALLOWED
+        return self.admit(host)
 
 
 def sender_allowed(address: str, patterns: Sequence[str]) -> bool:

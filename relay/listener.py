@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import TYPE_CHECKING
 
-from aiosmtpd.proxy_protocol import ProxyData
+from aiosmtpd.proxy_protocol import V2_CMD, ProxyData
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
 
 from relay import replies
@@ -107,12 +107,26 @@ class RelayHandler:
 
     async def handle_PROXY(self, server: SMTP, session: Session, envelope: Envelope,
                            proxy_data: ProxyData) -> bool:
-        """Behind a balancer: admit the client by the source address the PROXY header gives."""
-        source = str(proxy_data.src_addr) if proxy_data.src_addr is not None else ""
-        allowed = isinstance(server, RelaySMTP) and server.gate.allows(source)
-        if not allowed:
+        """Behind a balancer: admit the client by the source address the PROXY header gives,
+        and count it against the per-address limit (a refusal is answered 421 4.7.0).
+
+        A v2 ``LOCAL`` header (the balancer's own health check) or a v1 ``UNKNOWN`` one names
+        no client: its address block is ignored (PROXY protocol spec, section 2.2) and the
+        balancer's own address must then be an allowed client.
+        """
+        if not isinstance(server, RelaySMTP):
+            return False
+        local = proxy_data.command == V2_CMD.LOCAL or proxy_data.src_addr is None
+        peer = session.peer[0] if isinstance(session.peer, tuple) else ""
+        source = str(peer) if local else str(proxy_data.src_addr)
+        if not server.gate.allows(source):
             log.warning("PROXY source address not allowed", extra={"client": source})
-        return allowed
+            return False
+        refusal = server.admit_proxied(source)
+        if refusal is not None:
+            await server.push(str(refusal))
+            return False
+        return True
 
     async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope,
                           hostname: str, responses: list[str]) -> list[str]:
@@ -221,7 +235,8 @@ class RelayHandler:
         helo = session.host_name or "unknown"
         if not _SAFE_HELO.match(helo):
             helo = "invalid-helo"
-        peer = session.peer[0] if isinstance(session.peer, tuple) else "unknown"
+        peer = getattr(server, "client_host", None) or (  # behind a proxy: the client
+            session.peer[0] if isinstance(session.peer, tuple) else "unknown")
         proto = "UTF8SMTP" if smtputf8 else ("ESMTP" if session.extended_smtp else "SMTP")
         if session.ssl or getattr(server, "implicit_tls", False):
             proto += "S"
@@ -263,8 +278,9 @@ def smtp_factory(handler: RelayHandler, limits: ListenerLimits, security: Listen
                  ) -> Callable[[], RelaySMTP]:
     """Return the protocol factory for ``loop.create_server`` (one RelaySMTP per connection).
 
-    With ``implicit_tls`` the server socket itself is TLS (``create_server(ssl=...)``): no
-    STARTTLS is offered, and AUTH is (the transport is already encrypted).
+    With ``implicit_tls`` the session runs over the TLS transport that
+    :mod:`relay.implicit_tls` hands it after the handshake: no STARTTLS is offered, and AUTH
+    is (the transport is already encrypted).
     """
 
     def factory() -> RelaySMTP:

@@ -8,6 +8,7 @@ import base64
 import logging
 import shutil
 import smtplib
+import socket
 import ssl
 import subprocess
 import sys
@@ -538,3 +539,125 @@ async def test_auth_budget_spent_from_one_address_is_refused_and_counted(
         await client.close()
     assert relay.registry.get_sample_value("relay_auth_failures_total") == 1.0
     assert relay.registry.get_sample_value("relay_auth_refused_total") == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# implicit TLS admission and PROXY protocol v2
+# ------------------------------------------------------------------------------------------
+
+
+async def test_implicit_tls_refuses_a_disallowed_client_before_the_handshake(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """A client outside allowed_networks is closed on the TLS port before any handshake."""
+    relay = await tls_relay(make_relay, sink, pki, allowed_networks="127.0.0.1/32")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.tls_port,
+                                                   local_addr=("127.0.0.2", 0))
+    assert await asyncio.wait_for(reader.read(), 2) == b""  # no ServerHello: closed at once
+    writer.close()
+
+
+async def test_implicit_tls_handshakes_are_bounded_in_time_and_counted(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """50 idle handshakes: those over max_connections are closed at once, the others after
+    tls_handshake_timeout; while they wait they count toward the limit of the plain port."""
+    relay = await tls_relay(make_relay, sink, pki, max_connections=20,
+                            max_connections_per_ip=100, tls_handshake_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    idle = [await asyncio.open_connection("127.0.0.1", relay.tls_port) for _ in range(50)]
+    await asyncio.sleep(0.2)
+    plain_reader, plain_writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    line = await asyncio.wait_for(plain_reader.readline(), 5)
+    assert line.decode().rstrip() == str(replies.TOO_MANY_CONNECTIONS)
+    plain_writer.close()
+
+    async def closed_after(reader: asyncio.StreamReader) -> float:
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        return loop.time() - started
+
+    closed_at = await asyncio.gather(*(closed_after(reader) for reader, _ in idle))
+    for _, writer in idle:
+        writer.close()
+    assert sum(t < 0.9 for t in closed_at) >= 30  # over the limit: not held
+    assert max(closed_at) < 3.0  # the others no longer than the handshake timeout
+    await asyncio.sleep(0.2)
+    client = await RawClient.connect(relay.port)  # the slots are free again
+    await client.close()
+
+
+def _proxy_v2(command: int, source: str = "192.0.2.10", family: int = 0x11) -> bytes:
+    """A PROXY protocol v2 header: ``command`` 0 LOCAL / 1 PROXY, TCP over IPv4 by default."""
+    signature = b"\r\n\r\n\x00\r\nQUIT\n"
+    if family == 0x00:
+        return signature + bytes([0x20 | command, 0x00]) + (0).to_bytes(2, "big")
+    body = (socket.inet_aton(source) + socket.inet_aton("127.0.0.1")
+            + (40000).to_bytes(2, "big") + (25).to_bytes(2, "big"))
+    return signature + bytes([0x20 | command, family]) + len(body).to_bytes(2, "big") + body
+
+
+@pytest.mark.parametrize("header", [_proxy_v2(0), _proxy_v2(0, family=0x00)])
+async def test_proxy_v2_local_from_a_proxy_that_is_no_allowed_client_is_refused(
+    make_relay: MakeRelay, sink: Sink, header: bytes
+) -> None:
+    """A v2 LOCAL header is judged by the proxy's own address (its address block is ignored):
+    a trusted proxy that is no allowed client gets no greeting."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", proxy_protocol=True,
+                             proxy_networks="127.0.0.1/32", allowed_networks="192.0.2.0/24")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(header)
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_proxy_v2_local_from_an_allowed_proxy_is_greeted(make_relay: MakeRelay,
+                                                               sink: Sink) -> None:
+    """A v2 LOCAL health check from a proxy that is also an allowed client is greeted."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", proxy_protocol=True,
+                             proxy_networks="127.0.0.1/32", allowed_networks="127.0.0.1/32")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(_proxy_v2(0, family=0x00))
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"220")
+    writer.close()
+
+
+async def test_behind_a_proxy_the_per_address_limit_counts_the_client(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """With max_connections_per_ip = 1 two clients behind one proxy are both greeted; a
+    second connection of one of them gets 421 4.7.0."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", proxy_protocol=True,
+                             proxy_networks="127.0.0.1/32", allowed_networks="192.0.2.0/24",
+                             max_connections_per_ip=1)
+    held = []
+    for source in ("192.0.2.10", "192.0.2.11"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(_proxy_v2(1, source))
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"220")
+        held.append(writer)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(_proxy_v2(1, "192.0.2.10"))
+    line = await asyncio.wait_for(reader.readline(), 5)
+    assert line.decode().rstrip() == str(replies.TOO_MANY_CONNECTIONS_FROM_HOST)
+    for w in [*held, writer]:
+        w.close()
+
+
+async def test_received_header_names_the_proxied_client(make_relay: MakeRelay,
+                                                        sink: Sink) -> None:
+    """Behind a proxy the Received: header names the client, not the proxy."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", proxy_protocol=True,
+                             proxy_networks="127.0.0.1/32", allowed_networks="192.0.2.0/24")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(_proxy_v2(1, "192.0.2.10"))
+    client = RawClient(reader, writer)
+    assert (await client.reply()).startswith("220")
+    await client.cmd("EHLO client.test")
+    for command in ("MAIL FROM:<app@example.com>", "RCPT TO:<user@example.net>", "DATA"):
+        assert (await client.cmd(command))[:1] in ("2", "3")
+    await client.write(message(key="PROXY-RCVD") + b".\r\n")
+    assert (await client.reply()).startswith("250")
+    await client.close()
+    trace = sink.handler.delivered[0].content.split(b"\r\n\t", 1)[0]
+    assert b"[192.0.2.10]" in trace and b"[127.0.0.1]" not in trace
