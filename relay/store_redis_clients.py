@@ -13,7 +13,10 @@ from typing import Any
 
 import redis.asyncio
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from relay.store_redis_urls import MultiHostUrl, is_multi_host_url, parse_multi_host_url
 
@@ -45,7 +48,8 @@ def open_client(url: str, *, op_timeout_s: float) -> tuple[Client, SentinelServi
             f"store URL scheme {scheme!r} is not redis://, rediss://, unix://, "
             "redis+cluster:// or redis+sentinel://"
         )
-    client = redis.asyncio.from_url(url, decode_responses=False, **_timeouts(op_timeout_s))
+    client = redis.asyncio.from_url(url, decode_responses=False, retry=_reconnect_once(),
+                                    **_timeouts(op_timeout_s))
     return client, None
 
 
@@ -87,9 +91,20 @@ def sentinel_client(
         db=parsed.db,
         ssl=parsed.tls,
         decode_responses=False,
+        retry=_reconnect_once(),
         **server,
     )
     return master, SentinelService(sentinel=sentinel, service=parsed.service)
+
+
+def _reconnect_once() -> Retry:
+    """A call that meets a dead connection (the server restarted, or closed an idle one) is
+    sent once more on a new one, so a pooled connection from before a restart never fails a
+    message once the server answers again. Only connection errors: a timeout is not retried
+    (the store's op timeout bounds the whole call). Safe because every script is idempotent
+    for its token (a reserve or SENDING mark run twice answers the same) or compare-token (a
+    settle run twice changes nothing the second time)."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def _timeouts(op_timeout_s: float) -> dict[str, Any]:

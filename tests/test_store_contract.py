@@ -551,7 +551,7 @@ def test_from_url_refuses_other_schemes() -> None:
 async def test_sqlite_survives_reopen(db_path: str) -> None:
     """A SENT record written before the store closes is there after reopening the file."""
     store = await SqliteStore.open(db_path)
-    token, now = new_token(), time.time()
+    token = new_token()
     await store.reserve(["k"], token=token, lease_s=LEASE_S)
     await store.settle([SettleOp("k", Settle.SENT, "250 ok")], token=token, window_s=60)
     await store.close()
@@ -760,7 +760,8 @@ async def test_resend_unknown_takes_over_sending_only_past_the_lease(
     assert late.reserved and late.found is not None and late.found.state is State.UNKNOWN
     assert (await store.inspect(key)).token == retry
     # the dead attempt's token no longer settles anything
-    assert await store.settle([SettleOp(key, Settle.RELEASE)], token=token, window_s=3600) == [False]
+    assert await store.settle([SettleOp(key, Settle.RELEASE)], token=token,
+                              window_s=3600) == [False]
 
 
 async def test_resend_unknown_leaves_sent_and_foreign_records(
