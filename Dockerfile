@@ -23,6 +23,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     RELAY_LISTEN=0.0.0.0:2525 \
     RELAY_METRICS_LISTEN=0.0.0.0:9725 \
     RELAY_STORE=sqlite:////var/lib/dedup-relay/dedup-relay.db \
+    RELAY_SETTLE_JOURNAL=/var/lib/dedup-relay/owed-settles.jsonl \
     RELAY_LOG_FORMAT=json
 USER relay
 WORKDIR /var/lib/dedup-relay

@@ -28,6 +28,7 @@ from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
 from relay.ops_http import OpsServer
+from relay.settle_journal import read_journal, write_journal
 from relay.store_redis import RedisStore
 from relay.store_sqlite import SqliteStore, sqlite_path_from_url
 from relay.tls import server_context
@@ -171,6 +172,7 @@ class Relay:
         security = build_security(s)
         sasl = build_sasl(s, self.metrics)
         self.core = core
+        await self._pay_journal()
         self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits, sasl=sasl)
         processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
                         + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
@@ -227,7 +229,55 @@ class Relay:
                 session.begin_shutdown()
         if not await self._drained(self.settings.shutdown_grace):
             await self._cut()
+        await self._write_journal()
         await self._close_parts()
+
+    def _journal_path(self) -> Path | None:
+        return Path(self.settings.settle_journal) if self.settings.settle_journal else None
+
+    async def _pay_journal(self) -> None:
+        """Apply the settles the last run could not land (compare-token: always safe)."""
+        path, core = self._journal_path(), self.core
+        if path is None or core is None:
+            return
+        try:
+            owed = await asyncio.to_thread(read_journal, path)
+        except OSError as exc:
+            raise StartupError(f"cannot read the settle journal {path}: {exc}") from exc
+        if not owed:
+            return
+        left = await core.pay_owed(owed)
+        log.warning("settle journal %s: %d settle(s) owed by the last run, %d landed now, "
+                    "the rest retried in the background", path.resolve(), len(owed),
+                    len(owed) - len(left))
+        # what is left stays in the file until a stop writes the journal anew (a crash before
+        # then loses nothing; applying a settle again later changes nothing)
+        await asyncio.to_thread(write_journal, path, left)
+
+    async def _write_journal(self) -> None:
+        """Stop the background settle retries and write what they still owe to the journal,
+        for the next start (the store did not answer in time)."""
+        core = self.core
+        if core is None:
+            return
+        for task in list(core.background):
+            task.cancel()
+        await asyncio.gather(*core.background, return_exceptions=True)
+        owed = core.owed_settles()
+        if not owed:
+            return
+        path = self._journal_path()
+        if path is None:
+            log.error("%d settle(s) still owed at exit and settle_journal is off: those "
+                      "records read as in doubt after their lease", len(owed))
+            return
+        try:
+            await asyncio.to_thread(write_journal, path, owed)
+        except OSError as exc:
+            log.error("cannot write %d owed settle(s) to %s: %s", len(owed), path, exc)
+            return
+        log.error("%d settle(s) still owed at exit: written to %s for the next start",
+                  len(owed), path.resolve())
 
     async def _close_parts(self) -> None:
         """Close the metrics server, the health probes, the upstream and the store."""

@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     log_recipients: bool = False
     shutdown_grace: float = Field(default=30.0, ge=0)
+    # settles still owed when the relay stops (the store did not answer), applied at the next
+    # start; "" keeps them in memory only (lost with the process)
+    settle_journal: str = "data/owed-settles.jsonl"
 
     @classmethod
     def settings_customise_sources(

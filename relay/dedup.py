@@ -164,6 +164,15 @@ class DedupCore:
         """Settlements still being retried after their message was answered."""
         return self._settler.background
 
+    def owed_settles(self) -> list[tuple[str, SettleOp]]:
+        """Settles not landed yet, as ``(token, op)`` (for the settle journal at shutdown)."""
+        return self._settler.owed()
+
+    async def pay_owed(self, owed: Sequence[tuple[str, SettleOp]]) -> list[tuple[str, SettleOp]]:
+        """Apply settles an earlier run owed; returns those that did not land yet (they are
+        retried in the background). Never raises."""
+        return await self._settler.pay(owed)
+
     async def process(self, msg: InboundMessage) -> Decision:
         """Handle one message end to end and return the reply for the final dot.
 

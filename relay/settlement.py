@@ -72,6 +72,26 @@ class Settler:
             self._paid(ops, token)
             log.warning("settle owed on %d key(s) landed before a retry's reserve", len(ops))
 
+    def owed(self) -> list[tuple[str, SettleOp]]:
+        """Every settle still owed, as ``(token, op)``: what shutdown writes to the journal."""
+        return [(token, op) for (_key, token), op in self._owed.items()]
+
+    async def pay(self, owed: Sequence[tuple[str, SettleOp]]) -> list[tuple[str, SettleOp]]:
+        """Apply settles owed by an earlier run (the journal), one round trip per token; what
+        does not land now is retried in the background like any owed settle. Returns what
+        did not land. Never raises."""
+        by_token: dict[str, list[SettleOp]] = {}
+        for token, op in owed:
+            by_token.setdefault(token, []).append(op)
+        left: list[tuple[str, SettleOp]] = []
+        for token, ops in by_token.items():
+            try:
+                await self._timed_settle(ops, token)
+            except StoreError:
+                left.extend((token, op) for op in ops)
+                self._settle_later(ops, token, time.monotonic())
+        return left
+
     def _paid(self, ops: Sequence[SettleOp], token: str) -> None:
         for op in ops:
             self._owed.pop((op.key, token), None)
@@ -250,12 +270,11 @@ class Settler:
             log.error("settle never landed within the dedup window: given up")
         except asyncio.CancelledError:
             count_lost_mark()
-            log.error("settle still owed at shutdown: given up")
-            raise
+            log.error("settle still owed at shutdown: left for the settle journal")
+            raise  # still in ``_owed``: the relay writes it to the journal as it stops
         else:
             log.warning("settle landed after %d background attempt(s)", attempts)
-        finally:
-            self._paid(ops, token)
+        self._paid(ops, token)
 
     async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
         """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure."""

@@ -15,6 +15,7 @@ import shutil
 import smtplib
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -180,6 +181,8 @@ async def make_relay() -> AsyncIterator[MakeRelay]:
             "upstream_timeout": 5.0, "upstream_command_timeout": 5.0,
             "upstream_connect_timeout": 2.0, "lease": 30.0, "dedup_window": 3600.0,
             "shutdown_grace": 5.0,
+            "settle_journal": str(Path(tempfile.gettempdir())
+                                  / f"dedup-relay-test-{uuid.uuid4().hex}.jsonl"),
         }
         values.update(overrides)
         relay = Relay(Settings(**values))

@@ -168,3 +168,35 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
     assert record is State.SENT
     assert result.code == 250, result
     assert len(sink.handler.delivered) == 1
+
+
+async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_start(
+    make_relay: MakeRelay, sink: Sink, tmp_path: Path
+) -> None:
+    """Redis goes away after the final dot: the client gets its 250, the SENT mark is owed, the
+    stopping relay writes it to the settle journal, and the next relay applies it once Redis is
+    back: the record is SENT, not a SENDING that reads as in doubt."""
+    import redis_servers
+
+    journal = tmp_path / "owed.jsonl"
+    with redis_servers.server_group("settle-journal") as group:
+        port = redis_servers.free_port()
+        server = group.add(port, ["--save", "", "--appendonly", "yes", "--appendfsync", "always"])
+        url = f"redis://127.0.0.1:{port}/0"
+        settings = {"upstream": f"127.0.0.1:{sink.port}", "store": url, "store_timeout": 0.5,
+                    "shutdown_grace": 1.0, "settle_journal": str(journal)}
+        relay = await make_relay(**settings)
+        sink.handler.hang_after_dot_s = 1.0
+        sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+        await asyncio.sleep(0.5)  # the dot is out and SENDING is marked: Redis goes away
+        await asyncio.to_thread(server.stop)
+        result = await sending
+        await relay.stop()
+        written = journal.read_text()
+        await asyncio.to_thread(server.start)
+        await make_relay(**settings)
+        record = await _inspect_after_stop(url, key_for(relay.settings.store_prefix))
+    assert result.code == 250, result
+    assert '"action": "sent"' in written
+    assert record is State.SENT
+    assert not journal.exists()
