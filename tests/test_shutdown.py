@@ -200,3 +200,34 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
     assert '"action": "sent"' in written
     assert record is State.SENT
     assert not journal.exists()
+
+
+async def test_a_cut_during_the_reserve_releases_what_landed_and_says_so(
+    make_relay: MakeRelay, sink: Sink
+) -> None:
+    """The grace ends while the reserve waits on a paused Redis: the reserve still lands, is
+    released (compare-token), the client reads 451 4.3.2 (not a bare disconnect) and nothing
+    is relayed, so its retry is relayed at once instead of meeting a PENDING record (450)."""
+    import redis
+    import redis_servers
+
+    with redis_servers.server_group("reserve-cut") as group:
+        port = redis_servers.free_port()
+        group.add(port, ["--save", "", "--appendonly", "no", "--enable-debug-command", "yes"])
+        url = f"redis://127.0.0.1:{port}/0"
+        relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=url,
+                                 shutdown_grace=0.3, store_timeout=4.0, lease=30.0)
+        pauser = redis.Redis(port=port, socket_timeout=10)
+        pause = asyncio.create_task(
+            asyncio.to_thread(pauser.execute_command, "DEBUG", "SLEEP", "1.5"))
+        await asyncio.sleep(0.1)  # Redis sleeps: the reserve at the final dot will wait
+        sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+        await asyncio.sleep(0.3)
+        await relay.stop()
+        await pause
+        pauser.close()
+        record = await _inspect_after_stop(url, key_for(relay.settings.store_prefix))
+        result = await sending
+    assert (result.code, result.text) == (451, replies.CUT_BY_SHUTDOWN.text)
+    assert record is State.ABSENT
+    assert sink.handler.delivered == []
