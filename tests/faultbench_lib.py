@@ -116,6 +116,9 @@ class Faults:
     relay's upstream timeout: the relay sees the RFC 1047 case, the message IS delivered).
     ``drop_ratio``: close the connection at the first RCPT (before any data).
     ``slow_s``: every MAIL/RCPT/DATA reply is delayed by up to this many seconds.
+    ``stall_ratio``: a transaction declaring ``SIZE`` of at least ``stall_min_bytes`` gets its
+    ``354`` and then nothing is read from the socket for ``stall_s`` (a stalled link: the
+    message backs up in the relay's buffers; the sink's receive buffer is kept small).
     """
 
     temp_ratio: float = 0.0
@@ -124,12 +127,16 @@ class Faults:
     hang_s: float = 3.0
     drop_ratio: float = 0.0
     slow_s: float = 0.0
+    stall_ratio: float = 0.0
+    stall_min_bytes: int = 1_000_000
+    stall_s: float = 2.0
 
 
 @dataclass
 class _Plan:
     fate: str  # ok | temp_dot | temp_rcpt | perm | hang | drop
     rcpts_seen: int = 0
+    stall: bool = False  # no reads for Faults.stall_s after the 354
 
 
 class BenchSink:
@@ -169,6 +176,18 @@ class BenchSink:
             return self._rng.choice(("temp_dot", "temp_rcpt"))
         return fate
 
+    def _stalls(self, options: list[str]) -> bool:
+        """Whether a transaction with these MAIL parameters stalls its link after the 354."""
+        f = self.faults
+        sizes = [int(o[5:]) for o in options if o.upper().startswith("SIZE=") and o[5:].isdigit()]
+        big = bool(sizes) and sizes[0] >= f.stall_min_bytes
+        return big and f.stall_ratio > 0 and self._rng.random() < f.stall_ratio
+
+    def stall_s(self, envelope: Envelope) -> float:
+        """Seconds the link stalls after this transaction's 354 (0: it does not)."""
+        plan = self._plans.get(id(envelope))
+        return self.faults.stall_s if plan is not None and plan.stall else 0.0
+
     async def _slow(self) -> None:
         if self.faults.slow_s:
             await asyncio.sleep(self._rng.uniform(0, self.faults.slow_s))
@@ -176,9 +195,9 @@ class BenchSink:
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, options: list[str]) -> str:
         await self._slow()
-        plan = _Plan(fate=self._draw())
+        plan = _Plan(fate=self._draw(), stall=self._stalls(options))
         self._plans[id(envelope)] = plan
-        self.fates[plan.fate] += 1
+        self.fates["stall" if plan.stall else plan.fate] += 1
         envelope.mail_from = address
         envelope.mail_options.extend(options)
         return "250 2.1.0 OK"
@@ -237,13 +256,35 @@ class Sink:
         self.server.close()
 
 
+class _StallingSMTP(SMTP):
+    """aiosmtpd's SMTP whose link stalls after ``354`` when the handler says so."""
+
+    async def smtp_DATA(self, arg: str) -> None:
+        handler, transport = self.event_handler, self.transport
+        stall_s = handler.stall_s(self.envelope) if isinstance(handler, BenchSink) else 0.0
+        if stall_s and transport is not None:
+            transport.pause_reading()
+            asyncio.get_running_loop().call_later(stall_s, _resume_reading, transport)
+        await super().smtp_DATA(arg)
+
+
+def _resume_reading(transport: asyncio.BaseTransport) -> None:
+    if isinstance(transport, asyncio.ReadTransport) and not transport.is_closing():
+        transport.resume_reading()
+
+
 async def start_sink(faults: Faults, log_path: Path, *, seed: int = 1) -> Sink:
-    """Serve a BenchSink on 127.0.0.1 (a free port) in the running loop."""
+    """Serve a BenchSink on 127.0.0.1 (a free port) in the running loop; with stalls, its
+    receive buffer is fixed at 64 KiB (else the kernel grows it to hold whole messages)."""
     handler = BenchSink(faults, log_path, seed)
     loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    if faults.stall_ratio:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.bind(("127.0.0.1", 0))
     server = await loop.create_server(
-        lambda: SMTP(handler, hostname="sink.bench", decode_data=False, enable_SMTPUTF8=True),
-        host="127.0.0.1", port=0)
+        lambda: _StallingSMTP(handler, hostname="sink.bench", decode_data=False,
+                              enable_SMTPUTF8=True), sock=sock)
     return Sink(handler=handler, port=server.sockets[0].getsockname()[1], server=server)
 
 

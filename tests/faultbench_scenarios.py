@@ -63,6 +63,8 @@ class Scenario:
     faults: Faults = field(default_factory=Faults)
     action: Action | None = None
     relay: RelayConfig = field(default_factory=RelayConfig)
+    big_every: int = 0  # every big_every-th message carries a body of about big_bytes
+    big_bytes: int = 0
 
 
 async def restart_redis(bench: Bench) -> None:
@@ -122,6 +124,11 @@ def scenarios(*, redis_down_s: float = 10.0) -> list[Scenario]:
         Scenario("upstream-drop-perm",
                  "upstream drops 10 % of connections at RCPT, refuses 10 % with 554",
                  faults=Faults(drop_ratio=0.1, perm_ratio=0.1, slow_s=LATENCY_S)),
+        Scenario("upstream-stall",
+                 "every 8th message 6 MB; upstream link stalls 2 s after 354 for half of "
+                 "those (> stall timeout 0.5 s)",
+                 faults=Faults(stall_ratio=0.5, stall_min_bytes=1_000_000, stall_s=2.0,
+                               slow_s=LATENCY_S), big_every=8, big_bytes=6_000_000),
         Scenario("relay-sigterm", "relay SIGTERM mid-load, new relay on the same port",
                  faults=plain, action=relay_signalled(signal.SIGTERM)),
         Scenario("relay-sigterm-inflight",
@@ -182,7 +189,8 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     policy = policy or RetryPolicy()
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
-    msgs = make_messages(messages, tag)
+    msgs = make_messages(messages, tag, big_every=scenario.big_every,
+                         big_bytes=scenario.big_bytes)
     store = BenchRedis(workdir / "redis")
     sink: Sink | None = None
     relay: RelayProcess | None = None

@@ -27,22 +27,27 @@ class BenchMessage:
     index: int
     key: str
     rcpts: tuple[str, ...]
+    pad_bytes: int = 0  # body lines of 998 x's adding about this many bytes
 
     def data(self) -> bytes:
         lines = ["From: app@example.com", f"To: {self.rcpts[0]}", f"Subject: bench {self.index}",
                  f"Message-ID: <{self.key}@bench.test>", "X-Template: bench",
-                 f"X-Dedupe-Key: {self.key}", "", f"message {self.index}", ""]
+                 f"X-Dedupe-Key: {self.key}", "", f"message {self.index}",
+                 *["x" * 998] * (self.pad_bytes // 1000), ""]
         return "\r\n".join(lines).encode()
 
 
-def make_messages(count: int, tag: str, *, two_rcpt_every: int = 3) -> list[BenchMessage]:
-    """``count`` messages with unique keys; every ``two_rcpt_every``-th has two recipients."""
+def make_messages(count: int, tag: str, *, two_rcpt_every: int = 3, big_every: int = 0,
+                  big_bytes: int = 0) -> list[BenchMessage]:
+    """``count`` messages with unique keys; every ``two_rcpt_every``-th has two recipients,
+    every ``big_every``-th (from the second) a body of about ``big_bytes``."""
     out = []
     for i in range(count):
         rcpts = [f"m{i}-a.{tag}@example.net"]
         if two_rcpt_every and i % two_rcpt_every == 0:
             rcpts.append(f"m{i}-b.{tag}@example.net")
-        out.append(BenchMessage(index=i, key=f"{tag}-{i}", rcpts=tuple(rcpts)))
+        pad = big_bytes if big_every and i % big_every == 1 else 0
+        out.append(BenchMessage(index=i, key=f"{tag}-{i}", rcpts=tuple(rcpts), pad_bytes=pad))
     return out
 
 

@@ -85,6 +85,18 @@ async def test_upstream_drops_and_perm_failures_keep_the_invariant(tmp_path: Pat
     assert result.counts.gave_up > 0, report(result)
 
 
+async def test_upstream_stalled_link_is_reset_not_duplicated(tmp_path: Path) -> None:
+    """A link stalling mid-message: the transfer is reset (451 4.4.2), no dot follows, the
+    retry is delivered once, and nothing had to be declared in doubt."""
+    result = await run("upstream-stall", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.replies["451 4.4.2"] > 0 and c.unknown == 0, report(result)
+    assert c.copies == c.fingerprints, report(result)
+    assert "reset, nothing delivered" in (result.workdir / "relay.log").read_text(), (
+        report(result))
+
+
 async def test_relay_sigterm_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
     """SIGTERM mid-load: the relay exits 0 and, with its successor, loses and repeats nothing."""
     result = await run("relay-sigterm", tmp_path)
