@@ -6,6 +6,7 @@ Case numbers refer to /work/shared/cases (contract N1-N5 in its INDEX).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import encodings.aliases
 import hashlib
 import hmac
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 from relay.errors import InvalidAddressError, InvalidDedupKeyError
 from relay.fingerprint import (
     DedupHeaders,
+    ascii_address,
+    check_field_names,
     extract_dedup_headers,
     fingerprint,
     header_section_end,
@@ -774,3 +777,77 @@ def test_nothing_after_the_first_non_field_line_is_header(
     assert extract_dedup_headers(prefix + tail) == extract_dedup_headers(prefix + b"\r\n")
     assert header_section_end(prefix + tail) == len(prefix)
     assert strip_fields(prefix + tail, NAMES).endswith(tail)
+
+
+# -- pinned by mutation testing (issue 8 item 21; tools/mutate.py) ------------------------------
+
+
+def test_check_field_names_refuses_what_cannot_be_a_field_name() -> None:
+    """check_field_names (the settings' start-up check) refuses non-ASCII, blanks and colons."""
+    check_field_names(("X-Dedupe-Key", "Idempotency-Key"))
+    for bad in ("X-Clé", "X Key", "X-Key:", ""):
+        with pytest.raises(ValueError, match="not an RFC 5322 header field name"):
+            check_field_names(("X-Template", bad))
+
+
+def test_a_leading_continuation_line_is_kept_by_strip_fields() -> None:
+    """A stray continuation before the first field belongs to no field and is not stripped."""
+    assert strip_fields(b" stray\r\nX-Dedupe-Key: k\r\nA: 1\r\n\r\nb", NAMES) == (
+        b" stray\r\nA: 1\r\n\r\nb")
+
+
+def test_dedup_headers_are_immutable() -> None:
+    """DedupHeaders is frozen: the key read from a message cannot be changed afterwards."""
+    headers = extract_dedup_headers(message("X-Dedupe-Key: K-1"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        headers.keys = ("other",)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("address", "ascii_form"), [
+    ("", ""), ("user@example.net", "user@example.net"),
+    ("user@bücher.example", "user@xn--bcher-kva.example"),
+])
+def test_ascii_address_gives_the_a_label_form(address: str, ascii_form: str) -> None:
+    """A non-ASCII domain becomes its A-label for a hop without SMTPUTF8; ASCII stays as is."""
+    assert ascii_address(address) == ascii_form
+
+
+@pytest.mark.parametrize("address", ["üser@example.net", "bücher", "üser@bücher.example"])
+def test_ascii_address_refuses_a_non_ascii_local_part(address: str) -> None:
+    """A non-ASCII local part (or a non-ASCII path without "@") has no ASCII form."""
+    with pytest.raises(InvalidAddressError, match="no SMTPUTF8 downgrade"):
+        ascii_address(address)
+
+
+def test_a_value_folded_over_three_lines_keeps_every_piece() -> None:
+    """Every continuation line of a field belongs to it, not only the first."""
+    content = message("X-Dedupe-Key: a", " b", "\tc", "X-Template: t")
+    assert extract_dedup_headers(content) == DedupHeaders(keys=("a b c",), templates=("t",))
+
+
+def test_strip_fields_keeps_the_continuation_of_a_field_it_keeps() -> None:
+    """A kept field keeps its continuation lines; a stripped one loses them."""
+    content = b"Subject: a\r\n b\r\nX-Template: t\r\n u\r\n\r\nbody"
+    assert strip_fields(content, NAMES) == b"Subject: a\r\n b\r\n\r\nbody"
+
+
+@pytest.mark.parametrize(("value", "decoded"), [
+    ("=?utf-8?q?a?= =?iso-8859-1?q?=E9?=", "a\u00e9"),  # two charsets: two runs, no blank
+    ("=?utf-8?q?a?= =?utf-8?q?b?= =?utf-8?q?c?=", "abc"),  # one run of three words
+    ("=?x-unknown?q?a?= =?utf-8?q?b?=", "=?x-unknown?q?a?= b"),  # literal run keeps its blank
+    ("=?utf-8?q?b?= =?x-unknown?q?a?=", "b =?x-unknown?q?a?="),
+])
+def test_rfc2047_runs_split_at_a_charset_change(value: str, decoded: str) -> None:
+    """Adjacent words join only within one charset; a run left literal keeps the blank."""
+    assert normalize_header_value(value) == decoded
+
+
+def test_a_quoted_local_part_ending_in_a_backslash_is_refused() -> None:
+    """'"ab\\' (a quoted-pair with nothing to quote) is an InvalidAddressError, not a crash."""
+    with pytest.raises(InvalidAddressError, match="backslash"):
+        normalize_recipient('"ab\\')
+
+
+def test_strip_fields_drops_a_tab_continuation_of_a_stripped_field() -> None:
+    """A continuation starting with HTAB belongs to the field above it, stripped with it."""
+    assert strip_fields(b"X-Template: t\r\n\tu\r\nA: 1\r\n\r\n", NAMES) == b"A: 1\r\n\r\n"
