@@ -34,6 +34,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 REPO = Path(__file__).resolve().parent.parent
 _KEY_HEADER = re.compile(rb"^X-Dedupe-Key:[ \t]*(.*?)\r?$", re.I | re.M)
 _CHILD_PIDS: set[int] = set()
+_PAUSES: set[asyncio.Task[None]] = set()  # DEBUG SLEEP calls still running
 
 
 def free_port() -> int:
@@ -317,6 +318,7 @@ class BenchRedis:
         self.proc = await _spawn(
             exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+            "--enable-debug-command", "local",
             "--maxmemory-policy", "noeviction", env=None,
             log_path=self.data_dir / "redis.log")
         client = redis.asyncio.Redis(port=self.port, socket_timeout=0.5)
@@ -335,6 +337,22 @@ class BenchRedis:
         if self.proc is not None:
             await _end(self.proc, signal.SIGTERM, 10)
             self.proc = None
+
+    async def pause(self, seconds: float) -> None:
+        """Make the server answer nothing for ``seconds`` (DEBUG SLEEP: a stalled Redis); returns
+        at once, the pause goes on."""
+        client = redis.asyncio.Redis(port=self.port, socket_timeout=seconds + 5)
+
+        async def sleep() -> None:
+            try:
+                await client.execute_command("DEBUG", "SLEEP", f"{seconds:g}")
+            finally:
+                await client.aclose()
+
+        task = asyncio.create_task(sleep())
+        _PAUSES.add(task)
+        task.add_done_callback(_PAUSES.discard)
+        await asyncio.sleep(0.05)  # the DEBUG SLEEP reached the server
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,6 +374,7 @@ class RelayConfig:
     connect_timeout_s: float = 0.5
     store_timeout_s: float = 1.0
     shutdown_grace_s: float = 5.0
+    unknown_policy: str = "suppress"
 
 
 @dataclass
@@ -383,6 +402,7 @@ class RelayProcess:
             "RELAY_UPSTREAM_CONNECT_TIMEOUT": str(c.connect_timeout_s),
             "RELAY_STORE_TIMEOUT": str(c.store_timeout_s),
             "RELAY_SHUTDOWN_GRACE": str(c.shutdown_grace_s),
+            "RELAY_UNKNOWN_POLICY": c.unknown_policy,
             "RELAY_LOG_RECIPIENTS": "true",  # the checker's findings name fingerprints
             "RELAY_MAX_CONNECTIONS_PER_IP": "200",  # every bench client is 127.0.0.1
             **self.extra_env,

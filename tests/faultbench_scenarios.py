@@ -65,6 +65,10 @@ class Scenario:
     relay: RelayConfig = field(default_factory=RelayConfig)
     big_every: int = 0  # every big_every-th message carries a body of about big_bytes
     big_bytes: int = 0
+    # a second relay on the same store and sink, its wall clock this far off (None: none);
+    # the clients' attempts then go to the two relays in turn
+    second_clock_offset_s: float | None = None
+    policy: RetryPolicy | None = None  # the clients' retries (None: the run's default)
 
 
 async def restart_redis(bench: Bench) -> None:
@@ -82,6 +86,25 @@ def redis_stopped(seconds: float) -> Action:
         await asyncio.sleep(seconds)
         await bench.store.start()
         bench.notes.append(f"redis was down {seconds:g} s")
+
+    return action
+
+
+def store_paused_during_settle(*, hold_s: float, pause_s: float) -> Action:
+    """SIGTERM while the upstream holds its reply to a dot for ``hold_s``; Redis pauses for
+    ``pause_s`` (DEBUG SLEEP) just before that reply, so the SENT mark after it is still
+    waiting on Redis when the relay's grace ends. A new relay starts afterwards."""
+
+    async def action(bench: Bench) -> None:
+        taken = bench.sink.handler.hold_next(hold_s)
+        await asyncio.wait_for(taken.wait(), 10)
+        stopping = asyncio.create_task(bench.relay.signal_and_wait(signal.SIGTERM))
+        await asyncio.sleep(hold_s * 0.6)
+        await bench.store.pause(pause_s)
+        code = await stopping
+        bench.notes.append(f"relay exited {code} after SIGTERM; redis paused {pause_s:g} s "
+                           f"before the upstream's reply (held {bench.sink.handler.held_keys})")
+        await bench.relay.start()
 
     return action
 
@@ -138,6 +161,25 @@ def scenarios(*, redis_down_s: float = 10.0) -> list[Scenario]:
                  "relay SIGTERM with grace 0.3 s while upstream holds a reply 0.8 s, new relay",
                  faults=plain, action=relay_signalled(signal.SIGTERM, hold_s=0.8),
                  relay=RelayConfig(shutdown_grace_s=0.3)),
+        Scenario("relay-sigterm-settle-cut",
+                 "relay SIGTERM, grace 0.5 s, upstream's 250 at 0.3 s while Redis pauses 1.5 s: "
+                 "the SENT mark outlasts the grace",
+                 faults=plain, action=store_paused_during_settle(hold_s=0.3, pause_s=1.5),
+                 relay=RelayConfig(shutdown_grace_s=0.5, store_timeout_s=2.0, lease_s=6.0)),
+        Scenario("relays-clock-skew",
+                 "two relays on one store, the second's clock 10 s ahead; upstream holds 30 % "
+                 "of final replies 2 s; clients give up after 1 s and retry on the other relay; "
+                 "unknown_policy = send",
+                 faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
+                 relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
+                                   unknown_policy="send"),
+                 second_clock_offset_s=10.0,
+                 policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
+        Scenario("long-transactions",
+                 "every upstream command answered in 0-0.9 s: many transactions outlast the "
+                 "3 s lease",
+                 faults=Faults(slow_s=0.9),
+                 relay=RelayConfig(lease_s=3.0, command_timeout_s=1.0, upstream_timeout_s=1.5)),
         Scenario("relay-sigkill", "relay SIGKILL mid-load, then restarted", faults=plain,
                  action=relay_signalled(signal.SIGKILL)),
         Scenario("relay-sigkill-after-dot",
@@ -160,14 +202,17 @@ class RunResult:
         return f"[{self.scenario.name}] {self.counts.summary()} notes={self.notes}"
 
 
-async def _load(msgs: list[BenchMessage], port: int, *, spread_s: float, deadline: float,
-                concurrency: int, seed: int, policy: RetryPolicy) -> list[MessageLog]:
-    """Messages arrive evenly over ``spread_s``; each is retried until it ends or ``deadline``."""
+async def _load(msgs: list[BenchMessage], ports: list[int], *, spread_s: float,
+                deadline: float, concurrency: int, seed: int,
+                policy: RetryPolicy) -> list[MessageLog]:
+    """Messages arrive evenly over ``spread_s``; each is retried until it ends or ``deadline``,
+    its attempts going to ``ports`` in turn (the message's first to a port by its index)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(msg: BenchMessage) -> MessageLog:
         await asyncio.sleep(msg.index * spread_s / max(1, len(msgs)))
-        return await deliver(msg, [port], policy, deadline, gate,
+        first = msg.index % len(ports)
+        return await deliver(msg, ports[first:] + ports[:first], policy, deadline, gate,
                              random.Random(seed * 100_003 + msg.index))
 
     return list(await asyncio.gather(*(one(m) for m in msgs)))
@@ -186,7 +231,7 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     ``deadline_s`` bounds the clients (from the first arrival); the whole run ends at most
     ``deadline_s`` + 2 * the client reply timeout + ``SETTLE_S`` + process stop times later.
     """
-    policy = policy or RetryPolicy()
+    policy = scenario.policy or policy or RetryPolicy()
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
     msgs = make_messages(messages, tag, big_every=scenario.big_every,
@@ -194,6 +239,7 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     store = BenchRedis(workdir / "redis")
     sink: Sink | None = None
     relay: RelayProcess | None = None
+    second: RelayProcess | None = None
     fault: asyncio.Task[None] | None = None
     loop = asyncio.get_running_loop()
     try:
@@ -203,11 +249,19 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
                              store_prefix=f"bench:{tag}:", log_path=workdir / "relay.log",
                              config=scenario.relay)
         await relay.start()
+        ports = [relay.port]
+        if scenario.second_clock_offset_s is not None:
+            second = RelayProcess(port=free_port(), upstream_port=sink.port,
+                                  store_url=store.url, store_prefix=f"bench:{tag}:",
+                                  log_path=workdir / "relay2.log", config=scenario.relay,
+                                  clock_offset_s=scenario.second_clock_offset_s)
+            await second.start()
+            ports.append(second.port)
         bench = Bench(store=store, sink=sink, relay=relay)
         started = loop.time()
         if scenario.action is not None:
             fault = asyncio.create_task(_fault(bench, scenario.action, spread_s * FAULT_AT))
-        logs = await _load(msgs, relay.port, spread_s=spread_s, deadline=started + deadline_s,
+        logs = await _load(msgs, ports, spread_s=spread_s, deadline=started + deadline_s,
                            concurrency=concurrency, seed=seed, policy=policy)
         wall_s = loop.time() - started
         if fault is not None:
@@ -218,6 +272,8 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
             fault.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await fault
+        if second is not None:
+            await second.stop()
         await _stop_all(relay, sink, store)
     (workdir / "clients.jsonl").write_text("".join(lg.to_json() + "\n" for lg in logs))
     counts = check(logs, workdir / "sink.jsonl")

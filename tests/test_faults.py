@@ -120,6 +120,36 @@ async def test_relay_sigterm_past_the_grace_keeps_the_cut_message_once(tmp_path:
     assert result.counts.copies == result.counts.fingerprints, report(result)
 
 
+async def test_relay_sigterm_while_the_store_pauses_keeps_the_settle(tmp_path: Path) -> None:
+    """SIGTERM whose grace ends while the SENT mark after an upstream 250 waits on a paused
+    Redis: the mark lands, the client has its 250, the successor repeats nothing (item 2)."""
+    result = await run("relay-sigterm-settle-cut", tmp_path)
+    assert_invariant(result)
+    assert result.relay_exit_codes[0] == 0, report(result)
+    assert result.counts.copies == result.counts.fingerprints, report(result)
+    assert result.counts.no_reply_after_dot == 0, report(result)
+
+
+async def test_relays_with_skewed_clocks_keep_the_invariant(tmp_path: Path) -> None:
+    """Two relays 10 s apart on one store under unknown_policy = send, clients retrying on the
+    other relay while the first waits on a held reply: no duplicate, nothing in doubt (item 3)."""
+    result = await run("relays-clock-skew", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.copies == c.fingerprints, report(result)
+    assert c.replies["450 4.2.0"] > 0, report(result)  # retries met the other relay's attempt
+
+
+async def test_transactions_longer_than_the_lease_keep_the_invariant(tmp_path: Path) -> None:
+    """A slow upstream makes many transactions outlast the 3 s lease: none is refused as store
+    unavailable or lapsed, none is duplicated (item 4)."""
+    result = await run("long-transactions", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.replies["451 4.3.0"] == 0, report(result)
+    assert c.copies == c.fingerprints, report(result)
+
+
 async def test_relay_sigkill_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
     """A relay killed by SIGKILL mid-load and restarted neither duplicates nor loses a message."""
     assert_invariant(await run("relay-sigkill", tmp_path))
