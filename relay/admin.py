@@ -85,12 +85,15 @@ class InFlightError(Exception):
 
 
 def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
-    """The state a new attempt would see: SENDING is PENDING within the lease (``lease_s``
-    seconds from its last heartbeat ``at``) and UNKNOWN after it (its relay died after the
-    final dot). The age is the store's (``record.age_s``) when the store reported it, so this
-    host's clock does not decide; ``now`` (unix seconds) only for a record without one."""
+    """The state a new attempt would see: SENDING is PENDING within its attempt's own lease
+    (``record.lease_s``; ``lease_s`` seconds for a record without one) from its last heartbeat
+    ``at``, and UNKNOWN after it (its relay died after the final dot). The age is the store's
+    (``record.age_s``) when the store reported it, so this host's clock does not decide;
+    ``now`` (unix seconds) only for a record without one."""
     if record.state is not State.SENDING:
         return record.state
+    if record.lease_s is not None:
+        lease_s = record.lease_s
     if record.age_s is not None:
         return State.PENDING if record.age_s < lease_s else State.UNKNOWN
     now = time.time() if now is None else now

@@ -38,6 +38,9 @@ class Record:
     upstream's reply text kept with SENT. ``ttl_s`` is the remaining lifetime in seconds,
     ``None`` when the store cannot tell; ``age_s`` how long ago ``at`` was by the store's own
     clock (what decides whether a SENDING record is in doubt), ``None`` when not known.
+    ``lease_s`` is, for SENDING, the lease of the attempt that wrote it: the record is in doubt
+    once that long passed without a heartbeat, whatever lease the reader is configured with
+    (relays with different leases may share a store during a configuration change).
     """
 
     state: State
@@ -46,6 +49,7 @@ class Record:
     reply: str | None = None
     ttl_s: float | None = None
     age_s: float | None = None  # seconds since ``at`` by the store's clock when it was read
+    lease_s: float | None = None  # SENDING: the lease of the attempt that wrote it
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class SettleOp:
     key: str
     action: Settle
     reply: str = ""
+    lease_s: float = 0.0  # SENDING only: the attempt's lease, kept in the record (see Record);
+    # 0: none kept, readers judge the record by their own lease
 
 
 class FingerprintStore(Protocol):

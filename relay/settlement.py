@@ -129,7 +129,7 @@ class Settler:
 
         async def mark(accepted: Sequence[str]) -> bool:
             wanted = set(accepted)
-            ops = [SettleOp(key=k, action=Settle.SENDING)
+            ops = [SettleOp(key=k, action=Settle.SENDING, lease_s=self._lease_s)
                    for k, rcpt in first_rcpt.items() if rcpt in wanted]
             try:
                 applied = await self._timed_settle(ops, token)

@@ -3,6 +3,9 @@
 Values under a key (the caller builds the key, prefix included)::
 
     P|<token>                        PENDING of the attempt holding <token>, TTL = lease
+    D|<token>|<unix_ms>|<lease_ms>   SENDING: the attempt's final dot is going out; <unix_ms> its
+                                     last heartbeat, <lease_ms> its lease (``D|<token>|<unix_ms>``
+                                     of earlier versions: the reader's lease), TTL = dedup window
     S|<unix_ms>|<upstream reply>     SENT at <unix_ms>, TTL = dedup window
     U|<unix_ms>                      UNKNOWN since <unix_ms>, TTL = dedup window
     anything else (e.g. ``1``)       written by another application: counts as SENT
@@ -77,8 +80,12 @@ local pttl = redis.call('PTTL', KEYS[1])
 local now = now_ms()
 if ARGV[3] == '1' then
     local in_doubt = string.match(value, '^U|%d+$') ~= nil
-    local sending_at = string.match(value, '^D|.+|(%d+)$')
-    if sending_at and now - tonumber(sending_at) >= tonumber(ARGV[2]) then
+    -- a SENDING record is in doubt after its own attempt's lease without a heartbeat
+    local sending_at, lease = string.match(value, '^D|[^|]+|(%d+)|(%d+)$')
+    if not sending_at then
+        sending_at, lease = string.match(value, '^D|[^|]+|(%d+)$'), ARGV[2]
+    end
+    if sending_at and now - tonumber(sending_at) >= tonumber(lease) then
         in_doubt = true
     end
     if in_doubt then
@@ -133,14 +140,20 @@ return 1
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the dedup window in milliseconds (TTL of the SENDING value: it must outlive a crash)
-# return 1 if KEYS[1] holds SENDING(token, now) ("D|" .. token .. "|" .. ms, the server's time)
-# after the call: it held PENDING(token), or already SENDING(token) (a retried call is
-# idempotent); otherwise 0 (nothing changed)
+# ARGV[3] - the attempt's lease in milliseconds (kept in the value: readers judge by it); "0":
+#           none kept (readers judge by their own lease)
+# return 1 if KEYS[1] holds SENDING(token, now, lease) ("D|" .. token .. "|" .. ms .. "|" ..
+# lease, the server's time) after the call: it held PENDING(token), or already SENDING(token)
+# (a retried call is idempotent); otherwise 0 (nothing changed)
 _MARK_SENDING_LUA = _NOW_MS_LUA + _OURS_LUA + """
 if is_sending then
     return 1
 end
-redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms(), 'PX', ARGV[2])
+local lease = ''
+if ARGV[3] ~= '0' then
+    lease = '|' .. ARGV[3]
+end
+redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms() .. lease, 'PX', ARGV[2])
 return 1
 """
 
@@ -149,13 +162,13 @@ return 1
 # ARGV[2] - the lease in milliseconds
 # return 1 if the attempt still holds KEYS[1] and its lease was renewed: PENDING(token) gets a
 # TTL of the lease again; SENDING(token) gets the server's time as its heartbeat (a SENDING record
-# not renewed for a lease is in doubt), its TTL kept; otherwise 0 (nothing changed: the key is
-# no longer this attempt's)
+# not renewed for its lease is in doubt) and the lease, its TTL kept; otherwise 0 (nothing
+# changed: the key is no longer this attempt's)
 _RENEW_LUA = _NOW_MS_LUA + _OURS_LUA + """
 if pending then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
 else
-    redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms(), 'KEEPTTL')
+    redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms() .. '|' .. ARGV[2], 'KEEPTTL')
 end
 return 1
 """
@@ -216,9 +229,12 @@ def decode_value(value: bytes, pttl_ms: int | None = None, *,
     if sep and tag == b"P" and rest:
         return Record(State.PENDING, token=_text(rest), ttl_s=ttl_s)
     if sep and tag == b"D":
-        token, sep2, at_text = rest.rpartition(b"|")
-        if sep2 and token and at_text.isdigit():
-            return _sending(_text(token), int(at_text), ttl_s, lease_ms, now_ms)
+        token, *numbers = rest.split(b"|")
+        if token and 1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers):
+            own_lease_ms = int(numbers[1]) if len(numbers) == 2 else None
+            return _sending(_text(token), int(numbers[0]), ttl_s,
+                            own_lease_ms if own_lease_ms is not None else lease_ms, now_ms,
+                            own_lease_ms)
     if sep and tag == b"S":
         at_ms, sep2, reply = rest.partition(b"|")
         if sep2 and at_ms.isdigit():
@@ -229,14 +245,17 @@ def decode_value(value: bytes, pttl_ms: int | None = None, *,
 
 
 def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,
-             now_ms: int | None) -> Record:
-    """SENDING as such (inspect), or as a reserve sees it: PENDING, or UNKNOWN past the lease."""
+             now_ms: int | None, own_lease_ms: int | None = None) -> Record:
+    """SENDING as such (inspect), or as a reserve sees it: PENDING, or UNKNOWN once
+    ``lease_ms`` (the writer's own lease when the record has one) passed since its last
+    heartbeat ``at_ms``."""
     at = at_ms / 1000
+    own = own_lease_ms / 1000 if own_lease_ms is not None else None
     if lease_ms is None or now_ms is None:
-        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s)
+        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
     if now_ms - at_ms < lease_ms:
-        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s)
-    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s)
+        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
+    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, lease_s=own)
 
 
 def _reservation(key: str, result: Any, lease_ms: int) -> Reservation:
@@ -367,7 +386,8 @@ class RedisStore:
             elif op.action is Settle.UNKNOWN:
                 calls.append((self._mark_unknown_script, op.key, (token, window_ms)))
             elif op.action is Settle.SENDING:
-                calls.append((self._mark_sending_script, op.key, (token, window_ms)))
+                sending_args = (token, window_ms, _ms(op.lease_s) if op.lease_s > 0 else 0)
+                calls.append((self._mark_sending_script, op.key, sending_args))
             else:
                 calls.append((self._release_script, op.key, (token,)))
         marks = {op.key for op in ops if op.action is not Settle.RELEASE}

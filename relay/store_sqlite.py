@@ -37,11 +37,16 @@ CREATE TABLE IF NOT EXISTS fingerprints (
     token TEXT,
     at_ms INTEGER,
     reply TEXT,
-    expires_at_ms INTEGER
+    expires_at_ms INTEGER,
+    lease_ms INTEGER
 )
 """
+# SENDING rows keep their attempt's lease (readers judge staleness by it); a file written by an
+# earlier version gets the column on open
+_ADD_LEASE = "ALTER TABLE fingerprints ADD COLUMN lease_ms INTEGER"
 _INDEX = "CREATE INDEX IF NOT EXISTS fingerprints_expiry ON fingerprints (expires_at_ms)"
-_SELECT = "SELECT state, token, at_ms, reply, expires_at_ms FROM fingerprints WHERE key = ?"
+_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms FROM fingerprints "
+           "WHERE key = ?")
 _UPSERT = (
     "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
     "VALUES (?, ?, ?, ?, ?, ?)"
@@ -57,10 +62,10 @@ _SETTLE = (
     "UPDATE fingerprints SET state = ?, token = NULL, at_ms = ?, reply = ?, expires_at_ms = ? "
     "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms, expires_at_ms, then key, token, now_ms. PENDING(token) -> SENDING(token);
-# SENDING(token) again is a retried call of the same attempt (idempotent).
+# Parameters: at_ms, expires_at_ms, lease_ms, then key, token, now_ms. PENDING(token) ->
+# SENDING(token); SENDING(token) again is a retried call of the same attempt (idempotent).
 _TO_SENDING = (
-    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ? "
+    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ?, lease_ms = ? "
     "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: expires_at_ms, then key, token, now_ms. Renews the lease of PENDING(token).
@@ -68,9 +73,9 @@ _RENEW_PENDING = (
     "UPDATE fingerprints SET expires_at_ms = ? "
     "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms (the heartbeat), then key, token, now_ms. Renews SENDING(token).
+# Parameters: at_ms (the heartbeat), lease_ms, then key, token, now_ms. Renews SENDING(token).
 _RENEW_SENDING = (
-    "UPDATE fingerprints SET at_ms = ? "
+    "UPDATE fingerprints SET at_ms = ?, lease_ms = ? "
     "WHERE key = ? AND state = 'sending' AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: key, now_ms. Deletes the row only while it is live (not expired).
@@ -78,7 +83,7 @@ _DELETE_LIVE = (
     "DELETE FROM fingerprints WHERE key = ? AND (expires_at_ms IS NULL OR expires_at_ms > ?)"
 )
 
-_Row = tuple[str, str | None, int | None, str | None, int | None]
+_Row = tuple[str, str | None, int | None, str | None, int | None, int | None]
 
 
 def sqlite_path_from_url(url: str) -> str:
@@ -109,6 +114,11 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _lease_ms(op: SettleOp) -> int | None:
+    """The lease a SENDING row keeps, in ms; None when the op names none (readers' own)."""
+    return _ms(op.lease_s) if op.lease_s > 0 else None
+
+
 def _clean(text: str) -> str:
     """Make ``text`` storable as UTF-8 (lone surrogates become U+FFFD)."""
     return text.encode("utf-8", "replace").decode("utf-8")
@@ -117,21 +127,25 @@ def _clean(text: str) -> str:
 def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     """Turn a live row into a :class:`Record`; an unrecognised state counts as SENT.
 
-    With ``lease_ms`` (a reserve) a SENDING row reads as PENDING while younger than the lease
-    and as UNKNOWN after it (its attempt died after the final dot).
+    With ``lease_ms`` (a reserve) a SENDING row reads as PENDING while its last heartbeat is
+    younger than its attempt's own lease (``lease_ms`` for a row of an earlier version) and as
+    UNKNOWN after it (its attempt died after the final dot).
     """
-    state, token, at_ms, reply, expires_at_ms = row
+    state, token, at_ms, reply, expires_at_ms, own_lease_ms = row
     ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
     at = at_ms / 1000 if at_ms is not None else None
     age_s = (now_ms - at_ms) / 1000 if at_ms is not None else None
     if state == _PENDING and token:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
     if state == _SENDING and token and at_ms is not None:
+        own = own_lease_ms / 1000 if own_lease_ms is not None else None
         if lease_ms is None:
-            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s)
-        if now_ms - at_ms < lease_ms:
-            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s)
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
+            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                          lease_s=own)
+        if now_ms - at_ms < (own_lease_ms if own_lease_ms is not None else lease_ms):
+            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                          lease_s=own)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own)
     if state == _SENT:
         return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
     if state == _UNKNOWN:
@@ -327,6 +341,9 @@ class SqliteStore:
             # fsync per transaction (one per reserve, one per settle), cheap next to SMTP.
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
+            if "lease_ms" not in columns:
+                conn.execute(_ADD_LEASE)
             conn.execute(_INDEX)
         except BaseException:
             conn.close()
@@ -391,7 +408,8 @@ class SqliteStore:
                 if op.action is Settle.RELEASE:
                     cursor = conn.execute(_RELEASE, mine)
                 elif op.action is Settle.SENDING:
-                    cursor = conn.execute(_TO_SENDING, (at_ms, expires_ms, *mine))
+                    cursor = conn.execute(_TO_SENDING,
+                                          (at_ms, expires_ms, _lease_ms(op), *mine))
                 else:
                     state = _SENT if op.action is Settle.SENT else _UNKNOWN
                     reply = _clean(op.reply) if op.action is Settle.SENT else None
@@ -408,7 +426,7 @@ class SqliteStore:
                 mine = (key, token, now_ms)
                 cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
                 if cursor.rowcount != 1:
-                    cursor = conn.execute(_RENEW_SENDING, (now_ms, *mine))
+                    cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, *mine))
                 done.append(cursor.rowcount == 1)
             return done
 

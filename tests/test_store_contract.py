@@ -804,3 +804,58 @@ async def test_force_mark_sent_overrides_any_state(store: FingerprintStore, pref
     absent = prefix + "never"
     await store.force_mark_sent(absent, reply="x", window_s=WINDOW_S)
     assert (await store.inspect(absent)).state is State.SENT
+
+
+async def test_a_sending_record_is_judged_by_its_writers_lease(store: FingerprintStore,
+                                                              prefix: str) -> None:
+    """A SENDING record written with a 30 s lease is still in flight for a reader configured
+    with 0.3 s (relays with different leases on one store): PENDING, never taken over."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    assert await store.settle([SettleOp(key, Settle.SENDING, lease_s=30)], token=token,
+                              window_s=3600) == [True]
+    await asyncio.sleep(0.5)
+    found = (await store.reserve([key], token=new_token(), lease_s=0.3,
+                                 resend_unknown=True))[0]
+    assert not found.reserved and found.found is not None
+    assert found.found.state is State.PENDING
+    assert (await store.inspect(key)).lease_s == 30
+
+
+async def test_a_renewed_sending_record_keeps_its_writers_lease(store: FingerprintStore,
+                                                               prefix: str) -> None:
+    """A renewal of a SENDING record keeps it in flight for the renewing attempt's lease."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    await store.settle([SettleOp(key, Settle.SENDING, lease_s=30)], token=token, window_s=3600)
+    assert await store.renew([key], token=token, lease_s=30) == [True]
+    await asyncio.sleep(0.5)
+    found = (await store.reserve([key], token=new_token(), lease_s=0.3))[0]
+    assert found.found is not None and found.found.state is State.PENDING
+
+
+async def test_renew_keeps_a_pending_reservation_past_its_first_lease(
+        store: FingerprintStore, prefix: str) -> None:
+    """PENDING renewed within its 0.4 s lease is still this attempt's 0.6 s after the reserve."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=0.4)
+    await asyncio.sleep(0.25)
+    assert await store.renew([key], token=token, lease_s=0.4) == [True]
+    await asyncio.sleep(0.35)
+    found = (await store.reserve([key], token=new_token(), lease_s=0.4))[0]
+    assert not found.reserved and found.found is not None
+    assert found.found.state is State.PENDING and found.found.token == token
+
+
+async def test_renew_changes_nothing_that_is_not_the_attempts(store: FingerprintStore,
+                                                              prefix: str) -> None:
+    """Renewing with another token, a SENT record or an absent key answers False and changes
+    nothing."""
+    key, sent, absent, token = prefix + "k", prefix + "s", prefix + "a", new_token()
+    await store.reserve([key, sent], token=token, lease_s=30)
+    await store.settle([SettleOp(sent, Settle.SENT, "250 ok")], token=token, window_s=60)
+    assert await store.renew([key, sent, absent], token=new_token(), lease_s=30) == [
+        False, False, False]
+    assert await store.renew([sent, absent], token=token, lease_s=30) == [False, False]
+    assert (await store.inspect(sent)).state is State.SENT
+    assert (await store.inspect(absent)).state is State.ABSENT
