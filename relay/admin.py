@@ -119,14 +119,16 @@ def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
 
 async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                   force: bool = False, operator: str | None = None) -> tuple[Record, bool]:
-    """Delete ``key`` whatever it holds; return (what it held, whether something was deleted).
+    """Delete ``key``, but only while it still holds what was inspected (compare-and-delete: an
+    attempt that took the key over in between is never wiped); return (what it held, whether
+    something was deleted).
 
     Raises :class:`InFlightError` (nothing done) when the record is in flight and not
     ``force``. Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS
     user), the reason and the record released. Raises :class:`relay.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force)
-    deleted = await store.force_release(key)
+    deleted = await store.force_release(key, expected=before)
     _audit("fingerprint released by an operator", "admin_release", key, before, lease_s,
            reason, operator, released=deleted)
     return before, deleted

@@ -50,6 +50,8 @@ class Record:
     ttl_s: float | None = None
     age_s: float | None = None  # seconds since ``at`` by the store's clock when it was read
     lease_s: float | None = None  # SENDING: the lease of the attempt that wrote it
+    # the value as stored, for a compare-and-delete (None where the store has no single value)
+    raw: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,13 @@ class FingerprintStore(Protocol):
         """Return the record under ``key`` (``State.ABSENT`` when there is none)."""
         ...
 
-    async def force_release(self, key: str) -> bool:
-        """Delete ``key`` whatever it holds (operator action); True when something was deleted."""
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
+        """Delete ``key`` (operator action); True when something was deleted.
+
+        With ``expected`` (what :meth:`inspect` returned) only while the key still holds that
+        record, in one atomic step: an attempt that took the key over since the operator looked
+        is never wiped (DESIGN section 3: no unconditional delete of a live record).
+        """
         ...
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:

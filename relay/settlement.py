@@ -115,8 +115,9 @@ class Settler:
             return
         for op, ok in zip(ops, applied, strict=True):
             if not ok:
-                log.warning("settle %s found another attempt's reservation (lease ran out?)",
-                            op.action.value)
+                log.warning("settle %s not applied: the key no longer holds this attempt's "
+                            "reservation (its lease ran out, or a resent write had landed "
+                            "already)", op.action.value)
 
     def sending_marker(self, first_rcpt: Mapping[str, str], token: str,
                        progress: DeliveryProgress) -> Callable[[Sequence[str]], Awaitable[bool]]:

@@ -197,6 +197,17 @@ end
 return {value, redis.call('PTTL', KEYS[1]), now_ms()}
 """
 
+# KEYS[1] - the fingerprint key
+# ARGV[1] - "1": delete only if KEYS[1] holds exactly ARGV[2]; "0": whatever it holds
+# ARGV[2] - the value the operator saw
+# return 1 if KEYS[1] was deleted, 0 otherwise
+_RELEASE_IF_LUA = """
+if ARGV[1] == '1' and redis.pcall('GET', KEYS[1]) ~= ARGV[2] then
+    return 0
+end
+return redis.call('DEL', KEYS[1])
+"""
+
 _ERROR_TEXT_MAX = 300  # characters of a redis error kept in StoreError (pipeline errors are long)
 
 _ScriptCall = tuple[AsyncScript, str, tuple[str | int | bytes, ...]]
@@ -322,6 +333,7 @@ class RedisStore:
         self._mark_sending_script = client.register_script(_MARK_SENDING_LUA)
         self._renew_script = client.register_script(_RENEW_LUA)
         self._inspect_script = client.register_script(_INSPECT_LUA)
+        self._release_if_script = client.register_script(_RELEASE_IF_LUA)
         self._force_sent_script = client.register_script(_FORCE_SENT_LUA)
 
     @classmethod
@@ -405,18 +417,23 @@ class RedisStore:
                 [(self._inspect_script, key, ())], durable=frozenset())
         if value == 0:
             return Record(State.ABSENT)
-        record = decode_value(bytes(value), int(pttl_ms))
+        record = dataclasses.replace(decode_value(bytes(value), int(pttl_ms)), raw=bytes(value))
         if record.at is None:
             return record
         return dataclasses.replace(record, age_s=int(server_ms) / 1000 - record.at)
 
-    async def force_release(self, key: str) -> bool:
-        """Delete ``key`` whatever it holds; True when something was deleted.
-
-        Raises :class:`StoreError` (op ``force_release``).
-        """
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
+        """Delete ``key``; with ``expected`` only while it still holds ``expected.raw`` (one
+        script). True when something was deleted. Raises :class:`StoreError` (op
+        ``force_release``)."""
+        if expected is not None and expected.state is State.ABSENT:
+            return False
+        args: tuple[bytes, ...] = (b"0", b"")
+        if expected is not None and expected.raw:
+            args = (b"1", expected.raw)
         async with _translated("force_release", self._op_timeout_s):
-            deleted = await self._client.delete(key)
+            [deleted] = await self._run_scripts(
+                [(self._release_if_script, key, args)], durable=frozenset())
         return bool(deleted)
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:

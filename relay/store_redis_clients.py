@@ -101,9 +101,12 @@ def _reconnect_once() -> Retry:
     """A call that meets a dead connection (the server restarted, or closed an idle one) is
     sent once more on a new one, so a pooled connection from before a restart never fails a
     message once the server answers again. Only connection errors: a timeout is not retried
-    (the store's op timeout bounds the whole call). Safe because every script is idempotent
-    for its token (a reserve or SENDING mark run twice answers the same) or compare-token (a
-    settle run twice changes nothing the second time)."""
+    (the store's op timeout bounds the whole call). Safe for the state because every script
+    is idempotent for its token (a reserve or SENDING mark run twice leaves the same record)
+    or compare-token (a settle run twice changes nothing the second time). What the second
+    run answers can differ when the first had landed: a settle reports "not applied", and a
+    reserve that took over a record in doubt reports a plain reservation (so that one
+    take-over is not counted in ``relay_unknown_resent_total``)."""
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 

@@ -153,6 +153,12 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     return Record(State.SENT, ttl_s=ttl_s)
 
 
+def _same(now: Record, seen: Record) -> bool:
+    """Whether ``now`` is still the record ``seen`` (same state, attempt and time)."""
+    return (now.state, now.token, now.at, now.reply) == (seen.state, seen.token, seen.at,
+                                                         seen.reply)
+
+
 def _live(row: _Row | None, now_ms: int) -> _Row | None:
     """Return ``row`` unless it is missing or expired."""
     if row is None or (row[4] is not None and row[4] <= now_ms):
@@ -258,12 +264,12 @@ class SqliteStore:
         """
         return await self._call("inspect", lambda: self._inspect(key))
 
-    async def force_release(self, key: str) -> bool:
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
         """Delete ``key`` whatever it holds; True when a live row was deleted.
 
         Raises :class:`StoreError` (op ``force_release``).
         """
-        return await self._call("force_release", lambda: self._force_release(key))
+        return await self._call("force_release", lambda: self._force_release(key, expected))
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
         """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
@@ -437,8 +443,12 @@ class SqliteStore:
         row = _live(self._db().execute(_SELECT, (key,)).fetchone(), now_ms)
         return Record(State.ABSENT) if row is None else _record(row, now_ms)
 
-    def _force_release(self, key: str) -> bool:
+    def _force_release(self, key: str, expected: Record | None) -> bool:
         def body(conn: sqlite3.Connection, now_ms: int) -> bool:
+            if expected is not None:
+                row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+                if row is None or not _same(_record(row, now_ms), expected):
+                    return False  # absent, or no longer what the operator saw
             cursor = conn.execute(_DELETE_LIVE, (key, now_ms))
             conn.execute("DELETE FROM fingerprints WHERE key = ?", (key,))  # an expired leftover
             return cursor.rowcount == 1

@@ -859,3 +859,21 @@ async def test_renew_changes_nothing_that_is_not_the_attempts(store: Fingerprint
     assert await store.renew([sent, absent], token=token, lease_s=30) == [False, False]
     assert (await store.inspect(sent)).state is State.SENT
     assert (await store.inspect(absent)).state is State.ABSENT
+
+
+async def test_force_release_with_expected_spares_a_record_replaced_since(
+        store: FingerprintStore, prefix: str) -> None:
+    """An operator's release of the record they inspected does nothing once another attempt
+    took the key over (compare-and-delete), and deletes it while it is unchanged."""
+    key, first, second = prefix + "k", new_token(), new_token()
+    await store.reserve([key], token=first, lease_s=30)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=first, window_s=3600)
+    seen = await store.inspect(key)
+    assert seen.state is State.UNKNOWN
+    taken = (await store.reserve([key], token=second, lease_s=30, resend_unknown=True))[0]
+    assert taken.reserved
+    assert not await store.force_release(key, expected=seen)
+    assert (await store.inspect(key)).token == second
+    now = await store.inspect(key)
+    assert await store.force_release(key, expected=now)
+    assert (await store.inspect(key)).state is State.ABSENT
