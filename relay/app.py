@@ -28,7 +28,7 @@ from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
 from relay.ops_http import OpsServer
-from relay.settle_journal import read_journal, write_journal
+from relay.settle_journal import add_to_journal, read_journal, remove_from_journal
 from relay.store_redis import RedisStore
 from relay.store_sqlite import SqliteStore, sqlite_path_from_url
 from relay.tls import server_context
@@ -250,9 +250,11 @@ class Relay:
         log.warning("settle journal %s: %d settle(s) owed by the last run, %d landed now, "
                     "the rest retried in the background", path.resolve(), len(owed),
                     len(owed) - len(left))
-        # what is left stays in the file until a stop writes the journal anew (a crash before
-        # then loses nothing; applying a settle again later changes nothing)
-        await asyncio.to_thread(write_journal, path, left)
+        # what is left stays in the file (and is owed in memory): a crash before the next stop
+        # loses nothing, and applying a settle again later changes nothing
+        pending = {(token, op.key, op.action) for token, op in left}
+        paid = [(t, op) for t, op in owed if (t, op.key, op.action) not in pending]
+        await asyncio.to_thread(remove_from_journal, path, paid)
 
     async def _write_journal(self) -> None:
         """Stop the background settle retries and write what they still owe to the journal,
@@ -272,7 +274,7 @@ class Relay:
                       "records read as in doubt after their lease", len(owed))
             return
         try:
-            await asyncio.to_thread(write_journal, path, owed)
+            await asyncio.to_thread(add_to_journal, path, owed)
         except OSError as exc:
             log.error("cannot write %d owed settle(s) to %s: %s", len(owed), path, exc)
             return

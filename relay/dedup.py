@@ -43,7 +43,7 @@ from relay.interfaces import (
     State,
     Upstream,
 )
-from relay.settlement import Settler
+from relay.settlement import Settler, run_to_end
 
 log = logging.getLogger("relay.dedup")
 
@@ -272,7 +272,7 @@ class DedupCore:
         except asyncio.CancelledError:
             _absorb_cancel()
             with contextlib.suppress(StoreError):
-                await reserving
+                await run_to_end(reserving)  # a second cut must not skip the release
             await self._settler.release_quietly(keys, token)
             raise asyncio.CancelledError from None
 

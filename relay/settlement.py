@@ -106,7 +106,7 @@ class Settler:
         does the cancellation go on.
         """
         # not in ``background``: a shutdown cancels those, and this one must never be cut
-        await _uncancellable(asyncio.ensure_future(self._settle_or_owe(ops, token, lease_ends)))
+        await run_to_end(asyncio.ensure_future(self._settle_or_owe(ops, token, lease_ends)))
 
     async def _settle_or_owe(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         applied = await self._settle_with_retry(ops, token)
@@ -197,7 +197,7 @@ class Settler:
         """
         ops = [SettleOp(key=k, action=Settle.RELEASE) for k in keys]
         with contextlib.suppress(StoreError):  # the store is down: the lease will free them
-            await _uncancellable(asyncio.ensure_future(
+            await run_to_end(asyncio.ensure_future(
                 self._store.settle(ops, token=token, window_s=self._window_s)))
 
     async def settle_cut(self, keys: list[str], token: str, dot_written: bool,
@@ -293,7 +293,7 @@ class Settler:
         return None
 
 
-async def _uncancellable(work: asyncio.Future[_T]) -> _T:
+async def run_to_end(work: asyncio.Future[_T]) -> _T:
     """``work``'s result, waited for even when the caller is cancelled meanwhile (shutdown past
     its grace): a store write whose outcome the client's reply depends on is never cut half
     way. The cancellation is absorbed (``uncancel``), so the caller goes on to give the client
