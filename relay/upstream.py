@@ -137,6 +137,13 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
 
+def _absorb_cancel() -> None:
+    """Take back a cancellation that met a result already in hand (see ``_final_reply``)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
 def _lost(exc: Exception) -> RcptResult:
     return _synthetic(
         replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST)
@@ -317,9 +324,16 @@ class SmtpUpstream:
                            reader: asyncio.Future[aiosmtplib.SMTPResponse]
                            ) -> tuple[RcptResult, bool]:
         """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
-        reused: a late reply would be read as the next command's)."""
+        reused: a late reply would be read as the next command's). A cancellation (shutdown
+        cut) that meets a reply already read takes that reply: it is the upstream's verdict,
+        and throwing it away would turn a definite answer into an in-doubt one."""
         try:
             response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
+        except asyncio.CancelledError:
+            if not reader.done() or reader.cancelled() or reader.exception() is not None:
+                raise
+            _absorb_cancel()
+            response = reader.result()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
