@@ -154,3 +154,9 @@ async def test_rcpt_with_an_unbalanced_angle_bracket_is_refused(
     assert (await client.cmd(f"RCPT TO:{path}"))[:1] == "5"
     await client.close()
     assert sink.handler.rcpt_commands == []
+
+
+@pytest.mark.parametrize("literal", ["[192.0.2.1", "[192.0.2 .1]", "[a[b]", "192.0.2.1]"])
+def test_a_literal_without_its_bracket_syntax_is_refused(literal: str) -> None:
+    """A literal that is not "[" dcontent "]" (RFC 5321 4.1.3) is not valid, whatever inside."""
+    assert not address_literal_ok(literal)

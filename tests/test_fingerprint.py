@@ -836,6 +836,9 @@ def test_strip_fields_keeps_the_continuation_of_a_field_it_keeps() -> None:
     ("=?utf-8?q?a?= =?utf-8?q?b?= =?utf-8?q?c?=", "abc"),  # one run of three words
     ("=?x-unknown?q?a?= =?utf-8?q?b?=", "=?x-unknown?q?a?= b"),  # literal run keeps its blank
     ("=?utf-8?q?b?= =?x-unknown?q?a?=", "b =?x-unknown?q?a?="),
+    ("=?utf-8?q?a?= =?utf-8?q?b?= =?iso-8859-1?q?=E9?=", "ab\u00e9"),  # the run ends at word 3
+    ("=?x-unknown?q?a?= =?x-unknown?q?b?= =?utf-8?q?c?=",
+     "=?x-unknown?q?a?= =?x-unknown?q?b?= c"),  # a literal run of two words, then one decoded
 ])
 def test_rfc2047_runs_split_at_a_charset_change(value: str, decoded: str) -> None:
     """Adjacent words join only within one charset; a run left literal keeps the blank."""
@@ -851,3 +854,11 @@ def test_a_quoted_local_part_ending_in_a_backslash_is_refused() -> None:
 def test_strip_fields_drops_a_tab_continuation_of_a_stripped_field() -> None:
     """A continuation starting with HTAB belongs to the field above it, stripped with it."""
     assert strip_fields(b"X-Template: t\r\n\tu\r\nA: 1\r\n\r\n", NAMES) == b"A: 1\r\n\r\n"
+
+
+def test_refusal_texts_name_the_kind_not_the_value() -> None:
+    """A control character is named by its code point, an IDNA refusal by its error class."""
+    with pytest.raises(InvalidAddressError, match=r"control character U\+0007$"):
+        normalize_recipient("us\x07er@example.net")
+    with pytest.raises(InvalidAddressError, match=r"not a valid IDNA name \(\w+\)$"):
+        normalize_recipient("user@ex_ample.net")

@@ -203,6 +203,7 @@ def main() -> None:
             target.write_text(text)
             if _run_tests(work, args.tests, args.per_mutant_s):
                 killed += 1
+                print(f"killed #{m.index} line {m.line}: {m.what}", flush=True)
             else:
                 print(f"SURVIVED #{m.index} line {m.line}: {m.what}", flush=True)
     finally:
