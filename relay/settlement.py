@@ -48,6 +48,7 @@ class Settler:
         self._window_s = window_s
         self._lease_s = lease_s
         self.background: set[asyncio.Task[None]] = set()
+        self._renewers: set[asyncio.Task[None]] = set()  # lease renewals of working attempts
         # (store key, token) -> the settle still owed on it, until it lands or is given up
         self._owed: dict[tuple[str, str], SettleOp] = {}
 
@@ -152,31 +153,45 @@ class Settler:
         body runs (compare-token, in the store's clock), so a transaction longer than the lease
         keeps its keys: PENDING does not expire under it and SENDING never reads as in doubt
         while its relay still waits for the upstream's reply. A failed renewal is logged and
-        tried again at the next tick."""
-        task = asyncio.create_task(self._renew_every(list(keys), token, self._lease_s / 3))
+        tried again at the next tick.
+
+        On exit the renewer is told to stop and cancelled, and not waited for: a renewal still
+        under way when the attempt settles changes nothing (it is compare-token, and the settle
+        took the token's record away), and the attempt must never hang on its renewer.
+        """
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            self._renew_every(list(keys), token, self._lease_s / 3, stop))
+        self._renewers.add(task)
+        task.add_done_callback(self._renewers.discard)
         try:
             yield
         finally:
+            stop.set()
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
-    async def _renew_every(self, keys: list[str], token: str, interval_s: float) -> None:
+    async def _renew_every(self, keys: list[str], token: str, interval_s: float,
+                           stop: asyncio.Event) -> None:
+        """Renew ``keys`` every ``interval_s`` seconds until ``stop`` is set (checked after
+        every await, so the loop ends even if its cancellation was lost)."""
         while keys:
             await asyncio.sleep(interval_s)
+            if stop.is_set():
+                return
             started = time.perf_counter()
             try:
                 held = await self._store.renew(keys, token=token, lease_s=self._lease_s)
             except StoreError as exc:
                 self._metrics.store_call("renew", time.perf_counter() - started, False)
-                log.warning("cannot renew %d reservation(s) (%s): trying again in %.1f s",
-                            len(keys), exc, interval_s)
+                if not stop.is_set():
+                    log.warning("cannot renew %d reservation(s) (%s): trying again in %.1f s",
+                                len(keys), exc, interval_s)
                 continue
             self._metrics.store_call("renew", time.perf_counter() - started, True)
             lost = [k for k, ok in zip(keys, held, strict=True) if not ok]
-            if lost:
+            if lost and not stop.is_set():
                 log.error("%d reservation(s) no longer this attempt's while it works", len(lost))
-                keys = [k for k in keys if k not in lost]
+            keys = [k for k in keys if k not in lost]
 
     async def _timed_settle(self, ops: list[SettleOp], token: str) -> list[bool]:
         """One settle round trip, its latency and outcome recorded; raises StoreError."""

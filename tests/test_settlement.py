@@ -19,7 +19,7 @@ from test_dedup_core import CountingUpstream, SettleFailsFirst, make_core, one_m
 
 from relay.dedup import InboundMessage
 from relay.errors import StoreError
-from relay.interfaces import Settle, SettleOp
+from relay.interfaces import DeliveryProgress, DeliveryResult, OutboundMessage, Settle, SettleOp
 from relay.store_redis import RedisStore
 
 
@@ -160,3 +160,38 @@ async def test_failed_settles_are_counted_as_settle_errors(prefix: str) -> None:
     assert sample(registry, "relay_store_errors_total", "reserve") == 0.0
     await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
     await store.close()
+
+
+class RenewIgnoresCancel(RedisStore):
+    """A real RedisStore whose renewals hang and shrug off a cancellation (the way a lost
+    cancellation inside a client library looks from outside)."""
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        for _ in range(50):
+            try:
+                await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                continue
+        return await super().renew(keys, token=token, lease_s=lease_s)
+
+
+class SlowUpstream(CountingUpstream):
+    """Accepts everything after 0.5 s (longer than a renewal interval of the 0.6 s lease)."""
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        await asyncio.sleep(0.5)
+        return await super().deliver(message, progress)
+
+
+@pytest.mark.timeout(30)
+async def test_an_attempt_never_waits_for_its_lease_renewer(prefix: str) -> None:
+    """A renewal still hanging when the upstream answered does not hold up the attempt: the
+    message is answered and SENT at once (it hung for as long as the renewal on old code)."""
+    store = RenewIgnoresCancel.from_url(REDIS_URL)
+    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
+    try:
+        decision = await asyncio.wait_for(core.process(one_message()), 3.0)
+    finally:
+        await store.close()
+    assert decision.reply.code == 250
