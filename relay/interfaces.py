@@ -334,7 +334,7 @@ class Metrics(Protocol):
         """Record one received message's size in bytes."""
         ...
 
-    def mark_sent_failed(self) -> None:
+    def mark_sent_failed(self, count: int = 1) -> None:
         """Count an upstream-accepted message whose SENT mark had not landed by the lease end."""
         ...
 

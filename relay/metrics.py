@@ -57,7 +57,7 @@ class PrometheusMetrics:
             buckets=(1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864))
         self._mark_sent_failed = Counter(
             "relay_mark_sent_failed",
-            "Upstream-accepted messages whose SENT mark had not landed by the lease end",
+            "Upstream-accepted fingerprints whose SENT mark had not landed by the lease end",
             registry=registry)
         self._unknown_resent = Counter(
             "relay_unknown_resent",
@@ -119,9 +119,10 @@ class PrometheusMetrics:
         """Observe one received message's size in bytes."""
         self._bytes.observe(size)
 
-    def mark_sent_failed(self) -> None:
-        """Count an accepted message whose SENT mark had not landed by the lease end."""
-        self._mark_sent_failed.inc()
+    def mark_sent_failed(self, count: int = 1) -> None:
+        """Count ``count`` accepted fingerprints whose SENT mark had not landed by the lease
+        end."""
+        self._mark_sent_failed.inc(count)
 
     def unknown_resent(self, count: int = 1) -> None:
         """Count ``count`` recipients relayed again although an earlier attempt is in doubt."""

@@ -249,7 +249,8 @@ class Settler:
     async def _keep_settling(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         """Retry what is still owed of ``ops`` until it lands (or a reserve's flush paid it).
 
-        Counts ``mark_sent_failed`` once when a SENT mark is still owed at the lease's end (from
+        Counts ``mark_sent_failed`` once per fingerprint when its SENT mark is still owed at the
+        lease's end (from
         then on a retry is answered as in doubt instead of with the original reply), or when it
         is given up (dedup window over, or shutdown cut the loop).
         """
@@ -261,9 +262,10 @@ class Settler:
 
         def count_lost_mark() -> None:
             nonlocal counted
-            if not counted and any(op.action is Settle.SENT for op in owed()):
+            marks = sum(1 for op in owed() if op.action is Settle.SENT)
+            if not counted and marks:
                 counted = True
-                self._metrics.mark_sent_failed()
+                self._metrics.mark_sent_failed(marks)
 
         try:
             async for attempt in AsyncRetrying(

@@ -294,6 +294,18 @@ async def start_sink(faults: Faults, log_path: Path, *, seed: int = 1) -> Sink:
 # ------------------------------------------------------------------------------------------
 
 
+def _libfaketime() -> str:
+    """The libfaketime library (Debian package faketime), preloaded into the relay process
+    itself: the ``faketime`` command would run the relay as its child, which a signal to the
+    tracked pid would not reach."""
+    for path in ("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+                 "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+                 "/usr/lib/faketime/libfaketime.so.1"):
+        if Path(path).exists():
+            return path
+    raise RuntimeError("libfaketime is not installed (Debian package faketime)")
+
+
 @dataclass
 class BenchRedis:
     """A redis-server on a free loopback port with AOF (fsync always) in ``data_dir``.
@@ -408,15 +420,15 @@ class RelayProcess:
             **self.extra_env,
         })
         if self.clock_offset_s:  # libfaketime: only the wall clock; asyncio's monotonic stays
-            env.update({"FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"})
+            env.update({"LD_PRELOAD": _libfaketime(), "FAKETIME": f"{self.clock_offset_s:+g}s",
+                        "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"})
         return env
 
     async def start(self) -> None:
         """Start the process and wait until it accepts SMTP connections."""
         c = self.config
-        faked = ["faketime", "-f", f"{self.clock_offset_s:+g}s"] if self.clock_offset_s else []
         self.proc = await _spawn(
-            *faked, sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{self.port}",
+            sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{self.port}",
             "--upstream", f"127.0.0.1:{self.upstream_port}", "--store", self.store_url,
             "--metrics-listen", "off", "--lease", str(c.lease_s),
             "--upstream-timeout", str(c.upstream_timeout_s), "--dedup-window", "3600",

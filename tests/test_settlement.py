@@ -89,18 +89,21 @@ async def test_a_background_settle_that_lands_leaves_the_owed_list(prefix: str) 
     await store.close()
 
 
-async def test_mark_sent_failed_counts_each_message_once_however_many_tries(
+async def test_mark_sent_failed_counts_each_fingerprint_once_however_many_tries(
         prefix: str) -> None:
-    """Two messages whose SENT marks stay missing for many tries past the lease: counted 2."""
+    """A one-recipient and a two-recipient message whose SENT marks stay missing for many
+    tries past the lease: counted 3 (one per fingerprint), not per try or per message."""
     store = SettleDown.from_url(REDIS_URL)
     registry = CollectorRegistry()
     core = make_core(store, CountingUpstream(), prefix, lease_s=0.2, registry=registry)
     assert (await core.process(message_to("a@example.net"))).reply.code == 250
-    assert (await core.process(message_to("b@example.net"))).reply.code == 250
+    two = InboundMessage(mail_from="app@example.com", rcpt_tos=["b@example.net", "c@example.net"],
+                         queue_id="q2", content=message_to("b@example.net").content)
+    assert (await core.process(two)).reply.code == 250
     await asyncio.sleep(3.0)  # several background tries each, all past the lease
-    assert registry.get_sample_value("relay_mark_sent_failed_total") == 2.0
+    assert registry.get_sample_value("relay_mark_sent_failed_total") == 3.0
     await stop_background(core.background)  # the give-up at shutdown counts nothing new
-    assert registry.get_sample_value("relay_mark_sent_failed_total") == 2.0
+    assert registry.get_sample_value("relay_mark_sent_failed_total") == 3.0
     await store.close()
 
 
