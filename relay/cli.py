@@ -44,7 +44,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--data-deadline", {"type": float,
                          "help": "seconds a client has from DATA's 354 to the final dot [600]"}),
     ("--dedup-window", {"type": float, "help": "seconds a sent fingerprint is kept [86400]"}),
-    ("--lease", {"type": float, "help": "seconds a reservation lives before it lapses [900]"}),
+    ("--lease", {"type": float, "help": "seconds a reservation lives without renewal (a "
+                 "working attempt renews it every third) [900]"}),
     ("--log-format", {"type": click.Choice(["json", "text"]), "help": "log lines [json]"}),
     ("--shutdown-grace", {"type": float,
                           "help": "seconds in-flight messages get to finish on SIGTERM [30]"}),
