@@ -3,7 +3,7 @@
 Usage::
 
     python tools/mutate.py relay/fingerprint.py -t tests/test_fingerprint.py [-t ...]
-        [--only 3,17] [--per-mutant-s 120] [--work /tmp/mutants] [--list]
+        [--only 3,17] [--per-mutant-s 120] [--work /tmp/mutants] [--list] [--lua]
 
 Each mutant changes one thing in the module: a comparison flipped (``==``/``!=``, ``<``/``>=``,
 ``is``/``is not``, ``in``/``not in``), ``and``/``or`` swapped, a ``not`` dropped, an integer
@@ -11,6 +11,12 @@ constant moved by one, ``True``/``False`` swapped, a short string constant (at m
 characters: separators, prefixes) emptied, ``+``/``-`` swapped, or a call statement, ``raise``,
 ``+=``, ``break`` or ``continue`` deleted. Docstrings, annotations and long strings (log and
 error texts, regular expressions) are left alone.
+
+With ``--lua`` only the Lua scripts are mutated: the string constants assigned to module-level
+names ending in ``_LUA``. Each mutant changes one thing in one script: ``==``/``~=`` flipped,
+``>=``/``<`` flipped, ``and``/``or`` swapped, a ``not`` dropped, a value tag swapped (``'P|``
+with ``'D|``, ``'S|`` with ``'U|``), ``return 1``/``return 0`` swapped, or a line that is a
+``redis.call(...)`` statement deleted.
 
 The repository is copied to ``--work`` (never edited in place: others work in the tree); each
 mutant is written there and the given test files run with ``pytest -x`` under a per-mutant time
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +44,17 @@ _FLIP: dict[type[ast.cmpop], type[ast.cmpop]] = {
     ast.LtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
 }
 _DELETABLE = (ast.Expr, ast.Raise, ast.AugAssign, ast.Break, ast.Continue)
+# Lua: (pattern, replacement, description); each match is one mutant
+_LUA_EDITS: tuple[tuple[str, str | None, str], ...] = (
+    (r"==", "~=", "== -> ~="), (r"~=", "==", "~= -> =="),
+    (r">=", "<", ">= -> <"), (r"(?<![=~<>])<(?!=)", ">=", "< -> >="),
+    (r"\band\b", "or", "and -> or"), (r"\bor\b", "and", "or -> and"),
+    (r"\bnot ", "", "drop not"),
+    (r"'P\|", "'D|", "tag P -> D"), (r"'D\|", "'P|", "tag D -> P"),
+    (r"'S\|", "'U|", "tag S -> U"), (r"'U\|", "'S|", "tag U -> S"),
+    (r"\breturn 1\b", "return 0", "return 1 -> 0"), (r"\breturn 0\b", "return 1", "return 0 -> 1"),
+    (r"(?m)^[ \t]*redis\.call\(.*\n", None, "delete redis.call line"),
+)
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,39 @@ def mutants(source: str) -> list[tuple[Mutant, str]]:
     return out
 
 
+def lua_mutants(source: str) -> list[tuple[Mutant, str]]:
+    """Every Lua mutant of ``source`` (the ``_LUA`` constants): (description, mutated source)."""
+    out: list[tuple[Mutant, str]] = []
+    lines = source.splitlines(keepends=True)
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.endswith("_LUA")):
+            continue
+        name = node.targets[0].id
+        for const in ast.walk(node.value):
+            if not (isinstance(const, ast.Constant) and isinstance(const.value, str)):
+                continue
+            start, end = _offsets(lines, const)
+            literal = source[start:end]  # a triple-quoted literal: its text is the script's
+            for pattern, replacement, what in _LUA_EDITS:
+                for match in re.finditer(pattern, literal):
+                    new = literal[:match.start()] + (replacement or "") + literal[match.end():]
+                    line = const.lineno + literal.count("\n", 0, match.start())
+                    mutant = Mutant(len(out), line, f"{name}: {what}")
+                    out.append((mutant, source[:start] + new + source[end:]))
+    return out
+
+
+def _offsets(lines: list[str], node: ast.expr) -> tuple[int, int]:
+    """The character offsets of ``node`` in the source split into ``lines``."""
+    def at(lineno: int | None, col: int | None) -> int:
+        assert lineno is not None and col is not None
+        before = "".join(lines[: lineno - 1])
+        return len(before) + len(lines[lineno - 1].encode()[:col].decode())
+    return at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset)
+
+
 def _prepare(work: Path) -> None:
     if work.exists():
         shutil.rmtree(work)
@@ -180,9 +231,10 @@ def main() -> None:
     parser.add_argument("--per-mutant-s", type=float, default=120.0)
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "relay-mutants"))
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--lua", action="store_true", help="mutate the _LUA string constants")
     args = parser.parse_args()
     source = (REPO / args.module).read_text()
-    found = mutants(source)
+    found = lua_mutants(source) if args.lua else mutants(source)
     only = {int(i) for i in args.only.split(",") if i}
     if only:
         found = [(m, text) for m, text in found if m.index in only]
