@@ -834,6 +834,48 @@ async def test_a_renewed_sending_record_keeps_its_writers_lease(store: Fingerpri
     assert found.found is not None and found.found.state is State.PENDING
 
 
+async def test_a_renewed_sending_record_stays_sending_and_settles_with_its_token(
+        store: FingerprintStore, prefix: str) -> None:
+    """A renewed SENDING record still inspects as SENDING of its token, and its attempt's SENT
+    mark then lands."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    await store.settle([SettleOp(key, Settle.SENDING, lease_s=30)], token=token, window_s=3600)
+    assert await store.renew([key], token=token, lease_s=30) == [True]
+    record = await store.inspect(key)
+    assert record.state is State.SENDING and record.token == token
+    assert await store.settle([SettleOp(key, Settle.SENT, "250 ok")], token=token,
+                              window_s=3600) == [True]
+
+
+async def test_a_renewed_sending_record_counts_its_lease_from_the_renewal(
+        store: FingerprintStore, prefix: str) -> None:
+    """SENDING with a 0.4 s lease, renewed at 0.25 s, is still in flight at 0.55 s: no
+    takeover (the renewal is its heartbeat)."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=0.4)
+    await store.settle([SettleOp(key, Settle.SENDING, lease_s=0.4)], token=token, window_s=3600)
+    await asyncio.sleep(0.25)
+    assert await store.renew([key], token=token, lease_s=0.4) == [True]
+    await asyncio.sleep(0.3)
+    found = (await store.reserve([key], token=new_token(), lease_s=0.4,
+                                 resend_unknown=True))[0]
+    assert not found.reserved and found.found is not None
+    assert found.found.state is State.PENDING
+
+
+async def test_marking_sending_again_with_the_same_token_is_idempotent(
+        store: FingerprintStore, prefix: str) -> None:
+    """A retried SENDING mark (same token) answers True again and leaves the record SENDING."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    for _ in range(2):
+        assert await store.settle([SettleOp(key, Settle.SENDING, lease_s=30)], token=token,
+                                  window_s=3600) == [True]
+    record = await store.inspect(key)
+    assert record.state is State.SENDING and record.token == token
+
+
 async def test_renew_keeps_a_pending_reservation_past_its_first_lease(
         store: FingerprintStore, prefix: str) -> None:
     """PENDING renewed within its 0.4 s lease is still this attempt's 0.6 s after the reserve."""
