@@ -241,3 +241,38 @@ async def test_mark_sent_still_owed_at_the_lease_end_is_counted_and_still_lands(
     assert retry.outcomes == {"user@example.net": "suppressed"}  # SENT, not in doubt
     assert len(upstream.sent) == 1
     await store.close()
+
+
+class HangingUpstream(CountingUpstream):
+    """An upstream that never answers: the transaction waits until it is cancelled."""
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("content", [message(), b"Subject: no key\r\n\r\nhi\r\n"],
+                         ids=["dedup", "plain"])
+async def test_a_cut_transaction_hands_its_task_back_uncancelled(
+        prefix: str, content: bytes) -> None:
+    """A transaction cut by shutdown is answered 451 and leaves its task no longer cancelling
+    (a later timeout in that task still raises TimeoutError), with or without a dedupe key."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = make_core(store, HangingUpstream(), prefix)
+    msg = InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
+                         content=content, queue_id="q1")
+
+    async def attempt() -> tuple[SmtpReply, int]:
+        decision = await core.process(msg)
+        task = asyncio.current_task()
+        assert task is not None
+        return decision.reply, task.cancelling()
+
+    task = asyncio.create_task(attempt())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    reply, cancelling = await task
+    await store.close()
+    assert reply == replies.CUT_BY_SHUTDOWN
+    assert cancelling == 0
