@@ -15,11 +15,19 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 from conftest import REDIS_URL, delete_prefix
 from prometheus_client import CollectorRegistry
-from test_dedup_core import CountingUpstream, SettleFailsFirst, make_core, one_message
+from test_dedup_core import (
+    CountingUpstream,
+    HangingUpstream,
+    SettleFailsFirst,
+    make_core,
+    one_message,
+)
 
-from relay.dedup import InboundMessage
+from relay.dedup import DedupCore, InboundMessage, Policy
 from relay.errors import StoreError
 from relay.interfaces import DeliveryProgress, DeliveryResult, OutboundMessage, Settle, SettleOp
+from relay.metrics import PrometheusMetrics
+from relay.settlement import run_to_end
 from relay.store_redis import RedisStore
 
 
@@ -198,3 +206,206 @@ async def test_an_attempt_never_waits_for_its_lease_renewer(prefix: str) -> None
     finally:
         await store.close()
     assert decision.reply.code == 250
+
+
+async def test_a_settle_deferred_to_the_background_is_logged_when_deferred_and_when_it_lands(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENT mark whose quick tries fail logs an ERROR as it is deferred and a WARNING with
+    the number of background tries once it lands."""
+    store = SettleFailsFirst.from_url(REDIS_URL)
+    store.failures = 3  # the quick tries; the first background try lands
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        assert (await core.process(one_message())).reply.code == 250
+        await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    texts = [r.getMessage() for r in caplog.records]
+    assert "settle failed; retrying 1 write(s) in the background until they land" in texts
+    assert "settle landed after 1 background attempt(s)" in texts
+    await store.close()
+
+
+async def test_a_background_settle_that_lands_leaves_the_background_set(prefix: str) -> None:
+    """Once its write lands, a background settle is no longer among the core's background."""
+    store = SettleFailsFirst.from_url(REDIS_URL)
+    store.failures = 3
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    assert (await core.process(one_message())).reply.code == 250
+    assert core.background
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    await asyncio.sleep(0)
+    assert not core.background
+    await store.close()
+
+
+async def test_a_settle_given_up_after_the_window_is_counted_and_owed_no_more(
+        prefix: str) -> None:
+    """A SENT mark still failing when the 0.5 s dedup window ends (lease 30 s) is given up:
+    counted once in mark_sent_failed and no longer owed (nothing for the journal)."""
+    store = SettleDown.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = DedupCore(store=store, upstream=CountingUpstream(),
+                     metrics=PrometheusMetrics(registry=registry),
+                     policy=Policy(key_prefix=prefix, lease_s=30.0, window_s=0.5))
+    assert (await core.process(one_message())).reply.code == 250
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    assert registry.get_sample_value("relay_mark_sent_failed_total") == 1.0
+    assert core.owed_settles() == []
+    await store.close()
+
+
+async def test_an_attempts_lease_renewer_is_gone_once_it_is_answered(prefix: str) -> None:
+    """The renewer of a relayed message's lease has ended and been dropped right after the
+    reply (it is cancelled, not left asleep for a third of the lease)."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    assert (await core.process(one_message())).reply.code == 250
+    await asyncio.sleep(0.05)
+    assert not core._settler._renewers
+    await store.close()
+
+
+async def test_lease_renewals_are_timed_under_their_op_label(prefix: str) -> None:
+    """An upstream taking 0.5 s under a 0.6 s lease: renewed every 0.2 s (1 to 3 times, not
+    in a tight loop), each renewal timed under op=renew."""
+    store = RedisStore.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6, registry=registry)
+    assert (await core.process(one_message())).reply.code == 250
+    assert 1.0 <= sample(registry, "relay_store_seconds_count", "renew") <= 3.0
+    await store.close()
+
+
+async def test_healthy_lease_renewals_log_nothing_above_info(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Renewals that keep every key (an upstream slower than a third of the lease) log no
+    WARNING or ERROR line."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
+    with caplog.at_level(logging.DEBUG):
+        assert (await core.process(one_message())).reply.code == 250
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.INFO] == []
+    await store.close()
+
+
+class KeyTakenBefore(RedisStore):
+    """A real RedisStore on which the key is deleted just before a settle of ``action`` (the
+    lease lapsed and another attempt took the key over and released it)."""
+
+    action = Settle.SENT
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
+        for op in ops:
+            if op.action is self.action:
+                await self._client.delete(op.key)
+        return await super().settle(ops, token=token, window_s=window_s)
+
+
+async def test_a_sent_mark_that_finds_the_key_taken_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENT mark the key no longer accepts (not this attempt's) is a WARNING; the reply is
+    still the upstream's 250."""
+    store = KeyTakenBefore.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        assert (await core.process(one_message())).reply.code == 250
+    assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
+        "settle sent not applied: the key no longer holds") for r in caplog.records)
+    await store.close()
+
+
+async def test_a_reservation_lost_before_the_dot_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENDING mark the key no longer accepts stops the dot, answers RESERVATION_LOST and
+    logs an ERROR saying so."""
+    store = KeyTakenBefore.from_url(REDIS_URL)
+    store.action = Settle.SENDING
+    core = make_core(store, CountingUpstream(), prefix)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        await core.process(one_message())
+    assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
+        "a reservation is no longer ours before the final dot") for r in caplog.records)
+    await store.close()
+
+
+async def test_an_owed_settle_paid_by_a_retrys_flush_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENT mark owed in the background and paid by the retry's flush logs a WARNING."""
+    store = SettleDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    assert (await core.process(one_message())).reply.code == 250
+    store.down = False
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        await core.process(one_message())
+    assert "settle owed on 1 key(s) landed before a retry's reserve" in [
+        r.getMessage() for r in caplog.records]
+    await stop_background(core.background)
+    await store.close()
+
+
+async def test_a_transaction_cut_before_the_dot_is_logged_as_released(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Shutdown cutting a transaction before its dot logs a WARNING that it was released."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = make_core(store, HangingUpstream(), prefix)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        task = asyncio.create_task(core.process(one_message()))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await task
+    assert "transaction cut by shutdown before the final dot: released" in [
+        r.getMessage() for r in caplog.records]
+    await store.close()
+
+
+async def test_settles_an_earlier_run_owed_that_do_not_land_are_returned(prefix: str) -> None:
+    """Paying the journal's settles while the store is down returns every one of them (they
+    are retried in the background)."""
+    store = SettleDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    owed = [("t1", SettleOp(prefix + "a", Settle.SENT, "250 ok")),
+            ("t1", SettleOp(prefix + "b", Settle.RELEASE)),
+            ("t2", SettleOp(prefix + "c", Settle.UNKNOWN))]
+    assert await core.pay_owed(owed) == owed
+    await stop_background(core.background)
+    await store.close()
+
+
+class RenewFindsKeysGone(RedisStore):
+    """A real RedisStore on which the keys are gone when a renewal comes (another attempt took
+    them over after a lapse and released them)."""
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        await self._client.delete(*keys)
+        return await super().renew(keys, token=token, lease_s=lease_s)
+
+
+async def test_a_renewal_that_finds_the_key_taken_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A renewal the key no longer accepts, while the upstream works, logs an ERROR."""
+    store = RenewFindsKeysGone.from_url(REDIS_URL)
+    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        await core.process(one_message())
+    assert "1 reservation(s) no longer this attempt's while it works" in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    await store.close()
+
+
+async def test_run_to_end_finishes_its_work_through_a_cancellation_of_the_caller() -> None:
+    """A caller cancelled while run_to_end waits still gets the work's result and is left no
+    longer cancelling."""
+    work: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def caller() -> tuple[str, int]:
+        result = await run_to_end(work)
+        task = asyncio.current_task()
+        assert task is not None
+        return result, task.cancelling()
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    work.set_result("done")
+    assert await task == ("done", 0)
