@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -12,6 +13,8 @@ from conftest import REDIS_URL, delete_prefix, message
 from prometheus_client import CollectorRegistry
 
 from relay import replies
+from relay.app import build_policy
+from relay.config import Settings
 from relay.dedup import DedupCore, InboundMessage, Policy
 from relay.errors import StoreError
 from relay.interfaces import (
@@ -276,3 +279,80 @@ async def test_a_cut_transaction_hands_its_task_back_uncancelled(
     await store.close()
     assert reply == replies.CUT_BY_SHUTDOWN
     assert cancelling == 0
+
+
+class SettleHangsWhileOwed(SettleFailsFirst):
+    """SettleFailsFirst whose settles, once ``hang`` is set, wait until cancelled."""
+
+    hang = False
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().settle(ops, token=token, window_s=window_s)
+
+
+async def test_a_cut_while_a_retry_pays_an_owed_settle_hands_its_task_back_uncancelled(
+        prefix: str) -> None:
+    """Shutdown cutting a retry while it pays the settle its first attempt owes (the flush
+    before its reserve) answers 451 and leaves the task no longer cancelling."""
+    store = SettleHangsWhileOwed.from_url(REDIS_URL)
+    store.failures = 100  # the SENT mark stays owed
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    assert (await core.process(one_message())).reply.code == 250
+    store.hang = True
+
+    async def retry() -> tuple[SmtpReply, int]:
+        decision = await core.process(one_message())
+        task = asyncio.current_task()
+        assert task is not None
+        return decision.reply, task.cancelling()
+
+    task = asyncio.create_task(retry())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    reply, cancelling = await task
+    for t in core.background:
+        t.cancel()
+    await asyncio.gather(*core.background, return_exceptions=True)
+    await store.close()
+    assert reply == replies.CUT_BY_SHUTDOWN
+    assert cancelling == 0
+
+
+class ReserveDown(RedisStore):
+    """A real RedisStore whose reserve always fails (Redis unreachable)."""
+
+    async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
+                      resend_unknown: bool = False) -> list[Reservation]:
+        raise StoreError("reserve", "ConnectionError: connection refused")
+
+
+async def test_a_failed_reserve_is_logged_with_the_store_down_policy(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A reserve the store refuses logs an ERROR naming the error and store_down policy."""
+    store = ReserveDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    with caplog.at_level(logging.INFO, logger="relay.dedup"):
+        assert (await core.process(one_message())).reply == replies.STORE_DOWN
+    assert any(r.levelno == logging.ERROR and r.getMessage().startswith("store reserve failed")
+               and "store_down=fail_closed" in r.getMessage() for r in caplog.records)
+    await store.close()
+
+
+def test_the_cores_policy_defaults_are_the_relays_configuration_defaults() -> None:
+    """Policy() equals the policy the app builds from default Settings (no drift)."""
+    assert build_policy(Settings(upstream="127.0.0.1:25")) == Policy()
+
+
+async def test_a_message_without_transport_flags_goes_upstream_as_plain_smtp(prefix: str) -> None:
+    """An InboundMessage built without smtputf8 / eight_bit / utf8_headers is relayed with
+    all three off."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = CountingUpstream()
+    core = make_core(store, upstream, prefix)
+    assert (await core.process(one_message())).reply.code == 250
+    sent = upstream.sent[0]
+    assert (sent.smtputf8, sent.eight_bit, sent.utf8_headers) == (False, False, False)
+    await store.close()

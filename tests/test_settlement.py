@@ -409,3 +409,51 @@ async def test_run_to_end_finishes_its_work_through_a_cancellation_of_the_caller
     await asyncio.sleep(0.05)
     work.set_result("done")
     assert await task == ("done", 0)
+
+
+async def test_a_settle_given_up_after_the_window_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENT mark still failing when the 0.5 s dedup window ends logs an ERROR: given up."""
+    store = SettleDown.from_url(REDIS_URL)
+    core = DedupCore(store=store, upstream=CountingUpstream(),
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix, lease_s=30.0, window_s=0.5))
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        assert (await core.process(one_message())).reply.code == 250
+        await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    assert "settle never landed within the dedup window: given up" in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    await store.close()
+
+
+async def test_a_settle_still_owed_at_shutdown_is_logged_for_the_journal(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Cancelling a background settle (shutdown) logs an ERROR: left for the settle journal."""
+    store = SettleDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        assert (await core.process(one_message())).reply.code == 250
+        await stop_background(core.background)
+    assert "settle still owed at shutdown: left for the settle journal" in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    await store.close()
+
+
+class RenewDown(RedisStore):
+    """A real RedisStore whose renewals fail (Redis unreachable for them)."""
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        raise StoreError("renew", "ConnectionError: connection refused")
+
+
+async def test_a_failed_renewal_is_logged_and_tried_again(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A renewal the store refuses while the upstream works logs a WARNING, and the message is
+    still relayed."""
+    store = RenewDown.from_url(REDIS_URL)
+    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        assert (await core.process(one_message())).reply.code == 250
+    assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
+        "cannot renew 1 reservation(s)") for r in caplog.records)
+    await store.close()
