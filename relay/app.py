@@ -232,6 +232,10 @@ class Relay:
         await self._write_journal()
         await self._close_parts()
 
+    def _store_identity(self) -> str:
+        """Which store a journal line is owed to: its URL (password masked) and key prefix."""
+        return f"{redact_url(self.settings.store)} prefix={self.settings.store_prefix}"
+
     def _journal_path(self) -> Path | None:
         return Path(self.settings.settle_journal) if self.settings.settle_journal else None
 
@@ -241,7 +245,7 @@ class Relay:
         if path is None or core is None:
             return
         try:
-            owed = await asyncio.to_thread(read_journal, path)
+            owed = await asyncio.to_thread(read_journal, path, self._store_identity())
         except OSError as exc:
             raise StartupError(f"cannot read the settle journal {path}: {exc}") from exc
         if not owed:
@@ -254,7 +258,7 @@ class Relay:
         # loses nothing, and applying a settle again later changes nothing
         pending = {(token, op.key, op.action) for token, op in left}
         paid = [(t, op) for t, op in owed if (t, op.key, op.action) not in pending]
-        await asyncio.to_thread(remove_from_journal, path, paid)
+        await asyncio.to_thread(remove_from_journal, path, paid, self._store_identity())
 
     async def _write_journal(self) -> None:
         """Stop the background settle retries and write what they still owe to the journal,
@@ -274,7 +278,7 @@ class Relay:
                       "records read as in doubt after their lease", len(owed))
             return
         try:
-            await asyncio.to_thread(add_to_journal, path, owed)
+            await asyncio.to_thread(add_to_journal, path, owed, self._store_identity())
         except OSError as exc:
             log.error("cannot write %d owed settle(s) to %s: %s", len(owed), path, exc)
             return
@@ -316,7 +320,10 @@ class Relay:
     async def _cut(self) -> None:
         """Past the grace: cancel what is left (the core settles cut transactions), close."""
         pending = self._pending()
-        log.warning("shutdown grace over: cutting %d message(s)", len(pending))
+        messages = len(self.handler.tasks) if self.handler is not None else 0
+        log.warning("shutdown grace over: cutting %d message(s) and %d settle retry loop(s) "
+                    "(what they still owe goes to the settle journal)",
+                    messages, len(pending) - messages)
         for task in pending:
             task.cancel()
         with contextlib.suppress(TimeoutError):

@@ -12,6 +12,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -253,9 +254,9 @@ class Settings(BaseSettings):
         # by store-timeout: two renewals must fit before the lease lapses
         if self.lease < 3 * self.store_timeout:
             raise ValueError(
-                f"lease ({self.lease:g} s) must be at least three times store-timeout "
+                f"lease ({self.lease:g} s) must be at least three times store_timeout "
                 f"({self.store_timeout:g} s): a working attempt renews its lease every third "
-                "of it, and a renewal may take store-timeout"
+                "of it, and a renewal may take store_timeout"
             )
         if self.dedup_window < self.lease:
             raise ValueError("dedup-window must not be shorter than the lease")
@@ -314,19 +315,27 @@ class Settings(BaseSettings):
         return password
 
 
-def _describe(exc: ValidationError) -> str:
-    """One line per problem, naming the setting as flag, env var and file key."""
+def _describe(exc: ValidationError, flagged: AbstractSet[str] = frozenset()) -> str:
+    """One line per problem, naming the setting as flag (when it has one: ``flagged`` holds
+    the field names the command line offers), env var and file key. A rule between settings
+    (a model-level check) is one line of its own: its text names the settings."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not where:
+            lines.append(f"invalid combination of settings: {msg}")
+            continue
         if err["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown setting (see config/dedup-relay.example.toml)")
             continue
-        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             msg = "required"
         flag = where.replace("_", "-")
-        lines.append(f"{flag}: {msg} (--{flag}, RELAY_{where.upper()} or `{where}` in the file)")
+        names = f"RELAY_{where.upper()} or `{where}` in the file"
+        if where in flagged:
+            names = f"--{flag}, {names}"
+        lines.append(f"{flag}: {msg} ({names})")
     return "\n".join(lines)
 
 
@@ -365,6 +374,6 @@ def load_settings(overrides: dict[str, Any], config_file: Path | None = None, *,
     try:
         return cls(**given)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from exc
+        raise ConfigError(_describe(exc, frozenset(overrides))) from exc
     except ValueError as exc:  # e.g. TOML syntax errors from the file source
         raise ConfigError(f"config file {config_file}: {exc}") from exc

@@ -3,7 +3,10 @@
 
 A settle after a definite upstream reply (SENT after a 250, release after a refusal, UNKNOWN
 after a cut past the final dot) that has not landed when the relay exits, because the store did
-not answer, is written here, one JSON object per line: ``{"token", "key", "action", "reply"}``.
+not answer, is written here, one JSON object per line:
+``{"store", "token", "key", "action", "reply"}``, ``store`` naming the store it is owed to (URL
+with the password masked, and key prefix): a relay applies only the lines of its own store, so
+one started on another store from the same directory leaves them for the right one.
 The next start applies every line (the writes are compare-token, so applying them late, or
 twice, is always safe) and keeps in the file only what still did not land. Several relays
 started from one directory share the file: every change is a read-modify-write under an
@@ -27,49 +30,55 @@ from relay.interfaces import Settle, SettleOp
 log = logging.getLogger("relay.settle_journal")
 
 Owed = tuple[str, SettleOp]  # (the attempt's token, the settle it owes)
+_Entry = tuple[str, str, SettleOp]  # (the store it is owed to, token, settle)
 
 
-def read_journal(path: Path) -> list[Owed]:
-    """Every owed settle in ``path`` (none when it does not exist); a line that is not a valid
+def read_journal(path: Path, store: str) -> list[Owed]:
+    """The settles in ``path`` owed to ``store`` (an identity of the store: its URL, password
+    masked, and key prefix); none when the file does not exist. A line that is not a valid
     entry is logged and skipped. Raises :class:`OSError` when the file cannot be read."""
+    return [(token, op) for owner, token, op in _read_all(path) if owner == store]
+
+
+def add_to_journal(path: Path, owed: Sequence[Owed], store: str) -> None:
+    """Add ``owed`` (owed to ``store``) to the journal at ``path``, keeping what is there
+    (several relays, on this store or others, may share the file). Raises :class:`OSError`."""
+    with _locked(path):
+        _write(path, _merged(_read_all(path), [(store, t, op) for t, op in owed]))
+
+
+def remove_from_journal(path: Path, paid: Sequence[Owed], store: str) -> None:
+    """Remove the settles ``paid`` to ``store`` from the journal at ``path``, keeping every other
+    line (another relay's, another store's). Raises :class:`OSError`."""
+    with _locked(path):
+        done = {_ident((store, t, op)) for t, op in paid}
+        _write(path, [e for e in _read_all(path) if _ident(e) not in done])
+
+
+def _read_all(path: Path) -> list[_Entry]:
     if not path.exists():
         return []
-    owed: list[Owed] = []
+    entries: list[_Entry] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
-            owed.append((str(entry["token"]), SettleOp(
+            entries.append((str(entry["store"]), str(entry["token"]), SettleOp(
                 key=str(entry["key"]), action=Settle(entry["action"]),
                 reply=str(entry.get("reply", "")))))
         except (ValueError, KeyError, TypeError):
             log.error("settle journal %s line %d is not an owed settle: skipped", path, number)
-    return owed
+    return entries
 
 
-def add_to_journal(path: Path, owed: Sequence[Owed]) -> None:
-    """Add ``owed`` to the journal at ``path``, keeping what is there (several relays started
-    from one directory may share the file). Raises :class:`OSError`."""
-    with _locked(path):
-        _write(path, _merged(read_journal(path), owed))
+def _ident(entry: _Entry) -> tuple[str, str, str, str]:
+    store, token, op = entry
+    return store, token, op.key, op.action.value
 
 
-def remove_from_journal(path: Path, paid: Sequence[Owed]) -> None:
-    """Remove the settles ``paid`` from the journal at ``path``, keeping any another relay added
-    meanwhile. Raises :class:`OSError`."""
-    with _locked(path):
-        done = {_ident(entry) for entry in paid}
-        _write(path, [e for e in read_journal(path) if _ident(e) not in done])
-
-
-def _ident(entry: Owed) -> tuple[str, str, str]:
-    token, op = entry
-    return token, op.key, op.action.value
-
-
-def _merged(old: Sequence[Owed], new: Sequence[Owed]) -> list[Owed]:
-    seen: dict[tuple[str, str, str], Owed] = {}
+def _merged(old: Sequence[_Entry], new: Sequence[_Entry]) -> list[_Entry]:
+    seen: dict[tuple[str, str, str, str], _Entry] = {}
     for entry in (*old, *new):
         seen.setdefault(_ident(entry), entry)
     return list(seen.values())
@@ -87,16 +96,16 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _write(path: Path, owed: Sequence[Owed]) -> None:
-    """Replace ``path`` with ``owed`` (deleted when empty), atomically (write, fsync, rename)."""
-    if not owed:
+def _write(path: Path, entries: Sequence[_Entry]) -> None:
+    """Replace ``path`` with ``entries`` (deleted when none), atomically (write, fsync, rename)."""
+    if not entries:
         path.unlink(missing_ok=True)
         return
     partial = path.with_name(path.name + ".partial")
     with partial.open("w", encoding="utf-8") as out:
-        for token, op in owed:
-            out.write(json.dumps({"token": token, "key": op.key, "action": op.action.value,
-                                  "reply": op.reply}) + "\n")
+        for store, token, op in entries:
+            out.write(json.dumps({"store": store, "token": token, "key": op.key,
+                                  "action": op.action.value, "reply": op.reply}) + "\n")
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, path)

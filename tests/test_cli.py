@@ -141,7 +141,7 @@ def test_check_config_rejects_a_lease_too_short_to_renew(tmp_path: Path) -> None
     result = run_cli("check-config", "--upstream", "127.0.0.1:25", "--lease", "5",
                      cwd=tmp_path, env={"RELAY_STORE_TIMEOUT": "2"})
     assert result.returncode == 2
-    assert "lease (5 s) must be at least three times store-timeout (2 s)" in result.stderr
+    assert "lease (5 s) must be at least three times store_timeout (2 s)" in result.stderr
 
 
 def test_check_config_takes_a_lease_shorter_than_the_upstream_timeout(tmp_path: Path) -> None:

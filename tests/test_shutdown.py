@@ -184,7 +184,8 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
         server = group.add(port, ["--save", "", "--appendonly", "yes", "--appendfsync", "always"])
         url = f"redis://127.0.0.1:{port}/0"
         settings = {"upstream": f"127.0.0.1:{sink.port}", "store": url, "store_timeout": 0.5,
-                    "shutdown_grace": 1.0, "settle_journal": str(journal)}
+                    "shutdown_grace": 1.0, "settle_journal": str(journal),
+                    "store_prefix": "test:journal:"}
         relay = await make_relay(**settings)
         sink.handler.hang_after_dot_s = 1.0
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
