@@ -356,3 +356,66 @@ async def test_a_message_without_transport_flags_goes_upstream_as_plain_smtp(pre
     sent = upstream.sent[0]
     assert (sent.smtputf8, sent.eight_bit, sent.utf8_headers) == (False, False, False)
     await store.close()
+
+
+class SlowReserve(RedisStore):
+    """A real RedisStore whose reserve reaches Redis only after 0.5 s (a slow link)."""
+
+    async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
+                      resend_unknown: bool = False) -> list[Reservation]:
+        await asyncio.sleep(0.5)
+        return await super().reserve(keys, token=token, lease_s=lease_s,
+                                     resend_unknown=resend_unknown)
+
+
+async def test_a_cut_during_a_slow_reserve_waits_for_it_then_releases_it(prefix: str) -> None:
+    """Shutdown cutting a reserve still on its way lets it land before releasing: nothing is
+    left PENDING (a release sent first would find nothing, and the reserve would land after)."""
+    store = SlowReserve.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    task = asyncio.create_task(core.process(one_message()))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    assert (await task).reply == replies.CUT_BY_SHUTDOWN
+    await asyncio.sleep(0.5)
+    [key] = core._keys(["user@example.net"], "welcome", "K-1", None).values()
+    assert (await store.inspect(key)).state is State.ABSENT
+    await store.close()
+
+
+async def test_a_second_spelling_of_a_mailbox_shares_the_one_copy_as_suppressed(
+        prefix: str) -> None:
+    """user@ and USER@ in one message: one copy goes upstream, the second spelling's outcome is
+    suppressed."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = CountingUpstream()
+    core = make_core(store, upstream, prefix)
+    msg = InboundMessage(mail_from="app@example.com", queue_id="q1", content=message(),
+                         rcpt_tos=["user@example.net", "USER@example.net"])
+    decision = await core.process(msg)
+    assert decision.outcomes == {"user@example.net": "relayed", "USER@example.net": "suppressed"}
+    assert len(upstream.sent) == 1
+    await store.close()
+
+
+async def test_reserve_and_upstream_latencies_are_measured(prefix: str) -> None:
+    """A quick message records one reserve and one upstream call, each well under a second."""
+    store = RedisStore.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, CountingUpstream(), prefix, registry=registry)
+    assert (await core.process(one_message())).reply.code == 250
+    reserve_s = registry.get_sample_value("relay_store_seconds_sum", {"op": "reserve"})
+    upstream_s = registry.get_sample_value("relay_upstream_seconds_sum")
+    assert reserve_s is not None and 0.0 < reserve_s < 1.0
+    assert upstream_s is not None and 0.0 < upstream_s < 1.0
+    await store.close()
+
+
+async def test_a_failed_reserve_is_counted_as_a_reserve_error(prefix: str) -> None:
+    """A reserve the store refuses is one store error under op=reserve."""
+    store = ReserveDown.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, CountingUpstream(), prefix, registry=registry)
+    await core.process(one_message())
+    assert registry.get_sample_value("relay_store_errors_total", {"op": "reserve"}) == 1.0
+    await store.close()

@@ -457,3 +457,48 @@ async def test_a_failed_renewal_is_logged_and_tried_again(
     assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
         "cannot renew 1 reservation(s)") for r in caplog.records)
     await store.close()
+
+
+class SlowerUpstream(SlowUpstream):
+    """Accepts everything after 0.9 s (four renewal intervals of the 0.6 s lease)."""
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        await asyncio.sleep(0.4)
+        return await super().deliver(message, progress)
+
+
+async def test_renewals_go_on_every_third_of_the_lease_while_the_upstream_works(
+        prefix: str) -> None:
+    """An upstream taking 0.9 s under a 0.6 s lease: renewed 3 to 5 times, none an error, each
+    well under a second."""
+    store = RedisStore.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, SlowerUpstream(), prefix, lease_s=0.6, registry=registry)
+    assert (await core.process(one_message())).reply.code == 250
+    renewals = sample(registry, "relay_store_seconds_count", "renew")
+    assert 3.0 <= renewals <= 5.0
+    assert sample(registry, "relay_store_errors_total", "renew") == 0.0
+    assert 0.0 < sample(registry, "relay_store_seconds_sum", "renew") < renewals
+    await store.close()
+
+
+async def test_a_failed_renewal_is_tried_again_at_the_next_tick(prefix: str) -> None:
+    """Renewals the store refuses during a 0.9 s transaction (0.6 s lease) are tried again
+    every third of the lease: at least three renew errors, not one."""
+    store = RenewDown.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, SlowerUpstream(), prefix, lease_s=0.6, registry=registry)
+    await core.process(one_message())  # the lapsed lease answers RESERVATION_LOST
+    assert sample(registry, "relay_store_errors_total", "renew") >= 3.0
+    await store.close()
+
+
+async def test_run_to_end_raises_when_its_work_itself_is_cancelled() -> None:
+    """run_to_end on work that is cancelled (not its caller) raises CancelledError at once."""
+    work: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(run_to_end(work))
+    await asyncio.sleep(0.05)
+    work.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
