@@ -419,3 +419,21 @@ async def test_a_failed_reserve_is_counted_as_a_reserve_error(prefix: str) -> No
     await core.process(one_message())
     assert registry.get_sample_value("relay_store_errors_total", {"op": "reserve"}) == 1.0
     await store.close()
+
+
+async def test_relaying_again_a_message_in_doubt_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Under unknown_policy = send, the retry of a message in doubt is relayed with a WARNING
+    that it may be a duplicate."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = DedupCore(store=store, upstream=CountingUpstream(),
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix, unknown="send"))
+    [key] = core._keys(["user@example.net"], "welcome", "K-1", None).values()
+    await store.reserve([key], token="earlier", lease_s=30)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token="earlier", window_s=3600)
+    with caplog.at_level(logging.INFO, logger="relay.dedup"):
+        assert (await core.process(one_message())).reply.code == 250
+    assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
+        "relaying again although an earlier attempt is in doubt") for r in caplog.records)
+    await store.close()

@@ -210,8 +210,8 @@ async def test_an_attempt_never_waits_for_its_lease_renewer(prefix: str) -> None
 
 async def test_a_settle_deferred_to_the_background_is_logged_when_deferred_and_when_it_lands(
         prefix: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A SENT mark whose quick tries fail logs an ERROR as it is deferred and a WARNING with
-    the number of background tries once it lands."""
+    """A SENT mark whose quick tries fail logs each failure and an ERROR as it is deferred, and
+    a WARNING with the number of background tries once it lands."""
     store = SettleFailsFirst.from_url(REDIS_URL)
     store.failures = 3  # the quick tries; the first background try lands
     core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
@@ -219,6 +219,7 @@ async def test_a_settle_deferred_to_the_background_is_logged_when_deferred_and_w
         assert (await core.process(one_message())).reply.code == 250
         await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
     texts = [r.getMessage() for r in caplog.records]
+    assert "settle failed: settle: TimeoutError: timed out" in texts
     assert "settle failed; retrying 1 write(s) in the background until they land" in texts
     assert "settle landed after 1 background attempt(s)" in texts
     await store.close()
@@ -392,9 +393,10 @@ async def test_a_renewal_that_finds_the_key_taken_is_logged(
     await store.close()
 
 
-async def test_run_to_end_finishes_its_work_through_a_cancellation_of_the_caller() -> None:
-    """A caller cancelled while run_to_end waits still gets the work's result and is left no
-    longer cancelling."""
+async def test_run_to_end_finishes_its_work_through_a_cancellation_of_the_caller(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A caller cancelled while run_to_end waits still gets the work's result, is left no
+    longer cancelling, and the refused stop is logged as a WARNING."""
     work: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def caller() -> tuple[str, int]:
@@ -409,6 +411,8 @@ async def test_run_to_end_finishes_its_work_through_a_cancellation_of_the_caller
     await asyncio.sleep(0.05)
     work.set_result("done")
     assert await task == ("done", 0)
+    assert "a store write that must complete was asked to stop: finishing it" in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
 async def test_a_settle_given_up_after_the_window_is_logged(
@@ -490,7 +494,9 @@ async def test_a_failed_renewal_is_tried_again_at_the_next_tick(prefix: str) -> 
     registry = CollectorRegistry()
     core = make_core(store, SlowerUpstream(), prefix, lease_s=0.6, registry=registry)
     await core.process(one_message())  # the lapsed lease answers RESERVATION_LOST
-    assert sample(registry, "relay_store_errors_total", "renew") >= 3.0
+    errors = sample(registry, "relay_store_errors_total", "renew")
+    assert errors >= 3.0
+    assert 0.0 < sample(registry, "relay_store_seconds_sum", "renew") < errors  # timed too
     await store.close()
 
 
@@ -502,3 +508,40 @@ async def test_run_to_end_raises_when_its_work_itself_is_cancelled() -> None:
     work.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 2.0)
+
+
+async def test_journal_settles_that_do_not_land_are_retried_in_the_background(
+        prefix: str) -> None:
+    """Settles an earlier run owed that the store refuses now stay owed and get one background
+    retry per token."""
+    store = SettleDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    owed = [("t1", SettleOp(prefix + "a", Settle.SENT, "250 ok")),
+            ("t2", SettleOp(prefix + "c", Settle.UNKNOWN))]
+    await core.pay_owed(owed)
+    assert len(core.background) == 2
+    assert sorted(core.owed_settles(), key=lambda t: t[0]) == owed
+    await stop_background(core.background)
+    await store.close()
+
+
+class SendingDown(RedisStore):
+    """A real RedisStore whose SENDING marks fail (Redis gone just before the dot)."""
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
+        if any(op.action is Settle.SENDING for op in ops):
+            raise StoreError("settle", "ConnectionError: connection refused")
+        return await super().settle(ops, token=token, window_s=window_s)
+
+
+async def test_a_sending_mark_the_store_refuses_is_logged(
+        prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SENDING mark the store refuses stops the dot and logs an ERROR: not sending."""
+    store = SendingDown.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+        await core.process(one_message())
+    assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
+        "cannot mark SENDING before the final dot") for r in caplog.records)
+    await store.close()
