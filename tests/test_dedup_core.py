@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from relay import replies
 from relay.app import build_policy
 from relay.config import Settings
-from relay.dedup import DedupCore, InboundMessage, Policy
+from relay.dedup import DedupCore, InboundMessage, Policy, _iso
 from relay.errors import StoreError
 from relay.interfaces import (
     DeliveryProgress,
@@ -412,19 +412,21 @@ async def test_reserve_and_upstream_latencies_are_measured(prefix: str) -> None:
 
 
 async def test_a_failed_reserve_is_counted_as_a_reserve_error(prefix: str) -> None:
-    """A reserve the store refuses is one store error under op=reserve."""
+    """A reserve the store refuses is one store error under op=reserve, and is timed."""
     store = ReserveDown.from_url(REDIS_URL)
     registry = CollectorRegistry()
     core = make_core(store, CountingUpstream(), prefix, registry=registry)
     await core.process(one_message())
     assert registry.get_sample_value("relay_store_errors_total", {"op": "reserve"}) == 1.0
+    reserve_s = registry.get_sample_value("relay_store_seconds_sum", {"op": "reserve"})
+    assert reserve_s is not None and 0.0 < reserve_s < 1.0  # timed too
     await store.close()
 
 
 async def test_relaying_again_a_message_in_doubt_is_logged(
         prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     """Under unknown_policy = send, the retry of a message in doubt is relayed with a WARNING
-    that it may be a duplicate."""
+    that it may be a duplicate, naming its queue id and store key."""
     store = RedisStore.from_url(REDIS_URL)
     core = DedupCore(store=store, upstream=CountingUpstream(),
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
@@ -434,6 +436,67 @@ async def test_relaying_again_a_message_in_doubt_is_logged(
     await store.settle([SettleOp(key, Settle.UNKNOWN)], token="earlier", window_s=3600)
     with caplog.at_level(logging.INFO, logger="relay.dedup"):
         assert (await core.process(one_message())).reply.code == 250
-    assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
-        "relaying again although an earlier attempt is in doubt") for r in caplog.records)
+    [record] = [r for r in caplog.records if r.getMessage().startswith(
+        "relaying again although an earlier attempt is in doubt")]
+    assert record.levelno == logging.WARNING
+    assert (record.queue_id, record.key) == ("q1", key)  # type: ignore[attr-defined]
+    await store.close()
+
+
+class ScriptedUpstream(CountingUpstream):
+    """Accepts everything except the recipients in ``results``, which get the given result."""
+
+    def __init__(self, results: dict[str, RcptResult]) -> None:
+        super().__init__()
+        self.results = results
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        accepted = await super().deliver(message, progress)
+        return DeliveryResult(recipients={
+            r: self.results.get(r, accepted.recipients[r]) for r in message.rcpt_tos})
+
+
+async def test_an_upstream_500_for_a_recipient_is_a_permanent_refusal(prefix: str) -> None:
+    """An upstream 500 (the lowest 5yz) for the only recipient is refused_perm, answered 5yz."""
+    store = RedisStore.from_url(REDIS_URL)
+    refused = RcptResult(RcptStatus.REFUSED, SmtpReply(500, "5.5.2 Syntax error"))
+    core = make_core(store, ScriptedUpstream({"user@example.net": refused}), prefix)
+    decision = await core.process(one_message())
+    assert decision.outcomes == {"user@example.net": "refused_perm"}
+    assert decision.reply.code == 500
+    await store.close()
+
+
+async def test_the_worst_temporary_outcome_decides_the_reply(prefix: str) -> None:
+    """One recipient in flight elsewhere (450) and one the upstream left in doubt (451): the
+    reply is the in-doubt one (worst first)."""
+    store = RedisStore.from_url(REDIS_URL)
+    unknown = RcptResult(RcptStatus.UNKNOWN, replies.OUTCOME_UNKNOWN, from_upstream=False)
+    core = make_core(store, ScriptedUpstream({"b@example.net": unknown}), prefix)
+    [busy] = core._keys(["a@example.net"], "welcome", "K-1", None).values()
+    await store.reserve([busy], token="another attempt", lease_s=30)
+    msg = InboundMessage(mail_from="app@example.com", queue_id="q1", content=message(),
+                         rcpt_tos=["a@example.net", "b@example.net"])
+    decision = await core.process(msg)
+    assert decision.outcomes == {"a@example.net": "inflight", "b@example.net": "unknown"}
+    assert decision.reply == replies.OUTCOME_UNKNOWN
+    await store.close()
+
+
+async def test_a_suppressed_message_names_the_earliest_original_send(prefix: str) -> None:
+    """Two recipients sent 1.1 s apart, then a duplicate: the 250 names the earlier time."""
+    store = RedisStore.from_url(REDIS_URL)
+    core = make_core(store, CountingUpstream(), prefix)
+    keys = core._keys(["a@example.net", "b@example.net"], "welcome", "K-1", None)
+    for key in keys.values():
+        await store.reserve([key], token="t", lease_s=30)
+        await store.settle([SettleOp(key, Settle.SENT, "250 ok")], token="t", window_s=3600)
+        await asyncio.sleep(1.1)
+    first = await store.inspect(keys["a@example.net"])
+    assert first.at is not None
+    msg = InboundMessage(mail_from="app@example.com", queue_id="q1", content=message(),
+                         rcpt_tos=["b@example.net", "a@example.net"])
+    decision = await core.process(msg)
+    assert decision.reply == replies.all_suppressed(2, _iso(first.at), "q1")
     await store.close()

@@ -545,3 +545,16 @@ async def test_a_sending_mark_the_store_refuses_is_logged(
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
         "cannot mark SENDING before the final dot") for r in caplog.records)
     await store.close()
+
+
+async def test_failed_quick_settles_are_timed(prefix: str) -> None:
+    """Each failing quick try of a SENT mark is timed under op=settle, each well under a
+    second."""
+    store = SettleFailsFirst.from_url(REDIS_URL)
+    store.failures = 3
+    registry = CollectorRegistry()
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0, registry=registry)
+    assert (await core.process(one_message())).reply.code == 250
+    assert 0.0 < sample(registry, "relay_store_seconds_sum", "settle") < 2.0
+    await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
+    await store.close()
