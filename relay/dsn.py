@@ -28,6 +28,7 @@ from email.message import EmailMessage, Message
 from email.utils import format_datetime, make_msgid
 from typing import TypeAlias
 
+from relay.fingerprint import header_section_end
 from relay.interfaces import (
     Metrics,
     NonDelivery,
@@ -119,10 +120,14 @@ def _status_part(notice: NonDelivery, reporting_mta: str, arrival: float,
 
 
 def _headers_part(content: bytes, pol: _Policy) -> EmailMessage:
-    """The original header section, byte for byte: text/rfc822-headers (RFC 6522 section 4),
-    or message/global-headers with 8bit when it holds UTF-8 (RFC 6533)."""
-    end = content.find(b"\r\n\r\n")
-    section = content if end < 0 else content[: end + 2]
+    """The original header section: text/rfc822-headers (RFC 6522 section 4), or
+    message/global-headers with 8bit when it holds UTF-8 (RFC 6533). The section ends where the
+    fingerprint's does (:func:`relay.fingerprint.header_section_end`: the first empty line or
+    the first line that cannot be a field), so no body text is quoted back; bytes that are not
+    UTF-8 become U+FFFD."""
+    section = content[: header_section_end(content)]
+    if not section.isascii():
+        section = section.decode("utf-8", "replace").encode("utf-8")
     if not section.endswith(b"\r\n"):
         section += b"\r\n"
     part = EmailMessage(policy=pol)

@@ -222,3 +222,23 @@ def test_non_ascii_sender_is_sent_with_smtputf8() -> None:
                       reporting_mta="relay.test", arrival=0.0)
     assert built.smtputf8 and built.utf8_headers
     assert "To: jörg@bücher.example\r\n".encode() in built.content
+
+
+def test_a_body_without_the_empty_line_is_never_quoted_as_header() -> None:
+    """A message whose body starts without the empty line: the notice quotes the header
+    fields only, never the body text (it holds what the sender wrote to the customer)."""
+    content = (b"X-Dedupe-Key: d3\r\nSubject: x\r\nDear customer, card 4111 1111\r\n"
+               b"Regards\r\n")
+    built = build_dsn(notice({"b@x.example": refused(550, "5.1.1 unknown")}, content=content),
+                      reporting_mta="relay.test", arrival=0.0)
+    assert b"Subject: x\r\n" in built.content
+    assert b"Dear customer" not in built.content and b"Regards" not in built.content
+
+
+def test_header_bytes_that_are_not_utf8_do_not_make_a_false_global_headers_part() -> None:
+    """A header byte that is not UTF-8 is replaced, so the global-headers part is UTF-8."""
+    content = b"X-Odd: caf\xe9\r\nSubject: s\r\n\r\nbody\r\n"
+    built = build_dsn(notice({"b@x.example": refused(550, "5.1.1 unknown")}, content=content),
+                      reporting_mta="relay.test", arrival=0.0)
+    assert b"caf\xe9" not in built.content
+    assert "X-Odd: caf\ufffd\r\n".encode() in built.content
