@@ -23,7 +23,7 @@ from relay.dedup import DedupCore, Policy
 from relay.dsn import DsnSender
 from relay.errors import ConfigError, StartupError, StoreError
 from relay.health import HealthMonitor
-from relay.implicit_tls import implicit_tls_factory
+from relay.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.interfaces import FingerprintStore, Upstream
 from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
 from relay.metrics import PrometheusMetrics
@@ -147,6 +147,7 @@ class Relay:
         self.dsn: DsnSender | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tls_server: asyncio.base_events.Server | None = None
+        self._tls_factory: ImplicitTlsFactory | None = None
         self.tls_port = 0
         self._stopped = False
         self.health: HealthMonitor | None = None
@@ -184,12 +185,12 @@ class Relay:
         if s.tls_listen is not None and security.tls_context is not None:
             tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
             # plain TCP: clients are admitted before their handshake (relay.implicit_tls)
+            self._tls_factory = implicit_tls_factory(
+                smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
+                gate=security.gate, proxy_networks=security.proxy_networks,
+                context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout)
             self._tls_server = await loop.create_server(
-                implicit_tls_factory(
-                    smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
-                    gate=security.gate, proxy_networks=security.proxy_networks,
-                    context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout),
-                host=tls_host, port=tls_port)
+                self._tls_factory, host=tls_host, port=tls_port)
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
         if s.metrics_address is not None:
             m_host, m_port = s.metrics_address
@@ -223,6 +224,8 @@ class Relay:
         for server in (self._server, self._tls_server):
             if server is not None:
                 server.close()
+        if self._tls_factory is not None:  # a handshake finishing now would start a session
+            self._tls_factory.cancel_handshakes()
         handler = self.handler
         if handler is not None:
             for session in list(handler.sessions):

@@ -78,17 +78,35 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
         session.connection_made(tls)
 
 
-def implicit_tls_factory(make_session: Callable[[], RelaySMTP], *, gate: ConnectionGate,
-                         proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
-                         handshake_timeout_s: float) -> Callable[[], ImplicitTlsAcceptor]:
+class ImplicitTlsFactory:
     """The protocol factory for ``loop.create_server`` (plain TCP, no ``ssl=``) of the
     implicit-TLS port; ``make_session`` is :func:`relay.listener.smtp_factory` with
-    ``implicit_tls=True``."""
-    tasks: set[asyncio.Task[None]] = set()
+    ``implicit_tls=True``. :meth:`cancel_handshakes` ends the handshakes still running (the
+    relay is stopping: a client that finishes its handshake then must not get a new session)."""
 
-    def factory() -> ImplicitTlsAcceptor:
+    def __init__(self, make_session: Callable[[], RelaySMTP], *, gate: ConnectionGate,
+                 proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
+                 handshake_timeout_s: float) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._args = (make_session, gate, proxy_networks, context, handshake_timeout_s)
+
+    def __call__(self) -> ImplicitTlsAcceptor:
+        make_session, gate, proxy_networks, context, handshake_timeout_s = self._args
         return ImplicitTlsAcceptor(
             make_session=make_session, gate=gate, proxy_networks=proxy_networks,
-            context=context, handshake_timeout_s=handshake_timeout_s, tasks=tasks)
+            context=context, handshake_timeout_s=handshake_timeout_s, tasks=self._tasks)
 
-    return factory
+    def cancel_handshakes(self) -> int:
+        """Cancel every handshake still running (each closes its connection and releases its
+        count); returns how many."""
+        for task in self._tasks:
+            task.cancel()
+        return len(self._tasks)
+
+
+def implicit_tls_factory(make_session: Callable[[], RelaySMTP], *, gate: ConnectionGate,
+                         proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
+                         handshake_timeout_s: float) -> ImplicitTlsFactory:
+    """See :class:`ImplicitTlsFactory`."""
+    return ImplicitTlsFactory(make_session, gate=gate, proxy_networks=proxy_networks,
+                              context=context, handshake_timeout_s=handshake_timeout_s)

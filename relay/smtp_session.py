@@ -174,7 +174,11 @@ class RelaySMTP(SMTP):
         return refusal
 
     def connection_lost(self, error: Exception | None) -> None:
-        """Uncount the session and its connection."""
+        """Uncount the session and its connection. A session whose connection was never made
+        (an implicit-TLS handshake that failed: asyncio's TLS layer still reports the loss to
+        it) has nothing to end; the acceptor released its count and logged the failure."""
+        if self.session is None:
+            return
         if self._counted:
             self._counted = False
             self._metrics.session(-1)

@@ -661,3 +661,38 @@ async def test_received_header_names_the_proxied_client(make_relay: MakeRelay,
     await client.close()
     trace = sink.handler.delivered[0].content.split(b"\r\n\t", 1)[0]
     assert b"[192.0.2.10]" in trace and b"[127.0.0.1]" not in trace
+
+
+async def test_a_failed_handshake_on_the_implicit_tls_port_is_one_warning_line(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that sends no TLS at all to the implicit-TLS port: one WARNING, no ERROR and no
+    traceback (asyncio reported the loss to a session that never started; found by a scan)."""
+    relay = await tls_relay(make_relay, sink, pki)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.tls_port)
+    writer.write(b"GET / HTTP/1.0\r\n\r\n")
+    await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len([r for r in caplog.records if "TLS handshake failed" in r.getMessage()]) == 1
+
+
+async def test_a_handshake_pending_at_stop_starts_no_session(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """A client whose TLS handshake had not begun when the relay stopped is closed, never
+    greeted 220 with a fresh session (it was, and its message relayed, then cut)."""
+    relay = await tls_relay(make_relay, sink, pki)
+    raw = socket.create_connection(("127.0.0.1", relay.tls_port), timeout=5)
+    await asyncio.sleep(0.1)  # admitted, waiting for the ClientHello
+    await relay.stop()
+
+    def handshake_and_greeting() -> bytes:
+        try:
+            with pki.client_context.wrap_socket(raw, server_hostname="relay.test") as tls:
+                return tls.recv(100)
+        except (OSError, ssl.SSLError):
+            return b""
+
+    assert await asyncio.to_thread(handshake_and_greeting) == b""
