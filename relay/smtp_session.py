@@ -115,6 +115,7 @@ class RelaySMTP(SMTP):
         self._session_lifetime_s = session_lifetime_s
         self._max_idle_commands = max_idle_commands
         self._idle_commands = 0
+        self._answering: bytes | None = None  # the transaction command being answered
         self._timers: dict[str, asyncio.TimerHandle] = {}  # "lifetime", "data"
         self._close_after_data: SmtpReply | None = None
         self.gate = gate
@@ -244,7 +245,10 @@ class RelaySMTP(SMTP):
             self._data_started = True
         if not (self._in_helo and status.startswith("250")):
             status = replies.with_enhanced_code(status)
+        answering, self._answering = self._answering, None
         await super().push(status)
+        if answering in (b"MAIL", b"RCPT", b"DATA") and status[:1] in ("4", "5"):
+            self._count_idle()  # a refused MAIL/RCPT/DATA is no progress either
 
     def data_received(self, data: bytes) -> None:
         """While a DATA transfer runs, every chunk restarts the client timeout.
@@ -334,7 +338,13 @@ class RelaySMTP(SMTP):
         last message, say ``421 4.7.0``, close and return False."""
         words = line.split(None, 1)
         if words and words[0].upper() in _TRANSACTION_COMMANDS:
+            self._answering = words[0].upper()  # counted in push() if it is refused
             return True
+        return self._count_idle()
+
+    def _count_idle(self) -> bool:
+        """One more command that made no progress towards a message; past
+        ``max_idle_commands`` since the last message, say ``421 4.7.0``, close, return False."""
         self._idle_commands += 1
         if self._idle_commands <= self._max_idle_commands:
             return True

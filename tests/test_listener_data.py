@@ -335,6 +335,21 @@ async def test_idle_commands_are_capped(make_relay: MakeRelay, sink: Sink) -> No
     await client.close()
 
 
+async def test_refused_transaction_commands_count_as_idle(
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """MAIL, RCPT and DATA that are refused make no progress: they count against
+    max_idle_commands like NOOP (pipelined refusals no longer keep a session alive)."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_idle_commands=4)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    for command in ("RCPT TO:<a@example.net>", "DATA", "MAIL FROM:<bad"):
+        assert (await client.cmd(command))[:1] in ("5", "4")
+    assert (await client.cmd("RCPT TO:<a@example.net>")).startswith("503")  # the 5th
+    assert await client.reply() == str(replies.TOO_MANY_IDLE_COMMANDS)
+    assert await client.reader.read() == b""
+    await client.close()
+
+
 async def test_a_completed_transaction_resets_the_idle_command_count(
         make_relay: MakeRelay, sink: Sink) -> None:
     """Idle commands are counted from the last message: a steady sender is never cut."""
