@@ -19,6 +19,7 @@ from relay import replies
 from relay.interfaces import SmtpReply
 
 MAX_LINE = 998  # octets before CRLF, after dot-unstuffing (RFC 5321 section 4.5.3.1.6)
+AUTH_LINE_MAX = 12288  # octets of an AUTH exchange line, CRLF included (RFC 4954 section 4)
 _END = b".\r\n"
 
 
@@ -127,6 +128,33 @@ class CommandLineGuard:
             object.__setattr__(self, name, value)
         else:
             setattr(self._inner, name, value)
+
+    async def readline(self) -> bytes:
+        """One AUTH response line (aiosmtpd reads those with ``readline``), up to
+        ``AUTH_LINE_MAX`` octets (RFC 4954 section 4: 12288, past the reader's 1001-octet
+        limit, at which ``StreamReader.readline`` raises). A longer line is read to its end
+        and given as ``b"=\r\n"``, which no SASL response decodes from (the client gets
+        aiosmtpd's 501 and the session goes on). A line that does not end in CRLF (a bare LF
+        would let the rest be read as a command) ends the session like a bad command line."""
+        parts: list[bytes] = []
+        size, tail = 0, b""
+        while True:
+            try:
+                part = await self._inner.readuntil(b"\n")
+            except asyncio.LimitOverrunError as exc:
+                part = await self._inner.read(exc.consumed)
+            except asyncio.IncompleteReadError:
+                raise asyncio.CancelledError from None  # the client is gone mid-exchange
+            size, tail = size + len(part), (tail + part)[-3:]
+            if size <= AUTH_LINE_MAX:
+                parts.append(part)
+            if part.endswith(b"\n"):
+                break
+        line = b"".join(parts)
+        if not tail.endswith(b"\r\n") or tail.endswith(b"\r\r\n"):
+            self._on_bad()
+            raise asyncio.CancelledError
+        return line if size <= AUTH_LINE_MAX else b"=\r\n"
 
     async def read(self, n: int = -1) -> bytes:
         data = await self._inner.read(n)

@@ -619,3 +619,23 @@ async def test_logs_hold_no_password_or_blob(client: RawClient,
             assert secret not in text, record.name
         if USER in text and record.name == "relay.auth":
             assert record.levelno == logging.DEBUG
+
+
+async def test_a_long_auth_response_line_is_read_whole(client: RawClient,
+                                                       auth_server: AuthServer) -> None:
+    """An AUTH PLAIN response of 1.6 KB (over the 1001-octet command line, within RFC 4954's
+    12288) is checked like any other: 535 for a wrong password, not 451 and a traceback."""
+    assert (await client.cmd("AUTH PLAIN")).startswith("334")
+    reply = await client.cmd(b64(b"\0" + USER.encode() + b"\0" + b"x" * 1200))
+    assert reply.startswith("535"), reply
+    assert len(auth_server.failures) == 1
+    assert (await client.cmd("NOOP")).startswith("250")
+
+
+async def test_an_auth_response_line_over_12288_octets_is_refused_and_drained(
+        client: RawClient) -> None:
+    """A 20,000-octet AUTH response gets a 5yz and nothing of it is read as a command."""
+    assert (await client.cmd("AUTH LOGIN")).startswith("334")
+    reply = await client.cmd("QUIT" * 5000)
+    assert reply[:1] == "5", reply
+    assert (await client.cmd("NOOP")).startswith("250")
