@@ -37,6 +37,8 @@ _PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
 
 # aiosmtpd's own wording of replies the catalogue words better (same codes)
 _AIOSMTPD_REWORDED = {
+    # a reply to a command, not the greeting: it takes an enhanced code (RFC 2034 section 3)
+    "220 Ready to start TLS": "220 2.0.0 Ready to start TLS",
     "500 Line too long (see RFC5321 4.5.3.1.6)": str(replies.LINE_TOO_LONG),
     "552 Error: Too much mail data": str(replies.MESSAGE_TOO_BIG),
     "552 Error: message size exceeds fixed maximum message size": str(replies.MESSAGE_TOO_BIG),

@@ -696,3 +696,15 @@ async def test_a_handshake_pending_at_stop_starts_no_session(
             return b""
 
     assert await asyncio.to_thread(handshake_and_greeting) == b""
+
+
+async def test_the_reply_to_starttls_carries_an_enhanced_code(
+    make_relay: MakeRelay, sink: Sink, pki: Pki
+) -> None:
+    """STARTTLS is answered 220 2.0.0 (a reply to a command, not the greeting: RFC 2034)."""
+    relay = await tls_relay(make_relay, sink, pki)
+    client = await RawClient.connect(relay.port)
+    await client.cmd("EHLO client.test")
+    assert await client.cmd("STARTTLS") == "220 2.0.0 Ready to start TLS"
+    await client.writer.start_tls(pki.client_context, server_hostname="relay.test")
+    await client.close()
