@@ -30,6 +30,7 @@ from faultbench_lib import RelayConfig  # noqa: E402  # the bench lives in tests
 from faultbench_scenarios import (  # noqa: E402
     LATENCY_S,
     RunResult,
+    Scenario,
     evidence,
     run_scenario,
     scenarios,
@@ -101,13 +102,28 @@ def table(results: list[RunResult]) -> list[str]:
     return rows
 
 
+def _relay_changes(scenario: Scenario) -> str:
+    """The scenario's relay settings that differ from the set-up's defaults, and a second
+    relay with an offset clock, as one line ("" when none)."""
+    default, own = RelayConfig(), scenario.relay
+    changed = [f"{name} {getattr(own, name)}" for name in vars(default)
+               if getattr(own, name) != getattr(default, name)]
+    if scenario.second_clock_offset_s is not None:
+        changed.append(f"a second relay with its clock {scenario.second_clock_offset_s:+g} s")
+    if scenario.policy is not None:
+        changed.append(f"clients: {scenario.policy}")
+    return ", ".join(changed)
+
+
 def details(results: list[RunResult]) -> list[str]:
     """Per run: what the clients were answered, notes, and evidence for any break."""
     out = ["## Per run", ""]
     for r in results:
         c = r.counts
         answers = ", ".join(f"{k} x{n}" for k, n in c.replies.most_common())
+        changed = _relay_changes(r.scenario)
         out += [f"### {r.scenario.title} (`{r.scenario.name}`)", "",
+                *([f"- relay settings unlike the set-up's: {changed}"] if changed else []),
                 f"- client attempts answered: {answers}",
                 f"- attempts whose final dot got no reply: {c.no_reply_after_dot}",
                 f"- copies at the sink: {c.copies}; stray copies: {c.stray_copies}",
