@@ -22,6 +22,7 @@ from relay import replies
 from relay.access import ConnectionGate, Network
 from relay.interfaces import SmtpReply
 from relay.smtp_data import ClientGone, CommandLineGuard, read_message
+from relay.tls_halfclose import HalfCloseTLSProtocol
 
 if TYPE_CHECKING:
     from relay.listener import RelayHandler
@@ -200,9 +201,10 @@ class RelaySMTP(SMTP):
         then shuts down (Exim) got no 250 for a message the relay had relayed. A half-closed
         client can still read: the commands it sent before the EOF are answered in order, then
         the session ends at the end of its stream (:class:`relay.smtp_data.CommandLineGuard`).
-        Over TLS the EOF is a close_notify or a bare TCP EOF, after which asyncio's TLS layer
-        closes the connection itself: the message is still processed and logged, its reply
-        cannot go out.
+        Over STARTTLS the EOF is a close_notify or a bare TCP EOF, which
+        :class:`relay.tls_halfclose.HalfCloseTLSProtocol` passes on the same way. On the
+        implicit-TLS port asyncio's own TLS layer closes the connection itself: the message is
+        still processed and logged, its reply cannot go out.
         """
         log.info("EOF from %s: answering what it sent, then closing", self._admitted_host or "?")
         keep_open = asyncio.StreamReaderProtocol.eof_received(self)  # the reader sees the EOF
@@ -395,7 +397,26 @@ class RelaySMTP(SMTP):
         if self._tls_protocol is not None or self.implicit_tls:
             await self.push(str(replies.TLS_ALREADY_ACTIVE))
             return
-        await super().smtp_STARTTLS(arg)
+        if arg or not self.tls_context:
+            await super().smtp_STARTTLS(arg)  # aiosmtpd's 501 / 454
+            return
+        await self.push("220 Ready to start TLS")
+        # aiosmtpd's own STARTTLS, with a TLS layer that lets a half-closed client read its
+        # replies (relay.tls_halfclose)
+        waiter = self.loop.create_future()
+        self._tls_protocol = HalfCloseTLSProtocol(
+            self.loop, self, self.tls_context, waiter, server_side=True)
+        self._original_transport = self.transport
+        assert self._original_transport is not None
+        self._original_transport.set_protocol(self._tls_protocol)
+        self.transport = self._tls_protocol._app_transport
+        self._tls_protocol.connection_made(self._original_transport)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            raise TLSSetupException() from error
 
     async def handle_exception(self, error: Exception) -> str:
         """A failed STARTTLS handshake is one WARNING line (scanners make many), not a

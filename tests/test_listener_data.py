@@ -154,19 +154,18 @@ def starttls_dot_quit_half_close(port: int, context: ssl.SSLContext) -> bytes:
             return b""
 
 
-async def test_half_closed_tls_client_has_its_message_decided_and_logged(
+async def test_half_closed_tls_client_reads_the_dot_reply_and_221(
         make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
-    """Over STARTTLS a write shutdown after the dot still relays the message and logs it.
-
-    asyncio's TLS layer closes the connection on the EOF, so the 250 cannot reach this client
-    (as with a close_notify): its retry is answered "duplicate suppressed".
-    """
+    """Over STARTTLS, dot and QUIT then a write shutdown: the client reads 250 and 221, and the
+    message is relayed and logged (asyncio's own TLS layer closed on the EOF: no reply)."""
     caplog.set_level(logging.INFO, logger="relay.listener")
     relay = await tls_relay(make_relay, sink, pki)
     sink.handler.delay_s = 0.3
-    await asyncio.to_thread(starttls_dot_quit_half_close, relay.port, pki.client_context)
+    tail = await asyncio.to_thread(starttls_dot_quit_half_close, relay.port, pki.client_context)
     assert (await wait_for_decision(caplog)).__dict__["result"] == "relayed"
     assert len(sink.handler.delivered) == 1
+    lines = tail.decode().splitlines()
+    assert [line[:3] for line in lines] == ["250", "221"], tail
 
 
 # ------------------------------------------------------------------------------------------
