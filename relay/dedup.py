@@ -247,7 +247,6 @@ class DedupCore:
         """Relay the fingerprints this attempt reserved, keeping their lease alive while the
         upstream works, then settle them; the settle after a definite reply always completes
         (a shutdown past its grace waits for it) and the client gets that reply."""
-        lease_ends = time.monotonic() + self._policy.lease_s
         progress = DeliveryProgress()
         progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress)
         try:
@@ -258,6 +257,8 @@ class DedupCore:
             await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
                                            time.monotonic() + self._policy.lease_s)
             return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
+        # the lease was renewed while the upstream worked, last at most a third of it ago
+        lease_ends = time.monotonic() + self._policy.lease_s * 2 / 3
         await self._settle(result, first_rcpt, token, lease_ends)
         self._tally_delivery(result, keys, first_rcpt, tally)
         return self._conclude(msg, tally, result)
