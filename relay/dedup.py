@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from relay import replies
+from relay.cancellation import absorb_cancel, run_to_end
 from relay.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.fingerprint import (
     extract_dedup_headers,
@@ -43,7 +44,7 @@ from relay.interfaces import (
     State,
     Upstream,
 )
-from relay.settlement import Settler, run_to_end
+from relay.settlement import Settler
 
 log = logging.getLogger("relay.dedup")
 
@@ -219,7 +220,7 @@ class DedupCore:
             await self._settler.flush(unique_keys)
             reservations = await self._reserve_uncut(unique_keys, token)
         except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
-            _absorb_cancel()
+            absorb_cancel()
             tally = self._all_temp(msg, "refused_temp", replies.CUT_BY_SHUTDOWN)
             return self._conclude(msg, tally, None)
         except StoreError as exc:
@@ -253,7 +254,7 @@ class DedupCore:
             async with self._settler.kept_alive(list(first_rcpt), token):
                 result = await self._deliver(msg, list(first_rcpt.values()), progress)
         except asyncio.CancelledError:  # shutdown past its grace cut the transaction
-            _absorb_cancel()
+            absorb_cancel()
             await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
                                            time.monotonic() + self._policy.lease_s)
             return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
@@ -271,7 +272,7 @@ class DedupCore:
         try:
             return await asyncio.shield(reserving)
         except asyncio.CancelledError:
-            _absorb_cancel()
+            absorb_cancel()
             with contextlib.suppress(StoreError):
                 await run_to_end(reserving)  # a second cut must not skip the release
             await self._settler.release_quietly(keys, token)
@@ -379,7 +380,7 @@ class DedupCore:
         try:
             result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress)
         except asyncio.CancelledError:
-            _absorb_cancel()
+            absorb_cancel()
             reply = replies.OUTCOME_UNKNOWN if progress.dot_written else replies.CUT_BY_SHUTDOWN
             outcome = "unknown" if progress.dot_written else "refused_temp"
             return self._conclude(msg, self._all_temp(msg, outcome, reply), None)
@@ -433,14 +434,6 @@ class DedupCore:
             raise
         self._metrics.store_call("reserve", time.perf_counter() - started, True)
         return out
-
-
-def _absorb_cancel() -> None:
-    """Take back a cancellation the core answers for itself (shutdown past its grace): the
-    task goes on to settle and to give the client a reply that says what happened."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
 
 
 def _as_client_reply(result: RcptResult) -> SmtpReply:

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
 
 from tenacity import (
     AsyncRetrying,
@@ -28,12 +27,12 @@ from tenacity import (
 )
 
 from relay import replies
+from relay.cancellation import run_to_end
 from relay.errors import StoreError
 from relay.interfaces import DeliveryProgress, FingerprintStore, Metrics, Settle, SettleOp
 
 log = logging.getLogger("relay.settlement")
 
-_T = TypeVar("_T")
 
 
 class Settler:
@@ -61,11 +60,8 @@ class Settler:
         meets the same store and answers for it.
         """
         wanted = set(keys)
-        by_token: dict[str, list[SettleOp]] = {}
-        for (key, token), op in self._owed.items():
-            if key in wanted:
-                by_token.setdefault(token, []).append(op)
-        for token, ops in by_token.items():
+        owed = [(token, op) for (key, token), op in self._owed.items() if key in wanted]
+        for token, ops in _by_token(owed).items():
             try:
                 await self._timed_settle(ops, token)
             except StoreError:
@@ -81,11 +77,8 @@ class Settler:
         """Apply settles owed by an earlier run (the journal), one round trip per token; what
         does not land now is retried in the background like any owed settle. Returns what
         did not land. Never raises."""
-        by_token: dict[str, list[SettleOp]] = {}
-        for token, op in owed:
-            by_token.setdefault(token, []).append(op)
         left: list[tuple[str, SettleOp]] = []
-        for token, ops in by_token.items():
+        for token, ops in _by_token(owed).items():
             try:
                 await self._timed_settle(ops, token)
             except StoreError:
@@ -310,17 +303,9 @@ class Settler:
         return None
 
 
-async def run_to_end(work: asyncio.Future[_T]) -> _T:
-    """``work``'s result, waited for even when the caller is cancelled meanwhile (shutdown past
-    its grace): a store write whose outcome the client's reply depends on is never cut half
-    way. The cancellation is absorbed (``uncancel``), so the caller goes on to give the client
-    its reply; ``work`` itself being cancelled is raised as usual."""
-    task = asyncio.current_task()
-    while True:
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            if work.cancelled() or task is None:
-                raise
-            task.uncancel()
-            log.warning("a store write that must complete was asked to stop: finishing it")
+def _by_token(owed: Sequence[tuple[str, SettleOp]]) -> dict[str, list[SettleOp]]:
+    """``(token, op)`` pairs grouped by token: one store round trip per attempt."""
+    grouped: dict[str, list[SettleOp]] = {}
+    for token, op in owed:
+        grouped.setdefault(token, []).append(op)
+    return grouped

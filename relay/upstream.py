@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import aiosmtplib
 
 from relay import replies
+from relay.cancellation import absorb_cancel
 from relay.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -135,13 +136,6 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
         return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
     log.error("upstream answered %d before the final dot: outcome unknown", response.code)
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
-
-
-def _absorb_cancel() -> None:
-    """Take back a cancellation that met a result already in hand (see ``_final_reply``)."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
 
 
 def _lost(exc: Exception) -> RcptResult:
@@ -332,7 +326,7 @@ class SmtpUpstream:
         except asyncio.CancelledError:
             if not reader.done() or reader.cancelled() or reader.exception() is not None:
                 raise
-            _absorb_cancel()
+            absorb_cancel()
             response = reader.result()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             smtp.close()

@@ -23,11 +23,11 @@ from test_dedup_core import (
     one_message,
 )
 
+from relay.cancellation import run_to_end
 from relay.dedup import DedupCore, InboundMessage, Policy
 from relay.errors import StoreError
 from relay.interfaces import DeliveryProgress, DeliveryResult, OutboundMessage, Settle, SettleOp
 from relay.metrics import PrometheusMetrics
-from relay.settlement import run_to_end
 from relay.store_redis import RedisStore
 
 
