@@ -16,6 +16,7 @@ import asyncio
 import atexit
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -117,7 +118,8 @@ class Faults:
     relay's upstream timeout: the relay sees the RFC 1047 case, the message IS delivered).
     ``drop_ratio``: close the connection at the first RCPT (before any data).
     ``slow_s``: every MAIL/RCPT/DATA reply is delayed by up to this many seconds.
-    ``stall_ratio``: a transaction declaring ``SIZE`` of at least ``stall_min_bytes`` gets its
+    ``stall_ratio``: that exact share of the transactions declaring ``SIZE`` of at least
+    ``stall_min_bytes`` (the first of them included) gets its
     ``354`` and then nothing is read from the socket for ``stall_s`` (a stalled link: the
     message backs up in the relay's buffers; the sink's receive buffer is kept small).
     """
@@ -150,6 +152,7 @@ class BenchSink:
         self._plans: dict[int, _Plan] = {}
         self._deck: list[str] = []
         self._hold: tuple[asyncio.Event, float] | None = None
+        self._big = 0  # transactions that declared SIZE >= stall_min_bytes
         self.fates: Counter[str] = Counter()
         self.held_keys: list[str] = []
         log_path.touch()
@@ -181,8 +184,12 @@ class BenchSink:
         """Whether a transaction with these MAIL parameters stalls its link after the 354."""
         f = self.faults
         sizes = [int(o[5:]) for o in options if o.upper().startswith("SIZE=") and o[5:].isdigit()]
-        big = bool(sizes) and sizes[0] >= f.stall_min_bytes
-        return big and f.stall_ratio > 0 and self._rng.random() < f.stall_ratio
+        if not (sizes and sizes[0] >= f.stall_min_bytes and f.stall_ratio > 0):
+            return False
+        # An exact share, first big transaction included (a random draw left a short run
+        # with no stall at all about once in 32).
+        self._big += 1
+        return math.ceil(self._big * f.stall_ratio) > math.ceil((self._big - 1) * f.stall_ratio)
 
     def stall_s(self, envelope: Envelope) -> float:
         """Seconds the link stalls after this transaction's 354 (0: it does not)."""
