@@ -1,5 +1,5 @@
 """``python -m relay``: the same command line as ``dedup-relay``."""
 
-from relay.cli import main
+from relay.cli.group import main
 
 main()

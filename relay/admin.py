@@ -20,17 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay.address import mailbox_problem
 from relay.config import Settings
-from relay.errors import InvalidAddressError
-from relay.fingerprint import (
+from relay.core.address import mailbox_problem
+from relay.core.errors import InvalidAddressError
+from relay.core.fingerprint import (
     DedupHeaders,
     fingerprint,
     normalize_header_value,
     normalize_recipient,
     store_key,
 )
-from relay.interfaces import FingerprintStore, Record, State
+from relay.core.interfaces import FingerprintStore, Record, State
 
 audit = logging.getLogger("relay.audit")
 
@@ -52,8 +52,8 @@ class FingerprintInput:
 def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     """(fingerprint hex, store key) the relay would use for ``given`` under ``settings``.
 
-    Raises :class:`relay.errors.InvalidAddressError` for a recipient the relay refuses,
-    :class:`relay.errors.InvalidDedupKeyError` for a key or template it refuses, and
+    Raises :class:`relay.core.errors.InvalidAddressError` for a recipient the relay refuses,
+    :class:`relay.core.errors.InvalidDedupKeyError` for a key or template it refuses, and
     ``ValueError`` when no key is given (a message without one is never deduplicated) or
     when ``auth_user`` is given but ``scope_by_auth`` is off (it would change nothing).
     """
@@ -125,7 +125,7 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
 
     Raises :class:`InFlightError` (nothing done) when the record is in flight and not
     ``force``. Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS
-    user), the reason and the record released. Raises :class:`relay.errors.StoreError`.
+    user), the reason and the record released. Raises :class:`relay.core.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force)
     deleted = await store.force_release(key, expected=before)
@@ -140,7 +140,7 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
     """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
     found the message delivered, so its retries are duplicates. Returns what it held.
 
-    Raises :class:`InFlightError` as :func:`release`, and :class:`relay.errors.StoreError`.
+    Raises :class:`InFlightError` as :func:`release`, and :class:`relay.core.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force)
     await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",

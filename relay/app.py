@@ -16,24 +16,24 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from relay.access import ConnectionGate, parse_networks
-from relay.auth import CredentialFile, SaslMechanisms
 from relay.config import Settings, redact_url, split_host_port
-from relay.dedup import DedupCore, Policy
-from relay.dsn import DsnSender
-from relay.errors import ConfigError, StartupError, StoreError
-from relay.health import HealthMonitor
-from relay.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
-from relay.interfaces import FingerprintStore, Upstream
-from relay.listener import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
-from relay.metrics import PrometheusMetrics
-from relay.ops_http import OpsServer
-from relay.settle_journal import add_to_journal, read_journal, remove_from_journal
-from relay.store_redis import RedisStore
-from relay.store_sqlite import SqliteStore, sqlite_path_from_url
-from relay.tls import server_context
-from relay.upstream import SmtpUpstream, SmtpUpstreamConfig
-from relay.upstream_maildir import MaildirUpstream
+from relay.core.dedup import DedupCore, Policy
+from relay.core.dsn import DsnSender
+from relay.core.errors import ConfigError, StartupError, StoreError
+from relay.core.interfaces import FingerprintStore, Upstream
+from relay.ops.health import HealthMonitor
+from relay.ops.http import OpsServer
+from relay.ops.metrics import PrometheusMetrics
+from relay.smtp.access import ConnectionGate, parse_networks
+from relay.smtp.auth import CredentialFile, SaslMechanisms
+from relay.smtp.handler import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
+from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
+from relay.smtp.tls import server_context
+from relay.store.journal import add_to_journal, read_journal, remove_from_journal
+from relay.store.redis.store import RedisStore
+from relay.store.sqlite import SqliteStore, sqlite_path_from_url
+from relay.upstream.maildir import MaildirUpstream
+from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 
 log = logging.getLogger("relay.app")
 
@@ -184,7 +184,7 @@ class Relay:
         self.port = self._server.sockets[0].getsockname()[1]
         if s.tls_listen is not None and security.tls_context is not None:
             tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
-            # plain TCP: clients are admitted before their handshake (relay.implicit_tls)
+            # plain TCP: clients are admitted before their handshake (relay.smtp.implicit_tls)
             self._tls_factory = implicit_tls_factory(
                 smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
                 gate=security.gate, proxy_networks=security.proxy_networks,

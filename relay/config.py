@@ -26,7 +26,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from relay.errors import ConfigError
+from relay.core.errors import ConfigError
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
 
@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     """Every setting of the relay (see ``config/dedup-relay.example.toml`` for each one).
 
     Raises pydantic's ValidationError on construction; :func:`load_settings` turns that into
-    :class:`relay.errors.ConfigError` with one readable line per problem.
+    :class:`relay.core.errors.ConfigError` with one readable line per problem.
     """
 
     model_config = SettingsConfigDict(
@@ -188,7 +188,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_header_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         # imported here: only this validator uses it (pure, no I/O)
-        from relay.fingerprint import check_field_names
+        from relay.core.fingerprint import check_field_names
 
         check_field_names(value)  # ValueError names the bad one: non-ASCII, blank, colon
         return value
@@ -229,12 +229,12 @@ class Settings(BaseSettings):
                 "(rediss+ for TLS), got " + repr(value)
             )
         # imported here: only this validator uses it (a pure parser, no I/O library)
-        from relay.store_redis_urls import is_multi_host_url, parse_multi_host_url
+        from relay.store.redis.urls import is_multi_host_url, parse_multi_host_url
 
         if is_multi_host_url(value):
             parse_multi_host_url(value)  # its ValueError names the fault, never the password
         elif value.startswith("sqlite:///"):
-            from relay.store_sqlite import sqlite_path_from_url
+            from relay.store.sqlite import sqlite_path_from_url
 
             sqlite_path_from_url(value)  # "sqlite:///" alone names no file
         else:  # redis:// or rediss://: redis-py would quietly take db 0 for /abc

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relay import replies
+from relay.core import replies
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Envelope address syntax (relay/address.py) and the listener's refusals it drives.
+"""Envelope address syntax (relay/core/address.py) and the listener's refusals it drives.
 
 Found by a probing helper: aiosmtpd took ``RCPT TO:<user>`` (no domain), ``<a..b@x>`` and
 ``<u@[]>`` and the relay passed them upstream, where an MTA may complete ``user`` with its own
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from conftest import RawClient, Sink
 
-from relay import replies
-from relay.address import address_literal_ok, canonical_literal, mailbox_problem
 from relay.app import Relay
+from relay.core import replies
+from relay.core.address import address_literal_ok, canonical_literal, mailbox_problem
 
 
 @pytest.mark.parametrize("path", [

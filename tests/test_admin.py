@@ -13,7 +13,7 @@ import pytest
 from conftest import REDIS_URL, delete_prefix, maildir_files, message
 from test_cli import run_cli, serve, smtp_send
 
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 
 __all__ = ["serve"]  # the fixture, imported from test_cli
 

@@ -23,12 +23,13 @@ from aiosmtpd.smtp import SMTP, AuthResult
 from conftest import RawClient
 from prometheus_client import CollectorRegistry
 
-from relay import auth, replies
-from relay.access import ConnectionGate, parse_networks
-from relay.auth import CredentialFile, SaslMechanisms, format_entry, hash_password
-from relay.errors import ConfigError
-from relay.metrics import PrometheusMetrics
-from relay.smtp_session import RelaySMTP
+from relay.core import replies
+from relay.core.errors import ConfigError
+from relay.ops.metrics import PrometheusMetrics
+from relay.smtp import auth
+from relay.smtp.access import ConnectionGate, parse_networks
+from relay.smtp.auth import CredentialFile, SaslMechanisms, format_entry, hash_password
+from relay.smtp.session import RelaySMTP
 
 USER = "user@example.com"
 PASSWORD = "pass"
@@ -617,7 +618,7 @@ async def test_logs_hold_no_password_or_blob(client: RawClient,
         text = record.getMessage() + " " + repr(vars(record))
         for secret in ("Hunter2-wrong", wrong_blob, b64(PASSWORD), "'pass'"):
             assert secret not in text, record.name
-        if USER in text and record.name == "relay.auth":
+        if USER in text and record.name == "relay.smtp.auth":
             assert record.levelno == logging.DEBUG
 
 

@@ -30,9 +30,9 @@ from test_cases_wire import (
     transaction,
 )
 
-from relay import replies
 from relay.app import Relay
-from relay.interfaces import State
+from relay.core import replies
+from relay.core.interfaces import State
 
 # ------------------------------------------------------------------------------------------
 # helpers

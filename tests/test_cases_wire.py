@@ -20,10 +20,10 @@ import pytest
 import redis.asyncio as aredis
 from conftest import Delivered, MakeRelay, RawClient, Sink, send, start_sink
 
-from relay import replies
 from relay.app import Relay
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.interfaces import SmtpReply, State
+from relay.core import replies
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import SmtpReply, State
 
 RCPT = "user@example.net"
 

@@ -12,12 +12,12 @@ import redis.asyncio as aredis
 from conftest import REDIS_URL, delete_prefix, message
 from prometheus_client import CollectorRegistry
 
-from relay import replies
 from relay.app import build_policy
 from relay.config import Settings
-from relay.dedup import DedupCore, InboundMessage, Policy, _iso
-from relay.errors import StoreError
-from relay.interfaces import (
+from relay.core import replies
+from relay.core.dedup import DedupCore, InboundMessage, Policy, _iso
+from relay.core.errors import StoreError
+from relay.core.interfaces import (
     DeliveryProgress,
     DeliveryResult,
     OutboundMessage,
@@ -29,8 +29,8 @@ from relay.interfaces import (
     SmtpReply,
     State,
 )
-from relay.metrics import PrometheusMetrics
-from relay.store_redis import RedisStore
+from relay.ops.metrics import PrometheusMetrics
+from relay.store.redis.store import RedisStore
 
 
 class LandsThenTimesOut(RedisStore):
@@ -334,7 +334,7 @@ async def test_a_failed_reserve_is_logged_with_the_store_down_policy(
     """A reserve the store refuses logs an ERROR naming the error and store_down policy."""
     store = ReserveDown.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix)
-    with caplog.at_level(logging.INFO, logger="relay.dedup"):
+    with caplog.at_level(logging.INFO, logger="relay.core.dedup"):
         assert (await core.process(one_message())).reply == replies.STORE_DOWN
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith("store reserve failed")
                and "store_down=fail_closed" in r.getMessage() for r in caplog.records)
@@ -434,7 +434,7 @@ async def test_relaying_again_a_message_in_doubt_is_logged(
     [key] = core._keys(["user@example.net"], "welcome", "K-1", None).values()
     await store.reserve([key], token="earlier", lease_s=30)
     await store.settle([SettleOp(key, Settle.UNKNOWN)], token="earlier", window_s=3600)
-    with caplog.at_level(logging.INFO, logger="relay.dedup"):
+    with caplog.at_level(logging.INFO, logger="relay.core.dedup"):
         assert (await core.process(one_message())).reply.code == 250
     [record] = [r for r in caplog.records if r.getMessage().startswith(
         "relaying again although an earlier attempt is in doubt")]

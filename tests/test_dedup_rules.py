@@ -17,9 +17,9 @@ import redis.asyncio as aredis
 from conftest import MakeRelay, Sink, message, send
 from test_cases_wire import key_of
 
-from relay import replies
 from relay.app import Relay
-from relay.interfaces import State
+from relay.core import replies
+from relay.core.interfaces import State
 
 A, B = "a@example.net", "b@example.net"
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import Delivered, MakeRelay, Sink, message, send
 
 from relay.app import Relay
-from relay.dsn import build_dsn
-from relay.interfaces import NonDelivery, RcptResult, RcptStatus, SmtpReply
+from relay.core.dsn import build_dsn
+from relay.core.interfaces import NonDelivery, RcptResult, RcptStatus, SmtpReply
 
 SENDER = "app@example.com"
 RCPTS = ["a@example.net", "b@example.net"]
@@ -134,11 +134,11 @@ async def test_dsn_the_upstream_refuses_is_logged_and_counted(
     """A DSN the upstream refuses is logged at ERROR and counted failed; the client saw 250."""
     refuse_b(sink)
     sink.handler.rcpt_plan[SENDER] = deque(["550 5.1.1 No such sender mailbox"])
-    with caplog.at_level(logging.ERROR, logger="relay.dsn"):
+    with caplog.at_level(logging.ERROR, logger="relay.core.dsn"):
         assert (await send(relay.port, RCPTS, message(), mail_from=SENDER)).code == 250
         await relay.stop()
     assert dsn_count(relay, "failed") == 1.0 and dsn_count(relay, "sent") == 0.0
-    assert any("5.1.1" in r.getMessage() for r in caplog.records if r.name == "relay.dsn")
+    assert any("5.1.1" in r.getMessage() for r in caplog.records if r.name == "relay.core.dsn")
     assert len(sink.handler.delivered) == 1
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of relay.fingerprint: header lookup, normalization and hashing (DESIGN section 2).
+"""relay.core.fingerprint: header lookup, normalization and hashing (DESIGN section 2).
 
 Case numbers refer to /work/shared/cases (contract N1-N5 in its INDEX).
 """
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.errors import InvalidAddressError, InvalidDedupKeyError
-from relay.fingerprint import (
+from relay.core.errors import InvalidAddressError, InvalidDedupKeyError
+from relay.core.fingerprint import (
     DedupHeaders,
     ascii_address,
     check_field_names,

@@ -8,7 +8,7 @@ octets, leading dots, empty bodies, messages without the empty line, random bina
 resends of earlier messages (the same bytes, or the same headers with a new body).
 
 The client dot-stuffs every line (RFC 5321 section 4.5.2) and ends with CRLF.CRLF. For each
-message the test predicts the reply from the contract, with relay.fingerprint as the
+message the test predicts the reply from the contract, with relay.core.fingerprint as the
 fingerprint oracle and the sink's record as the history of what was delivered, and checks the
 reply, what reached the sink, and that the session still answers. Discrepancies are collected
 and reported together at the end, so one run shows every one of them.
@@ -26,10 +26,15 @@ import pytest
 import redis.asyncio as aredis
 from conftest import Delivered, MakeRelay, RawClient, Sink
 
-from relay import replies
 from relay.app import Relay
-from relay.errors import InvalidDedupKeyError
-from relay.fingerprint import DedupHeaders, extract_dedup_headers, fingerprint, normalize_recipient
+from relay.core import replies
+from relay.core.errors import InvalidDedupKeyError
+from relay.core.fingerprint import (
+    DedupHeaders,
+    extract_dedup_headers,
+    fingerprint,
+    normalize_recipient,
+)
 
 SEED = 20240917
 MESSAGES = 150

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import RawClient, Sink
 
-from relay import replies
 from relay.app import Relay
+from relay.core import replies
 
 
 @pytest.mark.parametrize(("command", "reply"), [

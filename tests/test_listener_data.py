@@ -21,8 +21,8 @@ from test_cli import smtp_send, start_relay, wait_for_port
 from test_security import Pki, tls_relay
 from test_security import pki as pki  # the module-scoped fixture, shared
 
-from relay import replies
 from relay.app import Relay
+from relay.core import replies
 
 ENVELOPE = ("EHLO client.test", "MAIL FROM:<app@example.com>", "RCPT TO:<user@example.net>")
 
@@ -44,7 +44,7 @@ async def read_to_eof(client: RawClient, wait_s: float = 15.0) -> list[str]:
 
 def decision_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     """The listener's ``message`` decision lines captured so far."""
-    return [r for r in caplog.records if r.name == "relay.listener" and r.msg == "message"]
+    return [r for r in caplog.records if r.name == "relay.smtp.handler" and r.msg == "message"]
 
 
 async def wait_for_decision(caplog: pytest.LogCaptureFixture,
@@ -67,7 +67,7 @@ async def wait_for_decision(caplog: pytest.LogCaptureFixture,
 async def test_decision_is_logged_when_the_client_hangs_up_after_the_dot(
         relay: Relay, sink: Sink, caplog: pytest.LogCaptureFixture, hang_up: str) -> None:
     """A client gone right after the final dot still gets its message logged with a queue_id."""
-    caplog.set_level(logging.INFO, logger="relay.listener")
+    caplog.set_level(logging.INFO, logger="relay.smtp.handler")
     sink.handler.delay_s = 0.5  # the client is gone while the upstream works
     client = await open_data(relay.port)
     await client.write(message(key="HANGUP-1") + b".\r\n")
@@ -91,7 +91,7 @@ async def test_decision_is_logged_when_the_client_hangs_up_after_the_dot(
 async def test_half_closed_client_reads_the_dot_reply_and_221(
         relay: Relay, sink: Sink, caplog: pytest.LogCaptureFixture) -> None:
     """The final dot and QUIT sent with a write shutdown are answered 250 then 221, in order."""
-    caplog.set_level(logging.INFO, logger="relay.listener")
+    caplog.set_level(logging.INFO, logger="relay.smtp.handler")
     sink.handler.delay_s = 0.3
     client = await open_data(relay.port)
     client.writer.write(message(key="HALF-1") + b".\r\nQUIT\r\n")
@@ -158,7 +158,7 @@ async def test_half_closed_tls_client_reads_the_dot_reply_and_221(
         make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
     """Over STARTTLS, dot and QUIT then a write shutdown: the client reads 250 and 221, and the
     message is relayed and logged (asyncio's own TLS layer closed on the EOF: no reply)."""
-    caplog.set_level(logging.INFO, logger="relay.listener")
+    caplog.set_level(logging.INFO, logger="relay.smtp.handler")
     relay = await tls_relay(make_relay, sink, pki)
     sink.handler.delay_s = 0.3
     tail = await asyncio.to_thread(starttls_dot_quit_half_close, relay.port, pki.client_context)

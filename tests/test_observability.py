@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.logfmt import TextFormatter
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.ops.logs import TextFormatter
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "grafana" / "dashboards" / "dedup-relay.json"
@@ -178,11 +178,11 @@ async def test_one_json_decision_line_per_message(
     observed: Relay, sink: Sink, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each message logs one structured decision: outcomes, upstream queue id, latency."""
-    caplog.set_level(logging.INFO, logger="relay.listener")
+    caplog.set_level(logging.INFO, logger="relay.smtp.handler")
     sink.handler.data_plan.append("250 2.0.0 Ok: queued as ABC123")
     await send(observed.port, ["john.doe@example.net"], message(key="LOG-1"))
     await send(observed.port, ["john.doe@example.net"], message(key="LOG-1"))
-    records = [r for r in caplog.records if r.name == "relay.listener" and r.msg == "message"]
+    records = [r for r in caplog.records if r.name == "relay.smtp.handler" and r.msg == "message"]
     assert len(records) == 2
     line = json.loads(JsonFormatter().format(records[0]))
     assert line["result"] == "relayed"
@@ -269,7 +269,7 @@ async def test_content_refused_by_the_listener_is_counted_invalid(observed: Rela
 
 async def test_maildir_readiness_fails_for_a_plain_file(tmp_path: Path) -> None:
     """--upstream maildir:FILE: readiness says upstream down (deliveries would all fail)."""
-    from relay.upstream_maildir import MaildirUpstream
+    from relay.upstream.maildir import MaildirUpstream
 
     (tmp_path / "afile").write_text("not a directory")
     with pytest.raises(ConnectionError, match=r"not a Maildir|Not a directory"):

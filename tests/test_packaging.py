@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from relay.cli import main as cli_main
+from relay.cli.group import main as cli_main
 from relay.config import Settings, split_host_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.errors import InvalidAddressError, InvalidDedupKeyError
-from relay.fingerprint import (
+from relay.core.errors import InvalidAddressError, InvalidDedupKeyError
+from relay.core.fingerprint import (
     DedupHeaders,
     ascii_address,
     extract_dedup_headers,
@@ -29,7 +29,7 @@ from relay.fingerprint import (
     normalize_header_value,
     normalize_recipient,
 )
-from relay.smtp_session import check_path_argument
+from relay.smtp.session import check_path_argument
 
 BOUNDED = settings(max_examples=200, deadline=None)
 

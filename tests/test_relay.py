@@ -7,11 +7,11 @@ from collections import deque
 
 from conftest import MakeRelay, PrivateRedis, Sink, message, send
 
-from relay import replies
 from relay.app import Relay
-from relay.dedup import Policy
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.interfaces import State
+from relay.core import replies
+from relay.core.dedup import Policy
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import State
 
 
 def key_of(relay: Relay, rcpt: str, template: str = "welcome", key: str = "K-1") -> str:

@@ -20,8 +20,8 @@ import pytest
 import trustme
 from conftest import MakeRelay, RawClient, Sink, message
 
-from relay import replies
 from relay.app import Relay
+from relay.core import replies
 
 USER, PASSWORD = "user@example.com", "pass"
 PLAIN = base64.b64encode(f"\0{USER}\0{PASSWORD}".encode()).decode()
@@ -312,7 +312,7 @@ async def test_scope_by_auth_keeps_tenants_apart(
     """Two applications (AUTH identities) use the same key for the same recipient: with
     scope_by_auth each is delivered and each one's retry suppressed; without it the second
     application's message would be taken for a duplicate of the first's (DESIGN section 2)."""
-    from relay.auth import format_entry, hash_password
+    from relay.smtp.auth import format_entry, hash_password
 
     users = ["billing@example.com", "shop@example.com"]
     creds = tmp_path / "users"

@@ -1,12 +1,12 @@
-"""The settle journal file (relay/settle_journal.py): several relays started from one directory
+"""The settle journal file (relay/store/journal.py): several relays started from one directory
 share it, so no change may drop another relay's lines."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from relay.interfaces import Settle, SettleOp
-from relay.settle_journal import add_to_journal, read_journal, remove_from_journal
+from relay.core.interfaces import Settle, SettleOp
+from relay.store.journal import add_to_journal, read_journal, remove_from_journal
 
 STORE = "redis://127.0.0.1:6379/0 prefix=email:fp:"
 

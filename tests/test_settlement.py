@@ -1,4 +1,4 @@
-"""Settlement bookkeeping (relay/settlement.py; issue 8 item 22): what is owed, what is counted,
+"""Settlement bookkeeping (core/settlement.py; issue 8 item 22): what is owed, what is counted,
 what is logged and measured, and that shutdown's cancellation is not swallowed.
 
 Real Redis under a RedisStore subclass whose settles fail on demand (a store hiccup a real
@@ -23,12 +23,18 @@ from test_dedup_core import (
     one_message,
 )
 
-from relay.cancellation import run_to_end
-from relay.dedup import DedupCore, InboundMessage, Policy
-from relay.errors import StoreError
-from relay.interfaces import DeliveryProgress, DeliveryResult, OutboundMessage, Settle, SettleOp
-from relay.metrics import PrometheusMetrics
-from relay.store_redis import RedisStore
+from relay.core.cancellation import run_to_end
+from relay.core.dedup import DedupCore, InboundMessage, Policy
+from relay.core.errors import StoreError
+from relay.core.interfaces import (
+    DeliveryProgress,
+    DeliveryResult,
+    OutboundMessage,
+    Settle,
+    SettleOp,
+)
+from relay.ops.metrics import PrometheusMetrics
+from relay.store.redis.store import RedisStore
 
 
 @pytest.fixture
@@ -215,7 +221,7 @@ async def test_a_settle_deferred_to_the_background_is_logged_when_deferred_and_w
     store = SettleFailsFirst.from_url(REDIS_URL)
     store.failures = 3  # the quick tries; the first background try lands
     core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
         await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
     texts = [r.getMessage() for r in caplog.records]
@@ -308,7 +314,7 @@ async def test_a_sent_mark_that_finds_the_key_taken_is_logged(
     still the upstream's 250."""
     store = KeyTakenBefore.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
     assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
         "settle sent not applied: the key no longer holds") for r in caplog.records)
@@ -322,7 +328,7 @@ async def test_a_reservation_lost_before_the_dot_is_logged(
     store = KeyTakenBefore.from_url(REDIS_URL)
     store.action = Settle.SENDING
     core = make_core(store, CountingUpstream(), prefix)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         await core.process(one_message())
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
         "a reservation is no longer ours before the final dot") for r in caplog.records)
@@ -336,7 +342,7 @@ async def test_an_owed_settle_paid_by_a_retrys_flush_is_logged(
     core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
     assert (await core.process(one_message())).reply.code == 250
     store.down = False
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         await core.process(one_message())
     assert "settle owed on 1 key(s) landed before a retry's reserve" in [
         r.getMessage() for r in caplog.records]
@@ -349,7 +355,7 @@ async def test_a_transaction_cut_before_the_dot_is_logged_as_released(
     """Shutdown cutting a transaction before its dot logs a WARNING that it was released."""
     store = RedisStore.from_url(REDIS_URL)
     core = make_core(store, HangingUpstream(), prefix)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         task = asyncio.create_task(core.process(one_message()))
         await asyncio.sleep(0.3)
         task.cancel()
@@ -386,7 +392,7 @@ async def test_a_renewal_that_finds_the_key_taken_is_logged(
     """A renewal the key no longer accepts, while the upstream works, logs an ERROR."""
     store = RenewFindsKeysGone.from_url(REDIS_URL)
     core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         await core.process(one_message())
     assert "1 reservation(s) no longer this attempt's while it works" in [
         r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -422,7 +428,7 @@ async def test_a_settle_given_up_after_the_window_is_logged(
     core = DedupCore(store=store, upstream=CountingUpstream(),
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
                      policy=Policy(key_prefix=prefix, lease_s=30.0, window_s=0.5))
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
         await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
     assert "settle never landed within the dedup window: given up" in [
@@ -435,7 +441,7 @@ async def test_a_settle_still_owed_at_shutdown_is_logged_for_the_journal(
     """Cancelling a background settle (shutdown) logs an ERROR: left for the settle journal."""
     store = SettleDown.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
         await stop_background(core.background)
     assert "settle still owed at shutdown: left for the settle journal" in [
@@ -456,7 +462,7 @@ async def test_a_failed_renewal_is_logged_and_tried_again(
     still relayed."""
     store = RenewDown.from_url(REDIS_URL)
     core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
     assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
         "cannot renew 1 reservation(s)") for r in caplog.records)
@@ -540,7 +546,7 @@ async def test_a_sending_mark_the_store_refuses_is_logged(
     """A SENDING mark the store refuses stops the dot and logs an ERROR: not sending."""
     store = SendingDown.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix)
-    with caplog.at_level(logging.INFO, logger="relay.settlement"):
+    with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         await core.process(one_message())
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
         "cannot mark SENDING before the final dot") for r in caplog.records)

@@ -9,9 +9,9 @@ from pathlib import Path
 from conftest import MakeRelay, RawClient, Sink, free_port, message, send
 from test_cli import start_relay, wait_for_port
 
-from relay import replies
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.interfaces import State
+from relay.core import replies
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import State
 
 
 def key_for(prefix: str, rcpt: str = "user@example.net") -> str:
@@ -88,7 +88,7 @@ async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -
 
 async def _inspect_after_stop(url: str, key: str) -> State:
     """The key's state, read with a fresh store (the relay's own is closed)."""
-    from relay.store_redis import RedisStore
+    from relay.store.redis.store import RedisStore
 
     store = RedisStore.from_url(url)
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.store_sqlite import SqliteStore
+from relay.store.sqlite import SqliteStore
 
 LEASE_S = 60.0
 

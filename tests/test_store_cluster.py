@@ -35,11 +35,11 @@ from redis_servers import (
     wait_for,
 )
 
-from relay.errors import StoreError
-from relay.interfaces import Settle, SettleOp, State
-from relay.store_redis import RedisStore
-from relay.store_redis_clients import open_client
-from relay.store_redis_urls import MultiHostUrl, parse_multi_host_url
+from relay.core.errors import StoreError
+from relay.core.interfaces import Settle, SettleOp, State
+from relay.store.redis.clients import open_client
+from relay.store.redis.store import RedisStore
+from relay.store.redis.urls import MultiHostUrl, parse_multi_host_url
 
 OP_TIMEOUT_S = 1.0  # the stores' operation timeout in this module
 SLACK_S = 0.5  # how much later than OP_TIMEOUT_S a failing call may return

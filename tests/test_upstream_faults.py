@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 from conftest import MakeRelay, message, send
 
-from relay import replies
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.interfaces import State
+from relay.core import replies
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import State
 
 
 @dataclass

@@ -21,11 +21,11 @@ import pytest
 import trustme
 from conftest import MakeRelay, message, send
 
-from relay import replies
 from relay.app import Relay
-from relay.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.interfaces import State
-from relay.store_redis import RedisStore
+from relay.core import replies
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import State
+from relay.store.redis.store import RedisStore
 
 TERMINATOR = b"\r\n.\r\n"
 RCVBUF_BYTES = 64 * 1024  # fixed, so the kernel does not grow it to tens of MB on loopback

@@ -1,0 +1,237 @@
+"""Admin commands: ``dedup-relay fingerprint``, ``inspect``, ``release`` and ``mark-sent``
+(DESIGN section 6).
+
+They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``), so the
+key they compute is the one the relay uses; the upstream is not needed. ``--store-key`` must
+start with the relay's ``store_prefix`` (a store shared with an application holds its keys
+too). Exit codes: 0 done, 1 nothing there (inspect: absent; release: nothing deleted), 2 bad
+input or configuration, 3 the store failed, 4 refused: the record is in flight (``--force``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from relay.admin import (
+    FingerprintInput,
+    InFlightError,
+    describe,
+    key_for,
+    mark_sent,
+    release,
+)
+from relay.config import (
+    DEFAULT_STORE_URL,
+    AdminSettings,
+    Settings,
+    load_settings,
+    unknown_env_vars,
+)
+from relay.core.errors import ConfigError, InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.core.interfaces import FingerprintStore, State
+from relay.ops.logs import setup_logging
+from relay.store.sqlite import sqlite_path_from_url
+
+_T = TypeVar("_T")
+
+
+def _store_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--store", default=None,
+                        help=f"store URL, as for serve [{DEFAULT_STORE_URL}]")(func)
+    return click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="RELAY_CONFIG", default=None, help="TOML settings file (env RELAY_CONFIG)",
+    )(func)
+
+
+def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--rcpt", help="envelope recipient (RCPT TO address)"),
+        click.option("--template", "templates", multiple=True,
+                     help="X-Template value (repeat for several occurrences)"),
+        click.option("--key", "keys", multiple=True,
+                     help="X-Dedupe-Key value (repeat for several occurrences)"),
+        click.option("--auth-user", help="the sender's AUTH identity (with scope_by_auth)"),
+        click.option("--store-key", help="the store key itself (instead of --rcpt/--key)"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    click.echo(f"dedup-relay: {message}", err=True)
+    sys.exit(code)
+
+
+def _settings(config_file: Path | None, store: str | None) -> Settings:
+    for name in unknown_env_vars(os.environ):
+        click.echo(f"dedup-relay: warning: {name} is not a setting and is ignored", err=True)
+    try:
+        return load_settings({"store": store}, config_file, base=AdminSettings)
+    except ConfigError as exc:
+        _fail(2, f"invalid configuration:\n{exc}")
+
+
+def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+                  keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
+    if store_key is not None:
+        if rcpt is not None or keys or templates or auth_user:
+            _fail(2, "give either --store-key or --rcpt/--template/--key, not both")
+        if not store_key.startswith(settings.store_prefix):
+            _fail(2, f"{store_key!r} is no fingerprint of this relay: its keys start with "
+                     f"{settings.store_prefix!r} (store_prefix)")
+        return store_key
+    if rcpt is None or not keys:
+        _fail(2, "give --rcpt and --key (and --template when the message has one), "
+                 "or --store-key")
+    return _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
+                                                auth_user=auth_user))[1]
+
+
+def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
+    """:func:`relay.admin.key_for`, exiting 2 with its reason for input the relay refuses."""
+    try:
+        return key_for(settings, given)
+    except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
+        _fail(2, str(exc))
+
+
+def register(main: click.Group) -> None:
+    """Add the admin commands to the ``dedup-relay`` group."""
+
+    @main.command("fingerprint")
+    @_store_options
+    @click.option("--rcpt", required=True, help="envelope recipient (RCPT TO address)")
+    @click.option("--template", "templates", multiple=True,
+                  help="X-Template value (repeat for several occurrences)")
+    @click.option("--key", "keys", multiple=True, required=True,
+                  help="X-Dedupe-Key value (repeat for several occurrences)")
+    @click.option("--auth-user", help="the sender's AUTH identity (with scope_by_auth)")
+    def fingerprint_command(config_file: Path | None, store: str | None, rcpt: str,
+                            templates: tuple[str, ...], keys: tuple[str, ...],
+                            auth_user: str | None) -> None:
+        """Print the fingerprint and store key the relay uses for one recipient."""
+        settings = _settings(config_file, store)
+        fp, key = _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates,
+                                                       keys=keys, auth_user=auth_user))
+        click.echo(json.dumps({"fingerprint": fp, "key": key}))
+
+    @main.command("inspect")
+    @_store_options
+    @_selection_options
+    def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
+                        templates: tuple[str, ...], keys: tuple[str, ...],
+                        auth_user: str | None, store_key: str | None) -> None:
+        """Print what the store holds for a fingerprint (exit 1 when nothing)."""
+        settings = _settings(config_file, store)
+        _quiet_logging("text")
+        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+        record = _run_on_store(settings, lambda store: store.inspect(key))
+        click.echo(json.dumps(describe(key, record, settings.lease)))
+        if record.state is State.ABSENT:
+            sys.exit(1)
+
+    @main.command("release")
+    @_store_options
+    @_selection_options
+    @_decision_options
+    def release_command(config_file: Path | None, store: str | None, rcpt: str | None,
+                        templates: tuple[str, ...], keys: tuple[str, ...],
+                        auth_user: str | None, store_key: str | None, reason: str,
+                        force: bool, log_format: str) -> None:
+        """Delete a fingerprint, so the next attempt is relayed (audited)."""
+        settings, key = _decision_setup(config_file, store, rcpt, templates, keys, auth_user,
+                                        store_key, reason, log_format)
+        before, deleted = _run_on_store(settings, lambda store: release(
+            store, key, reason=reason, lease_s=settings.lease, force=force))
+        click.echo(json.dumps({"released": deleted,
+                               "previous": describe(key, before, settings.lease)}))
+        if not deleted:
+            sys.exit(1)
+
+    @main.command("mark-sent")
+    @_store_options
+    @_selection_options
+    @_decision_options
+    def mark_sent_command(config_file: Path | None, store: str | None, rcpt: str | None,
+                          templates: tuple[str, ...], keys: tuple[str, ...],
+                          auth_user: str | None, store_key: str | None, reason: str,
+                          force: bool, log_format: str) -> None:
+        """Record a fingerprint as SENT for the dedup window: the upstream did deliver it, so
+        retries are duplicates (audited)."""
+        settings, key = _decision_setup(config_file, store, rcpt, templates, keys, auth_user,
+                                        store_key, reason, log_format)
+        before = _run_on_store(settings, lambda store: mark_sent(
+            store, key, reason=reason, lease_s=settings.lease, window_s=settings.dedup_window,
+            force=force))
+        click.echo(json.dumps({"marked_sent": True,
+                               "previous": describe(key, before, settings.lease)}))
+
+
+def _decision_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--reason", required=True,
+                     help="why (kept in the audit line, e.g. 'upstream log: not delivered')"),
+        click.option("--force", is_flag=True,
+                     help="act on a record that is in flight (PENDING, or SENDING within the "
+                          "lease): its attempt may still deliver, so this can send twice"),
+        click.option("--log-format", type=click.Choice(["json", "text"]), default="json",
+                     show_default=True, help="format of the audit line on stderr"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _decision_setup(config_file: Path | None, store: str | None, rcpt: str | None,
+                    templates: tuple[str, ...], keys: tuple[str, ...], auth_user: str | None,
+                    store_key: str | None, reason: str, log_format: str) -> tuple[Settings, str]:
+    """Settings, logging and the selected key of a release / mark-sent; exits 2 on bad input."""
+    settings = _settings(config_file, store)
+    if not reason.strip():
+        _fail(2, "--reason must say why (it goes into the audit line)")
+    _quiet_logging(log_format)
+    logging.getLogger("relay.audit").setLevel(logging.INFO)
+    return settings, _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+
+
+def _quiet_logging(log_format: str) -> None:
+    """Only errors from the store's start-up checks: a command's output is its answer."""
+    setup_logging("ERROR", log_format)
+
+
+def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]]) -> _T:
+    """Open the relay's store, run ``action`` on it, close it; exit 3 when the store fails."""
+
+    if settings.store.startswith("sqlite:///"):
+        path = Path(sqlite_path_from_url(settings.store))
+        if not path.is_file():  # opening would create an empty one and report "absent"
+            _fail(2, f"no database at {path}: run where the relay runs, or pass --store")
+
+    async def run() -> _T:
+        from relay.app import build_store  # the relay's own store factory, imported when needed
+
+        store = await build_store(settings)
+        try:
+            return await action(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except StoreError as exc:
+        _fail(3, f"store failed: {exc}")
+    except InFlightError as exc:
+        _fail(4, f"refused: {exc}")
+    except ConfigError as exc:  # e.g. a Redis database number the server does not have
+        _fail(2, f"invalid configuration:\n{exc}")

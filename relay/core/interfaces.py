@@ -1,0 +1,359 @@
+"""Protocols and frozen value types shared by the dedup core and its adapters.
+
+The core (:mod:`relay.core.dedup`) depends only on what is defined here; the concrete store
+(:mod:`relay.store.redis.store`, :mod:`relay.store.sqlite`), upstream (:mod:`relay.upstream.smtp`,
+:mod:`relay.upstream.maildir`) and metrics (:mod:`relay.ops.metrics`) implement these Protocols and
+are wired together in :mod:`relay.app` only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+
+class State(enum.Enum):
+    """State of one fingerprint in the store (DESIGN section 3)."""
+
+    ABSENT = "absent"
+    PENDING = "pending"
+    SENDING = "sending"  # final dot going out: outlives a crash of its attempt as UNKNOWN
+    SENT = "sent"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the store holds for one key.
+
+    ``token`` is set for PENDING and SENDING only. ``at`` is the unix time in seconds of the send
+    (SENT), of the in-doubt attempt (UNKNOWN) or of the final dot going out (SENDING); ``None``
+    when unknown (a foreign value such as ``1``, which counts as SENT). ``reply`` is the
+    upstream's reply text kept with SENT. ``ttl_s`` is the remaining lifetime in seconds,
+    ``None`` when the store cannot tell; ``age_s`` how long ago ``at`` was by the store's own
+    clock (what decides whether a SENDING record is in doubt), ``None`` when not known.
+    ``lease_s`` is, for SENDING, the lease of the attempt that wrote it: the record is in doubt
+    once that long passed without a heartbeat, whatever lease the reader is configured with
+    (relays with different leases may share a store during a configuration change).
+    """
+
+    state: State
+    token: str | None = None
+    at: float | None = None
+    reply: str | None = None
+    ttl_s: float | None = None
+    age_s: float | None = None  # seconds since ``at`` by the store's clock when it was read
+    lease_s: float | None = None  # SENDING: the lease of the attempt that wrote it
+    # the value as stored, for a compare-and-delete (None where the store has no single value)
+    raw: bytes | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Result of reserving one store key.
+
+    ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
+    record that was already there (PENDING of another attempt, SENT or UNKNOWN). Both are set
+    when a reserve with ``resend_unknown`` replaced a record in doubt (``found`` is UNKNOWN).
+    A SENDING record is reported as PENDING while its last heartbeat (the SENDING mark or a
+    renewal, by the store's clock) is younger than the lease (its attempt is waiting for the
+    upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
+    """
+
+    key: str
+    reserved: bool
+    found: Record | None = None
+
+
+class Settle(enum.Enum):
+    """How to settle a reservation after the upstream transaction (DESIGN section 4)."""
+
+    SENDING = "sending"  # PENDING(token) -> SENDING(token, now), TTL = dedup window
+    SENT = "sent"  # PENDING|SENDING(token) -> SENT(now, reply), TTL = dedup window
+    UNKNOWN = "unknown"  # PENDING|SENDING(token) -> UNKNOWN(now), TTL = dedup window
+    RELEASE = "release"  # PENDING|SENDING(token) -> absent
+
+
+@dataclass(frozen=True)
+class SettleOp:
+    """One settlement: ``key`` is the full store key, ``reply`` the upstream reply for SENT."""
+
+    key: str
+    action: Settle
+    reply: str = ""
+    lease_s: float = 0.0  # SENDING only: the attempt's lease, kept in the record (see Record);
+    # 0: none kept, readers judge the record by their own lease
+
+
+class FingerprintStore(Protocol):
+    """Atomic per-key state machine: absent -> PENDING -> SENT | UNKNOWN | absent.
+
+    Every transition is atomic on one key and compares the attempt's token first, so a
+    reservation whose lease ran out and was taken by another attempt is never overwritten.
+    All methods raise :class:`relay.core.errors.StoreError` on any failure or timeout.
+    """
+
+    async def reserve(
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+    ) -> list[Reservation]:
+        """Create ``PENDING(token)`` with TTL ``lease_s`` seconds for every absent key.
+
+        All keys go in one round trip; the result has one :class:`Reservation` per key, in order.
+        A value the store does not recognise is reported as SENT. With ``resend_unknown``
+        (``unknown_policy = send``) a record in doubt (UNKNOWN, or SENDING older than the lease)
+        is replaced by ``PENDING(token)`` in the same atomic step: ``reserved=True`` and
+        ``found`` is the UNKNOWN record. Raises :class:`relay.core.errors.StoreError`.
+        """
+        ...
+
+    async def settle(
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
+    ) -> list[bool]:
+        """Apply every settlement in one round trip, each only if the key holds ``PENDING(token)``
+        or ``SENDING(token)`` (a SENDING action on SENDING(token) is a retry: applied again).
+
+        ``window_s`` is the dedup window in seconds (TTL of SENT and UNKNOWN). Every time
+        recorded (SENDING, SENT, UNKNOWN) is the store's own clock, never the relay's, so that
+        relays whose clocks disagree still agree on a record's age. Returns, per op, whether
+        the token matched and the transition was applied.
+        """
+        ...
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep an attempt that is still working alive, in one round trip: ``PENDING(token)``
+        lives ``lease_s`` seconds from now again; ``SENDING(token)`` gets the store's now as
+        its heartbeat (a SENDING record not renewed for a lease reads as in doubt). Returns,
+        per key, whether it was still this attempt's. Raises :class:`relay.core.errors.StoreError`.
+        """
+        ...
+
+    async def inspect(self, key: str) -> Record:
+        """Return the record under ``key`` (``State.ABSENT`` when there is none)."""
+        ...
+
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
+        """Delete ``key`` (operator action); True when something was deleted.
+
+        With ``expected`` (what :meth:`inspect` returned) only while the key still holds that
+        record, in one atomic step: an attempt that took the key over since the operator looked
+        is never wiped (DESIGN section 3: no unconditional delete of a live record).
+        """
+        ...
+
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds whatever it
+        holds (operator action: an in-doubt message the upstream's log shows delivered).
+        Raises :class:`relay.core.errors.StoreError`."""
+        ...
+
+    async def ping(self) -> None:
+        """Check that the store answers; raise StoreError when it does not."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and file handles."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SmtpReply:
+    """An SMTP reply: three-digit ``code`` and ``text`` (which may start with an RFC 3463 code)."""
+
+    code: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.text}".rstrip()
+
+
+@dataclass(frozen=True)
+class OutboundMessage:
+    """One upstream transaction.
+
+    ``mail_from`` is the reverse path without angle brackets (``""`` for the null sender);
+    ``rcpt_tos`` the forward paths to send to, each without brackets; ``content`` the message as
+    received after one dot-unstuffing, CRLF line ends, with the relay's ``Received:`` header
+    prepended (bytes, never re-encoded). ``smtputf8`` is True when an address is not ASCII or
+    the client declared SMTPUTF8 for a message whose header section is not ASCII (RFC 6531);
+    ``utf8_headers`` when the header section holds UTF-8 that only SMTPUTF8 carries (no
+    downgrade then); ``eight_bit`` when the content holds a byte >= 0x80 (RFC 6152).
+    """
+
+    mail_from: str
+    rcpt_tos: Sequence[str]
+    content: bytes
+    smtputf8: bool = False
+    eight_bit: bool = False
+    utf8_headers: bool = False
+
+
+class RcptStatus(enum.Enum):
+    """Per-recipient outcome of one upstream transaction."""
+
+    ACCEPTED = "accepted"  # RCPT accepted and the final dot answered 2yz
+    REFUSED = "refused"  # refused at RCPT, or the transaction failed before/at the final dot
+    UNKNOWN = "unknown"  # the final dot was written and no reply came (RFC 1047)
+
+
+@dataclass(frozen=True)
+class RcptResult:
+    """Outcome for one recipient plus the reply that decided it.
+
+    ``from_upstream`` is False when the relay synthesized ``reply`` (connection failure,
+    timeout, missing extension): such a reply is already worded for the client.
+    """
+
+    status: RcptStatus
+    reply: SmtpReply
+    from_upstream: bool = True
+
+
+@dataclass
+class DeliveryProgress:
+    """The core's hook into a running transaction, and what the upstream reports back.
+
+    ``before_dot`` (optional) is awaited by the upstream after the upstream accepted DATA and
+    before the message and final dot are written, with the recipients the upstream accepted;
+    it returns False to abort (no dot is sent, every recipient is refused temporarily with
+    ``abort_reply``, set by the hook; the store's-unavailable reply when it is None). The
+    core uses it to mark those reservations SENDING, so that a relay killed while waiting for
+    the reply leaves them in doubt instead of lapsing into a duplicate.
+    ``dot_written`` turns True once the message and its final dot were handed to the network
+    (after that, cutting the transaction leaves its outcome unknown, RFC 1047).
+    """
+
+    before_dot: Callable[[Sequence[str]], Awaitable[bool]] | None = None
+    dot_written: bool = False
+    abort_reply: SmtpReply | None = None  # why ``before_dot`` said no, as the client is told
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """Outcome of one upstream transaction: one :class:`RcptResult` per recipient sent."""
+
+    recipients: Mapping[str, RcptResult]
+    final_reply: SmtpReply | None = None  # the reply to the final dot, when one came
+    replies: Sequence[SmtpReply] = field(default_factory=tuple)  # every upstream reply seen
+
+
+class Upstream(Protocol):
+    """Where relayed mail goes: an SMTP smarthost, or a local Maildir for staging.
+
+    ``deliver`` never raises for a failure of the transaction: connection failures, refusals,
+    timeouts and lost connections are reported per recipient in the result, and a recipient is
+    UNKNOWN only when the final dot was fully written and no reply came.
+    """
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        """Run one transaction for ``message`` and report every recipient's outcome.
+
+        ``progress.dot_written`` is set once the final dot is out, so that a caller that
+        cancels the transaction (shutdown past its grace) knows whether to release or to mark
+        the reservations UNKNOWN.
+        """
+        ...
+
+    async def ping(self) -> None:
+        """Check that the upstream answers; raise :class:`ConnectionError` when it does not."""
+        ...
+
+    async def close(self) -> None:
+        """Close pooled connections."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Notices to the sender
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NonDelivery:
+    """A message answered ``250`` of which some recipients were refused permanently.
+
+    RFC 5321 sections 4.2.5 and 6.1: having accepted it, the relay owes the envelope sender a
+    non-delivery notification. ``mail_from`` is the original reverse path (``""`` for the null
+    sender); ``failures`` maps each refused recipient (as the client spelled it) to the result
+    that refused it; ``content`` is the message as relayed (the relay's ``Received:`` header
+    first, CRLF line ends; only its header section is quoted back); ``queue_id`` names it in logs.
+    """
+
+    mail_from: str
+    failures: Mapping[str, RcptResult]
+    content: bytes
+    queue_id: str = ""
+
+
+class Notifier(Protocol):
+    """Tells senders what became of mail the relay accepted (RFC 3464 delivery status)."""
+
+    def non_delivery(self, notice: NonDelivery) -> None:
+        """Owe ``notice.mail_from`` a notice; returns at once (the send runs in the background)
+        and never raises. The notifier decides whether a notice is due (none to the null
+        sender, RFC 5321 section 4.5.5)."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+
+class Metrics(Protocol):
+    """What the core and the adapters report; implemented with prometheus-client."""
+
+    def message(self, result: str) -> None:
+        """Count one message by its ``result`` (relayed, suppressed, partial, tempfail, ...)."""
+        ...
+
+    def recipients(self, outcome: str, count: int = 1) -> None:
+        """Count ``count`` recipients by ``outcome`` (DESIGN section 4 names)."""
+        ...
+
+    def store_call(self, op: str, seconds: float, ok: bool) -> None:
+        """Record one store operation's latency in seconds, and an error when not ``ok``."""
+        ...
+
+    def upstream_call(self, seconds: float, code: int | None) -> None:
+        """Record one upstream transaction's latency and its deciding reply code (None: none)."""
+        ...
+
+    def message_bytes(self, size: int) -> None:
+        """Record one received message's size in bytes."""
+        ...
+
+    def mark_sent_failed(self, count: int = 1) -> None:
+        """Count an upstream-accepted message whose SENT mark had not landed by the lease end."""
+        ...
+
+    def unknown_resent(self, count: int = 1) -> None:
+        """Count recipients sent again while an earlier attempt is in doubt (possible copies)."""
+        ...
+
+    def session(self, delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to the number of open client sessions."""
+        ...
+
+    def in_progress(self, delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to the number of messages between final dot and reply."""
+        ...
+
+    def component_up(self, component: str, up: bool) -> None:
+        """Record the last readiness probe of ``component`` (``store`` or ``upstream``)."""
+        ...
+
+    def dsn(self, result: str) -> None:
+        """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
+        ...

@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, health, the HTTP endpoint and log formatting."""

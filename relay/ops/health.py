@@ -1,0 +1,89 @@
+"""Readiness: a background probe of the store and the upstream (DESIGN section 6).
+
+:class:`HealthMonitor` pings both every ``interval_s`` seconds (each ping bounded by
+``timeout_s``), keeps the last result for ``/readyz`` and sets the ``relay_component_up``
+gauge, so an operator tells "store down" from "upstream down" on the dashboard too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from relay.core.interfaces import FingerprintStore, Metrics, Upstream
+
+log = logging.getLogger("relay.ops.health")
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    """Last probe of one component: ``ok``, a short ``error`` text, unix time ``checked_at``."""
+
+    ok: bool
+    error: str | None
+    checked_at: float
+
+
+class HealthMonitor:
+    """Probes the store and the upstream periodically; ``status()`` is what ``/readyz`` shows."""
+
+    def __init__(self, *, store: FingerprintStore, upstream: Upstream, metrics: Metrics,
+                 interval_s: float = 5.0, timeout_s: float = 3.0) -> None:
+        self._probes: dict[str, Callable[[], Awaitable[None]]] = {
+            "store": store.ping, "upstream": upstream.ping}
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._status: dict[str, ComponentStatus] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Probe once (so ``/readyz`` is meaningful at once), then keep probing in the loop."""
+        await self.probe()
+        self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        """Stop probing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.probe()
+
+    async def probe(self) -> dict[str, ComponentStatus]:
+        """Ping every component now, concurrently; returns and keeps the results."""
+        names = list(self._probes)
+        results = await asyncio.gather(*(self._probe_one(n) for n in names))
+        for name, status in zip(names, results, strict=True):
+            previous = self._status.get(name)
+            if previous is not None and previous.ok != status.ok:
+                log.warning("%s is %s%s", name, "up" if status.ok else "DOWN",
+                            f": {status.error}" if status.error else "")
+            self._status[name] = status
+            self._metrics.component_up(name, status.ok)
+        return dict(self._status)
+
+    async def _probe_one(self, name: str) -> ComponentStatus:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._probes[name]()
+        except Exception as exc:  # any failure means "not ready"; reported, not raised
+            return ComponentStatus(False, f"{type(exc).__name__}: {exc}"[:300], time.time())
+        return ComponentStatus(True, None, time.time())
+
+    def status(self) -> dict[str, ComponentStatus]:
+        """The last probe result of every component."""
+        return dict(self._status)
+
+    @property
+    def ready(self) -> bool:
+        """True when every component answered its last probe."""
+        return bool(self._status) and all(s.ok for s in self._status.values())

@@ -1,0 +1,64 @@
+"""The operations HTTP server on ``--metrics-listen``: ``/metrics``, ``/healthz``, ``/readyz``.
+
+Served by aiohttp in the relay's own event loop (readiness reads the live
+:class:`relay.ops.health.HealthMonitor`). ``/healthz`` answers 200 while the process serves;
+``/readyz`` answers 200 when the store and the upstream answered their last probe, else 503, with
+a JSON body naming what failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from relay.ops.health import HealthMonitor
+
+
+class OpsServer:
+    """aiohttp server for metrics and health; ``await start()``, then ``await stop()``."""
+
+    def __init__(self, *, registry: CollectorRegistry, health: HealthMonitor | None,
+                 host: str, port: int) -> None:
+        self._registry = registry
+        self._health = health
+        self._host = host
+        self._port = port
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        return app
+
+    async def start(self) -> None:
+        """Bind and serve; ``port`` is the bound port afterwards (``0`` picks a free one)."""
+        self._runner = web.AppRunner(self._app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Stop serving."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if self._health is None:
+            return web.json_response({"ready": False, "error": "not started"}, status=503)
+        components = {name: asdict(s) for name, s in self._health.status().items()}
+        ready = self._health.ready
+        return web.json_response({"ready": ready, "components": components},
+                                 status=200 if ready else 503)

@@ -1,0 +1,456 @@
+"""Inbound SMTP AUTH: the credentials file and the SASL PLAIN and LOGIN mechanisms.
+
+Sources: RFC 4954 (SMTP AUTH: ``334`` challenges with a mandatory space, ``*`` cancels,
+``=`` is an empty initial response, ``501``/``535``/``235`` replies), RFC 4616 (PLAIN:
+``[authzid] NUL authcid NUL passwd``, UTF-8), and draft-murchison-sasl-login-00 (LOGIN:
+base64 ``Username:`` and ``Password:`` challenges). Client quirks are case 25
+(``/work/shared/cases/25-auth-quirks.md``).
+
+The credentials file holds one ``username:hash`` per line, the hash made by bcrypt
+(``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
+:func:`format_entry`. Hash checks run in a worker thread (they cost ~100 ms each). Passwords,
+hashes and AUTH blobs are never logged or put in an exception; the username is logged at DEBUG
+only. The authenticated identity is part of the dedup fingerprint only with ``scope_by_auth``.
+
+:class:`SaslMechanisms` plugs into aiosmtpd: the listener's handler exposes its ``auth_PLAIN``
+and ``auth_LOGIN`` (aiosmtpd offers every handler method named ``auth_<MECH>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import bcrypt
+from aiosmtpd.smtp import SMTP, AuthResult
+from argon2 import PasswordHasher, extract_parameters
+from argon2.exceptions import InvalidHashError, VerificationError
+
+from relay.core import replies
+from relay.core.errors import ConfigError
+
+log = logging.getLogger("relay.smtp.auth")
+
+Scheme = Literal["argon2", "bcrypt"]
+
+_BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
+_BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
+_BCRYPT_MAX_BYTES = 72  # bcrypt 5 refuses longer secrets instead of truncating them
+_MAX_DELAY_S = 5.0  # cap of the growing delay before an AUTH attempt is answered
+_MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget (oldest go)
+# hash checks at once: argon2 defaults take 64 MiB each, and an AUTH flood must not fill the
+# default thread pool that other adapters (the SQLite store) share
+_MAX_CONCURRENT_CHECKS = 4
+_LOGIN_USERNAME = "Username:"  # exactly, without NUL: Go's net/smtp compares it (case 25)
+_LOGIN_PASSWORD = "Password:"  # noqa: S105  (the LOGIN prompt, not a password)
+
+
+def hash_password(password: str, *, scheme: Scheme = "argon2") -> str:
+    """Hash ``password`` (UTF-8) for the credentials file.
+
+    ``argon2`` is argon2id with argon2-cffi's ``PasswordHasher`` defaults; ``bcrypt`` uses
+    ``bcrypt.gensalt()`` (cost 12). Raises ValueError for an empty password (SASL PLAIN
+    cannot carry one), for a bcrypt password longer than 72 UTF-8 bytes, or for an unknown
+    ``scheme``.
+    """
+    if not password:
+        raise ValueError("the password is empty")
+    secret = password.encode("utf-8")
+    if scheme == "argon2":
+        return PasswordHasher().hash(secret)
+    if scheme == "bcrypt":
+        if len(secret) > _BCRYPT_MAX_BYTES:
+            raise ValueError("bcrypt takes at most 72 UTF-8 bytes of password; use argon2")
+        return bcrypt.hashpw(secret, bcrypt.gensalt()).decode("ascii")
+    raise ValueError(f"unknown hash scheme {scheme!r} (argon2 or bcrypt)")
+
+
+def format_entry(username: str, password_hash: str) -> str:
+    """Return the credentials file line ``username:hash`` (without a newline).
+
+    Raises ValueError when ``username`` is empty, starts with ``#``, or holds ``:``,
+    whitespace or a control character, or when ``password_hash`` is not a bcrypt or argon2
+    hash; the message never repeats the hash.
+    """
+    reason = _username_problem(username)
+    if reason is not None:
+        raise ValueError(reason)
+    reason = _hash_problem(password_hash)
+    if reason is not None:
+        raise ValueError(reason)
+    return f"{username}:{password_hash}"
+
+
+def _username_problem(username: str) -> str | None:
+    """Why ``username`` cannot be a credentials file user, or None when it can."""
+    if not username:
+        return "the username is empty"
+    if username.startswith("#"):
+        return "the username starts with '#' (a comment)"
+    if any(ch == ":" or ch.isspace() or not ch.isprintable() for ch in username):
+        return "the username holds ':', whitespace or a control character"
+    return None
+
+
+def _scheme_of(password_hash: str) -> Scheme | None:
+    if password_hash.startswith(_BCRYPT_PREFIXES):
+        return "bcrypt"
+    if password_hash.startswith("$argon2"):
+        return "argon2"
+    return None
+
+
+def _hash_problem(password_hash: str) -> str | None:
+    """Why ``password_hash`` is not a usable hash, or None; never quotes the hash."""
+    scheme = _scheme_of(password_hash)
+    if scheme is None:
+        return "the password hash is neither bcrypt ($2a$, $2b$, $2y$) nor argon2 ($argon2)"
+    if scheme == "bcrypt":
+        if not _BCRYPT_HASH.fullmatch(password_hash):
+            return "the bcrypt hash is malformed"
+        return None
+    try:
+        extract_parameters(password_hash)
+    except InvalidHashError:
+        return "the argon2 hash is malformed"
+    if any(ch.isspace() or not ch.isprintable() for ch in password_hash):
+        return "the argon2 hash is malformed"
+    return None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    scheme: Scheme
+    password_hash: str = field(repr=False)
+
+
+def _check_hash(entry: _Entry, secret: bytes) -> bool:
+    """Blocking: True when ``secret`` matches ``entry`` (run in a worker thread)."""
+    if entry.scheme == "bcrypt":
+        try:
+            # always hash, so that an over-long password costs the same time as any other
+            ok = bcrypt.checkpw(secret[:_BCRYPT_MAX_BYTES], entry.password_hash.encode("ascii"))
+        except ValueError:  # a hash bcrypt refuses: load() checks the format, so not expected
+            return False
+        return ok and len(secret) <= _BCRYPT_MAX_BYTES
+    try:
+        return PasswordHasher().verify(entry.password_hash, secret)
+    except (VerificationError, InvalidHashError):  # VerifyMismatchError is a VerificationError
+        return False
+
+
+def _dummy_like(entry: _Entry | None) -> _Entry:
+    """A hash of a random password with the scheme and cost of ``entry`` (argon2 defaults)."""
+    secret = secrets.token_bytes(16)
+    if entry is not None and entry.scheme == "bcrypt":
+        rounds = int(entry.password_hash[4:6])
+        return _Entry("bcrypt", bcrypt.hashpw(secret, bcrypt.gensalt(rounds)).decode("ascii"))
+    hasher = PasswordHasher()
+    if entry is not None:
+        hasher = PasswordHasher.from_parameters(extract_parameters(entry.password_hash))
+    return _Entry("argon2", hasher.hash(secret))
+
+
+class CredentialFile:
+    """The users allowed to AUTH, loaded from a ``username:hash`` file by :meth:`load`."""
+
+    def __init__(self, *, source: str, entries: dict[str, _Entry]) -> None:
+        self.source = source
+        self._entries = dict(entries)
+        # unknown users are checked against this, so timing does not tell who exists; it
+        # copies the first entry's scheme and cost (files are usually made by one tool)
+        self._dummy = _dummy_like(next(iter(self._entries.values()), None))
+        self._checks = asyncio.Semaphore(_MAX_CONCURRENT_CHECKS)
+
+    def __repr__(self) -> str:
+        return f"<CredentialFile {self.source} users={len(self._entries)}>"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @classmethod
+    def load(cls, path: Path) -> CredentialFile:
+        """Read the credentials file at ``path`` (UTF-8).
+
+        One ``username:hash`` per line; blank lines and lines starting with ``#`` are skipped.
+        Raises :class:`relay.core.errors.ConfigError` naming the file (and line number) when it
+        cannot be read, is not UTF-8, has a malformed line, a hash that is neither bcrypt
+        nor argon2, a duplicate user, or no user at all. The message never quotes a hash.
+        Blocking (file read plus one hash to build the unknown-user dummy, ~100 ms).
+        """
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the auth file ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: the auth file is not UTF-8") from None
+        entries: dict[str, _Entry] = {}
+        first_line: dict[str, int] = {}
+        for number, raw in enumerate(text.split("\n"), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            username, colon, password_hash = line.partition(":")
+            reason = (
+                "expected username:hash" if not colon
+                else _username_problem(username) or _hash_problem(password_hash))
+            if reason is None and username in entries:
+                reason = f"duplicate user {username!r} (first on line {first_line[username]})"
+            if reason is not None:
+                raise ConfigError(f"{path}, line {number}: {reason}")
+            scheme = _scheme_of(password_hash)
+            assert scheme is not None  # _hash_problem() accepted it
+            entries[username] = _Entry(scheme, password_hash)
+            first_line[username] = number
+        if not entries:
+            raise ConfigError(f"{path}: the auth file defines no user")
+        return cls(source=str(path), entries=entries)
+
+    async def verify(self, username: str, password: str) -> bool:
+        """True when ``password`` (UTF-8) is the password of ``username`` (exact match).
+
+        The hash check runs in a worker thread, at most a few at a time. An unknown user is
+        checked against a dummy hash, so both take about the same time. Never raises for bad
+        input: a password that cannot match is simply False.
+        """
+        entry = self._entries.get(username)
+        secret = password.encode("utf-8", "surrogatepass")
+        async with self._checks:
+            ok = await asyncio.to_thread(_check_hash, entry or self._dummy, secret)
+        return ok and entry is not None
+
+
+class GuessBudget:
+    """AUTH attempts per key (a client address, a user name) within a sliding window.
+
+    An attempt is charged when it is made, before its password is checked, so a guess whose
+    client hangs up is counted and parallel connections share one budget; a successful
+    attempt is refunded. At most ``max_keys`` keys are kept (the least recently charged are
+    forgotten first), so memory stays bounded under a spray of addresses. ``clock`` gives
+    seconds (monotonic). Raises ValueError for ``max_attempts`` below 1 or a window <= 0.
+    """
+
+    def __init__(self, *, max_attempts: int, window_s: float,
+                 max_keys: int = _MAX_BUDGET_KEYS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_failures must be >= 1")
+        if window_s <= 0:
+            raise ValueError("failure_window_s must be > 0")
+        self._max = max_attempts
+        self._window_s = window_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._charges: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def spent(self, key: str) -> int:
+        """How many attempts ``key`` made within the window (refunded ones not counted)."""
+        charges = self._charges.get(key)
+        if charges is None:
+            return 0
+        horizon = self._clock() - self._window_s
+        while charges and charges[0] <= horizon:
+            charges.popleft()
+        return len(charges)
+
+    def exhausted(self, keys: Iterable[str]) -> bool:
+        """True when any of ``keys`` has no attempt left."""
+        return any(self.spent(key) >= self._max for key in keys)
+
+    def charge(self, keys: Iterable[str]) -> tuple[float, tuple[str, ...]]:
+        """Count one attempt for each key; the token :meth:`refund` takes back."""
+        stamp, charged = self._clock(), tuple(keys)
+        for key in charged:
+            self._charges.setdefault(key, deque()).append(stamp)
+            self._charges.move_to_end(key)
+        while len(self._charges) > self._max_keys:
+            self._charges.popitem(last=False)
+        return stamp, charged
+
+    def refund(self, token: tuple[float, tuple[str, ...]]) -> None:
+        """Take back an attempt :meth:`charge` counted (it succeeded)."""
+        stamp, keys = token
+        for key in keys:
+            charges = self._charges.get(key)
+            if charges is not None and stamp in charges:
+                charges.remove(stamp)
+
+
+def _decode_initial_response(arg: str) -> bytes | None:
+    """The initial response of ``AUTH <mech> <arg>``; ``=`` is empty (RFC 4954 section 4)."""
+    if arg == "=":
+        return b""
+    try:
+        return base64.b64decode(arg.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        return None
+
+
+def _split_plain(message: bytes) -> tuple[str, str, str] | None:
+    """``(authzid, authcid, passwd)`` of a PLAIN message (RFC 4616 section 2), or None."""
+    parts = message.split(b"\x00")
+    if len(parts) != 3:
+        return None
+    try:
+        authzid, authcid, passwd = (part.decode("utf-8") for part in parts)
+    except UnicodeDecodeError:
+        return None
+    return authzid, authcid, passwd
+
+
+def _peer_host(server: SMTP) -> str:
+    """The client's address: behind a PROXY balancer the one its header gave."""
+    client = getattr(server, "client_host", None)
+    if isinstance(client, str) and client:
+        return client
+    peer = server.session.peer if server.session is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) else str(peer)
+
+
+class SaslMechanisms:
+    """SASL PLAIN and LOGIN for aiosmtpd, checked against a :class:`CredentialFile`.
+
+    Guessing is bounded by a :class:`GuessBudget` per client address and per user name,
+    across connections: at most ``max_failures`` attempts within ``failure_window_s``
+    seconds, charged when an attempt is made (a guess whose client hangs up counts; a
+    success is refunded). An attempt from a spent address or at a spent user is not checked:
+    it calls ``on_refused`` and is answered ``421 4.7.0``, and the connection is closed; so is
+    the failure that spends the budget. Each failure calls ``on_failure`` (for a metric).
+
+    Every attempt, right or wrong, is answered at the same time after it was made:
+    ``failure_delay_s`` times (1 + the address's attempts already in the window), at most
+    5 s; so the reply time does not tell a right password from a wrong one (a client that
+    hangs up early learns nothing). A cancelled exchange (``*``) or bad base64 is answered
+    ``501`` by aiosmtpd and is not counted. Raises ValueError for a negative delay,
+    ``max_failures`` below 1 or a window <= 0.
+    """
+
+    def __init__(self, *, credentials: CredentialFile,
+                 on_failure: Callable[[], None] | None = None,
+                 on_refused: Callable[[], None] | None = None,
+                 failure_delay_s: float = 1.0, max_failures: int = 5,
+                 failure_window_s: float = 600.0) -> None:
+        if failure_delay_s < 0:
+            raise ValueError("failure_delay_s must be >= 0")
+        self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
+        self._credentials = credentials
+        self._on_failure = on_failure
+        self._on_refused = on_refused
+        self._failure_delay_s = failure_delay_s
+
+    async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
+        """``AUTH PLAIN [initial-response]`` (RFC 4616); ``args`` is the AUTH line split.
+
+        Without an initial response the challenge is ``334 `` (empty). An authzid other than
+        the authcid is refused. Returns aiosmtpd's AuthResult; ``auth_data`` is the username.
+        """
+        if len(args) == 1:
+            blob = await server.challenge_auth(b"", encode_to_b64=False)
+            if not isinstance(blob, bytes):  # '*' or bad base64: aiosmtpd answered 501
+                return AuthResult(success=False, handled=True)
+            message: bytes = blob
+        else:
+            decoded = _decode_initial_response(args[1])
+            if decoded is None:
+                await server.push(str(replies.AUTH_BAD_BASE64))
+                return AuthResult(success=False, handled=True)
+            message = decoded
+        parts = _split_plain(message)
+        if parts is None:
+            return await self._check(server, "PLAIN", None, None)
+        authzid, username, password = parts
+        if authzid not in ("", username):  # acting as another user is not offered
+            return await self._check(server, "PLAIN", username, None)
+        return await self._check(server, "PLAIN", username, password)
+
+    async def auth_LOGIN(self, server: SMTP, args: list[str]) -> AuthResult:
+        """``AUTH LOGIN [base64 username]`` (draft-murchison-sasl-login-00).
+
+        Challenges are base64 ``Username:`` (unless the username came on the AUTH line) and
+        ``Password:``, without NUL. Returns aiosmtpd's AuthResult; ``auth_data`` is the
+        username.
+        """
+        if len(args) == 1:
+            user_blob = await server.challenge_auth(_LOGIN_USERNAME)
+            if not isinstance(user_blob, bytes):
+                return AuthResult(success=False, handled=True)
+            username_bytes: bytes = user_blob
+        else:
+            decoded = _decode_initial_response(args[1])
+            if decoded is None:
+                await server.push(str(replies.AUTH_BAD_BASE64))
+                return AuthResult(success=False, handled=True)
+            username_bytes = decoded
+        password_blob = await server.challenge_auth(_LOGIN_PASSWORD)
+        if not isinstance(password_blob, bytes):
+            return AuthResult(success=False, handled=True)
+        try:
+            username = username_bytes.decode("utf-8")
+            password = password_blob.decode("utf-8")
+        except UnicodeDecodeError:
+            return await self._check(server, "LOGIN", None, None)
+        return await self._check(server, "LOGIN", username, password)
+
+    async def _check(self, server: SMTP, mechanism: str, username: str | None,
+                     password: str | None) -> AuthResult:
+        """Charge the attempt, check it (not when malformed), answer it at the delay floor.
+
+        ``username`` is None when the exchange named none that can be decoded, ``password``
+        None when the attempt fails before its password matters.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        host = _peer_host(server)
+        keys = [f"address:{host}"] + ([f"user:{username}"] if username else [])
+        if self._budget.exhausted(keys):
+            await asyncio.sleep(self._failure_delay_s)
+            if self._on_refused is not None:
+                self._on_refused()
+            log.warning("auth budget spent, attempt refused unchecked", extra={"peer": host})
+            return await self._close(server)
+        prior = self._budget.spent(keys[0])
+        token = self._budget.charge(keys)
+        # RFC 4616: authcid and passwd are 1*SAFE; the hash check runs in a worker thread
+        ok = bool(username and password) and await self._credentials.verify(
+            username or "", password or "")
+        floor_s = min(self._failure_delay_s * (prior + 1), _MAX_DELAY_S)
+        await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
+        if not ok:
+            return await self._fail(server, mechanism, username, keys)
+        self._budget.refund(token)
+        log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
+        log.debug("auth succeeded for user", extra={"username": username})
+        return AuthResult(success=True, auth_data=username, message=str(replies.AUTH_SUCCEEDED))
+
+    async def _fail(self, server: SMTP, mechanism: str, username: str | None,
+                    keys: list[str]) -> AuthResult:
+        """Count the failure; answer 535, or 421 and close when it spent the budget."""
+        if self._on_failure is not None:
+            self._on_failure()
+        log.info("auth failed", extra={
+            "mechanism": mechanism, "peer": _peer_host(server),
+            "failures": self._budget.spent(keys[0])})
+        if username is not None:
+            log.debug("auth failed for user", extra={"username": username})
+        if not self._budget.exhausted(keys):
+            return AuthResult(success=False, handled=False, message=str(replies.AUTH_FAILED))
+        log.warning("too many auth failures, closing", extra={"peer": _peer_host(server)})
+        return await self._close(server)
+
+    @staticmethod
+    async def _close(server: SMTP) -> AuthResult:
+        """Answer ``421 4.7.0`` and close the connection."""
+        await server.push(str(replies.AUTH_TOO_MANY_FAILURES))
+        if server.transport is not None:
+            server.transport.close()
+        return AuthResult(success=False, handled=True)

@@ -1,0 +1,112 @@
+"""The implicit-TLS listener (RFC 8314 section 3): admission first, then a bounded handshake.
+
+A client of the TLS port is checked like one of the plain port (allowed networks, connection
+limits, :meth:`relay.smtp.access.ConnectionGate.enter`) as soon as TCP connects, so a refused
+client gets no byte of TLS and costs no handshake. An admitted one is counted toward the
+limits while it handshakes, which must end within ``handshake_timeout_s``; then its
+:class:`relay.smtp.session.RelaySMTP` session starts over the TLS transport and owns the
+count. A failed or timed-out handshake is one WARNING line, no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable
+
+from relay.smtp.access import ConnectionGate, Network
+from relay.smtp.session import RelaySMTP
+
+log = logging.getLogger("relay.smtp.tls")
+
+
+class ImplicitTlsAcceptor(asyncio.Protocol):
+    """The protocol of one TCP connection to the implicit-TLS port until its handshake ends.
+
+    ``make_session`` builds the SMTP session (built with ``implicit_tls=True``); ``gate`` and
+    ``proxy_networks`` are the listener's; ``tasks`` holds the running handshakes (so that
+    they are not garbage-collected mid-way).
+    """
+
+    def __init__(self, *, make_session: Callable[[], RelaySMTP], gate: ConnectionGate,
+                 proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
+                 handshake_timeout_s: float, tasks: set[asyncio.Task[None]]) -> None:
+        self._make_session = make_session
+        self._gate = gate
+        self._proxy_networks = proxy_networks
+        self._context = context
+        self._handshake_timeout_s = handshake_timeout_s
+        self._tasks = tasks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Refuse (close, nothing sent) or count the client, then start the handshake."""
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the ClientHello is for the TLS layer, not for us
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else ""
+        refusal = self._gate.enter(host, self._proxy_networks)
+        if refusal is not None:
+            log.info("TLS client %s refused before the handshake: %s", host, refusal)
+            transport.abort()
+            return
+        counted = None if self._proxy_networks is not None else host
+        task = asyncio.get_running_loop().create_task(self._handshake(transport, host, counted))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handshake(self, transport: asyncio.Transport, host: str,
+                         counted: str | None) -> None:
+        session = self._make_session()
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, session, self._context, server_side=True,
+                ssl_handshake_timeout=self._handshake_timeout_s)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError, ConnectionError included
+            log.warning("TLS handshake failed with %s: %s", host, exc or type(exc).__name__)
+            self._gate.release(counted)
+            transport.abort()
+            return
+        except asyncio.CancelledError:
+            self._gate.release(counted)
+            transport.abort()
+            raise
+        if tls is None or tls.is_closing():
+            self._gate.release(counted)
+            return
+        session.admitted_before(counted)
+        session.connection_made(tls)
+
+
+class ImplicitTlsFactory:
+    """The protocol factory for ``loop.create_server`` (plain TCP, no ``ssl=``) of the
+    implicit-TLS port; ``make_session`` is :func:`relay.smtp.handler.smtp_factory` with
+    ``implicit_tls=True``. :meth:`cancel_handshakes` ends the handshakes still running (the
+    relay is stopping: a client that finishes its handshake then must not get a new session)."""
+
+    def __init__(self, make_session: Callable[[], RelaySMTP], *, gate: ConnectionGate,
+                 proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
+                 handshake_timeout_s: float) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._args = (make_session, gate, proxy_networks, context, handshake_timeout_s)
+
+    def __call__(self) -> ImplicitTlsAcceptor:
+        make_session, gate, proxy_networks, context, handshake_timeout_s = self._args
+        return ImplicitTlsAcceptor(
+            make_session=make_session, gate=gate, proxy_networks=proxy_networks,
+            context=context, handshake_timeout_s=handshake_timeout_s, tasks=self._tasks)
+
+    def cancel_handshakes(self) -> int:
+        """Cancel every handshake still running (each closes its connection and releases its
+        count); returns how many."""
+        for task in self._tasks:
+            task.cancel()
+        return len(self._tasks)
+
+
+def implicit_tls_factory(make_session: Callable[[], RelaySMTP], *, gate: ConnectionGate,
+                         proxy_networks: tuple[Network, ...] | None, context: ssl.SSLContext,
+                         handshake_timeout_s: float) -> ImplicitTlsFactory:
+    """See :class:`ImplicitTlsFactory`."""
+    return ImplicitTlsFactory(make_session, gate=gate, proxy_networks=proxy_networks,
+                              context=context, handshake_timeout_s=handshake_timeout_s)

@@ -1,0 +1,1 @@
+"""Fingerprint stores: embedded SQLite, Redis (``redis/``), and the settle journal."""

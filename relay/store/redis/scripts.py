@@ -1,0 +1,234 @@
+"""The Redis store's Lua scripts and the codec of the values they write.
+
+Values under a key (the caller builds the key, prefix included)::
+
+    P|<token>                        PENDING of the attempt holding <token>, TTL = lease
+    D|<token>|<unix_ms>|<lease_ms>   SENDING: the attempt's final dot is going out; <unix_ms> its
+                                     last heartbeat, <lease_ms> its lease (``D|<token>|<unix_ms>``
+                                     of earlier versions: the reader's lease), TTL = dedup window
+    S|<unix_ms>|<upstream reply>     SENT at <unix_ms>, TTL = dedup window
+    U|<unix_ms>                      UNKNOWN since <unix_ms>, TTL = dedup window
+    anything else (e.g. ``1``)       written by another application: counts as SENT
+
+Each script touches ``KEYS[1]`` only, so the store works on Redis Cluster without hash tags.
+"""
+
+from __future__ import annotations
+
+from relay.core.interfaces import Record, State
+
+# Every time a script records or compares comes from the Redis server's own clock (TIME), never
+# from a relay's: relays on hosts whose clocks disagree then still agree on a record's age (a
+# SENDING record older than the lease is in doubt). On a cluster each key lives on one node, so
+# its every timestamp comes from that node's clock. Scripts are replicated by their effects
+# (Redis >= 5 default, the only mode of Redis 7), so calling TIME before a write is allowed.
+NOW_MS_LUA = """
+local function now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the lease in milliseconds
+# ARGV[3] - "1": take over a record in doubt (unknown_policy = send), else "0"
+# return 1 if KEYS[1] now holds PENDING(token) ("P|" .. token) of this attempt: created now, or by
+# an earlier call with the same token (so a retried reserve is idempotent); otherwise
+# {value, pttl, took_over, now}: the value found ("" when the key holds a non-string type), its
+# remaining lifetime in milliseconds (-1: no expiry), 1 when a record in doubt (UNKNOWN, or
+# SENDING not renewed for a lease) was replaced by PENDING(token) (ARGV[3] = "1" only) else 0,
+# and the server's time in unix milliseconds (so the caller can tell a SENDING record's age)
+RESERVE_LUA = NOW_MS_LUA + """
+local mine = 'P|' .. ARGV[1]
+if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then
+    return 1
+end
+local value = redis.pcall('GET', KEYS[1])
+if type(value) ~= 'string' then
+    value = ''
+end
+if value == mine then
+    return 1
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local now = now_ms()
+if ARGV[3] == '1' then
+    local in_doubt = string.match(value, '^U|%d+$') ~= nil
+    -- a SENDING record is in doubt after its own attempt's lease without a heartbeat
+    local sending_at, lease = string.match(value, '^D|[^|]+|(%d+)|(%d+)$')
+    if not sending_at then
+        sending_at, lease = string.match(value, '^D|[^|]+|(%d+)$'), ARGV[2]
+    end
+    if sending_at and now - tonumber(sending_at) >= tonumber(lease) then
+        in_doubt = true
+    end
+    if in_doubt then
+        redis.call('SET', KEYS[1], mine, 'PX', ARGV[2])
+        return {value, pttl, 1, now}
+    end
+end
+return {value, pttl, 0, now}
+"""
+
+# The guard every settle and renewal starts with: KEYS[1] must hold PENDING(ARGV[1]) or
+# SENDING(ARGV[1], ...) of this attempt, else the script returns 0 and changes nothing.
+OURS_LUA = """
+local value = redis.pcall('GET', KEYS[1])
+local sending = 'D|' .. ARGV[1] .. '|'
+local pending = value == 'P|' .. ARGV[1]
+local is_sending = type(value) == 'string' and string.sub(value, 1, #sending) == sending
+if not pending and not is_sending then
+    return 0
+end
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the upstream reply text
+# ARGV[3] - the dedup window in milliseconds (TTL of the SENT value)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT at the server's
+# time, otherwise 0 (nothing changed)
+MARK_SENT_LUA = NOW_MS_LUA + OURS_LUA + """
+redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the dedup window in milliseconds (TTL of the UNKNOWN value)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds UNKNOWN since the
+# server's time, otherwise 0 (nothing changed)
+MARK_UNKNOWN_LUA = NOW_MS_LUA + OURS_LUA + """
+redis.call('SET', KEYS[1], 'U|' .. now_ms(), 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and was deleted, otherwise 0
+RELEASE_LUA = OURS_LUA + """
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the dedup window in milliseconds (TTL of the SENDING value: it must outlive a crash)
+# ARGV[3] - the attempt's lease in milliseconds (kept in the value: readers judge by it); "0":
+#           none kept (readers judge by their own lease)
+# return 1 if KEYS[1] holds SENDING(token, now, lease) ("D|" .. token .. "|" .. ms .. "|" ..
+# lease, the server's time) after the call: it held PENDING(token), or already SENDING(token)
+# (a retried call is idempotent); otherwise 0 (nothing changed)
+MARK_SENDING_LUA = NOW_MS_LUA + OURS_LUA + """
+if is_sending then
+    return 1
+end
+local lease = ''
+if ARGV[3] ~= '0' then
+    lease = '|' .. ARGV[3]
+end
+redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms() .. lease, 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the attempt's token
+# ARGV[2] - the lease in milliseconds
+# return 1 if the attempt still holds KEYS[1] and its lease was renewed: PENDING(token) gets a
+# TTL of the lease again; SENDING(token) gets the server's time as its heartbeat (a SENDING record
+# not renewed for its lease is in doubt) and the lease, its TTL kept; otherwise 0 (nothing
+# changed: the key is no longer this attempt's)
+RENEW_LUA = NOW_MS_LUA + OURS_LUA + """
+if pending then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+else
+    redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms() .. '|' .. ARGV[2], 'KEEPTTL')
+end
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - the upstream reply text an operator gives
+# ARGV[2] - the dedup window in milliseconds
+# sets SENT at the server's time whatever KEYS[1] held (an operator's decision); returns 1
+FORCE_SENT_LUA = NOW_MS_LUA + """
+redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1] - the fingerprint key
+# return {value, pttl, now}: the value (0 when the key is absent, "" when it holds a non-string
+# type), its remaining lifetime in milliseconds, and the server's time in unix milliseconds (so
+# a record's age is the server's, never the reader's clock)
+INSPECT_LUA = NOW_MS_LUA + """
+local value = redis.pcall('GET', KEYS[1])
+if value == false then
+    return {0, -2, now_ms()}
+end
+if type(value) ~= 'string' then
+    value = ''
+end
+return {value, redis.call('PTTL', KEYS[1]), now_ms()}
+"""
+
+# KEYS[1] - the fingerprint key
+# ARGV[1] - "1": delete only if KEYS[1] holds exactly ARGV[2]; "0": whatever it holds
+# ARGV[2] - the value the operator saw
+# return 1 if KEYS[1] was deleted, 0 otherwise
+RELEASE_IF_LUA = """
+if ARGV[1] == '1' and redis.pcall('GET', KEYS[1]) ~= ARGV[2] then
+    return 0
+end
+return redis.call('DEL', KEYS[1])
+"""
+
+def reply_bytes(reply: str) -> bytes:
+    """Encode an upstream reply as UTF-8, replacing what cannot be encoded (lone surrogates)."""
+    return reply.encode("utf-8", "replace")
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+def decode_value(value: bytes, pttl_ms: int | None = None, *,
+                 lease_ms: int | None = None, now_ms: int | None = None) -> Record:
+    """Turn a raw value and its PTTL (milliseconds, negative: none) into a :class:`Record`.
+
+    A value that is not one of the relay's encodings counts as SENT with ``at`` and ``reply``
+    unknown (DESIGN section 3). With ``lease_ms`` and ``now_ms`` (a reserve), SENDING reads as
+    PENDING while younger than the lease and as UNKNOWN after it. Never raises.
+    """
+    ttl_s = pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None
+    tag, sep, rest = value.partition(b"|")
+    if sep and tag == b"P" and rest:
+        return Record(State.PENDING, token=_text(rest), ttl_s=ttl_s)
+    if sep and tag == b"D":
+        token, *numbers = rest.split(b"|")
+        if token and 1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers):
+            own_lease_ms = int(numbers[1]) if len(numbers) == 2 else None
+            return _sending(_text(token), int(numbers[0]), ttl_s,
+                            own_lease_ms if own_lease_ms is not None else lease_ms, now_ms,
+                            own_lease_ms)
+    if sep and tag == b"S":
+        at_ms, sep2, reply = rest.partition(b"|")
+        if sep2 and at_ms.isdigit():
+            return Record(State.SENT, at=int(at_ms) / 1000, reply=_text(reply), ttl_s=ttl_s)
+    if sep and tag == b"U" and rest.isdigit():
+        return Record(State.UNKNOWN, at=int(rest) / 1000, ttl_s=ttl_s)
+    return Record(State.SENT, ttl_s=ttl_s)
+
+
+def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,
+             now_ms: int | None, own_lease_ms: int | None = None) -> Record:
+    """SENDING as such (inspect), or as a reserve sees it: PENDING, or UNKNOWN once
+    ``lease_ms`` (the writer's own lease when the record has one) passed since its last
+    heartbeat ``at_ms``."""
+    at = at_ms / 1000
+    own = own_lease_ms / 1000 if own_lease_ms is not None else None
+    if lease_ms is None or now_ms is None:
+        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
+    if now_ms - at_ms < lease_ms:
+        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
+    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, lease_s=own)

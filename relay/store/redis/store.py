@@ -1,0 +1,329 @@
+"""Redis fingerprint store: every transition is one Lua script on one key (DESIGN section 3).
+
+The scripts and the values they write are in :mod:`relay.store.redis.scripts`. Each script
+touches ``KEYS[1]`` only, so the store works on Redis Cluster without hash tags. A
+message's keys are reserved in one pipeline and settled in another: one round trip on a single
+server or a Sentinel-managed master; on a cluster redis-py splits the pipeline by node and
+sends the parts in parallel, one round trip per node. Every redis, socket and timeout error is
+translated into :class:`relay.core.errors.StoreError` here, at the adapter boundary; callers never
+see a redis-py exception.
+
+The servers are named by a URL: ``redis://``, ``rediss://`` or ``unix://`` for one server, and
+``redis+cluster://`` or ``redis+sentinel://`` (with ``rediss+`` forms) for a cluster or a
+Sentinel-managed master, see :mod:`relay.store.redis.urls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import redis.asyncio
+from redis.asyncio.cluster import ClusterNode
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.store.redis.checks import ConfigGet, server_warnings
+from relay.store.redis.clients import Client, SentinelService, open_client
+from relay.store.redis.replicas import ReplicaAcks
+from relay.store.redis.scripts import (
+    FORCE_SENT_LUA,
+    INSPECT_LUA,
+    MARK_SENDING_LUA,
+    MARK_SENT_LUA,
+    MARK_UNKNOWN_LUA,
+    RELEASE_IF_LUA,
+    RELEASE_LUA,
+    RENEW_LUA,
+    RESERVE_LUA,
+    decode_value,
+    reply_bytes,
+)
+
+_ERROR_TEXT_MAX = 300  # characters of a redis error kept in StoreError (pipeline errors are long)
+
+_ScriptCall = tuple[AsyncScript, str, tuple[str | int | bytes, ...]]
+
+
+def _ms(seconds: float) -> int:
+    """Convert a duration in seconds to whole milliseconds, at least 1 ms."""
+    return max(1, int(seconds * 1000))
+
+
+def _reservation(key: str, result: Any, lease_ms: int) -> Reservation:
+    """Interpret one reserve script result (see ``RESERVE_LUA``): the age of a SENDING record
+    is judged by the server's time the script returned, never the relay's clock."""
+    if result == 1:
+        return Reservation(key=key, reserved=True)
+    value, pttl_ms, took_over, server_ms = result
+    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=int(server_ms))
+    return Reservation(key=key, reserved=bool(took_over), found=found)
+
+
+@contextlib.asynccontextmanager
+async def _translated(op: str, timeout_s: float) -> AsyncIterator[None]:
+    """Bound the body by ``timeout_s`` seconds; raise every failure as ``StoreError(op, ...)``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError as exc:
+        raise StoreError(op, f"redis did not answer within {timeout_s:g} s") from exc
+    # RedisClusterException: no slot owner known (mid-failover), not a RedisError in redis-py
+    # UnicodeError: redis-py encodes str arguments strictly (a key holding a lone surrogate)
+    except (RedisError, RedisClusterException, OSError, UnicodeError) as exc:
+        text = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]
+        raise StoreError(op, text) from exc
+
+
+class RedisStore:
+    """:class:`relay.core.interfaces.FingerprintStore` on Redis, Redis Cluster or Sentinel.
+
+    ``client`` is owned by the store from now on (``close`` closes it, and ``sentinel``'s
+    connections); it must be created with ``decode_responses=False``. ``sentinel`` names the
+    sentinels and service behind a Sentinel-managed ``client``. ``op_timeout_s`` bounds every
+    operation, in seconds, connect, retries and redirections included. Every method raises
+    :class:`relay.core.errors.StoreError` on any failure.
+
+    On a cluster or a Sentinel-managed master, where a failover promotes a replica, the writes
+    the relay relies on (a reserve; a settle that marks SENT or UNKNOWN) end their pipeline
+    with ``WAIT 1 <ms>``: the call returns once a replica holds them, or raises StoreError
+    when the master dies first or its replica stopped acknowledging moments ago (a failover
+    under way), so the caller retries on the new master instead of trusting a write the
+    failover would lose. A server with no replica (for 10 s or more) is waited on for
+    ``min(250 ms, op_timeout_s / 4)`` once per 30 s and its writes count as on a single
+    server (:mod:`relay.store.redis.replicas`). Releases are not waited on: a lost one frees
+    its key when the lease ends anyway. A single server is never waited on.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: Client,
+        op_timeout_s: float = 2.0,
+        sentinel: SentinelService | None = None,
+    ) -> None:
+        self._client = client
+        self._op_timeout_s = op_timeout_s
+        self._sentinel = sentinel
+        replicated = sentinel is not None or isinstance(client, redis.asyncio.RedisCluster)
+        self._acks = ReplicaAcks(client=client, enabled=replicated, op_timeout_s=op_timeout_s)
+        self._reserve_script = client.register_script(RESERVE_LUA)
+        self._mark_sent_script = client.register_script(MARK_SENT_LUA)
+        self._mark_unknown_script = client.register_script(MARK_UNKNOWN_LUA)
+        self._release_script = client.register_script(RELEASE_LUA)
+        self._mark_sending_script = client.register_script(MARK_SENDING_LUA)
+        self._renew_script = client.register_script(RENEW_LUA)
+        self._inspect_script = client.register_script(INSPECT_LUA)
+        self._release_if_script = client.register_script(RELEASE_IF_LUA)
+        self._force_sent_script = client.register_script(FORCE_SENT_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> RedisStore:
+        """Build a store from a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, or a
+        ``redis+cluster://`` or ``redis+sentinel://`` URL (:mod:`relay.store.redis.urls`).
+
+        Socket connect and read timeouts are ``op_timeout_s`` seconds. Nothing is connected yet.
+        Raises :class:`ValueError` for another scheme or a malformed URL.
+        """
+        client, sentinel = open_client(url, op_timeout_s=op_timeout_s)
+        return cls(client=client, op_timeout_s=op_timeout_s, sentinel=sentinel)
+
+    async def reserve(
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+    ) -> list[Reservation]:
+        """Create ``P|token`` with a TTL of ``lease_s`` seconds under every absent key.
+
+        One pipeline for all keys; one :class:`Reservation` per key, in order. A key that
+        already holds ``P|token`` (same token) reports ``reserved=True`` again. With
+        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
+        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
+        """
+        if not keys:
+            return []
+        lease_ms = _ms(lease_s)
+        args = (token, lease_ms, "1" if resend_unknown else "0")
+        calls = [(self._reserve_script, key, args) for key in keys]
+        async with _translated("reserve", self._op_timeout_s):
+            results = await self._run_scripts(calls, durable=set(keys))
+        return [_reservation(key, result, lease_ms)
+                for key, result in zip(keys, results, strict=True)]
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep this attempt's reservations alive: PENDING(token) gets a TTL of ``lease_s``
+        seconds again, SENDING(token) the server's time as its heartbeat. One pipeline; per key,
+        whether it was still this attempt's. Raises :class:`StoreError` (op ``renew``)."""
+        if not keys:
+            return []
+        calls = [(self._renew_script, key, (token, _ms(lease_s))) for key in keys]
+        async with _translated("renew", self._op_timeout_s):
+            results = await self._run_scripts(calls, durable=frozenset())
+        return [result == 1 for result in results]
+
+    async def settle(
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
+    ) -> list[bool]:
+        """Apply every settlement in one pipeline, each only if its key holds ``P|token`` (or
+        ``D|token|...``).
+
+        SENT and UNKNOWN get a TTL of ``window_s`` seconds and record the Redis server's time.
+        Returns per op whether it was applied. Raises :class:`StoreError` (op ``settle``).
+        """
+        if not ops:
+            return []
+        window_ms = _ms(window_s)
+        calls: list[_ScriptCall] = []
+        for op in ops:
+            if op.action is Settle.SENT:
+                sent_args = (token, reply_bytes(op.reply), window_ms)
+                calls.append((self._mark_sent_script, op.key, sent_args))
+            elif op.action is Settle.UNKNOWN:
+                calls.append((self._mark_unknown_script, op.key, (token, window_ms)))
+            elif op.action is Settle.SENDING:
+                sending_args = (token, window_ms, _ms(op.lease_s) if op.lease_s > 0 else 0)
+                calls.append((self._mark_sending_script, op.key, sending_args))
+            else:
+                calls.append((self._release_script, op.key, (token,)))
+        marks = {op.key for op in ops if op.action is not Settle.RELEASE}
+        async with _translated("settle", self._op_timeout_s):
+            results = await self._run_scripts(calls, durable=marks)
+        return [result == 1 for result in results]
+
+    async def inspect(self, key: str) -> Record:
+        """Return what ``key`` holds, with ``ttl_s`` in seconds from PTTL (None: no expiry).
+
+        Raises :class:`StoreError` (op ``inspect``).
+        """
+        async with _translated("inspect", self._op_timeout_s):
+            [(value, pttl_ms, server_ms)] = await self._run_scripts(
+                [(self._inspect_script, key, ())], durable=frozenset())
+        if value == 0:
+            return Record(State.ABSENT)
+        record = dataclasses.replace(decode_value(bytes(value), int(pttl_ms)), raw=bytes(value))
+        if record.at is None:
+            return record
+        return dataclasses.replace(record, age_s=int(server_ms) / 1000 - record.at)
+
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
+        """Delete ``key``; with ``expected`` only while it still holds ``expected.raw`` (one
+        script). True when something was deleted. Raises :class:`StoreError` (op
+        ``force_release``)."""
+        if expected is not None and expected.state is State.ABSENT:
+            return False
+        args: tuple[bytes, ...] = (b"0", b"")
+        if expected is not None and expected.raw:
+            args = (b"1", expected.raw)
+        async with _translated("force_release", self._op_timeout_s):
+            [deleted] = await self._run_scripts(
+                [(self._release_if_script, key, args)], durable=frozenset())
+        return bool(deleted)
+
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set ``S|<server time ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds,
+        whatever it held (an operator's decision). Raises :class:`StoreError` (op
+        ``force_mark_sent``)."""
+        call = (self._force_sent_script, key, (reply_bytes(reply), _ms(window_s)))
+        async with _translated("force_mark_sent", self._op_timeout_s):
+            await self._run_scripts([call], durable={key})
+
+    async def ping(self) -> None:
+        """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""
+        async with _translated("ping", self._op_timeout_s):
+            await self._client.ping()
+
+    async def check_server(self) -> list[str]:
+        """Return readable warnings about the servers' settings (empty when all is well).
+
+        For the one server, the Sentinel-managed master or every master of a cluster: warns
+        when ``maxmemory-policy`` is not ``noeviction`` (an evicted PENDING or SENT key lets a
+        duplicate through), when persistence is off (``appendonly no`` and an empty ``save``),
+        and when these cannot be read (CONFIG refused, as on many managed services). With
+        Sentinel, also when the sentinels know no live replica. Raises :class:`StoreError`
+        (op ``check_server``) only when a server cannot be reached.
+        """
+        warnings: list[str] = []
+        async with _translated("check_server", self._op_timeout_s):
+            for where, config_get in await self._config_readers():
+                warnings.extend(await server_warnings(where, config_get))
+            if self._sentinel is not None:
+                service = self._sentinel.service
+                if not await self._sentinel.sentinel.discover_slaves(service):
+                    warnings.append(
+                        f"Redis Sentinel knows no live replica of {service!r}: a failover of "
+                        "its master has nothing to promote"
+                    )
+        return warnings
+
+    async def close(self) -> None:
+        """Close the client, its connections and the sentinels'. Never raises for a broken
+        connection."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.aclose()
+        if self._sentinel is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._sentinel.sentinel.aclose()
+
+    async def _config_readers(self) -> list[tuple[str, ConfigGet]]:
+        """One ``(name, CONFIG GET function)`` per server to check: every master of a cluster."""
+        client = self._client
+        if not isinstance(client, redis.asyncio.RedisCluster):
+            return [("Redis", client.config_get)]
+        await client.initialize()
+
+        def reader(node: ClusterNode) -> ConfigGet:
+            return lambda name: client.config_get(name, target_nodes=node)
+
+        return [(f"Redis at {node.name}", reader(node)) for node in client.get_primaries()]
+
+    async def _run_scripts(
+        self, calls: Sequence[_ScriptCall], *, durable: AbstractSet[str]
+    ) -> list[Any]:
+        """Run ``calls`` by EVALSHA in one non-transactional pipeline; return their results.
+
+        The writes to the keys in ``durable`` are followed by WAIT (see the class docstring).
+        A server that does not know a script (NOSCRIPT: restarted, flushed, a replica just
+        promoted, a cluster node never used before) gets the calls that failed for that reason
+        again as EVAL, which runs the script and caches it on that server: one more round trip,
+        on that server only. Any other script error is raised as its redis-py exception.
+        """
+        results = await self._pipeline(calls, durable, by_sha=True)
+        missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if missing:
+            retried = await self._pipeline([calls[i] for i in missing], durable, by_sha=False)
+            for i, result in zip(missing, retried, strict=True):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    async def _pipeline(
+        self, calls: Sequence[_ScriptCall], durable: AbstractSet[str], *, by_sha: bool
+    ) -> list[Any]:
+        """Send ``calls``, then a WAIT per server written to for ``durable`` keys, in one
+        pipeline; return the calls' results.
+
+        On a cluster, redis-py groups the commands by node and runs the groups in parallel,
+        each on one connection, so a WAIT aimed at a node follows the writes sent to it. A
+        write answered with MOVED or ASK is sent again on its own, and its WAIT still goes to
+        the old node: after a failover that node is a replica and refuses WAIT, which fails
+        the call (the slot map is right for the next one); while slots migrate, the old node's
+        answer does not cover the moved write.
+        """
+        targets = await self._acks.targets([key for _, key, _ in calls if key in durable])
+        async with self._client.pipeline(transaction=False) as pipe:
+            for script, key, args in calls:
+                if by_sha:
+                    # execute_command: ClusterPipeline blocks its evalsha() helper method
+                    pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+                else:
+                    pipe.execute_command("EVAL", script.script, 1, key, *args)
+            self._acks.add_waits(pipe, targets)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        await self._acks.note(targets, results[len(calls) :])
+        return results[: len(calls)]

@@ -1,0 +1,466 @@
+"""SQLite fingerprint store: the embedded default when no Redis is configured (DESIGN section 3).
+
+One file in WAL mode holds one row per key; it survives a restart of the relay, and several
+processes may share it (SQLite's file locks plus ``BEGIN IMMEDIATE`` keep every transition
+atomic). Expiry is by wall clock (``time.time()``): a row whose ``expires_at_ms`` has passed
+counts as absent and is replaced by the next reserve; :meth:`SqliteStore.purge_expired` deletes
+such rows.
+
+sqlite3 blocks, so every call runs in one dedicated worker thread that owns the one connection;
+the event loop only awaits it, bounded by ``op_timeout_s``. Every sqlite3, OS and timeout error
+is translated into :class:`relay.core.errors.StoreError` here, at the adapter boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+
+_T = TypeVar("_T")
+
+_PENDING, _SENT, _UNKNOWN = State.PENDING.value, State.SENT.value, State.UNKNOWN.value
+_SENDING = State.SENDING.value
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fingerprints (
+    key TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    token TEXT,
+    at_ms INTEGER,
+    reply TEXT,
+    expires_at_ms INTEGER,
+    lease_ms INTEGER
+)
+"""
+# SENDING rows keep their attempt's lease (readers judge staleness by it); a file written by an
+# earlier version gets the column on open
+_ADD_LEASE = "ALTER TABLE fingerprints ADD COLUMN lease_ms INTEGER"
+_INDEX = "CREATE INDEX IF NOT EXISTS fingerprints_expiry ON fingerprints (expires_at_ms)"
+_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms FROM fingerprints "
+           "WHERE key = ?")
+_UPSERT = (
+    "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+# Parameters: key, token, now_ms. Touch the row only while it holds PENDING(token) or
+# SENDING(token), unexpired.
+_RELEASE = (
+    "DELETE FROM fingerprints "
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: state, at_ms, reply, expires_at_ms, then key, token, now_ms as for _RELEASE.
+_SETTLE = (
+    "UPDATE fingerprints SET state = ?, token = NULL, at_ms = ?, reply = ?, expires_at_ms = ? "
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: at_ms, expires_at_ms, lease_ms, then key, token, now_ms. PENDING(token) ->
+# SENDING(token); SENDING(token) again is a retried call of the same attempt (idempotent).
+_TO_SENDING = (
+    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ?, lease_ms = ? "
+    "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: expires_at_ms, then key, token, now_ms. Renews the lease of PENDING(token).
+_RENEW_PENDING = (
+    "UPDATE fingerprints SET expires_at_ms = ? "
+    "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: at_ms (the heartbeat), lease_ms, then key, token, now_ms. Renews SENDING(token).
+_RENEW_SENDING = (
+    "UPDATE fingerprints SET at_ms = ?, lease_ms = ? "
+    "WHERE key = ? AND state = 'sending' AND token = ? AND expires_at_ms > ?"
+)
+# Parameters: key, now_ms. Deletes the row only while it is live (not expired).
+_DELETE_LIVE = (
+    "DELETE FROM fingerprints WHERE key = ? AND (expires_at_ms IS NULL OR expires_at_ms > ?)"
+)
+
+_Row = tuple[str, str | None, int | None, str | None, int | None, int | None]
+
+
+def sqlite_path_from_url(url: str) -> str:
+    """Return the file path of a ``sqlite:///`` URL (SQLAlchemy convention).
+
+    ``sqlite:///relative/path.db`` gives ``relative/path.db`` (relative to the working
+    directory) and ``sqlite:////abs/path.db`` gives ``/abs/path.db``. Raises
+    :class:`ValueError` for any other form.
+    """
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        raise ValueError(
+            f"store URL {url!r} is not a SQLite URL: use sqlite:///relative/path.db "
+            "or sqlite:////absolute/path.db"
+        )
+    path = url[len(prefix) :]
+    if not path or path.endswith("/") or "?" in path or "#" in path:
+        raise ValueError(f"store URL {url!r} does not name a database file")
+    return path
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _ms(seconds: float) -> int:
+    """Convert a duration in seconds to whole milliseconds, at least 1 ms."""
+    return max(1, int(seconds * 1000))
+
+
+def _lease_ms(op: SettleOp) -> int | None:
+    """The lease a SENDING row keeps, in ms; None when the op names none (readers' own)."""
+    return _ms(op.lease_s) if op.lease_s > 0 else None
+
+
+def _clean(text: str) -> str:
+    """Make ``text`` storable as UTF-8 (lone surrogates become U+FFFD)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
+    """Turn a live row into a :class:`Record`; an unrecognised state counts as SENT.
+
+    With ``lease_ms`` (a reserve) a SENDING row reads as PENDING while its last heartbeat is
+    younger than its attempt's own lease (``lease_ms`` for a row of an earlier version) and as
+    UNKNOWN after it (its attempt died after the final dot).
+    """
+    state, token, at_ms, reply, expires_at_ms, own_lease_ms = row
+    ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
+    at = at_ms / 1000 if at_ms is not None else None
+    age_s = (now_ms - at_ms) / 1000 if at_ms is not None else None
+    if state == _PENDING and token:
+        return Record(State.PENDING, token=token, ttl_s=ttl_s)
+    if state == _SENDING and token and at_ms is not None:
+        own = own_lease_ms / 1000 if own_lease_ms is not None else None
+        if lease_ms is None:
+            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                          lease_s=own)
+        if now_ms - at_ms < (own_lease_ms if own_lease_ms is not None else lease_ms):
+            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                          lease_s=own)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own)
+    if state == _SENT:
+        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
+    if state == _UNKNOWN:
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
+    return Record(State.SENT, ttl_s=ttl_s)
+
+
+def _same(now: Record, seen: Record) -> bool:
+    """Whether ``now`` is still the record ``seen`` (same state, attempt and time)."""
+    return (now.state, now.token, now.at, now.reply) == (seen.state, seen.token, seen.at,
+                                                         seen.reply)
+
+
+def _live(row: _Row | None, now_ms: int) -> _Row | None:
+    """Return ``row`` unless it is missing or expired."""
+    if row is None or (row[4] is not None and row[4] <= now_ms):
+        return None
+    return row
+
+
+_QUEUE_LIMIT_S = 30.0  # how long a call may wait behind this process's other calls
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
+    """``future``'s result, waiting at most ``timeout_s`` seconds; raises TimeoutError only
+    when it is really not done (a loop that woke late to a finished future is no timeout)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(future)
+    except TimeoutError:
+        if future.done():
+            return future.result()
+        raise
+
+
+class SqliteStore:
+    """A :class:`~relay.core.interfaces.FingerprintStore` in SQLite; create it with :meth:`open`.
+
+    ``op_timeout_s`` (seconds) bounds every operation and is also SQLite's busy timeout, the
+    time a writer waits for another process's lock. Every method raises
+    :class:`relay.core.errors.StoreError` on any failure.
+    """
+
+    def __init__(self, *, path: str, op_timeout_s: float = 2.0) -> None:
+        """Prepare a store on ``path`` without touching the file; :meth:`open` connects."""
+        self._path = path
+        self._op_timeout_s = op_timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
+        self._conn: sqlite3.Connection | None = None  # used in the worker thread only
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: str, *, op_timeout_s: float = 2.0) -> SqliteStore:
+        """Open (creating when missing) the database file at ``path`` and its parent directory.
+
+        Raises :class:`StoreError` (op ``open``) when the file cannot be opened or set up.
+        """
+        store = cls(path=path, op_timeout_s=op_timeout_s)
+        try:
+            await store._call("open", store._connect)
+        except StoreError:
+            await store.close()
+            raise
+        return store
+
+    async def reserve(
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+    ) -> list[Reservation]:
+        """Create ``PENDING(token)`` with a TTL of ``lease_s`` seconds for every absent key.
+
+        All keys in one transaction; one :class:`Reservation` per key, in order. A key already
+        holding ``PENDING(token)`` (same token) reports ``reserved=True`` again. With
+        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
+        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
+        """
+        if not keys:
+            return []
+        lease_ms = _ms(lease_s)
+        return await self._call(
+            "reserve", lambda: self._reserve(keys, token, lease_ms, resend_unknown))
+
+    async def settle(
+        self, ops: Sequence[SettleOp], *, token: str, window_s: float
+    ) -> list[bool]:
+        """Apply every settlement in one transaction, each only if its key holds PENDING(token)
+        or SENDING(token).
+
+        SENT, UNKNOWN and SENDING record the time of the transaction (the clock of the host
+        that holds the file, read inside the transaction) and expire ``window_s`` seconds after
+        it. Returns per op whether it was applied. Raises :class:`StoreError` (op ``settle``).
+        """
+        if not ops:
+            return []
+        window_ms = _ms(window_s)
+        return await self._call("settle", lambda: self._settle(ops, token, window_ms))
+
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+        """Keep this attempt's reservations alive: PENDING(token) expires ``lease_s`` seconds
+        from now again, SENDING(token) gets now as its heartbeat (its expiry kept). One
+        transaction; per key, whether it was still this attempt's. Raises :class:`StoreError`
+        (op ``renew``)."""
+        if not keys:
+            return []
+        lease_ms = _ms(lease_s)
+        return await self._call("renew", lambda: self._renew(keys, token, lease_ms))
+
+    async def inspect(self, key: str) -> Record:
+        """Return what ``key`` holds, ``ttl_s`` in seconds (None: no expiry).
+
+        Raises :class:`StoreError` (op ``inspect``).
+        """
+        return await self._call("inspect", lambda: self._inspect(key))
+
+    async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
+        """Delete ``key`` whatever it holds; True when a live row was deleted.
+
+        Raises :class:`StoreError` (op ``force_release``).
+        """
+        return await self._call("force_release", lambda: self._force_release(key, expected))
+
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
+        """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
+        (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
+        window_ms = _ms(window_s)
+
+        def body(conn: sqlite3.Connection, now_ms: int) -> None:
+            conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
+
+        await self._call("force_mark_sent", lambda: self._transaction(body))
+
+    async def ping(self) -> None:
+        """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
+        await self._call("ping", lambda: self._db().execute("SELECT 1").fetchone())
+
+    async def purge_expired(self) -> int:
+        """Delete expired rows; return how many. Raises :class:`StoreError` (op ``purge``)."""
+        return await self._call("purge", self._purge)
+
+    async def close(self) -> None:
+        """Close the connection and stop the worker thread; later calls raise StoreError."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        try:
+            with contextlib.suppress(sqlite3.Error, OSError):
+                await loop.run_in_executor(self._executor, self._disconnect)
+        finally:
+            self._executor.shutdown(wait=False)
+
+    # -- event-loop side ---------------------------------------------------------------------
+
+    async def _call(self, op: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` in the worker thread, translating every failure into StoreError.
+
+        The time limit is on the database, not on this process: ``op_timeout_s`` counts from
+        when the worker starts ``fn`` (time queued behind this process's own calls is not an
+        outage; SQLite's busy timeout bounds the wait for another process's lock), and a call
+        that finished is never reported as timed out because the event loop was too busy to
+        notice in time. ``_QUEUE_LIMIT_S`` bounds the wait for the worker.
+        """
+        if self._closed:
+            raise StoreError(op, "the SQLite store is closed")
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+
+        def run() -> _T:
+            loop.call_soon_threadsafe(_set_once, started)
+            return fn()
+
+        work = loop.run_in_executor(self._executor, run)
+        try:
+            await _within(started, max(_QUEUE_LIMIT_S, self._op_timeout_s))
+            return await _within(work, self._op_timeout_s)
+        except TimeoutError as exc:
+            raise StoreError(op, f"SQLite did not answer within {self._op_timeout_s:g} s") from exc
+        # UnicodeError: a key or token that cannot be encoded as UTF-8 is refused by sqlite3
+        except (sqlite3.Error, OSError, UnicodeError) as exc:
+            raise StoreError(op, f"{type(exc).__name__}: {exc}") from exc
+
+    # -- worker-thread side ------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if self._path != ":memory:":
+            parent = os.path.dirname(os.path.abspath(self._path))
+            os.makedirs(parent, exist_ok=True)
+        # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE explicitly.
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=self._op_timeout_s)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {_ms(self._op_timeout_s)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss or an
+            # OS crash, and a lost SENT row lets a retried message through twice. FULL costs one
+            # fsync per transaction (one per reserve, one per settle), cheap next to SMTP.
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
+            if "lease_ms" not in columns:
+                conn.execute(_ADD_LEASE)
+            conn.execute(_INDEX)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise sqlite3.ProgrammingError("the SQLite store is not open")
+        return self._conn
+
+    def _transaction(self, body: Callable[[sqlite3.Connection, int], _T]) -> _T:
+        """Run ``body(conn, now_ms)`` inside BEGIN IMMEDIATE ... COMMIT (rolled back on error).
+
+        BEGIN IMMEDIATE takes the write lock before the first read, so a row read by ``body``
+        cannot be changed by another process before ``body`` writes.
+        """
+        conn = self._db()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = body(conn, _now_ms())
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return result
+
+    def _reserve(self, keys: Sequence[str], token: str, lease_ms: int,
+                 resend_unknown: bool) -> list[Reservation]:
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[Reservation]:
+            out: list[Reservation] = []
+            mine = (_PENDING, token, None, None, now_ms + lease_ms)
+            for key in keys:
+                row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+                if row is None:
+                    conn.execute(_UPSERT, (key, *mine))
+                    out.append(Reservation(key=key, reserved=True))
+                elif row[0] == _PENDING and row[1] == token:
+                    out.append(Reservation(key=key, reserved=True))
+                else:
+                    found = _record(row, now_ms, lease_ms)
+                    take_over = resend_unknown and found.state is State.UNKNOWN
+                    if take_over:
+                        conn.execute(_UPSERT, (key, *mine))
+                    out.append(Reservation(key=key, reserved=take_over, found=found))
+            return out
+
+        return self._transaction(body)
+
+    def _settle(self, ops: Sequence[SettleOp], token: str, window_ms: int) -> list[bool]:
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
+            done: list[bool] = []
+            at_ms, expires_ms = now_ms, now_ms + window_ms
+            for op in ops:
+                mine = (op.key, token, now_ms)
+                if op.action is Settle.RELEASE:
+                    cursor = conn.execute(_RELEASE, mine)
+                elif op.action is Settle.SENDING:
+                    cursor = conn.execute(_TO_SENDING,
+                                          (at_ms, expires_ms, _lease_ms(op), *mine))
+                else:
+                    state = _SENT if op.action is Settle.SENT else _UNKNOWN
+                    reply = _clean(op.reply) if op.action is Settle.SENT else None
+                    cursor = conn.execute(_SETTLE, (state, at_ms, reply, expires_ms, *mine))
+                done.append(cursor.rowcount == 1)
+            return done
+
+        return self._transaction(body)
+
+    def _renew(self, keys: Sequence[str], token: str, lease_ms: int) -> list[bool]:
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
+            done: list[bool] = []
+            for key in keys:
+                mine = (key, token, now_ms)
+                cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
+                if cursor.rowcount != 1:
+                    cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, *mine))
+                done.append(cursor.rowcount == 1)
+            return done
+
+        return self._transaction(body)
+
+    def _inspect(self, key: str) -> Record:
+        now_ms = _now_ms()
+        row = _live(self._db().execute(_SELECT, (key,)).fetchone(), now_ms)
+        return Record(State.ABSENT) if row is None else _record(row, now_ms)
+
+    def _force_release(self, key: str, expected: Record | None) -> bool:
+        def body(conn: sqlite3.Connection, now_ms: int) -> bool:
+            if expected is not None:
+                row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+                if row is None or not _same(_record(row, now_ms), expected):
+                    return False  # absent, or no longer what the operator saw
+            cursor = conn.execute(_DELETE_LIVE, (key, now_ms))
+            conn.execute("DELETE FROM fingerprints WHERE key = ?", (key,))  # an expired leftover
+            return cursor.rowcount == 1
+
+        return self._transaction(body)
+
+    def _purge(self) -> int:
+        def body(conn: sqlite3.Connection, now_ms: int) -> int:
+            cursor = conn.execute(
+                "DELETE FROM fingerprints WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?",
+                (now_ms,),
+            )
+            return cursor.rowcount
+
+        return self._transaction(body)

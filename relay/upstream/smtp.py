@@ -1,0 +1,357 @@
+"""The SMTP upstream (smarthost) adapter, built on aiosmtplib.
+
+Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (DESIGN section 5,
+:mod:`relay.upstream.pool`): after a transaction that ended cleanly (every command answered by
+its own reply, none with 421) the connection waits idle for the next one, which starts with
+RSET; a pooled connection that fails its RSET is closed and a fresh one is opened. A connection
+whose transaction failed, timed out or is in doubt is never reused (case 26). Every aiosmtplib
+exception is translated here into a per-recipient :class:`relay.core.interfaces.RcptResult`;
+nothing from aiosmtplib escapes this module.
+
+The DATA phase is run by hand on aiosmtplib's public protocol methods (``execute_command``,
+``protocol.write``, ``protocol.read_response``) rather than ``SMTP.data()``, because ``data()``
+uses one timeout for the ``354`` and for the reply to the final dot and does not say which one
+ran out. The relay must know: a failure before the final dot was fully written releases the
+reservation (the retry is safe), a failure after it is UNKNOWN (RFC 1047; releasing it would
+send a duplicate). The message is written by :mod:`relay.upstream.transfer`: the transfer
+times out when it stalls (no byte taken for ``command_timeout_s``, RFC 5321 section
+4.5.3.2.5), not after a total time, and a transfer given up while bytes are still buffered is
+reset, never closed gracefully, so the final dot cannot follow the relay's decision (issue 8).
+The wait for the final reply is ``final_timeout_s`` (default 600 s, RFC 5321 section
+4.5.3.2.6), counted from the moment the whole message is out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiosmtplib
+
+from relay.core import replies
+from relay.core.cancellation import absorb_cancel
+from relay.core.interfaces import (
+    DeliveryProgress,
+    DeliveryResult,
+    OutboundMessage,
+    RcptResult,
+    RcptStatus,
+    SmtpReply,
+)
+from relay.upstream.negotiate import negotiate
+from relay.upstream.pool import ConnectionPool, discard, quit_politely
+from relay.upstream.transfer import Outcome, Transfer, write_backlog
+
+log = logging.getLogger("relay.upstream.smtp")
+
+_LEADING_DOT = re.compile(rb"(?m)^\.")
+_PROBE_TIMEOUT_S = 2.0  # an idle connection's RSET: a live smarthost answers at once
+
+
+@dataclass(frozen=True)
+class SmtpUpstreamConfig:
+    """Where and how to reach the smarthost.
+
+    ``tls``: ``none`` (plain), ``starttls`` (required upgrade) or ``tls`` (implicit TLS).
+    Timeouts are seconds: ``connect_timeout_s`` for TCP+greeting+EHLO(+TLS+AUTH),
+    ``command_timeout_s`` per command, ``final_timeout_s`` for the reply to the final dot.
+    """
+
+    host: str
+    port: int
+    local_hostname: str
+    tls: str = "none"
+    verify: bool = True
+    username: str | None = None
+    password: str | None = None
+    connect_timeout_s: float = 30.0
+    command_timeout_s: float = 60.0
+    final_timeout_s: float = 600.0
+    pool_size: int = 4  # idle connections kept; 0: one connection per transaction
+    pool_idle_s: float = 30.0  # an idle connection older than this is closed, not reused
+    pool_max_messages: int = 100  # transactions per connection before it is closed
+
+
+def _refusal(code: int, text: str) -> RcptResult:
+    """An upstream refusal; a reply that is neither 4yz nor 5yz is a protocol error (temp)."""
+    if 400 <= code < 600:
+        return RcptResult(RcptStatus.REFUSED, SmtpReply(code, text))
+    log.warning("upstream answered %d where a refusal was due: protocol error", code)
+    return RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_PROTOCOL_ERROR, from_upstream=False)
+
+
+def _rcpt_reply(code: int, text: str) -> tuple[int, str]:
+    """A refusal of RCPT as the relay takes it: ``552`` is the temporary ``452``.
+
+    RFC 5321 section 4.5.3.1.10: servers that still answer 552 for too many recipients are
+    to be treated as if they said 452, so the client retries the rest (the recipients already
+    sent are then duplicates). The enhanced code's class follows (``5.5.3`` -> ``4.5.3``).
+    """
+    if code != 552:
+        return code, text
+    enhanced = replies.enhanced_of(SmtpReply(code, text))
+    if enhanced is None:
+        return 452, f"4.5.3 {text}"
+    return 452, "4" + text[1:]
+
+
+def _clean(code: int) -> bool:
+    """Whether the session is in a known state after a refusal with ``code``: a 4yz or 5yz
+    other than 421 (closing). Any other code where a refusal was due is a protocol error."""
+    return 400 <= code < 600 and code != 421
+
+
+def _synthetic(reply: SmtpReply, status: RcptStatus = RcptStatus.REFUSED) -> RcptResult:
+    return RcptResult(status, reply, from_upstream=False)
+
+
+def _all(recipients: Sequence[str], result: RcptResult) -> DeliveryResult:
+    return DeliveryResult(recipients=dict.fromkeys(recipients, result))
+
+
+def _connection_failure(exc: Exception) -> RcptResult:
+    """Map an exception raised while connecting/greeting/EHLO/STARTTLS/AUTH to a temp result.
+
+    A refusing greeting or EHLO says nothing about the message: the retry is safe (4yz).
+    """
+    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
+        return _synthetic(replies.UPSTREAM_AUTH_FAILED)
+    if isinstance(exc, aiosmtplib.SMTPResponseException):
+        text = replies.client_safe_text(f"{exc.code} {exc.message}")
+        return _synthetic(SmtpReply(451, f"4.4.1 Upstream refused the session: {text}"))
+    if isinstance(exc, TimeoutError):
+        return _synthetic(replies.UPSTREAM_TIMEOUT)
+    return _synthetic(replies.UPSTREAM_UNREACHABLE)
+
+
+def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
+    """The outcome of a reply that came before the whole message did (the rest is then reset,
+    never sent): a 4yz/5yz refuses it; any other reply cannot be about a message the upstream
+    never saw end, so whether it took something is unknown."""
+    if 400 <= response.code < 600:
+        return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
+    log.error("upstream answered %d before the final dot: outcome unknown", response.code)
+    return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+
+
+def _lost(exc: Exception) -> RcptResult:
+    return _synthetic(
+        replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST)
+
+
+class SmtpUpstream:
+    """Relays to an SMTP smarthost; implements :class:`relay.core.interfaces.Upstream`."""
+
+    def __init__(self, *, config: SmtpUpstreamConfig) -> None:
+        self._cfg = config
+        self._pool = ConnectionPool(
+            size=config.pool_size, idle_s=config.pool_idle_s,
+            max_messages=config.pool_max_messages,
+            probe_timeout_s=min(_PROBE_TIMEOUT_S, config.command_timeout_s),
+            open_new=self._connect)
+
+    def _client(self) -> aiosmtplib.SMTP:
+        cfg = self._cfg
+        tls_context = None
+        if cfg.tls != "none" and not cfg.verify:
+            tls_context = ssl.create_default_context()
+            tls_context.check_hostname = False
+            tls_context.verify_mode = ssl.CERT_NONE
+        return aiosmtplib.SMTP(
+            hostname=cfg.host,
+            port=cfg.port,
+            local_hostname=cfg.local_hostname,
+            timeout=cfg.command_timeout_s,
+            use_tls=cfg.tls == "tls",
+            start_tls=cfg.tls == "starttls",
+            validate_certs=cfg.verify,
+            tls_context=tls_context,
+            username=cfg.username,
+            password=cfg.password,
+        )
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        """Run one upstream transaction; see :class:`relay.core.interfaces.Upstream`."""
+        progress = progress if progress is not None else DeliveryProgress()
+        try:
+            smtp, uses = await self._pool.acquire()
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            log.warning("upstream session failed: %s: %s", type(exc).__name__,
+                        replies.client_safe_text(str(exc)))
+            return _all(message.rcpt_tos, _connection_failure(exc))
+        clean = False
+        try:
+            result, clean = await self._transaction(smtp, message, progress)
+            return result
+        finally:
+            self._pool.release(smtp, uses + 1, clean)
+
+    async def _connect(self) -> aiosmtplib.SMTP:
+        """A new connection, greeted (and STARTTLS/AUTH as configured); raises what
+        connecting raises, after closing the socket."""
+        smtp = self._client()
+        try:
+            await self._open(smtp)
+        except BaseException:
+            smtp.close()
+            raise
+        return smtp
+
+    async def _open(self, smtp: aiosmtplib.SMTP) -> None:
+        """Connect (TLS, AUTH as configured) and greet: EHLO, or HELO when EHLO is refused."""
+        await smtp.connect(timeout=self._cfg.connect_timeout_s)
+        if not smtp.is_ehlo_or_helo_needed:
+            return
+        try:  # aiosmtplib greets lazily; the ESMTP keywords are needed before MAIL
+            await smtp.ehlo(timeout=self._cfg.command_timeout_s)
+        except aiosmtplib.SMTPHeloError as exc:
+            if not 500 <= exc.code < 600:
+                raise
+            await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
+
+    async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
+                           progress: DeliveryProgress) -> tuple[DeliveryResult, bool]:
+        """The transaction's result, and whether the connection may be reused (every command
+        answered, none with 421: the session is in a known state)."""
+        wire = negotiate(message, smtp.esmtp_extensions.keys())
+        if isinstance(wire, SmtpReply):
+            return _all(message.rcpt_tos, _synthetic(wire)), True
+        encoding = "utf-8" if wire.smtputf8 else "ascii"
+        try:
+            await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
+        except aiosmtplib.SMTPResponseException as exc:
+            return _all(message.rcpt_tos, _refusal(exc.code, exc.message)), _clean(exc.code)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            return _all(message.rcpt_tos, _lost(exc)), False
+        except ValueError:  # aiosmtplib refuses control characters; the listener already did
+            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False
+        results, accepted, clean = await self._recipients(smtp, wire.rcpt_to, encoding)
+        if not accepted:
+            return DeliveryResult(recipients=results), clean
+        outcome, clean = await self._data(smtp, message.content, progress, accepted)
+        for rcpt in accepted:
+            results[rcpt] = outcome
+        final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
+        return DeliveryResult(recipients=results, final_reply=final), clean
+
+    async def _recipients(
+        self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str], encoding: str
+    ) -> tuple[dict[str, RcptResult], list[str], bool]:
+        """RCPT for each recipient (wire form): refusals by recipient, the accepted ones, and
+        whether the session is still in a known state."""
+        results: dict[str, RcptResult] = {}
+        accepted: list[str] = []
+        clean = True
+        for rcpt, wire_address in rcpt_to.items():
+            try:
+                await smtp.rcpt(wire_address, encoding=encoding)
+                accepted.append(rcpt)
+            except aiosmtplib.SMTPResponseException as exc:
+                results[rcpt] = _refusal(*_rcpt_reply(exc.code, exc.message))
+                clean = clean and _clean(exc.code)
+            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+                lost = _lost(exc)
+                return {r: results.get(r, lost) for r in rcpt_to}, [], False
+            except ValueError:
+                results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
+        return results, accepted, clean
+
+    async def _data(self, smtp: aiosmtplib.SMTP, content: bytes, progress: DeliveryProgress,
+                    accepted: list[str]) -> tuple[RcptResult, bool]:
+        """DATA, the message, the final dot; tell a failure before the dot from one after it.
+
+        Also says whether the session is in a known state afterwards (reusable).
+        """
+        try:
+            start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            return _lost(exc), False
+        if start.code != 354:
+            return _refusal(start.code, start.message), _clean(start.code)
+        if progress.before_dot is not None and not await progress.before_dot(accepted):
+            discard(smtp)  # no dot: the upstream discards the transaction
+            return _synthetic(progress.abort_reply or replies.STORE_DOWN), False
+        protocol = smtp.protocol
+        transport = protocol.transport if protocol is not None else None
+        if protocol is None or not isinstance(transport, asyncio.WriteTransport):
+            return _synthetic(replies.UPSTREAM_LOST), False
+        payload = _LEADING_DOT.sub(b"..", content)
+        if not payload.endswith(b"\r\n"):
+            payload += b"\r\n"
+        return await self._transfer(smtp, protocol, transport, payload + b".\r\n", progress)
+
+    async def _transfer(self, smtp: aiosmtplib.SMTP, protocol: aiosmtplib.protocol.SMTPProtocol,
+                        transport: asyncio.WriteTransport, payload: bytes,
+                        progress: DeliveryProgress) -> tuple[RcptResult, bool]:
+        """Write ``payload`` (final dot included) and take the reply: see
+        :mod:`relay.upstream.transfer`. Given up (stalled, lost, answered early, cancelled),
+        the connection is reset while bytes are buffered, so ``progress.dot_written`` stays
+        False only when the final dot cannot reach the upstream any more."""
+        transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s)
+        reader = asyncio.ensure_future(protocol.read_response(timeout=None))
+        try:
+            outcome = await transfer.run(reader)
+        except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
+            reader.cancel()
+            progress.dot_written = transfer.complete
+            discard(smtp)
+            raise
+        progress.dot_written = transfer.complete
+        if outcome is Outcome.SENT:
+            return await self._final_reply(smtp, reader)
+        if outcome is Outcome.ANSWERED:
+            discard(smtp)  # the rest must not follow the reply
+            return _early_reply(reader.result()), False
+        reader.cancel()
+        log.warning("upstream transfer %s with %d bytes unsent: reset, nothing delivered",
+                    outcome.value, write_backlog(transport))
+        discard(smtp)  # what is still buffered, the final dot included, never leaves
+        return _synthetic(replies.UPSTREAM_TIMEOUT if outcome is Outcome.STALLED
+                          else replies.UPSTREAM_LOST), False
+
+    async def _final_reply(self, smtp: aiosmtplib.SMTP,
+                           reader: asyncio.Future[aiosmtplib.SMTPResponse]
+                           ) -> tuple[RcptResult, bool]:
+        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
+        reused: a late reply would be read as the next command's). A cancellation (shutdown
+        cut) that meets a reply already read takes that reply: it is the upstream's verdict,
+        and throwing it away would turn a definite answer into an in-doubt one."""
+        try:
+            response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
+        except asyncio.CancelledError:
+            if not reader.done() or reader.cancelled() or reader.exception() is not None:
+                raise
+            absorb_cancel()
+            response = reader.result()
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            smtp.close()
+            log.error("upstream gave no reply to the final dot (%s): outcome unknown",
+                      type(exc).__name__)
+            return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
+        reply = SmtpReply(response.code, response.message)
+        if 200 <= response.code < 300:
+            return RcptResult(RcptStatus.ACCEPTED, reply), True
+        if 400 <= response.code < 600:
+            return RcptResult(RcptStatus.REFUSED, reply), _clean(response.code)
+        smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
+        log.error("upstream answered the final dot with %d: outcome unknown", response.code)
+        return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
+
+    async def ping(self) -> None:
+        """Connect, EHLO and QUIT; raise ConnectionError when the smarthost does not answer."""
+        smtp = self._client()
+        try:
+            await smtp.connect(timeout=self._cfg.connect_timeout_s)
+        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            raise ConnectionError(f"upstream {self._cfg.host}:{self._cfg.port}: {exc}") from exc
+        finally:
+            await quit_politely(smtp)
+
+    async def close(self) -> None:
+        """QUIT every pooled connection (the relay is stopping)."""
+        await self._pool.close()
