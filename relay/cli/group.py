@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import click
 
+from relay import __version__
 from relay.cli.admin import register as register_admin_commands
 from relay.config import (
     DEFAULT_STORE_URL,
@@ -81,7 +82,7 @@ def _load(config_file: Path | None, flags: dict[str, Any], *,
 
 
 @click.group()
-@click.version_option(package_name="dedup-relay")
+@click.version_option(version=__version__, prog_name="dedup-relay")
 def main() -> None:
     """dedup-relay: an SMTP relay that stops duplicate outbound email."""
 
