@@ -6,7 +6,16 @@ No label ever holds an address, a key or a fingerprint: labels are small closed 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 from relay import __version__
 
@@ -21,11 +30,24 @@ CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
 DSN_RESULTS = ("sent", "failed")
 
 
+def register_runtime_collectors(registry: CollectorRegistry) -> None:
+    """Register prometheus-client's standard collectors on ``registry``: ``process_*`` (CPU
+    seconds, resident and virtual memory bytes, open file descriptors, start time; read from
+    ``/proc``, absent elsewhere), ``python_info`` and ``python_gc_*``.
+
+    Raises ``ValueError`` (duplicated timeseries) when ``registry`` already has them.
+    """
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
 class PrometheusMetrics:
     """Implements :class:`relay.core.interfaces.Metrics` with prometheus-client collectors.
 
     ``registry`` is injected (tests pass a fresh ``CollectorRegistry``); nothing is registered
-    on the global default registry.
+    on the global default registry. The standard ``process_*`` and ``python_*`` collectors are
+    registered on it too (:func:`register_runtime_collectors`).
     """
 
     def __init__(self, *, registry: CollectorRegistry) -> None:
@@ -82,6 +104,7 @@ class PrometheusMetrics:
             ["result"], registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
+        register_runtime_collectors(registry)
         for outcome in OUTCOMES:
             self._recipients.labels(outcome)
         for result in RESULTS:
