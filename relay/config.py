@@ -1,8 +1,10 @@
 """The one frozen, validated settings object of dedup-relay.
 
-Sources, highest priority first: command-line flags, environment variables ``RELAY_<FIELD>``
-(for example ``RELAY_UPSTREAM``, ``RELAY_DEDUP_WINDOW``), the TOML file named by ``--config`` /
+Sources, highest priority first: command-line flags ``--<field-in-kebab-case>`` (every field is
+one, :func:`flag_name`), environment variables ``RELAY_<FIELD>`` (:func:`env_name`, for example
+``RELAY_UPSTREAM``, ``RELAY_DEDUP_WINDOW``), the TOML file named by ``--config`` /
 ``RELAY_CONFIG`` (keys are the field names, see ``config/dedup-relay.example.toml``), defaults.
+Each field's ``description`` is its ``--help`` text.
 Durations are seconds (floats), sizes bytes.
 """
 
@@ -53,6 +55,38 @@ def redact_url(url: str) -> str:
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
 
 
+ENV_PREFIX = "RELAY_"
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of the setting ``field``: ``lease`` -> ``--lease``,
+    ``store_timeout`` -> ``--store-timeout`` (a bool's negation is ``--no-`` + that)."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """The env var of the setting ``field``: ``store_timeout`` -> ``RELAY_STORE_TIMEOUT``."""
+    return ENV_PREFIX + field.upper()
+
+
+def setting_names(field: str, flagged: AbstractSet[str] | None = None) -> str:
+    """Where an operator sets ``field``, for messages: flag (when the command offers it:
+    ``flagged`` holds the field names it does; None: all), env var and file key."""
+    names = f"{env_name(field)} or `{field}` in the file"
+    if flagged is None or field in flagged:
+        names = f"{flag_name(field)}, {names}"
+    return names
+
+
+class SettingsRuleError(ValueError):
+    """A rule between settings is broken; ``fields`` are the settings it names (the error
+    message then says where each one is set)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 def split_host_port(value: str, *, what: str) -> tuple[str, int]:
     """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6) into ``(host, port)``.
 
@@ -79,76 +113,145 @@ class Settings(BaseSettings):
     )
 
     # listener
-    listen: str = "127.0.0.1:2525"
-    hostname: str = Field(default_factory=socket.getfqdn)
-    max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024)
-    max_recipients: int = Field(default=100, ge=1)
-    client_timeout: float = Field(default=300.0, gt=0)
-    data_deadline: float = Field(default=600.0, gt=0)
-    session_lifetime: float = Field(default=3600.0, gt=0)
-    max_idle_commands: int = Field(default=100, ge=1)
+    listen: str = Field("127.0.0.1:2525", description=(
+        "SMTP listener HOST:PORT ([::1]:2525 for IPv6; port 0: any free port)"))
+    hostname: str = Field(default_factory=socket.getfqdn, description=(
+        "name in the greeting, the EHLO reply and the Received: header [default: this "
+        "host's FQDN]"))
+    max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024, description=(
+        "bytes; advertised as SIZE, a larger message is refused with 552 5.3.4"))
+    max_recipients: int = Field(default=100, ge=1, description=(
+        "RCPT TO per message; more are refused with 452 4.5.3 (RFC 5321 section 4.5.3.1.8)"))
+    client_timeout: float = Field(default=300.0, gt=0, description=(
+        "seconds a client may stay silent; then 421 4.4.2 and the connection is closed"))
+    data_deadline: float = Field(default=600.0, gt=0, description=(
+        "seconds a client has from DATA's 354 to the final dot; then 421 4.4.2"))
+    session_lifetime: float = Field(default=3600.0, gt=0, description=(
+        "seconds a session may last; then 421 4.4.2 (a message in DATA is answered first)"))
+    max_idle_commands: int = Field(default=100, ge=1, description=(
+        "commands since the session's last message (NOOP, RSET, refused MAIL/RCPT/DATA...); "
+        "then 421 4.7.0"))
 
     # listener security
-    allowed_networks: CsvList = ("127.0.0.0/8", "::1/128")
-    allowed_senders: CsvList = ()
-    max_connections: int = Field(default=200, ge=1)
-    max_connections_per_ip: int = Field(default=20, ge=1)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_listen: str | None = None
-    tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
-    tls_handshake_timeout: float = Field(default=10.0, gt=0)
-    tls_required: bool = False
-    auth_file: Path | None = None
-    auth_required: bool = False
-    auth_failure_delay: float = Field(default=1.0, ge=0)
-    auth_max_failures: int = Field(default=5, ge=1)
-    auth_failure_window: float = Field(default=600.0, gt=0)
-    proxy_protocol: bool = False
-    proxy_networks: CsvList = ("127.0.0.0/8", "::1/128")
+    allowed_networks: CsvList = Field(("127.0.0.0/8", "::1/128"), description=(
+        "client CIDRs, comma-separated; any other client is told 421 4.7.0 at connect"))
+    allowed_senders: CsvList = Field((), description=(
+        "shell globs of the MAIL FROM addresses allowed, comma-separated (e.g. *@example.com); "
+        "empty: any; others get 550 5.7.1"))
+    max_connections: int = Field(default=200, ge=1, description=(
+        "client connections open at once; more are told 421 4.7.0"))
+    max_connections_per_ip: int = Field(default=20, ge=1, description=(
+        "client connections open at once from one address; more are told 421 4.7.0"))
+    tls_cert: Path | None = Field(None, description=(
+        "PEM certificate chain: enables STARTTLS (RFC 3207); needs tls_key"))
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_listen: str | None = Field(None, description=(
+        "HOST:PORT of an implicit-TLS listener (port 465 style, RFC 8314); needs tls_cert"))
+    tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = Field("TLSv1.2", description=(
+        "oldest TLS version a client may use"))
+    tls_handshake_timeout: float = Field(default=10.0, gt=0, description=(
+        "seconds an implicit-TLS client has for its handshake"))
+    tls_required: bool = Field(False, description=(
+        "refuse MAIL before STARTTLS with 530 5.7.0"))
+    auth_file: Path | None = Field(None, description=(
+        "user:hash lines (see hash-password): enables AUTH PLAIN and LOGIN, over TLS only"))
+    auth_required: bool = Field(False, description=(
+        "refuse MAIL before AUTH with 530 5.7.0 (needs auth_file)"))
+    auth_failure_delay: float = Field(default=1.0, ge=0, description=(
+        "seconds; every AUTH is answered after this x (1 + the address's recent attempts)"))
+    auth_max_failures: int = Field(default=5, ge=1, description=(
+        "failed AUTHs per client address and per user name within auth_failure_window; then "
+        "AUTH is 421 4.7.0 unchecked"))
+    auth_failure_window: float = Field(default=600.0, gt=0, description=(
+        "seconds over which auth_max_failures counts"))
+    proxy_protocol: bool = Field(False, description=(
+        "expect a PROXY v1/v2 header from a load balancer in proxy_networks"))
+    proxy_networks: CsvList = Field(("127.0.0.0/8", "::1/128"), description=(
+        "CIDRs of the load balancers allowed to send a PROXY header, comma-separated"))
 
     # upstream / smarthost
-    upstream: str
-    upstream_tls: Literal["none", "starttls", "tls"] = "none"
-    upstream_verify: bool = True
-    upstream_user: str | None = None
-    upstream_password_file: Path | None = None
-    upstream_password: SecretStr | None = None
-    upstream_timeout: float = Field(default=600.0, gt=0)
-    upstream_command_timeout: float = Field(default=60.0, gt=0)
-    upstream_connect_timeout: float = Field(default=30.0, gt=0)
-    upstream_pool_size: int = Field(default=4, ge=0)
-    upstream_pool_idle: float = Field(default=30.0, gt=0)
-    upstream_pool_max_messages: int = Field(default=100, ge=1)
+    upstream: str = Field(description=(
+        "smarthost HOST:PORT, or maildir:PATH for a local Maildir (staging, CI) [required]"))
+    upstream_tls: Literal["none", "starttls", "tls"] = Field("none", description=(
+        "TLS to the smarthost: none, starttls (required: 451 4.4.1 when not offered) or tls "
+        "(implicit, port 465)"))
+    upstream_verify: bool = Field(True, description=(
+        "verify the smarthost's certificate and name (turn off for a lab only)"))
+    upstream_user: str | None = Field(None, description="AUTH user at the smarthost")
+    upstream_password_file: Path | None = Field(None, description=(
+        "file holding the smarthost AUTH password (read at start)"))
+    upstream_password: SecretStr | None = Field(None, description=(
+        "the smarthost AUTH password itself; prefer upstream_password_file or the env var: "
+        "a flag is visible to every user of the host in the process list"))
+    upstream_timeout: float = Field(default=600.0, gt=0, description=(
+        "seconds to wait for the reply to the final dot (RFC 5321 section 4.5.3.2.6)"))
+    upstream_command_timeout: float = Field(default=60.0, gt=0, description=(
+        "seconds to wait for each other reply, and that the message transfer may make no "
+        "progress (RFC 5321 section 4.5.3.2.5)"))
+    upstream_connect_timeout: float = Field(default=30.0, gt=0, description=(
+        "seconds for TCP connect, greeting and EHLO (and TLS, AUTH)"))
+    upstream_pool_size: int = Field(default=4, ge=0, description=(
+        "idle smarthost connections kept for reuse (RSET between messages); 0: one "
+        "connection per message"))
+    upstream_pool_idle: float = Field(default=30.0, gt=0, description=(
+        "seconds an idle pooled connection waits before it is closed"))
+    upstream_pool_max_messages: int = Field(default=100, ge=1, description=(
+        "transactions per pooled connection before a fresh one"))
 
     # store and dedup
-    store: str = DEFAULT_STORE_URL
-    store_prefix: str = "email:fp:"
-    store_timeout: float = Field(default=2.0, gt=0)
-    dedup_window: float = Field(default=86400.0, gt=0)
-    lease: float = Field(default=900.0, gt=0)
-    dedupe_headers: CsvList = ("X-Dedupe-Key", "Idempotency-Key")
-    template_headers: CsvList = ("X-Template",)
-    max_key_chars: int = Field(default=256, ge=1)
-    local_part_case_sensitive: bool = False
-    fingerprint_secret: SecretStr | None = None
-    missing_key: Literal["relay", "reject"] = "relay"
-    strip_dedupe_headers: bool = False
-    scope_by_auth: bool = False
-    unknown_policy: Literal["suppress", "hold", "send"] = "suppress"
-    store_down: Literal["fail_closed", "fail_open"] = "fail_closed"
-    dsn_on_partial_failure: bool = True  # RFC 3464 notice for recipients refused after a 250
+    store: str = Field(DEFAULT_STORE_URL, description=(
+        "redis://, rediss://, redis+cluster://H:P,..., redis+sentinel://H:P,.../SERVICE or "
+        "sqlite:///PATH (relative to the working directory; sqlite:////abs/path.db)"))
+    store_prefix: str = Field("email:fp:", description="key prefix of every fingerprint")
+    store_timeout: float = Field(default=2.0, gt=0, description=(
+        "seconds per store round trip; a timeout counts as the store being down"))
+    dedup_window: float = Field(default=86400.0, gt=0, description=(
+        "seconds a sent fingerprint suppresses copies"))
+    lease: float = Field(default=900.0, gt=0, description=(
+        "seconds a reservation lives without renewal (a working attempt renews it every "
+        "third); at least 3 x store_timeout"))
+    dedupe_headers: CsvList = Field(("X-Dedupe-Key", "Idempotency-Key"), description=(
+        "header field names of the dedupe key (aliases of one field), comma-separated"))
+    template_headers: CsvList = Field(("X-Template",), description=(
+        "header field names of the template, comma-separated"))
+    max_key_chars: int = Field(default=256, ge=1, description=(
+        "characters of a key or template; longer ones are refused with 554 5.6.0"))
+    local_part_case_sensitive: bool = Field(False, description=(
+        "John@x and john@x are different recipients"))
+    fingerprint_secret: SecretStr | None = Field(None, description=(
+        "HMAC-SHA-256 key of the fingerprint instead of plain SHA-256; prefer the env var: a "
+        "flag is visible in the process list"))
+    missing_key: Literal["relay", "reject"] = Field("relay", description=(
+        "a message without a dedupe key: relay (without dedup) or reject (554 5.6.0)"))
+    strip_dedupe_headers: bool = Field(False, description=(
+        "leave the dedupe key and template fields out of the relayed message"))
+    scope_by_auth: bool = Field(False, description=(
+        "the AUTH identity is part of the fingerprint"))
+    unknown_policy: Literal["suppress", "hold", "send"] = Field("suppress", description=(
+        "a retry of an in-doubt (UNKNOWN) message: suppress (250, not relayed), hold (451) "
+        "or send (relayed again, a possible duplicate)"))
+    store_down: Literal["fail_closed", "fail_open"] = Field("fail_closed", description=(
+        "the store does not answer: fail_closed (451 4.3.0) or fail_open (relay without "
+        "dedup)"))
+    dsn_on_partial_failure: bool = Field(True, description=(
+        "send the sender an RFC 3464 notice for recipients refused permanently after a 250"))
 
     # operations
-    metrics_listen: str | None = "127.0.0.1:9725"
-    health_interval: float = Field(default=5.0, gt=0)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "text"] = "json"
-    log_recipients: bool = False
-    shutdown_grace: float = Field(default=30.0, ge=0)
-    # settles still owed when the relay stops (the store did not answer), applied at the next
-    # start; "" keeps them in memory only (lost with the process)
-    settle_journal: str = "data/owed-settles.jsonl"
+    metrics_listen: str | None = Field("127.0.0.1:9725", description=(
+        "HOST:PORT of /metrics, /healthz and /readyz; off disables"))
+    health_interval: float = Field(default=5.0, gt=0, description=(
+        "seconds between readiness probes of the store and the upstream"))
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description=(
+        "lowest level logged"))
+    log_format: Literal["json", "text"] = Field("json", description=(
+        "json (one object per line on stderr) or text"))
+    log_recipients: bool = Field(False, description=(
+        "log recipients in full (they are masked as j***@example.com otherwise)"))
+    shutdown_grace: float = Field(default=30.0, ge=0, description=(
+        "seconds in-flight messages get to finish on SIGTERM"))
+    settle_journal: str = Field("data/owed-settles.jsonl", description=(
+        "file for the settles the store did not take before the relay stopped, applied at the "
+        "next start (relative to the working directory); empty: kept in memory only"))
 
     @classmethod
     def settings_customise_sources(
@@ -253,29 +356,38 @@ class Settings(BaseSettings):
         # an attempt renews its lease every third of it while it works, each renewal bounded
         # by store-timeout: two renewals must fit before the lease lapses
         if self.lease < 3 * self.store_timeout:
-            raise ValueError(
+            raise SettingsRuleError(
                 f"lease ({self.lease:g} s) must be at least three times store_timeout "
                 f"({self.store_timeout:g} s): a working attempt renews its lease every third "
-                "of it, and a renewal may take store_timeout"
-            )
+                "of it, and a renewal may take store_timeout", "lease", "store_timeout")
         if self.dedup_window < self.lease:
-            raise ValueError("dedup-window must not be shorter than the lease")
+            raise SettingsRuleError(
+                f"dedup_window ({self.dedup_window:g} s) must not be shorter than the lease "
+                f"({self.lease:g} s)", "dedup_window", "lease")
         if self.upstream_password_file is not None and self.upstream_password is not None:
-            raise ValueError("give upstream-password-file or upstream-password, not both")
+            raise SettingsRuleError("give upstream_password_file or upstream_password, not both",
+                                    "upstream_password_file", "upstream_password")
         self._check_security()
         return self
 
     def _check_security(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls-cert and tls-key go together")
+            raise SettingsRuleError("tls_cert and tls_key go together", "tls_cert", "tls_key")
         tls = self.tls_cert is not None
-        if (self.tls_listen or self.tls_required) and not tls:
-            raise ValueError("tls-listen and tls-required need tls-cert and tls-key")
+        if self.tls_listen and not tls:
+            raise SettingsRuleError("tls_listen needs tls_cert and tls_key",
+                                    "tls_listen", "tls_cert", "tls_key")
+        if self.tls_required and not tls:
+            raise SettingsRuleError("tls_required needs tls_cert and tls_key",
+                                    "tls_required", "tls_cert", "tls_key")
         if self.auth_required and self.auth_file is None:
-            raise ValueError("auth-required needs an auth-file")
+            raise SettingsRuleError("auth_required needs an auth_file",
+                                    "auth_required", "auth_file")
         if self.auth_file is not None and not tls:
-            raise ValueError("auth-file needs TLS (tls-cert, tls-key): AUTH is offered only "
-                             "over TLS, so credentials never cross the network in clear")
+            raise SettingsRuleError(
+                "auth_file needs TLS (tls_cert, tls_key): AUTH is offered only over TLS, so "
+                "credentials never cross the network in clear", "auth_file", "tls_cert",
+                "tls_key")
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -308,34 +420,36 @@ class Settings(BaseSettings):
             password = self.upstream_password_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(
-                f"upstream-password-file: {exc.strerror}: {self.upstream_password_file}"
-            ) from exc
+                f"upstream_password_file: {exc.strerror}: {self.upstream_password_file} "
+                f"({setting_names('upstream_password_file')})") from exc
         if not password:
-            raise ConfigError(f"upstream-password-file: {self.upstream_password_file} is empty")
+            raise ConfigError(f"upstream_password_file: {self.upstream_password_file} is empty "
+                              f"({setting_names('upstream_password_file')})")
         return password
 
 
-def _describe(exc: ValidationError, flagged: AbstractSet[str] = frozenset()) -> str:
-    """One line per problem, naming the setting as flag (when it has one: ``flagged`` holds
-    the field names the command line offers), env var and file key. A rule between settings
-    (a model-level check) is one line of its own: its text names the settings."""
+def _describe(exc: ValidationError, flagged: AbstractSet[str] | None = None) -> str:
+    """One line per problem, naming each setting as it is set: flag (when the command has it:
+    ``flagged`` holds the field names it offers; None: all), env var and file key. A rule
+    between settings (a model-level check) is one line of its own that names each of them."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if not where:
-            lines.append(f"invalid combination of settings: {msg}")
+            cause = err.get("ctx", {}).get("error")
+            fields = cause.fields if isinstance(cause, SettingsRuleError) else ()
+            named = "; ".join(setting_names(f, flagged) for f in fields)
+            lines.append(f"invalid combination of settings: {msg}"
+                         + (f" (set by {named})" if named else ""))
             continue
         if err["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown setting (see config/dedup-relay.example.toml)")
             continue
         if err["type"] == "missing":
             msg = "required"
-        flag = where.replace("_", "-")
-        names = f"RELAY_{where.upper()} or `{where}` in the file"
-        if where in flagged:
-            names = f"--{flag}, {names}"
-        lines.append(f"{flag}: {msg} ({names})")
+        field = str(err["loc"][0])
+        lines.append(f"{where}: {msg} ({setting_names(field, flagged)})")
     return "\n".join(lines)
 
 
@@ -364,7 +478,7 @@ def load_settings(overrides: dict[str, Any], config_file: Path | None = None, *,
     cls: type[Settings] = base
     if config_file is not None:
         if not config_file.is_file():
-            raise ConfigError(f"config: no such file: {config_file}")
+            raise ConfigError(f"config: no such file: {config_file} (--config or RELAY_CONFIG)")
         cls = type(
             "FileSettings",
             (base,),
