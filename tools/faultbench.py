@@ -1,5 +1,5 @@
-"""The fault bench, long version: every fault of tests/faultbench_scenarios.py with hundreds of
-messages, one run after the other, and a Markdown report (docs/reliability.md).
+"""The fault bench, long version: every fault of tests/support/faultbench_scenarios.py with
+hundreds of messages, one run after the other, and a Markdown report (docs/reliability.md).
 
     .venv/bin/python tools/faultbench.py --messages 400 --out docs/reliability.md
 
@@ -25,9 +25,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from faultbench_lib import RelayConfig  # noqa: E402  # the bench lives in tests/
-from faultbench_scenarios import (  # noqa: E402
+if __name__ == "__main__" and not __package__:
+    # Run as a file (python tools/faultbench.py from the repo root): run it as the module
+    # tools.faultbench instead, so the tests package (tests/support/) imports as a package.
+    import os
+
+    os.execv(sys.executable,  # noqa: S606  # this same interpreter, a fixed argument list
+             [sys.executable, "-m", "tools.faultbench", *sys.argv[1:]])
+
+from tests.support.faultbench_lib import RelayConfig  # noqa: E402
+from tests.support.faultbench_scenarios import (  # noqa: E402
     LATENCY_S,
     RunResult,
     Scenario,
@@ -35,7 +42,7 @@ from faultbench_scenarios import (  # noqa: E402
     run_scenario,
     scenarios,
 )
-from faultbench_traffic import RetryPolicy  # noqa: E402
+from tests.support.faultbench_traffic import RetryPolicy  # noqa: E402
 
 COLUMNS = [
     ("fault", "what was done to the relay, its store or its upstream during the load"),

@@ -36,11 +36,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import SinkHandler, free_port, message  # noqa: E402  # the tests' sink
+if __name__ == "__main__" and not __package__:
+    # Run as a file (python tools/render_dashboard.py from the repo root): run it as the module
+    # tools.render_dashboard instead, so the tests package (tests/support/) imports as a package.
+    import os
+
+    os.execv(sys.executable,  # noqa: S606  # this same interpreter, a fixed argument list
+             [sys.executable, "-m", "tools.render_dashboard", *sys.argv[1:]])
 
 from relay.app import Relay  # noqa: E402
 from relay.config import Settings  # noqa: E402
+from tests.support.clients import message  # noqa: E402
+from tests.support.net import free_port  # noqa: E402
+from tests.support.sink import SinkHandler  # noqa: E402
 
 RATE = "15s"  # $__rate_interval for a 1 s scrape interval
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, delete_prefix, maildir_files, message
-from test_cli import run_cli, serve, smtp_send
 
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
-
-__all__ = ["serve"]  # the fixture, imported from test_cli
+from tests.support.cli import run_cli, smtp_send
+from tests.support.clients import message
+from tests.support.net import maildir_files
+from tests.support.relays import REDIS_URL, delete_prefix
 
 SEED_FP = "30c8e812a32d46b8971d68a9c547dce6f95a92a86987f0ad79879616407139b6"
 

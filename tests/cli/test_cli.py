@@ -4,78 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
-import smtplib
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, maildir_files, message
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_CONFIG = REPO / "config" / "dedup-relay.example.toml"
-
-
-def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m relay ARGS` to completion (check-config and friends)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "relay", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=60, check=False)
-
-
-def start_relay(cwd: Path, port: int, upstream: str, metrics: str = "off"
-                ) -> subprocess.Popen[str]:
-    """Start `python -m relay serve` on 127.0.0.1:``port`` (no RELAY_* env vars inherited)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
-         "--upstream", upstream, "--metrics-listen", metrics],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
-    """Wait until something accepts on 127.0.0.1:port, failing if ``proc`` died first."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"relay exited early: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"nothing listens on {port}")
-
-
-def smtp_send(port: int, data: bytes, rcpt: str = "user@example.net") -> tuple[int, bytes]:
-    """Send one message with smtplib and return the reply to the final dot."""
-    with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
-        client.ehlo("client.test")
-        client.mail("app@example.com")
-        client.rcpt(rcpt)
-        return client.data(data)
-
-
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[tuple[int, int, subprocess.Popen[str]]]:
-    """`dedup-relay serve` with the Maildir upstream and no --store (embedded SQLite)."""
-    port, metrics_port = free_port(), free_port()
-    proc = start_relay(tmp_path, port, f"maildir:{tmp_path / 'maildir'}",
-                       f"127.0.0.1:{metrics_port}")
-    try:
-        wait_for_port(port, proc)
-        yield port, metrics_port, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+from tests.support.cli import EXAMPLE_CONFIG, run_cli, smtp_send, start_relay, wait_for_port
+from tests.support.clients import message
+from tests.support.net import free_port, maildir_files
 
 
 def test_serve_with_defaults_delivers_once(serve: tuple[int, int, subprocess.Popen[str]],

@@ -14,7 +14,7 @@ import yaml
 from relay.cli.group import main as cli_main
 from relay.config import Settings, split_host_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = set(Settings.model_fields)
 
 

@@ -8,11 +8,12 @@ domain: mail to the wrong mailbox, answered 250.
 from __future__ import annotations
 
 import pytest
-from conftest import RawClient, Sink
 
 from relay.app import Relay
 from relay.core import replies
 from relay.core.address import address_literal_ok, canonical_literal, mailbox_problem
+from tests.support.clients import RawClient
+from tests.support.sink import Sink
 
 
 @pytest.mark.parametrize("path", [

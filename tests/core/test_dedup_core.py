@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aredis
-from conftest import REDIS_URL, delete_prefix, message
 from prometheus_client import CollectorRegistry
 
 from relay.app import build_policy
@@ -31,6 +29,15 @@ from relay.core.interfaces import (
 )
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.redis.store import RedisStore
+from tests.support.clients import message
+from tests.support.dedup_parts import (
+    CountingUpstream,
+    HangingUpstream,
+    SettleFailsFirst,
+    make_core,
+    one_message,
+)
+from tests.support.relays import REDIS_URL
 
 
 class LandsThenTimesOut(RedisStore):
@@ -40,53 +47,6 @@ class LandsThenTimesOut(RedisStore):
                       resend_unknown: bool = False) -> list[Reservation]:
         await super().reserve(keys, token=token, lease_s=lease_s, resend_unknown=resend_unknown)
         raise StoreError("reserve", "TimeoutError: timed out")
-
-
-class CountingUpstream:
-    """An upstream that accepts everything and counts transactions."""
-
-    def __init__(self) -> None:
-        self.sent: list[OutboundMessage] = []
-
-    async def deliver(self, message: OutboundMessage,
-                      progress: DeliveryProgress | None = None) -> DeliveryResult:
-        if progress is not None and progress.before_dot is not None:
-            if not await progress.before_dot(message.rcpt_tos):  # the contract: no dot
-                refused = RcptResult(RcptStatus.REFUSED, replies.STORE_DOWN, from_upstream=False)
-                return DeliveryResult(recipients={r: refused for r in message.rcpt_tos})
-            progress.dot_written = True
-        self.sent.append(message)
-        ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0 ok"))
-        return DeliveryResult(recipients={r: ok for r in message.rcpt_tos})
-
-    async def ping(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A random key prefix, deleted afterwards."""
-    p = f"test:{uuid.uuid4().hex}:"
-    yield p
-    delete_prefix(REDIS_URL, p)
-
-
-def make_core(store: RedisStore, upstream: CountingUpstream, prefix: str, *,
-              lease_s: float = 900.0, registry: CollectorRegistry | None = None) -> DedupCore:
-    """A DedupCore over ``store`` and ``upstream`` with a fresh (or the given) registry."""
-    return DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(
-                         registry=registry if registry is not None else CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix, lease_s=lease_s))
-
-
-def one_message() -> InboundMessage:
-    """The message every test here sends: one recipient, the default key."""
-    return InboundMessage(mail_from="app@example.com", rcpt_tos=["user@example.net"],
-                          content=message(), queue_id="q1")
 
 
 async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> None:
@@ -109,19 +69,6 @@ async def test_reserve_that_landed_then_timed_out_is_released(prefix: str) -> No
     assert (await plain.inspect(keys[0].decode())).state is State.SENT
     await store.close()
     await plain.close()
-
-
-class SettleFailsFirst(RedisStore):
-    """A real RedisStore whose first ``failures`` settles after the dot fail (a store hiccup)."""
-
-    failures = 5
-
-    async def settle(self, ops: Sequence[SettleOp], *, token: str,
-                     window_s: float) -> list[bool]:
-        if self.failures > 0 and all(op.action is not Settle.SENDING for op in ops):
-            self.failures -= 1
-            raise StoreError("settle", "TimeoutError: timed out")
-        return await super().settle(ops, token=token, window_s=window_s)
 
 
 async def test_mark_sent_that_fails_is_retried_until_it_lands(prefix: str) -> None:
@@ -244,15 +191,6 @@ async def test_mark_sent_still_owed_at_the_lease_end_is_counted_and_still_lands(
     assert retry.outcomes == {"user@example.net": "suppressed"}  # SENT, not in doubt
     assert len(upstream.sent) == 1
     await store.close()
-
-
-class HangingUpstream(CountingUpstream):
-    """An upstream that never answers: the transaction waits until it is cancelled."""
-
-    async def deliver(self, message: OutboundMessage,
-                      progress: DeliveryProgress | None = None) -> DeliveryResult:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
 
 
 @pytest.mark.parametrize("content", [message(), b"Subject: no key\r\n\r\nhi\r\n"],

@@ -12,11 +12,13 @@ from email import policy
 from email.message import EmailMessage
 
 import pytest
-from conftest import Delivered, MakeRelay, Sink, message, send
 
 from relay.app import Relay
 from relay.core.dsn import build_dsn
 from relay.core.interfaces import NonDelivery, RcptResult, RcptStatus, SmtpReply
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
+from tests.support.sink import Delivered, Sink
 
 SENDER = "app@example.com"
 RCPTS = ["a@example.net", "b@example.net"]

@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import pytest
-from conftest import REDIS_URL, delete_prefix
 from prometheus_client import CollectorRegistry
-from test_dedup_core import (
-    CountingUpstream,
-    HangingUpstream,
-    SettleFailsFirst,
-    make_core,
-    one_message,
-)
 
 from relay.core.cancellation import run_to_end
 from relay.core.dedup import DedupCore, InboundMessage, Policy
@@ -35,14 +26,14 @@ from relay.core.interfaces import (
 )
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.redis.store import RedisStore
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A random key prefix, deleted afterwards."""
-    p = f"test:{uuid.uuid4().hex}:"
-    yield p
-    delete_prefix(REDIS_URL, p)
+from tests.support.dedup_parts import (
+    CountingUpstream,
+    HangingUpstream,
+    SettleFailsFirst,
+    make_core,
+    one_message,
+)
+from tests.support.relays import REDIS_URL
 
 
 class SettleDown(RedisStore):

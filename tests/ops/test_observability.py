@@ -14,15 +14,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from conftest import MakeRelay, PrivateRedis, Sink, message, send, start_sink
 from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.ops.logs import TextFormatter
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay, PrivateRedis
+from tests.support.sink import Sink, start_sink
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "dashboards" / "dedup-relay.json"
 ALERTS = REPO / "config" / "prometheus" / "alerts.yml"
 # names Prometheus itself makes, not the relay

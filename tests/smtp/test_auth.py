@@ -20,7 +20,6 @@ import argon2
 import bcrypt
 import pytest
 from aiosmtpd.smtp import SMTP, AuthResult
-from conftest import RawClient
 from prometheus_client import CollectorRegistry
 
 from relay.core import replies
@@ -30,6 +29,7 @@ from relay.smtp import auth
 from relay.smtp.access import ConnectionGate, parse_networks
 from relay.smtp.auth import CredentialFile, SaslMechanisms, format_entry, hash_password
 from relay.smtp.session import RelaySMTP
+from tests.support.clients import RawClient
 
 USER = "user@example.com"
 PASSWORD = "pass"

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis.asyncio as aredis
-from conftest import Delivered, MakeRelay, RawClient, Sink
 
 from relay.app import Relay
 from relay.core import replies
@@ -35,6 +34,9 @@ from relay.core.fingerprint import (
     fingerprint,
     normalize_recipient,
 )
+from tests.support.clients import RawClient
+from tests.support.relays import MakeRelay
+from tests.support.sink import Delivered, Sink
 
 SEED = 20240917
 MESSAGES = 150

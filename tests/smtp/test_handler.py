@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import RawClient, Sink
 
 from relay.app import Relay
 from relay.core import replies
+from tests.support.clients import RawClient
+from tests.support.sink import Sink
 
 
 @pytest.mark.parametrize(("command", "reply"), [

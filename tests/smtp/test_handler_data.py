@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MakeRelay, RawClient, Sink, free_port, message
-from test_cli import smtp_send, start_relay, wait_for_port
-from test_security import Pki, tls_relay
-from test_security import pki as pki  # the module-scoped fixture, shared
 
 from relay.app import Relay
 from relay.core import replies
+from tests.support.cli import smtp_send, start_relay, wait_for_port
+from tests.support.clients import RawClient, message
+from tests.support.net import free_port
+from tests.support.pki import Pki, tls_relay
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 ENVELOPE = ("EHLO client.test", "MAIL FROM:<app@example.com>", "RCPT TO:<user@example.net>")
 

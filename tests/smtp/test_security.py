@@ -13,46 +13,19 @@ import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import trustme
-from conftest import MakeRelay, RawClient, Sink, message
 
 from relay.app import Relay
 from relay.core import replies
+from tests.support.clients import RawClient, message
+from tests.support.pki import Pki, starttls, tls_relay
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 USER, PASSWORD = "user@example.com", "pass"
 PLAIN = base64.b64encode(f"\0{USER}\0{PASSWORD}".encode()).decode()
-
-
-@dataclass
-class Pki:
-    """A throw-away CA and a server certificate for 127.0.0.1 / relay.test."""
-
-    cert: Path
-    key: Path
-    client_context: ssl.SSLContext
-    ca_file: Path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    """Certificates made with trustme (no network, no openssl CLI)."""
-    ca = trustme.CA()
-    server = ca.issue_cert("relay.test", "127.0.0.1")
-    folder = tmp_path_factory.mktemp("pki")
-    cert, key, ca_file = folder / "cert.pem", folder / "key.pem", folder / "ca.pem"
-    server.private_key_pem.write_to_path(str(key))
-    server.cert_chain_pems[0].write_to_path(str(cert))
-    for extra in server.cert_chain_pems[1:]:
-        with cert.open("ab") as out:
-            out.write(extra.bytes())
-    ca.cert_pem.write_to_path(str(ca_file))
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    return Pki(cert=cert, key=key, client_context=context, ca_file=ca_file)
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +39,6 @@ def auth_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert result.stdout.startswith(f"{USER}:$argon2id$")
     assert PASSWORD not in result.stdout
     return path
-
-
-async def tls_relay(make_relay: MakeRelay, sink: Sink, pki: Pki, **extra: object) -> Relay:
-    """A relay with STARTTLS, implicit TLS on a free port and the given extra settings."""
-    settings: dict[str, object] = {
-        "upstream": f"127.0.0.1:{sink.port}", "tls_cert": pki.cert, "tls_key": pki.key,
-        "tls_listen": "127.0.0.1:0"}
-    settings.update(extra)
-    return await make_relay(**settings)
-
-
-async def starttls(client: RawClient, context: ssl.SSLContext) -> None:
-    """STARTTLS on a RawClient's connection (the client said EHLO already)."""
-    assert (await client.cmd("STARTTLS")).startswith("220")
-    await client.writer.start_tls(context, server_hostname="relay.test")
 
 
 async def test_client_outside_allowed_networks_is_refused(make_relay: MakeRelay,

@@ -18,10 +18,16 @@ from uuid import uuid4
 
 import pytest
 import redis
-from conftest import MakeRelay, Sink, message, send
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.sentinel import SentinelManagedSSLConnection
-from redis_servers import (
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import Settle, SettleOp, State
+from relay.store.redis.clients import open_client
+from relay.store.redis.store import RedisStore
+from relay.store.redis.urls import MultiHostUrl, parse_multi_host_url
+from tests.support.clients import message, send
+from tests.support.redis_servers import (
     Cluster,
     SentinelSet,
     Servers,
@@ -34,12 +40,8 @@ from redis_servers import (
     server_group,
     wait_for,
 )
-
-from relay.core.errors import StoreError
-from relay.core.interfaces import Settle, SettleOp, State
-from relay.store.redis.clients import open_client
-from relay.store.redis.store import RedisStore
-from relay.store.redis.urls import MultiHostUrl, parse_multi_host_url
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 OP_TIMEOUT_S = 1.0  # the stores' operation timeout in this module
 SLACK_S = 0.5  # how much later than OP_TIMEOUT_S a failing call may return

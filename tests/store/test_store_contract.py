@@ -23,13 +23,13 @@ from uuid import uuid4
 
 import pytest
 import redis.asyncio
-from redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
 from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
+from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
 
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 LEASE_S = 60.0

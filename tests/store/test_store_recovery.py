@@ -8,8 +8,11 @@ import asyncio
 import uuid
 
 import pytest
-import redis_servers
-from conftest import MakeRelay, Sink, message, send
+
+from tests.support import redis_servers
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 BURST = 20
 

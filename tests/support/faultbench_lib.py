@@ -2,7 +2,7 @@
 bench-owned redis-server, and `python -m relay serve` processes.
 
 The traffic and the checker are in ``faultbench_traffic``, the runs that combine them in
-``faultbench_scenarios``; ``tests/test_faults.py`` (short) and ``tools/faultbench.py`` (long)
+``faultbench_scenarios``; ``tests/system/test_faults.py`` (short) and ``tools/faultbench.py`` (long)
 drive those. Loopback only, every wait bounded; each process started here is also killed at
 interpreter exit when a caller's ``finally`` could not run (a test timeout).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import redis.asyncio
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _KEY_HEADER = re.compile(rb"^X-Dedupe-Key:[ \t]*(.*?)\r?$", re.I | re.M)
 _CHILD_PIDS: set[int] = set()
 _PAUSES: set[asyncio.Task[None]] = set()  # DEBUG SLEEP calls still running

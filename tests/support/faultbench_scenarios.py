@@ -1,7 +1,7 @@
 """The fault bench's runs: one relay process in front of a faulty sink, a bench-owned Redis,
 messages arriving at a steady rate from retrying clients, and one fault injected mid-load.
 
-:func:`run_scenario` is what ``tests/test_faults.py`` (30-60 messages per fault) and
+:func:`run_scenario` is what ``tests/system/test_faults.py`` (30-60 messages per fault) and
 ``tools/faultbench.py`` (hundreds, writes docs/reliability.md) both call.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from faultbench_lib import (
+from tests.support.faultbench_lib import (
     BenchRedis,
     Faults,
     RelayConfig,
@@ -27,7 +27,7 @@ from faultbench_lib import (
     free_port,
     start_sink,
 )
-from faultbench_traffic import (
+from tests.support.faultbench_traffic import (
     BenchMessage,
     Counts,
     MessageLog,

@@ -17,8 +17,15 @@ from typing import Any
 
 import pytest
 from aiosmtpd.smtp import SMTP, Envelope, Session
-from conftest import MakeRelay, RawClient, Sink, SinkHandler, free_port, send
-from test_cases_wire import (
+
+from relay.app import Relay
+from relay.core import replies
+from relay.core.interfaces import State
+from tests.support.clients import RawClient, send
+from tests.support.net import free_port
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink, SinkHandler
+from tests.support.wire import (
     RCPT,
     assert_relayed_unchanged,
     codes,
@@ -29,10 +36,6 @@ from test_cases_wire import (
     stored_keys,
     transaction,
 )
-
-from relay.app import Relay
-from relay.core import replies
-from relay.core.interfaces import State
 
 # ------------------------------------------------------------------------------------------
 # helpers

@@ -9,9 +9,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, delete_prefix
-from faultbench_lib import Faults, RelayConfig, RelayProcess, free_port, start_sink
-from faultbench_traffic import make_messages, read_sink_log, send_once
+
+from tests.support.faultbench_lib import Faults, RelayConfig, RelayProcess, free_port, start_sink
+from tests.support.faultbench_traffic import make_messages, read_sink_log, send_once
+from tests.support.relays import REDIS_URL, delete_prefix
 
 pytestmark = pytest.mark.skipif(shutil.which("faketime") is None,
                                 reason="needs faketime (Debian package faketime)")

@@ -14,12 +14,14 @@ from collections import deque
 from datetime import UTC, datetime
 
 import redis.asyncio as aredis
-from conftest import MakeRelay, Sink, message, send
-from test_cases_wire import key_of
 
 from relay.app import Relay
 from relay.core import replies
 from relay.core.interfaces import State
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
+from tests.support.wire import key_of
 
 A, B = "a@example.net", "b@example.net"
 

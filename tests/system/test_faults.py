@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
+from tests.support.faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
 
 MESSAGES = 40
 SPREAD_S = 1.5  # the messages arrive evenly over this time; the fault comes at 40 % of it

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from conftest import MakeRelay, PrivateRedis, Sink, message, send
-
 from relay.app import Relay
 from relay.core import replies
 from relay.core.dedup import Policy
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay, PrivateRedis
+from tests.support.sink import Sink
 
 
 def key_of(relay: Relay, rcpt: str, template: str = "welcome", key: str = "K-1") -> str:

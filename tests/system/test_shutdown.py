@@ -6,12 +6,14 @@ import asyncio
 import signal
 from pathlib import Path
 
-from conftest import MakeRelay, RawClient, Sink, free_port, message, send
-from test_cli import start_relay, wait_for_port
-
 from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
+from tests.support.cli import start_relay, wait_for_port
+from tests.support.clients import RawClient, message, send
+from tests.support.net import free_port
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 
 def key_for(prefix: str, rcpt: str = "user@example.net") -> str:

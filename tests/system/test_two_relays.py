@@ -10,9 +10,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, delete_prefix
-from faultbench_lib import Faults, RelayProcess, free_port, start_sink
-from faultbench_traffic import RetryPolicy, deliver, make_messages, read_sink_log, reply_class
+
+from tests.support.faultbench_lib import Faults, RelayProcess, free_port, start_sink
+from tests.support.faultbench_traffic import (
+    RetryPolicy,
+    deliver,
+    make_messages,
+    read_sink_log,
+    reply_class,
+)
+from tests.support.relays import REDIS_URL, delete_prefix
 
 CLIENTS = 20
 KEYS = 10

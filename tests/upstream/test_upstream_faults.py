@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import MakeRelay, message, send
 
 from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
 
 
 @dataclass

@@ -19,8 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, delete_prefix, free_port, maildir_files, message
-from test_cli import wait_for_port
+
+from tests.support.cli import wait_for_port
+from tests.support.clients import message
+from tests.support.net import free_port, maildir_files
+from tests.support.relays import REDIS_URL, delete_prefix
 
 SENDER = "app@example.com"
 SHORT = ["a@example.net", "b@example.net"]

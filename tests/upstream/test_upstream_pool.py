@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 from aiosmtpd.smtp import SMTP, Envelope, Session
-from conftest import MakeRelay, Sink, SinkHandler, message, send
 
 from relay.app import Relay
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink, SinkHandler
 
 
 @dataclass

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import trustme
-from conftest import MakeRelay, message, send
 
 from relay.app import Relay
 from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
 from relay.store.redis.store import RedisStore
+from tests.support.clients import message, send
+from tests.support.relays import MakeRelay
 
 TERMINATOR = b"\r\n.\r\n"
 RCVBUF_BYTES = 64 * 1024  # fixed, so the kernel does not grow it to tens of MB on loopback
