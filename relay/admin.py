@@ -1,4 +1,4 @@
-"""Admin operations (DESIGN section 6): compute a fingerprint, inspect it, release it, or
+"""Admin operations (design.md §6.5): compute a fingerprint, inspect it, release it, or
 mark it sent.
 
 The CLI (``dedup-relay fingerprint | inspect | release | mark-sent``) is a thin shell over

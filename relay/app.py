@@ -77,7 +77,7 @@ def build_upstream(settings: Settings) -> Upstream:
 
 
 def build_policy(settings: Settings) -> Policy:
-    """The dedup policy of DESIGN sections 2-4 from the settings."""
+    """The dedup policy of design.md §2-4 from the settings."""
     return Policy(
         lease_s=settings.lease, window_s=settings.dedup_window, key_prefix=settings.store_prefix,
         key_names=settings.dedupe_headers, template_names=settings.template_headers,
@@ -208,7 +208,7 @@ class Relay:
                  _host_port(m_host, self.metrics_port) if self._ops else "off")
 
     async def stop(self) -> None:
-        """Graceful shutdown (DESIGN section 5), in this order.
+        """Graceful shutdown (design.md §6.6), in this order.
 
         1. Stop accepting connections. 2. Idle sessions are told ``421 4.3.2`` and closed;
         sessions inside DATA finish that transaction, then get the same. 3. Wait up to

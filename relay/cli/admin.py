@@ -1,5 +1,5 @@
 """Admin commands: ``dedup-relay fingerprint``, ``inspect``, ``release`` and ``mark-sent``
-(DESIGN section 6).
+(design.md §6.5).
 
 They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``), so the
 key they compute is the one the relay uses; the upstream is not needed. ``--store-key`` must

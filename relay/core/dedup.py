@@ -1,4 +1,4 @@
-"""The dedup core: reserve -> partition -> send -> settle -> aggregate reply (DESIGN section 4).
+"""The dedup core: reserve -> partition -> send -> settle -> aggregate reply (design.md §4).
 
 Pure orchestration over the :class:`FingerprintStore`, :class:`Upstream` and :class:`Metrics`
 Protocols; it imports no socket, Redis or SMTP library. One :meth:`DedupCore.process` call
@@ -100,7 +100,7 @@ class Decision:
     keys: Mapping[str, str] = field(default_factory=dict)
 
 
-# rank of temporary outcomes, worst first (DESIGN section 4: "reply to the client, worst first")
+# rank of temporary outcomes, worst first (design.md §4.3: "the reply: worst first")
 _RANK_STORE_DOWN, _RANK_UNKNOWN, _RANK_REFUSED, _RANK_HELD, _RANK_INFLIGHT = range(5)
 
 
@@ -122,7 +122,7 @@ class _Tally:
         self.temp_replies.append((rank, reply))
 
     def record(self, rcpt: str, result: RcptResult, relayed_outcome: str) -> None:
-        """Tally one recipient's upstream result (DESIGN section 4, second table)."""
+        """Tally one recipient's upstream result (design.md §4.2)."""
         if result.status is RcptStatus.ACCEPTED:
             self.add(rcpt, relayed_outcome)
         elif result.status is RcptStatus.UNKNOWN:
@@ -177,8 +177,8 @@ class DedupCore:
     async def process(self, msg: InboundMessage) -> Decision:
         """Handle one message end to end and return the reply for the final dot.
 
-        Never raises for store or upstream failures: they become 4yz replies (DESIGN
-        section 1: nothing answered 250 is lost, nothing is sent twice by a retry).
+        Never raises for store or upstream failures: they become 4yz replies (design.md
+        §1: nothing answered 250 is lost, nothing is sent twice by a retry).
         """
         p = self._policy
         try:
@@ -204,7 +204,7 @@ class DedupCore:
 
     def _keys(self, rcpt_tos: Sequence[str], template: str, key: str,
               scope: str | None) -> dict[str, str]:
-        """Map each recipient to its store key (DESIGN section 2)."""
+        """Map each recipient to its store key (design.md §2)."""
         p = self._policy
         out: dict[str, str] = {}
         for rcpt in rcpt_tos:
@@ -214,7 +214,7 @@ class DedupCore:
         return out
 
     async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
-        token = secrets.token_hex(16)  # 128-bit random token per attempt (DESIGN section 3)
+        token = secrets.token_hex(16)  # 128-bit random token per attempt (design.md §3)
         unique_keys = list(dict.fromkeys(keys.values()))
         try:
             await self._settler.flush(unique_keys)
@@ -307,7 +307,7 @@ class DedupCore:
             found = res.found
             if res.reserved:
                 if key not in to_send and found is not None and found.state is State.UNKNOWN:
-                    # unknown_policy = send (at-least-once, case 26): a possible duplicate
+                    # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
                     log.warning("relaying again although an earlier attempt is in doubt "
                                 "(since %s): possible duplicate", _iso(found.at),
                                 extra={"queue_id": queue_id, "key": key})
@@ -329,7 +329,7 @@ class DedupCore:
     async def _deliver(self, msg: InboundMessage, rcpts: list[str],
                        progress: DeliveryProgress | None = None) -> DeliveryResult:
         content = msg.content
-        if self._policy.strip_headers:  # DESIGN section 5: the headers are the relay's
+        if self._policy.strip_headers:  # design.md §5.2: the headers are the relay's
             content = strip_fields(content, (*self._policy.key_names,
                                              *self._policy.template_names))
         outbound = OutboundMessage(
@@ -391,7 +391,7 @@ class DedupCore:
 
     def _conclude(self, msg: InboundMessage, tally: _Tally, result: DeliveryResult | None,
                   *, relayed_outcome: str = "relayed") -> Decision:
-        """Aggregate per-recipient outcomes into one reply, worst first (DESIGN section 4)."""
+        """Aggregate per-recipient outcomes into one reply, worst first (design.md §4.3)."""
         relayed = tally.count(relayed_outcome)
         in_doubt = tally.count("suppressed_unknown")
         suppressed = tally.count("suppressed") + in_doubt

@@ -8,7 +8,7 @@
     │                          are translated into this at the adapter boundary)
     ├── InvalidAddressError    an envelope address cannot be normalized (bad IDNA, control chars)
     └── InvalidDedupKeyError   a dedupe key or template is longer than allowed or holds control
-                               characters (DESIGN section 2: answered ``554 5.6.0``)
+                               characters (design.md §2: answered ``554 5.6.0``)
 
 Adapters translate their library's exceptions into this tree so that the core (``dedup``)
 never imports redis, sqlite3 or aiosmtplib.
@@ -47,4 +47,4 @@ class InvalidAddressError(RelayError):
 
 
 class InvalidDedupKeyError(RelayError):
-    """A dedupe key or template value breaks the rules of DESIGN section 2."""
+    """A dedupe key or template value breaks the rules of design.md §2."""

@@ -1,4 +1,4 @@
-"""Fingerprint inputs and the fingerprint itself (DESIGN section 2; contract N1-N5 in cases/INDEX).
+"""Fingerprint inputs and the fingerprint itself (design.md §2).
 
 Pure functions, no I/O. A fingerprint is computed per envelope recipient::
 
@@ -12,10 +12,10 @@ Rules and where they come from (details in each public function):
 
 - Header section: lines before the first empty line or the first line that is neither a field
   nor a continuation (RFC 5322 sections 2.1, 3.5); field names match case-insensitively; every
-  occurrence counts (contract N2, N4).
-- Values (contract N3): unfolded (RFC 5322 section 2.2.3), encoded-words decoded (RFC 2047
-  sections 4, 6.2), NFC, blank runs collapsed, trimmed; non-UTF-8 bytes kept (case 06).
-- Recipient (contract N1): source route dropped, minimal quoting (RFC 5321 section 4.1.2),
+  occurrence counts.
+- Values: unfolded (RFC 5322 section 2.2.3), encoded-words decoded (RFC 2047
+  sections 4, 6.2), NFC, blank runs collapsed, trimmed; non-UTF-8 bytes kept as they are.
+- Recipient: source route dropped, minimal quoting (RFC 5321 section 4.1.2),
   NFC, local part lowercased by default although RFC 5321 section 2.4 makes it case-sensitive,
   ``postmaster`` always case-insensitive (RFC 5321 section 4.5.1); domain as lower-case A-label
   (UTS 46 mapping, IDNA2008: RFC 5890, RFC 5891).
@@ -44,9 +44,9 @@ DEFAULT_KEY_NAMES: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
 DEFAULT_TEMPLATE_NAMES: tuple[str, ...] = ("X-Template",)
 DEFAULT_MAX_KEY_CHARS = 256
 DEFAULT_STORE_PREFIX = "email:fp:"
-#: Joins the three fingerprint parts (DESIGN section 2).
+#: Joins the three fingerprint parts (design.md §2).
 VALUE_SEPARATOR = "\0"
-#: Joins several distinct values of one field. DESIGN section 2 says NUL, but then the field
+#: Joins several distinct values of one field. The first contract said NUL, but then the field
 #: boundary is lost: templates {a, b} with key c would hash like template a with keys {b, c}
 #: (mail wrongly suppressed). A value never holds a control character (refused with 554), so
 #: US (0x1F) cannot occur inside one. A single value per field, the Go seed's shape, is unchanged.
@@ -73,7 +73,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 @dataclass(frozen=True)
 class DedupHeaders:
-    """The dedup fields of one message, normalized (contract N3, N4).
+    """The dedup fields of one message, normalized (design.md §2).
 
     ``keys`` and ``templates`` hold the distinct non-empty normalized values, sorted by code
     point. ``key`` and ``template`` are what goes into :func:`fingerprint`.
@@ -112,7 +112,7 @@ def extract_dedup_headers(
     :func:`normalize_header_value`; values empty after normalization are ignored.
 
     Raises :class:`InvalidDedupKeyError` when any key or template occurrence is longer than
-    ``max_key_chars`` characters or holds a control character (DESIGN section 2: ``554 5.6.0``),
+    ``max_key_chars`` characters or holds a control character (design.md §2: ``554 5.6.0``),
     and ``ValueError`` when a configured name is not an RFC 5322 field name.
     """
     wanted_keys = _field_names(key_names)
@@ -135,7 +135,7 @@ def extract_dedup_headers(
 def normalize_header_value(
     raw: bytes | str, *, label: str = "dedupe key", max_chars: int = DEFAULT_MAX_KEY_CHARS
 ) -> str:
-    """Normalize one header value (contract N3) and check it (DESIGN section 2).
+    """Normalize one header value and check it (design.md §2).
 
     ``raw`` is the value after the colon, folded or not; bytes are decoded as UTF-8 with
     ``surrogateescape``, so non-UTF-8 bytes survive as U+DC80..U+DCFF. Steps: unfold (RFC 5322
@@ -164,7 +164,7 @@ def strip_fields(content: bytes, names: Sequence[str]) -> bytes:
 
     The header section is read by the same rules as :func:`extract_dedup_headers` (so what
     is stripped is exactly what was read); the body and every other byte stay as they are.
-    Used for the ``strip_dedupe_headers`` option (DESIGN section 5). Raises ``ValueError``
+    Used for the ``strip_dedupe_headers`` option (design.md §5.2). Raises ``ValueError``
     when a name is not an RFC 5322 field name.
     """
     wanted = _field_names(names)
@@ -375,7 +375,7 @@ _SOURCE_ROUTE = re.compile(rf"{_AT_DOMAIN}(?:,[ \t]*{_AT_DOMAIN})*:")
 
 
 def normalize_recipient(address: str, *, local_part_case_sensitive: bool = False) -> str:
-    """Normalize an envelope recipient for the fingerprint (contract N1, DESIGN section 2).
+    """Normalize an envelope recipient for the fingerprint (design.md §2).
 
     ``address`` is the RCPT TO path as the SMTP server parsed it, e.g. ``"John@Example.COM"``;
     surrounding spaces, one pair of angle brackets and a source route (``@a,@b:``, RFC 5321
@@ -492,7 +492,7 @@ def _a_label(domain: str) -> str:
     try:
         encoded = idna.encode(domain, uts46=True)
     except UnicodeError as exc:  # idna.IDNAError and its subclasses
-        # The exception text quotes the domain; recipients stay out of logs (DESIGN section 5).
+        # The exception text quotes the domain; recipients stay out of logs (design.md §6.4).
         raise InvalidAddressError(
             f"domain is not a valid IDNA name ({type(exc).__name__})"
         ) from None
@@ -508,12 +508,12 @@ def _a_label(domain: str) -> str:
 
 def fingerprint(norm_rcpt: str, template: str, key: str, *, secret: bytes | None = None,
                 scope: str | None = None) -> str:
-    """Lower-case hex SHA-256 of ``norm_rcpt NUL template NUL key`` (DESIGN section 2).
+    """Lower-case hex SHA-256 of ``norm_rcpt NUL template NUL key`` (design.md §2).
 
     Inputs are :func:`normalize_recipient` output and :class:`DedupHeaders` ``template`` /
     ``key``; they are encoded as UTF-8 with ``surrogateescape``, so raw non-UTF-8 header bytes
     hash as themselves. With ``secret`` the digest is HMAC-SHA-256 (RFC 2104) keyed by it.
-    A non-empty ``scope`` (the AUTH identity, DESIGN section 2's optional tenant scoping) is a
+    A non-empty ``scope`` (the AUTH identity, design.md §2's optional tenant scoping) is a
     fourth NUL-joined part, so two tenants' equal keys never suppress each other; without one
     the input is the seed's three parts. Returns 64 hex characters. Raises ``ValueError`` for
     an empty secret.

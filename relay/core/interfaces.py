@@ -19,7 +19,7 @@ from typing import Protocol
 
 
 class State(enum.Enum):
-    """State of one fingerprint in the store (DESIGN section 3)."""
+    """State of one fingerprint in the store (design.md §3)."""
 
     ABSENT = "absent"
     PENDING = "pending"
@@ -72,7 +72,7 @@ class Reservation:
 
 
 class Settle(enum.Enum):
-    """How to settle a reservation after the upstream transaction (DESIGN section 4)."""
+    """How to settle a reservation after the upstream transaction (design.md §4.2)."""
 
     SENDING = "sending"  # PENDING(token) -> SENDING(token, now), TTL = dedup window
     SENT = "sent"  # PENDING|SENDING(token) -> SENT(now, reply), TTL = dedup window
@@ -142,7 +142,7 @@ class FingerprintStore(Protocol):
 
         With ``expected`` (what :meth:`inspect` returned) only while the key still holds that
         record, in one atomic step: an attempt that took the key over since the operator looked
-        is never wiped (DESIGN section 3: no unconditional delete of a live record).
+        is never wiped (design.md §3: no unconditional delete of a live record).
         """
         ...
 
@@ -319,7 +319,7 @@ class Metrics(Protocol):
         ...
 
     def recipients(self, outcome: str, count: int = 1) -> None:
-        """Count ``count`` recipients by ``outcome`` (DESIGN section 4 names)."""
+        """Count ``count`` recipients by ``outcome`` (design.md §4 names)."""
         ...
 
     def store_call(self, op: str, seconds: float, ok: bool) -> None:

@@ -153,7 +153,7 @@ def enhanced_of(reply: SmtpReply) -> str | None:
 
 
 def pass_through(reply: SmtpReply) -> SmtpReply:
-    """Turn an upstream refusal into the reply for our client (DESIGN section 4).
+    """Turn an upstream refusal into the reply for our client (design.md §4.2).
 
     ``421`` becomes ``451`` (the upstream closing its connection says nothing about ours);
     the upstream's enhanced code is kept when its class matches, else ``X.0.0`` is used;
@@ -190,7 +190,7 @@ def accepted(relayed: int, suppressed: int, refused: int, queue_id: str,
 
 def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
                    in_doubt: int = 0) -> SmtpReply:
-    """The ``250`` for a message whose every recipient is a duplicate (DESIGN section 4).
+    """The ``250`` for a message whose every recipient is a duplicate (design.md §4.3).
 
     When ``in_doubt`` of them are suppressed because an earlier attempt is in doubt, the text
     says "in doubt" instead of claiming the original went.
@@ -206,7 +206,7 @@ def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
 
 
 def invalid_key(reason: str) -> SmtpReply:
-    """The ``554 5.6.0`` for a dedupe key or template that breaks DESIGN section 2."""
+    """The ``554 5.6.0`` for a dedupe key or template that breaks design.md §2."""
     return SmtpReply(554, f"5.6.0 Invalid dedupe header: {client_safe_text(reason, limit=120)}")
 
 

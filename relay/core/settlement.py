@@ -1,4 +1,4 @@
-"""Settling reservations after the upstream answered (DESIGN sections 3 and 4).
+"""Settling reservations after the upstream answered (design.md §3, §4.2).
 
 :class:`Settler` writes SENT / UNKNOWN / release for one attempt's keys in one store round
 trip, retries briefly, and when the store still fails keeps retrying in the background until
@@ -38,7 +38,7 @@ log = logging.getLogger("relay.core.settlement")
 class Settler:
     """Settles one attempt's reservations; ``window_s`` is the dedup window and ``lease_s`` the
     reservation lease, in seconds. No time of this host's clock is ever written: the store
-    records its own (DESIGN: clocks of relays sharing a store may disagree)."""
+    records its own (design.md §3: clocks of relays sharing a store may disagree)."""
 
     def __init__(self, *, store: FingerprintStore, metrics: Metrics, window_s: float,
                  lease_s: float = 900.0) -> None:
@@ -226,10 +226,11 @@ class Settler:
         """Keep trying ``ops`` in the background until they land or the dedup window passes.
 
         While a SENT mark is missing the key stays PENDING (retries get 450) and, once it was
-        marked SENDING, reads as UNKNOWN after the lease. This is more than DESIGN's "retry the
-        write briefly": a mark lost for good would let a retry send again once the lease lapses,
-        and a lost release would leave a SENDING record that suppresses the retry of a message
-        that was never sent. The ops are compare-token writes, so landing late is always safe.
+        marked SENDING, reads as UNKNOWN after the lease. This is more than the first contract's
+        "retry the write briefly" (design.md §7): a mark lost for good would let a retry send
+        again once the lease lapses, and a lost release would leave a SENDING record that
+        suppresses the retry of a message that was never sent. The ops are compare-token
+        writes, so landing late is always safe.
         """
         for op in ops:
             self._owed[(op.key, token)] = op

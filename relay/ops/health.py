@@ -1,4 +1,4 @@
-"""Readiness: a background probe of the store and the upstream (DESIGN section 6).
+"""Readiness: a background probe of the store and the upstream (design.md §6.3).
 
 :class:`HealthMonitor` pings both every ``interval_s`` seconds (each ping bounded by
 ``timeout_s``), keeps the last result for ``/readyz`` and sets the ``relay_component_up``

@@ -1,7 +1,7 @@
 """Logging: JSON lines (python-json-logger) or plain text.
 
 Logs never hold message bodies or secrets; recipients are masked unless ``log_recipients``
-(DESIGN section 5). Structured fields go in ``extra=``; the JSON formatter writes them as keys,
+(design.md §6.4). Structured fields go in ``extra=``; the JSON formatter writes them as keys,
 the text formatter appends them as ``key=value``.
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN section 6), registered on an injected registry.
+"""Prometheus metrics (design.md §6.2), registered on an injected registry.
 
 No label ever holds an address, a key or a fingerprint: labels are small closed sets
 (``result``, ``outcome``, ``op``, ``code_class``). Base units: seconds and bytes.

@@ -3,8 +3,9 @@
 Sources: RFC 4954 (SMTP AUTH: ``334`` challenges with a mandatory space, ``*`` cancels,
 ``=`` is an empty initial response, ``501``/``535``/``235`` replies), RFC 4616 (PLAIN:
 ``[authzid] NUL authcid NUL passwd``, UTF-8), and draft-murchison-sasl-login-00 (LOGIN:
-base64 ``Username:`` and ``Password:`` challenges). Client quirks are case 25
-(``/work/shared/cases/25-auth-quirks.md``).
+base64 ``Username:`` and ``Password:`` challenges). Client quirks it accepts: the mechanism
+name in any case, ``AUTH PLAIN`` without an initial response (answered ``334 ``), LOGIN
+prompts compared byte for byte by the client.
 
 The credentials file holds one ``username:hash`` per line, the hash made by bcrypt
 (``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
@@ -51,7 +52,7 @@ _MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget 
 # hash checks at once: argon2 defaults take 64 MiB each, and an AUTH flood must not fill the
 # default thread pool that other adapters (the SQLite store) share
 _MAX_CONCURRENT_CHECKS = 4
-_LOGIN_USERNAME = "Username:"  # exactly, without NUL: Go's net/smtp compares it (case 25)
+_LOGIN_USERNAME = "Username:"  # exactly, without NUL: Go's net/smtp compares it
 _LOGIN_PASSWORD = "Password:"  # noqa: S105  (the LOGIN prompt, not a password)
 
 

@@ -63,7 +63,7 @@ class ListenerLimits:
 
 @dataclass(frozen=True)
 class ListenerSecurity:
-    """Who may talk to the listener and how (DESIGN section 5, "Security").
+    """Who may talk to the listener and how (design.md §5.1, "Access").
 
     ``tls_context`` enables STARTTLS (and the implicit-TLS listener); ``tls_required`` refuses
     mail commands before STARTTLS (RFC 3207 section 4); AUTH is offered only over TLS and

@@ -102,7 +102,7 @@ def xtext_ok(value: str) -> bool:
 
 
 class RelaySMTP(SMTP):
-    """aiosmtpd's SMTP protocol with the relay's wire rules (DESIGN section 5)."""
+    """aiosmtpd's SMTP protocol with the relay's wire rules (design.md §5.1)."""
 
     # 998 octets + CRLF + a dot doubled for transparency, which RFC 5321 section 4.5.3.1.6
     # does not count; the exact 998-octet rule is applied after unstuffing (smtp_data)

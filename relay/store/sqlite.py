@@ -1,4 +1,4 @@
-"""SQLite fingerprint store: the embedded default when no Redis is configured (DESIGN section 3).
+"""SQLite fingerprint store: the embedded default when no Redis is configured (design.md §3).
 
 One file in WAL mode holds one row per key; it survives a restart of the relay, and several
 processes may share it (SQLite's file locks plus ``BEGIN IMMEDIATE`` keep every transition

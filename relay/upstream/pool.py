@@ -1,4 +1,4 @@
-"""Idle smarthost connections kept for reuse (DESIGN section 5: "a pool of reused connections,
+"""Idle smarthost connections kept for reuse (design.md §5.3: "a pool of reused connections,
 RSET between transactions, reconnect on error").
 
 A connection comes back after its transaction with ``clean`` saying whether every command got

@@ -1,10 +1,11 @@
 """The SMTP upstream (smarthost) adapter, built on aiosmtplib.
 
-Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (DESIGN section 5,
+Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (design.md §5.3,
 :mod:`relay.upstream.pool`): after a transaction that ended cleanly (every command answered by
 its own reply, none with 421) the connection waits idle for the next one, which starts with
 RSET; a pooled connection that fails its RSET is closed and a fresh one is opened. A connection
-whose transaction failed, timed out or is in doubt is never reused (case 26). Every aiosmtplib
+whose transaction failed, timed out or is in doubt is never reused (a late reply would answer
+the next transaction's first command). Every aiosmtplib
 exception is translated here into a per-recipient :class:`relay.core.interfaces.RcptResult`;
 nothing from aiosmtplib escapes this module.
 

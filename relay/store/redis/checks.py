@@ -1,4 +1,4 @@
-"""Start-up checks of the Redis servers behind a store (DESIGN section 3).
+"""Start-up checks of the Redis servers behind a store (design.md §3).
 
 A fingerprint that Redis evicts under memory pressure, or forgets in a restart, lets a
 duplicate through. These checks read ``maxmemory-policy``, ``appendonly`` and ``save`` with

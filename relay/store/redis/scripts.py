@@ -197,7 +197,7 @@ def decode_value(value: bytes, pttl_ms: int | None = None, *,
     """Turn a raw value and its PTTL (milliseconds, negative: none) into a :class:`Record`.
 
     A value that is not one of the relay's encodings counts as SENT with ``at`` and ``reply``
-    unknown (DESIGN section 3). With ``lease_ms`` and ``now_ms`` (a reserve), SENDING reads as
+    unknown (design.md §3). With ``lease_ms`` and ``now_ms`` (a reserve), SENDING reads as
     PENDING while younger than the lease and as UNKNOWN after it. Never raises.
     """
     ttl_s = pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None

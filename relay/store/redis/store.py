@@ -1,4 +1,4 @@
-"""Redis fingerprint store: every transition is one Lua script on one key (DESIGN section 3).
+"""Redis fingerprint store: every transition is one Lua script on one key (design.md §3).
 
 The scripts and the values they write are in :mod:`relay.store.redis.scripts`. Each script
 touches ``KEYS[1]`` only, so the store works on Redis Cluster without hash tags. A
