@@ -179,7 +179,8 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
         "- faults start when 40 % of the arrivals have happened", "",
         "## Results", "", verdict, "", *table(results), "",
         "## Columns", "", *(f"- **{name}**: {text}" for name, text in COLUMNS), "",
-        "**UNKNOWN** (DESIGN section 1): the relay wrote the final dot upstream and no reply came "
+        "**UNKNOWN** (docs/design.md section 1): the relay wrote the final dot upstream and no "
+        "reply came "
         "(RFC 1047). It cannot know whether the upstream took the message, so it keeps the "
         "fingerprint as UNKNOWN for the dedup window, answers `451 4.4.2 ... in doubt`, and "
         "suppresses the retries (`unknown_policy = suppress`): a duplicate is impossible, but a "
