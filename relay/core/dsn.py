@@ -41,8 +41,6 @@ from relay.core.interfaces import (
 
 log = logging.getLogger("relay.core.dsn")
 
-# an RFC 3463 enhanced status code at the start of a reply text: class.subject.detail
-_ENHANCED = re.compile(r"([245])\.(\d{1,3})\.(\d{1,3})(?=\s|$)")
 _NOT_PRINTABLE = re.compile(r"[^\x20-\x7e]")
 _Policy: TypeAlias = "email_policy.EmailPolicy[EmailMessage]"  # SMTP, or SMTPUTF8
 
@@ -142,8 +140,8 @@ def _headers_part(content: bytes, pol: _Policy) -> EmailMessage:
 
 def status_code(result: RcptResult) -> str:
     """The RFC 3463 status of a permanent refusal: the reply's own 5.x.x, else ``5.0.0``."""
-    found = _ENHANCED.match(result.reply.text)
-    return found.group(0) if found is not None and found.group(1) == "5" else "5.0.0"
+    enhanced = result.reply.enhanced
+    return enhanced if enhanced is not None and enhanced.startswith("5") else "5.0.0"
 
 
 def _reply_text(result: RcptResult) -> str:

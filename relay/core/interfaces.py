@@ -9,6 +9,7 @@ are wired together in :mod:`relay.app` only.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -166,12 +167,46 @@ class FingerprintStore(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
+# RFC 3463 section 2: class "." subject "." detail; in a reply it is followed by SP (RFC 2034)
+_ENHANCED = re.compile(r"[245]\.\d{1,3}\.\d{1,3}")
+_ENHANCED_PREFIX = re.compile(r"([245]\.\d{1,3}\.\d{1,3})(?: |\Z|(?=\n\Z))")
+
+
 @dataclass(frozen=True)
 class SmtpReply:
-    """An SMTP reply: three-digit ``code`` and ``text`` (which may start with an RFC 3463 code)."""
+    """An SMTP reply: three-digit ``code`` (RFC 5321 section 4.2), the RFC 3463 ``enhanced``
+    status code (``"4.2.0"``; ``None`` for replies that carry none, RFC 2034 section 3: the
+    greeting, ``334``, ``354``, or an upstream that sent none) and the human-readable ``detail``.
+
+    On the wire it is ``code SP enhanced SP detail`` (:meth:`__str__`); :attr:`text` is what
+    follows the code. A reply read off the wire is built with :meth:`parse`. Raises
+    ``ValueError`` for an ``enhanced`` that is not ``class.subject.detail``.
+    """
 
     code: int
-    text: str
+    enhanced: str | None
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.enhanced is not None and _ENHANCED.fullmatch(self.enhanced) is None:
+            raise ValueError(f"not an RFC 3463 enhanced status code: {self.enhanced!r}")
+
+    @classmethod
+    def parse(cls, code: int, text: str) -> SmtpReply:
+        """The reply ``code text`` as an SMTP server sent it: a leading enhanced status code
+        followed by a space (or ending the text) is taken off ``text`` into ``enhanced``, so
+        ``str()`` gives back ``f"{code} {text}"`` (trailing blanks aside)."""
+        match = _ENHANCED_PREFIX.match(text)
+        if match is None:
+            return cls(code, None, text)
+        return cls(code, match.group(1), text[match.end():])
+
+    @property
+    def text(self) -> str:
+        """What follows the code on the wire: the enhanced code, a space and the detail."""
+        if self.enhanced is None:
+            return self.detail
+        return f"{self.enhanced} {self.detail}" if self.detail else self.enhanced
 
     def __str__(self) -> str:
         return f"{self.code} {self.text}".rstrip()

@@ -15,68 +15,68 @@ import re
 from relay.core.interfaces import SmtpReply
 
 # --- envelope ---------------------------------------------------------------------------------
-SENDER_OK = SmtpReply(250, "2.1.0 Sender OK")
-RECIPIENT_OK = SmtpReply(250, "2.1.5 Recipient OK")
-BAD_SENDER_SYNTAX = SmtpReply(501, "5.1.7 Bad sender address syntax")
-BAD_RECIPIENT_SYNTAX = SmtpReply(501, "5.1.3 Bad recipient address syntax")
+SENDER_OK = SmtpReply(250, "2.1.0", "Sender OK")
+RECIPIENT_OK = SmtpReply(250, "2.1.5", "Recipient OK")
+BAD_SENDER_SYNTAX = SmtpReply(501, "5.1.7", "Bad sender address syntax")
+BAD_RECIPIENT_SYNTAX = SmtpReply(501, "5.1.3", "Bad recipient address syntax")
 PATH_NEEDS_BRACKETS = SmtpReply(
-    501, "5.5.4 Syntax: address must be enclosed in <> (RFC 5321 4.1.2)"
+    501, "5.5.4", "Syntax: address must be enclosed in <> (RFC 5321 4.1.2)"
 )
-BAD_RECIPIENT_ADDRESS = SmtpReply(553, "5.1.3 Recipient address cannot be normalized")
+BAD_RECIPIENT_ADDRESS = SmtpReply(553, "5.1.3", "Recipient address cannot be normalized")
 NON_ASCII_WITHOUT_SMTPUTF8 = SmtpReply(
-    553, "5.6.7 Non-ASCII address requires MAIL FROM ... SMTPUTF8 (RFC 6531)"
+    553, "5.6.7", "Non-ASCII address requires MAIL FROM ... SMTPUTF8 (RFC 6531)"
 )
-INVALID_UTF8 = SmtpReply(501, "5.5.2 Address is not valid UTF-8")
-TOO_MANY_RECIPIENTS = SmtpReply(452, "4.5.3 Too many recipients")
+INVALID_UTF8 = SmtpReply(501, "5.5.2", "Address is not valid UTF-8")
+TOO_MANY_RECIPIENTS = SmtpReply(452, "4.5.3", "Too many recipients")
 
 # --- message ----------------------------------------------------------------------------------
-BARE_CR_OR_LF = SmtpReply(550, "5.6.0 Message contains a bare CR or LF (RFC 5322 2.3)")
-NUL_IN_MESSAGE = SmtpReply(550, "5.6.0 Message contains a NUL octet (RFC 5322 2.3)")
-LINE_TOO_LONG = SmtpReply(500, "5.5.2 Line too long (RFC 5321 4.5.3.1.6)")
+BARE_CR_OR_LF = SmtpReply(550, "5.6.0", "Message contains a bare CR or LF (RFC 5322 2.3)")
+NUL_IN_MESSAGE = SmtpReply(550, "5.6.0", "Message contains a NUL octet (RFC 5322 2.3)")
+LINE_TOO_LONG = SmtpReply(500, "5.5.2", "Line too long (RFC 5321 4.5.3.1.6)")
 BARE_CR_OR_LF_IN_COMMAND = SmtpReply(
-    421, "4.5.0 Command line with a bare CR or LF (RFC 5321 2.3.8), closing connection")
-MESSAGE_TOO_BIG = SmtpReply(552, "5.3.4 Message size exceeds fixed maximum message size")
-MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0 Message has no dedupe key header (policy: reject)")
+    421, "4.5.0", "Command line with a bare CR or LF (RFC 5321 2.3.8), closing connection")
+MESSAGE_TOO_BIG = SmtpReply(552, "5.3.4", "Message size exceeds fixed maximum message size")
+MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0", "Message has no dedupe key header (policy: reject)")
 
 # --- temporary outcomes -----------------------------------------------------------------------
-STORE_DOWN = SmtpReply(451, "4.3.0 Deduplication store unavailable, try again later")
+STORE_DOWN = SmtpReply(451, "4.3.0", "Deduplication store unavailable, try again later")
 OUTCOME_UNKNOWN = SmtpReply(
-    451, "4.4.2 Upstream did not confirm the message; it is held as in doubt, try again later"
+    451, "4.4.2", "Upstream did not confirm the message; it is held as in doubt, try again later"
 )
 HELD_UNKNOWN = SmtpReply(
-    451, "4.4.2 An earlier attempt of this message is in doubt (policy: hold), try again later"
+    451, "4.4.2", "An earlier attempt of this message is in doubt (policy: hold), try again later"
 )
-INFLIGHT = SmtpReply(450, "4.2.0 The same message is being relayed by another attempt, retry")
-UPSTREAM_UNREACHABLE = SmtpReply(451, "4.4.1 Upstream unreachable, try again later")
-UPSTREAM_TIMEOUT = SmtpReply(451, "4.4.2 Upstream timed out, try again later")
-UPSTREAM_LOST = SmtpReply(451, "4.4.2 Upstream connection lost, try again later")
-UPSTREAM_AUTH_FAILED = SmtpReply(451, "4.7.0 Relay cannot authenticate to its upstream")
-UPSTREAM_NO_SMTPUTF8 = SmtpReply(550, "5.6.7 Upstream does not support SMTPUTF8 (RFC 6531)")
-UPSTREAM_NO_8BITMIME = SmtpReply(554, "5.6.3 Upstream does not accept 8-bit data (RFC 6152)")
-UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0 Upstream protocol error, try again later")
-INTERNAL_ERROR = SmtpReply(451, "4.3.0 Internal error, try again later")
+INFLIGHT = SmtpReply(450, "4.2.0", "The same message is being relayed by another attempt, retry")
+UPSTREAM_UNREACHABLE = SmtpReply(451, "4.4.1", "Upstream unreachable, try again later")
+UPSTREAM_TIMEOUT = SmtpReply(451, "4.4.2", "Upstream timed out, try again later")
+UPSTREAM_LOST = SmtpReply(451, "4.4.2", "Upstream connection lost, try again later")
+UPSTREAM_AUTH_FAILED = SmtpReply(451, "4.7.0", "Relay cannot authenticate to its upstream")
+UPSTREAM_NO_SMTPUTF8 = SmtpReply(550, "5.6.7", "Upstream does not support SMTPUTF8 (RFC 6531)")
+UPSTREAM_NO_8BITMIME = SmtpReply(554, "5.6.3", "Upstream does not accept 8-bit data (RFC 6152)")
+UPSTREAM_PROTOCOL_ERROR = SmtpReply(451, "4.5.0", "Upstream protocol error, try again later")
+INTERNAL_ERROR = SmtpReply(451, "4.3.0", "Internal error, try again later")
 RESERVATION_LOST = SmtpReply(
-    451, "4.3.0 The reservation of this message lapsed before the final dot; nothing was sent, "
+    451, "4.3.0", "The reservation of this message lapsed before the final dot; nothing was sent, "
     "try again later"
 )
 CUT_BY_SHUTDOWN = SmtpReply(
-    451, "4.3.2 Relay shut down before the upstream took the message, try again later"
+    451, "4.3.2", "Relay shut down before the upstream took the message, try again later"
 )
-SHUTTING_DOWN = SmtpReply(421, "4.3.2 Service shutting down, try again later")
-CLIENT_TIMEOUT = SmtpReply(421, "4.4.2 Timeout, closing connection")
-DATA_DEADLINE = SmtpReply(421, "4.4.2 Message data took too long, closing connection")
-SESSION_TOO_LONG = SmtpReply(421, "4.4.2 Session lifetime reached, closing connection")
+SHUTTING_DOWN = SmtpReply(421, "4.3.2", "Service shutting down, try again later")
+CLIENT_TIMEOUT = SmtpReply(421, "4.4.2", "Timeout, closing connection")
+DATA_DEADLINE = SmtpReply(421, "4.4.2", "Message data took too long, closing connection")
+SESSION_TOO_LONG = SmtpReply(421, "4.4.2", "Session lifetime reached, closing connection")
 TOO_MANY_IDLE_COMMANDS = SmtpReply(
-    421, "4.7.0 Too many commands without a message, closing connection")
+    421, "4.7.0", "Too many commands without a message, closing connection")
 
 # --- access -----------------------------------------------------------------------------------
-CLIENT_NOT_ALLOWED = SmtpReply(421, "4.7.0 Client address not allowed, closing connection")
-TOO_MANY_CONNECTIONS = SmtpReply(421, "4.7.0 Too many connections, try again later")
+CLIENT_NOT_ALLOWED = SmtpReply(421, "4.7.0", "Client address not allowed, closing connection")
+TOO_MANY_CONNECTIONS = SmtpReply(421, "4.7.0", "Too many connections, try again later")
 TOO_MANY_CONNECTIONS_FROM_HOST = SmtpReply(
-    421, "4.7.0 Too many connections from your address, try again later"
+    421, "4.7.0", "Too many connections from your address, try again later"
 )
-AUTH_NOT_AVAILABLE = SmtpReply(502, "5.5.1 Authentication not available")
-SENDER_NOT_ALLOWED = SmtpReply(550, "5.7.1 Sender address not allowed to relay")
+AUTH_NOT_AVAILABLE = SmtpReply(502, "5.5.1", "Authentication not available")
+SENDER_NOT_ALLOWED = SmtpReply(550, "5.7.1", "Sender address not allowed to relay")
 
 # --- session ----------------------------------------------------------------------------------
 NO_ENHANCED_CODE = frozenset({220, 334, 354})
@@ -147,9 +147,8 @@ def client_safe_text(text: str, *, limit: int = 200) -> str:
 
 
 def enhanced_of(reply: SmtpReply) -> str | None:
-    """Return the enhanced code at the start of ``reply.text`` (``"4.2.1"``), or None."""
-    match = _ENHANCED_RE.match(reply.text)
-    return match.group(0).strip() if match else None
+    """Return the enhanced status code of ``reply`` (``"4.2.1"``), or None: ``reply.enhanced``."""
+    return reply.enhanced
 
 
 def pass_through(reply: SmtpReply) -> SmtpReply:
@@ -162,13 +161,13 @@ def pass_through(reply: SmtpReply) -> SmtpReply:
     if not 400 <= reply.code < 600:  # only refusals pass; anything else is a protocol error
         return UPSTREAM_PROTOCOL_ERROR
     code = 451 if reply.code == 421 else reply.code
-    enhanced = enhanced_of(reply)
+    enhanced = reply.enhanced
     # a multi-line reply repeats its enhanced code on every line (RFC 2034 section 3)
     text = " ".join(_ENHANCED_RE.sub("", line, count=1).strip()
                     for line in reply.text.splitlines())
     if enhanced is None or enhanced[0] != str(code)[0]:
         enhanced = DEFAULT_ENHANCED.get(code, f"{code // 100}.0.0")
-    return SmtpReply(code, f"{enhanced} upstream: {client_safe_text(text)}".rstrip())
+    return SmtpReply(code, enhanced, f"upstream: {client_safe_text(text)}".rstrip())
 
 
 def accepted(relayed: int, suppressed: int, refused: int, queue_id: str,
@@ -185,7 +184,7 @@ def accepted(relayed: int, suppressed: int, refused: int, queue_id: str,
         parts.append(f"suppressed {suppressed} duplicate(s){doubt}")
     if refused:
         parts.append(f"refused permanently {refused}")
-    return SmtpReply(250, f"2.0.0 Ok: {', '.join(parts)}; id={queue_id}")
+    return SmtpReply(250, "2.0.0", f"Ok: {', '.join(parts)}; id={queue_id}")
 
 
 def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
@@ -197,25 +196,25 @@ def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
     """
     if in_doubt:
         since = f" since {first_sent_iso}" if first_sent_iso else ""
-        return SmtpReply(250, f"2.0.0 Ok: duplicate suppressed for {count} recipient(s); "
-                              f"{in_doubt} in doubt{since}; id={queue_id}")
+        return SmtpReply(250, "2.0.0", f"Ok: duplicate suppressed for {count} recipient(s); "
+                                       f"{in_doubt} in doubt{since}; id={queue_id}")
     when = f"; original sent {first_sent_iso}" if first_sent_iso else ""
     return SmtpReply(
-        250, f"2.0.0 Ok: duplicate suppressed for {count} recipient(s){when}; id={queue_id}"
+        250, "2.0.0", f"Ok: duplicate suppressed for {count} recipient(s){when}; id={queue_id}"
     )
 
 
 def invalid_key(reason: str) -> SmtpReply:
     """The ``554 5.6.0`` for a dedupe key or template that breaks design.md §2."""
-    return SmtpReply(554, f"5.6.0 Invalid dedupe header: {client_safe_text(reason, limit=120)}")
+    return SmtpReply(554, "5.6.0", f"Invalid dedupe header: {client_safe_text(reason, limit=120)}")
 
 
 # --- auth (RFC 4954 section 6; the 501s are aiosmtpd's wording, kept identical) ---------------
-AUTH_SUCCEEDED = SmtpReply(235, "2.7.0 Authentication successful")
-AUTH_FAILED = SmtpReply(535, "5.7.8 Authentication credentials invalid")
-AUTH_CANCELLED = SmtpReply(501, "5.7.0 Auth aborted")
-AUTH_BAD_BASE64 = SmtpReply(501, "5.5.2 Can't decode base64")
-AUTH_TOO_MANY_FAILURES = SmtpReply(421, "4.7.0 Too many failed authentication attempts")
-TLS_ALREADY_ACTIVE = SmtpReply(503, "5.5.1 TLS already active (RFC 3207 4.2)")
+AUTH_SUCCEEDED = SmtpReply(235, "2.7.0", "Authentication successful")
+AUTH_FAILED = SmtpReply(535, "5.7.8", "Authentication credentials invalid")
+AUTH_CANCELLED = SmtpReply(501, "5.7.0", "Auth aborted")
+AUTH_BAD_BASE64 = SmtpReply(501, "5.5.2", "Can't decode base64")
+AUTH_TOO_MANY_FAILURES = SmtpReply(421, "4.7.0", "Too many failed authentication attempts")
+TLS_ALREADY_ACTIVE = SmtpReply(503, "5.5.1", "TLS already active (RFC 3207 4.2)")
 BAD_AUTH_PARAMETER = SmtpReply(
-    501, "5.5.4 AUTH= takes <> or an xtext mailbox (RFC 4954 5, RFC 3461 4)")
+    501, "5.5.4", "AUTH= takes <> or an xtext mailbox (RFC 4954 5, RFC 3461 4)")

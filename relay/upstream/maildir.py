@@ -24,14 +24,14 @@ from relay.core.interfaces import (
     SmtpReply,
 )
 
-_STORED = SmtpReply(250, "2.0.0 Ok: stored in Maildir")
+_STORED = SmtpReply(250, "2.0.0", "Ok: stored in Maildir")
 
 
 def _failed(exc: OSError | mailbox.Error) -> RcptResult:
     """The temporary refusal of a recipient whose file could not be written."""
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return RcptResult(RcptStatus.REFUSED,
-                      SmtpReply(451, f"4.3.0 Maildir delivery failed: {reason}"))
+                      SmtpReply(451, "4.3.0", f"Maildir delivery failed: {reason}"))
 
 
 class MaildirUpstream:

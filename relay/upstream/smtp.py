@@ -80,7 +80,7 @@ class SmtpUpstreamConfig:
 def _refusal(code: int, text: str) -> RcptResult:
     """An upstream refusal; a reply that is neither 4yz nor 5yz is a protocol error (temp)."""
     if 400 <= code < 600:
-        return RcptResult(RcptStatus.REFUSED, SmtpReply(code, text))
+        return RcptResult(RcptStatus.REFUSED, SmtpReply.parse(code, text))
     log.warning("upstream answered %d where a refusal was due: protocol error", code)
     return RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_PROTOCOL_ERROR, from_upstream=False)
 
@@ -94,7 +94,7 @@ def _rcpt_reply(code: int, text: str) -> tuple[int, str]:
     """
     if code != 552:
         return code, text
-    enhanced = replies.enhanced_of(SmtpReply(code, text))
+    enhanced = SmtpReply.parse(code, text).enhanced
     if enhanced is None:
         return 452, f"4.5.3 {text}"
     return 452, "4" + text[1:]
@@ -123,7 +123,7 @@ def _connection_failure(exc: Exception) -> RcptResult:
         return _synthetic(replies.UPSTREAM_AUTH_FAILED)
     if isinstance(exc, aiosmtplib.SMTPResponseException):
         text = replies.client_safe_text(f"{exc.code} {exc.message}")
-        return _synthetic(SmtpReply(451, f"4.4.1 Upstream refused the session: {text}"))
+        return _synthetic(SmtpReply(451, "4.4.1", f"Upstream refused the session: {text}"))
     if isinstance(exc, TimeoutError):
         return _synthetic(replies.UPSTREAM_TIMEOUT)
     return _synthetic(replies.UPSTREAM_UNREACHABLE)
@@ -134,7 +134,7 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
     never sent): a 4yz/5yz refuses it; any other reply cannot be about a message the upstream
     never saw end, so whether it took something is unknown."""
     if 400 <= response.code < 600:
-        return RcptResult(RcptStatus.REFUSED, SmtpReply(response.code, response.message))
+        return RcptResult(RcptStatus.REFUSED, SmtpReply.parse(response.code, response.message))
     log.error("upstream answered %d before the final dot: outcome unknown", response.code)
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
@@ -334,7 +334,7 @@ class SmtpUpstream:
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
                       type(exc).__name__)
             return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
-        reply = SmtpReply(response.code, response.message)
+        reply = SmtpReply.parse(response.code, response.message)
         if 200 <= response.code < 300:
             return RcptResult(RcptStatus.ACCEPTED, reply), True
         if 400 <= response.code < 600:

@@ -398,7 +398,7 @@ class ScriptedUpstream(CountingUpstream):
 async def test_an_upstream_500_for_a_recipient_is_a_permanent_refusal(prefix: str) -> None:
     """An upstream 500 (the lowest 5yz) for the only recipient is refused_perm, answered 5yz."""
     store = RedisStore.from_url(REDIS_URL)
-    refused = RcptResult(RcptStatus.REFUSED, SmtpReply(500, "5.5.2 Syntax error"))
+    refused = RcptResult(RcptStatus.REFUSED, SmtpReply(500, "5.5.2", "Syntax error"))
     core = make_core(store, ScriptedUpstream({"user@example.net": refused}), prefix)
     decision = await core.process(one_message())
     assert decision.outcomes == {"user@example.net": "refused_perm"}

@@ -165,7 +165,7 @@ def notice(failures: dict[str, RcptResult], *, content: bytes = b"Subject: s\r\n
 
 def refused(code: int, text: str, *, from_upstream: bool = True) -> RcptResult:
     """A refusal with the given reply."""
-    return RcptResult(RcptStatus.REFUSED, SmtpReply(code, text), from_upstream=from_upstream)
+    return RcptResult(RcptStatus.REFUSED, SmtpReply.parse(code, text), from_upstream=from_upstream)
 
 
 def test_reply_without_enhanced_code_gives_status_5_0_0() -> None:

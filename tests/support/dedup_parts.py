@@ -40,7 +40,7 @@ class CountingUpstream:
                 return DeliveryResult(recipients={r: refused for r in message.rcpt_tos})
             progress.dot_written = True
         self.sent.append(message)
-        ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0 ok"))
+        ok = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0", "ok"))
         return DeliveryResult(recipients={r: ok for r in message.rcpt_tos})
 
     async def ping(self) -> None:
