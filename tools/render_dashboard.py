@@ -51,6 +51,9 @@ from tests.support.net import free_port  # noqa: E402
 from tests.support.sink import SinkHandler  # noqa: E402
 
 RATE = "15s"  # $__rate_interval for a 1 s scrape interval
+# what Grafana puts for the dashboard's variables here: the one job this script's Prometheus
+# scrapes, every instance of it
+VARIABLES = {"$__rate_interval": RATE, "$job": "dedup-relay", "$instance": ".+"}
 
 
 class FlakySink(SinkHandler):
@@ -150,7 +153,9 @@ async def cleanup(prom: subprocess.Popen[bytes], relay: Relay, sink: asyncio.bas
 
 def query_range(prom_port: int, expr: str, start: float, end: float) -> list[dict[str, object]]:
     """Evaluate ``expr`` over [start, end] with a 2 s step."""
-    params = urllib.parse.urlencode({"query": expr.replace("$__rate_interval", RATE),
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    params = urllib.parse.urlencode({"query": expr,
                                      "start": start, "end": end, "step": 2})
     url = f"http://127.0.0.1:{prom_port}/api/v1/query_range?{params}"
     with urllib.request.urlopen(url, timeout=30) as response:  # loopback only
