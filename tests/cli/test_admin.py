@@ -1,4 +1,4 @@
-"""Admin commands (DESIGN section 6) as an operator runs them: `dedup-relay fingerprint`,
+"""Admin commands (design.md §6.5) as an operator runs them: `dedup-relay fingerprint`,
 `inspect` and `release` as processes, against the store a real relay process wrote to."""
 
 from __future__ import annotations

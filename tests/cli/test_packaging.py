@@ -1,6 +1,6 @@
 """What can be checked of the Docker image and the compose stack without a Docker engine:
 the commands the image runs exist, ports and env names match the settings, files it mounts
-exist, the store is configured as DESIGN section 3 asks."""
+exist, the store is configured as design.md §3 asks."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_compose_relay_settings_are_valid() -> None:
 
 
 def test_compose_redis_is_noeviction_with_aof() -> None:
-    """The compose Redis never evicts fingerprints and persists them (DESIGN section 3)."""
+    """The compose Redis never evicts fingerprints and persists them (design.md §3)."""
     command = " ".join(compose()["services"]["redis"]["command"])  # type: ignore[index]
     assert "--maxmemory-policy noeviction" in command
     assert "--appendonly yes" in command

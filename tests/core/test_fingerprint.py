@@ -1,6 +1,4 @@
-"""relay.core.fingerprint: header lookup, normalization and hashing (DESIGN section 2).
-
-Case numbers refer to /work/shared/cases (contract N1-N5 in its INDEX).
+"""relay.core.fingerprint: header lookup, normalization and hashing (design.md §2).
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ def test_empty_hmac_secret_is_refused() -> None:
         fingerprint("user@example.com", "welcome", "W-1", secret=b"")
 
 
-# -- header lookup and value normalization (cases 07, 09, 10, 11) ---------------------------------
+# -- header lookup and value normalization (RFC 5322 sections 1.2.2, 2.2.3; RFC 2047) ------------
 
 
 def test_case07_value_folded_onto_the_next_line_equals_the_unfolded_value() -> None:
@@ -368,7 +366,7 @@ def test_rfc2047_every_stdlib_codec_as_charset_decodes_or_stays_literal() -> Non
                 extract_dedup_headers(content)
 
 
-# -- 8-bit values (case 06) -----------------------------------------------------------------------
+# -- 8-bit values: raw bytes hash as themselves -------------------------------------------------
 
 
 def test_case06_identical_latin1_bytes_give_the_same_fingerprint() -> None:
@@ -456,7 +454,7 @@ def test_normalize_header_value_accepts_str() -> None:
     assert normalize_header_value("  order 123\r\n\tfor  =?utf-8?q?x?= ") == "order 123 for x"
 
 
-# -- recipients (cases 01, 12; contract N1) -------------------------------------------------------
+# -- recipients (RFC 5321 sections 2.4, 4.1.2; RFC 5890; RFC 6531) -------------------------------
 
 
 def test_case12_local_part_is_lowercased_by_default() -> None:
@@ -588,7 +586,7 @@ def test_malformed_address_is_refused(address: str) -> None:
 
 
 def test_sender_is_not_part_of_the_fingerprint_inputs() -> None:
-    """Contract N5: the fingerprint depends only on recipient, template and key."""
+    """The fingerprint depends only on recipient, template and key (design.md §2)."""
     one = fingerprint(normalize_recipient("a@example.com"), "t", "k")
     two = fingerprint(normalize_recipient("b@example.com"), "t", "k")
     assert one != two

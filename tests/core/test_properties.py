@@ -1,7 +1,7 @@
 """Property tests of the pure parts: header lookup, recipient normalization, path check, hashing.
 
 Hypothesis explores the input space that the example tests in test_fingerprint.py pin down by
-hand (DESIGN sections 2 and 5). The generators build header sections field by field (names in
+hand (design.md §2 and §5). The generators build header sections field by field (names in
 mixed case, values made of plain words, raw 8-bit words and RFC 2047 encoded-words, blank runs,
 folds), envelope addresses (dot-atoms, quoted strings, source routes, address literals, IDN
 domains) and SMTP path arguments. Every test is bounded (at most 200 examples, no deadline)

@@ -1,4 +1,4 @@
-"""Inbound AUTH: the credentials file, and SASL PLAIN/LOGIN on the wire (case 25).
+"""Inbound AUTH: the credentials file, and SASL PLAIN/LOGIN on the wire (RFC 4954, RFC 4616).
 
 Wire tests serve RelaySMTP with a handler that exposes only the SASL mechanisms, on port 0 in
 the test's own loop, and talk to it byte for byte with RawClient.
@@ -42,7 +42,7 @@ def b64(data: bytes | str) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-PLAIN_OK = b64(f"\0{USER}\0{PASSWORD}")  # AHVzZXJAZXhhbXBsZS5jb20AcGFzcw== (case 25)
+PLAIN_OK = b64(f"\0{USER}\0{PASSWORD}")  # AHVzZXJAZXhhbXBsZS5jb20AcGFzcw==
 PLAIN_WRONG = b64(f"\0{USER}\0wrong")
 PLAIN_UNKNOWN_USER = b64(f"\0nobody@example.com\0{PASSWORD}")
 PLAIN_EMPTY_PASSWORD = b64(f"\0{USER}\0")

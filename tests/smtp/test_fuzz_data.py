@@ -1,4 +1,4 @@
-"""A bounded, seeded fuzz run of the DATA path against a live relay (DESIGN sections 1, 4, 5).
+"""A bounded, seeded fuzz run of the DATA path against a live relay (design.md §1, §4, §5).
 
 One relay on the real Redis, in front of the recording aiosmtpd sink, gets about 150 messages
 over loopback from the byte-exact RawClient: well-formed messages with and without dedupe
@@ -49,7 +49,7 @@ REPLY_LINE = re.compile(r"^([245])\d\d ([245])\.\d{1,3}\.\d{1,3}(?: |$)")
 BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 LINE_START_DOT = re.compile(rb"(?:\A|(?<=\r\n))\.")
 
-# every spelling in a group is one recipient after normalization (DESIGN section 2)
+# every spelling in a group is one recipient after normalization (design.md §2)
 RECIPIENT_GROUPS = (
     ("user@example.net", "User@Example.NET", "USER@EXAMPLE.net"),
     ("other@example.net", "Other@EXAMPLE.NET"),
@@ -350,7 +350,7 @@ def has_bad_octet(data: bytes) -> bool:
 
 
 def expect(out: Outgoing, delivered_fps: set[str]) -> Expected:
-    """What DESIGN sections 2, 4 and 5 say the relay answers to ``out`` now."""
+    """What design.md §2, §4 and §5 say the relay answers to ``out`` now."""
     data = out.data
     if too_long_line(data):
         return Expected(prefix="500 5.5.2", exact=str(replies.LINE_TOO_LONG))

@@ -269,7 +269,7 @@ async def test_scope_by_auth_keeps_tenants_apart(
 ) -> None:
     """Two applications (AUTH identities) use the same key for the same recipient: with
     scope_by_auth each is delivered and each one's retry suppressed; without it the second
-    application's message would be taken for a duplicate of the first's (DESIGN section 2)."""
+    application's message would be taken for a duplicate of the first's (design.md §2)."""
     from relay.smtp.auth import format_entry, hash_password
 
     users = ["billing@example.com", "shop@example.com"]

@@ -1,4 +1,4 @@
-"""One contract for every FingerprintStore (DESIGN section 3), run against Redis and SQLite.
+"""One contract for every FingerprintStore (design.md §3), run against Redis and SQLite.
 
 The Redis store talks to the real server at ``RELAY_TEST_REDIS_URL`` (default
 ``redis://127.0.0.1:6379/0``); every test works under its own random key prefix and deletes its
@@ -720,7 +720,7 @@ async def test_sending_needs_a_pending_reservation(store: FingerprintStore,
 
 
 # ---------------------------------------------------------------------------------------------
-# resend_unknown (unknown_policy = send, the at-least-once choice of case 26): a reserve takes
+# resend_unknown (unknown_policy = send, at least once: design.md §4.4): a reserve takes
 # over a record in doubt atomically, and nothing else.
 # ---------------------------------------------------------------------------------------------
 

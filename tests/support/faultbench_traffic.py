@@ -1,7 +1,7 @@
 """The fault bench's traffic and checker: distinct messages, clients that retry like MTAs and
 queue workers, and :func:`check`, which joins what the clients saw with the sink's log.
 
-Counting is per fingerprint ``(recipient, key)``, the unit of DESIGN section 1; see
+Counting is per fingerprint ``(recipient, key)``, the unit of design.md §1; see
 :class:`Counts` for what each number means.
 """
 
@@ -211,7 +211,7 @@ class Counts:
 
     ``delivered``: fingerprints with at least one copy at the sink. ``dup_outside``: more
     than one copy, and the client never saw the relay's in-doubt 451 4.4.2 for it (this
-    breaks DESIGN section 1). ``dup_unknown``: more than one copy of a fingerprint the relay
+    breaks design.md §1). ``dup_unknown``: more than one copy of a fingerprint the relay
     declared in doubt (the honest exception). ``accepted_lost``: the client got 250, the sink
     has no copy, and the relay never said in doubt. ``unknown``: the client saw the in-doubt
     451 4.4.2 at least once. ``gave_up``: the client got a 5yz. ``unfinished``: no 2yz/5yz

@@ -1,8 +1,9 @@
-"""Dedup cases from /work/shared/cases: which copies reach upstream, and what the store holds.
+"""Dedup behaviour end to end: which copies reach upstream, and what the store holds.
 
-Header normalization (07, 09, 10, 11), recipient normalization (12), many recipients (17),
-upstream failures and partial refusals (22, 23) and the in-doubt timeout (26), each against a
-real relay, real Redis and a real aiosmtpd sink. Helpers come from test_cases_wire.py.
+Header normalization (folding, repeated and odd-case fields, blanks), recipient normalization,
+many recipients, upstream failures and partial refusals, and the in-doubt timeout after the
+final dot (design.md §2, §4), each against a real relay, real Redis and a real aiosmtpd sink.
+Helpers come from tests/support/wire.py.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def suppressed(reply: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
-# case 07: folded header values
+# folded header values (RFC 5322 section 2.2.3)
 # ------------------------------------------------------------------------------------------
 
 ORD = "ORD-2024-000123-customer-00042-region-eu-west-channel-webshop-retry-0"
@@ -130,7 +131,7 @@ async def test_case07_tab_folded_value_matches_single_line(relay: Relay, sink: S
 
 
 # ------------------------------------------------------------------------------------------
-# case 09: two X-Dedupe-Key headers
+# two X-Dedupe-Key fields: a set of values (design.md §2)
 # ------------------------------------------------------------------------------------------
 
 
@@ -151,7 +152,7 @@ async def test_case09_every_occurrence_forms_the_key_set(relay: Relay, sink: Sin
 
 
 # ------------------------------------------------------------------------------------------
-# case 10: header field names in odd case
+# header field names in odd case (RFC 5322 section 1.2.2)
 # ------------------------------------------------------------------------------------------
 
 
@@ -190,7 +191,7 @@ async def test_case10_underscore_name_is_not_the_key_field(relay: Relay, sink: S
 async def test_case10_case_variants_in_one_message_are_two_occurrences(
     relay: Relay, sink: Sink
 ) -> None:
-    """X-Dedupe-Key: k-1 plus x-dedupe-key: k-2 is the set {k-1, k-2} (case 09 rules)."""
+    """X-Dedupe-Key: k-1 plus x-dedupe-key: k-2 is the set {k-1, k-2} (design.md §2)."""
     e = msg("X-Template: t-1", "X-Dedupe-Key: k-1", "x-dedupe-key: k-2")
     f = msg("X-Template: t-1", "X-DEDUPE-KEY: k-2", "X-Dedupe-Key: k-1")
     finals = await send_all(relay, [e, f])
@@ -201,7 +202,7 @@ async def test_case10_case_variants_in_one_message_are_two_occurrences(
 
 
 # ------------------------------------------------------------------------------------------
-# case 11: blanks around header values
+# blanks around header values (design.md §2)
 # ------------------------------------------------------------------------------------------
 
 
@@ -247,7 +248,7 @@ async def test_case11_blank_only_key_is_not_deduplicated(relay: Relay, sink: Sin
 
 
 # ------------------------------------------------------------------------------------------
-# case 12: upper-case letters in the recipient
+# upper-case letters in the recipient (RFC 5321 section 2.4, design.md §2)
 # ------------------------------------------------------------------------------------------
 
 ALERT = msg("X-Template: alert", "X-Dedupe-Key: A-1")
@@ -306,7 +307,7 @@ async def test_case12_postmaster_without_brackets_is_501(relay: Relay, sink: Sin
 
 
 # ------------------------------------------------------------------------------------------
-# case 17: 100+ recipients
+# 100 and more recipients (RFC 5321 section 4.5.3.1.8)
 # ------------------------------------------------------------------------------------------
 
 MW = ("X-Template: maintenance-window", "X-Dedupe-Key: MW-2024-10")
@@ -368,7 +369,7 @@ async def test_case17_upstream_452_for_part_of_the_list(relay: Relay, sink: Sink
     if first.code == 250:  # the relay sent the refused part in a further upstream transaction
         assert sorted(r for d in sink.handler.delivered for r in d.rcpt_tos) == users(1, 100)
     else:
-        # DESIGN section 4 passes the upstream's 4yz through (452), where the case says 451
+        # design.md §4.2 passes the upstream's 4yz through (452) rather than a 451 of its own
         assert first.code in (451, 452) and first.text.startswith("4.")
         assert [d.rcpt_tos for d in sink.handler.delivered] == [users(1, 50)]
         assert await state_of(relay, "user051@example.net", "maintenance-window",
@@ -381,7 +382,7 @@ async def test_case17_upstream_452_for_part_of_the_list(relay: Relay, sink: Sink
 
 
 # ------------------------------------------------------------------------------------------
-# case 22: upstream 4xx/5xx and network errors
+# upstream 4yz/5yz and network errors (design.md §4.2)
 # ------------------------------------------------------------------------------------------
 
 REMINDER = msg("X-Template: reminder", "X-Dedupe-Key: E-5")
@@ -456,7 +457,7 @@ async def test_case22_u5_accepted_message_is_committed_and_retry_suppressed(
 
 
 # ------------------------------------------------------------------------------------------
-# case 23: upstream refuses some recipients
+# upstream refuses some recipients (design.md §4.5)
 # ------------------------------------------------------------------------------------------
 
 INVITE = msg("X-Template: invite", "X-Dedupe-Key: P-1", body=b"body")
@@ -502,7 +503,7 @@ async def test_case23_every_remaining_recipient_refused_permanently_is_5xx(
 
 
 # ------------------------------------------------------------------------------------------
-# case 26: upstream slow after the final dot
+# upstream slow after the final dot: in doubt (RFC 1047, design.md §4.4)
 # ------------------------------------------------------------------------------------------
 
 CONTRACT = msg("X-Template: contract", "X-Dedupe-Key: T-3", body=b"terms")
@@ -519,8 +520,8 @@ async def test_case26_no_reply_after_dot_is_451_in_doubt_and_retry_follows_polic
     assert (first.code, first.text) == (451, replies.OUTCOME_UNKNOWN.text)
     assert await state_of(relay, RCPT, "contract", "T-3") is State.UNKNOWN
     handler.hang_after_dot_s = 0.0
-    # The case asks for at-least-once by default (deliver again); DESIGN section 4 makes
-    # `unknown = suppress` the default (at-most-once), so the retry is answered 250 unsent.
+    # design.md §4.4 makes `unknown_policy = suppress` the default (at most once; §7 says why
+    # `send`, at least once, is only an option), so the retry is answered 250 unsent.
     retry = await send(relay.port, [RCPT], CONTRACT)
     assert retry.code == 250 and "suppressed" in retry.text
     assert handler.transactions == 1
@@ -549,7 +550,7 @@ async def test_case26_hold_policy_answers_4yz_while_in_doubt(
 async def test_case26_send_policy_relays_the_retry_and_counts_a_possible_duplicate(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
-    """With unknown_policy=send (the case's at-least-once) the retry is relayed and counted.
+    """With unknown_policy=send (at least once) the retry is relayed and counted.
 
     The second delivery settles the fingerprint SENT, so a third attempt is a true duplicate.
     """

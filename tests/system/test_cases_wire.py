@@ -1,8 +1,8 @@
-"""Wire-level cases from /work/shared/cases: byte-exact client input, SMTP replies, upstream bytes.
+"""Wire-level behaviour: byte-exact client input, SMTP replies, upstream bytes.
 
 Each test drives a real relay (real Redis, real aiosmtpd sink upstream) and asserts the reply
-(code and RFC 3463 code), what reached upstream and what the store holds. Case numbers are the
-file names in /work/shared/cases. The helpers at the top are shared with test_cases_dedup.py.
+(code and RFC 3463 code), what reached upstream and what the store holds. Each block is headed
+by the behaviour and the RFC section it checks. The helpers are in tests/support/wire.py.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ async def wire_sink() -> AsyncIterator[WireSink]:
 
 
 # ------------------------------------------------------------------------------------------
-# case 01: non-ASCII (SMTPUTF8) local part
+# non-ASCII (SMTPUTF8) local part (RFC 6531)
 # ------------------------------------------------------------------------------------------
 
 INVOICE = (b"To: j\xc3\xb6rg@example.com", b"X-Template: invoice", b"X-Dedupe-Key: INV-1001")
@@ -196,7 +196,7 @@ async def test_case01_nfc_and_case_variants_are_suppressed(relay: Relay, sink: S
 
 
 # ------------------------------------------------------------------------------------------
-# case 03: bare LF and SMTP smuggling
+# bare LF and SMTP smuggling (RFC 5321 sections 2.3.8, 4.1.1.4)
 # ------------------------------------------------------------------------------------------
 
 def smuggled(fake_end: bytes) -> bytes:
@@ -265,7 +265,7 @@ async def test_case03_lf_only_client_gets_data_timeout(make_relay: MakeRelay, si
 
 
 # ------------------------------------------------------------------------------------------
-# case 04: dot-stuffing
+# dot-stuffing (RFC 5321 section 4.5.2)
 # ------------------------------------------------------------------------------------------
 
 STUFFED = msg("X-Template: report", "X-Dedupe-Key: R-7",
@@ -329,7 +329,7 @@ async def test_case04_unstuffed_lone_dot_ends_the_message_early(relay: Relay, si
 
 
 # ------------------------------------------------------------------------------------------
-# case 05: lines longer than 998 octets
+# lines longer than 998 octets (RFC 5321 section 4.5.3.1.6)
 # ------------------------------------------------------------------------------------------
 
 REPORT = ("X-Template: nightly-report", "X-Dedupe-Key: NR-2024-03-01", "Content-Type: text/html")
@@ -383,7 +383,7 @@ async def test_case05_long_dedupe_key_line_is_refused(relay: Relay, sink: Sink) 
 
 
 # ------------------------------------------------------------------------------------------
-# case 06: 8-bit body
+# 8-bit body (RFC 6152)
 # ------------------------------------------------------------------------------------------
 
 RECHNUNG = msg("X-Template: rechnung", "X-Dedupe-Key: R-2024-0042", "MIME-Version: 1.0",
@@ -462,7 +462,7 @@ async def test_case06_byte_identical_eight_bit_key_resend_is_suppressed(
 
 
 # ------------------------------------------------------------------------------------------
-# case 15: empty reverse path
+# empty reverse path (RFC 5321 section 4.5.5)
 # ------------------------------------------------------------------------------------------
 
 DSN = msg("From: Mail Delivery System <mailer-daemon@example.com>",
@@ -527,7 +527,7 @@ async def test_case15_upstream_501_on_null_sender_is_5xx_and_not_committed(
 
 
 # ------------------------------------------------------------------------------------------
-# case 16: SIZE and oversize messages
+# SIZE and oversize messages (RFC 1870)
 # ------------------------------------------------------------------------------------------
 
 MIB = 1024 * 1024
@@ -650,7 +650,7 @@ async def test_case16_upstream_552_at_mail_is_552_and_no_key(relay: Relay, sink:
 
 
 # ------------------------------------------------------------------------------------------
-# case 19: client disconnects in the middle of DATA
+# client disconnects in the middle of DATA: nothing relayed, nothing reserved
 # ------------------------------------------------------------------------------------------
 
 PAYSLIP_HEAD = b"From: app@example.com\r\nX-Template: payslip\r\nX-Dedupe-Key: PAY-2024-09-0042\r\n"
@@ -719,7 +719,7 @@ async def test_case19_hangup_after_the_dot_still_settles_the_send(
 
 
 # ------------------------------------------------------------------------------------------
-# case 20: RSET in and after a transaction
+# RSET in and after a transaction (RFC 5321 section 4.1.1.5)
 # ------------------------------------------------------------------------------------------
 
 
@@ -788,7 +788,7 @@ async def test_case20_pipelined_commands_with_rset_get_ordered_replies(
 
 
 # ------------------------------------------------------------------------------------------
-# case 26 (inbound): idle clients
+# idle clients (RFC 5321 section 4.5.3.2.7)
 # ------------------------------------------------------------------------------------------
 
 
@@ -843,7 +843,7 @@ async def test_case26_client_sending_data_steadily_is_not_cut_off(
 
 
 # ------------------------------------------------------------------------------------------
-# case 29: CR/LF injection
+# CR/LF injection in headers and envelope addresses (RFC 5321 section 2.3.8)
 # ------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 aiosmtpd sink, a bench-owned redis-server, 40 messages from clients that retry like MTAs, and
 one fault per test (tests/faultbench_scenarios.py; the long run is tools/faultbench.py).
 
-Each test asserts DESIGN section 1 as the checker counts it per fingerprint: no duplicate
+Each test asserts design.md §1 as the checker counts it per fingerprint: no duplicate
 outside UNKNOWN, nothing answered 250 and lost, every message ended (250 or 5yz) before the
 deadline. The counts are printed (``pytest -s``) and are in every assertion message.
 """

@@ -107,7 +107,7 @@ async def test_upstream_permanent_refusal_releases_fingerprint(relay: Relay, sin
 
 
 async def test_partial_refusal_then_retry_sends_only_the_rest(relay: Relay, sink: Sink) -> None:
-    """250/550/450 among three recipients gives 4yz; the retry sends only b and c (case 23)."""
+    """250/550/450 among three recipients: 4yz; the retry sends only b and c (design.md §4.5)."""
     sink.handler.rcpt_plan["b@example.net"] = deque(["550 5.1.1 User unknown"] * 2)
     sink.handler.rcpt_plan["c@example.net"] = deque(["450 4.2.1 Mailbox busy"])
     rcpts = ["a@example.net", "b@example.net", "c@example.net"]
@@ -245,7 +245,7 @@ async def test_upstream_unreachable_is_4yz_and_retry_relayed(
 
 
 async def test_upstream_421_at_mail_is_451(relay: Relay, sink: Sink) -> None:
-    """Upstream 421 to MAIL becomes 451 for the client; the retry is relayed (case 22 U4)."""
+    """Upstream 421 to MAIL becomes 451 for the client; the retry is relayed (design.md §4.2)."""
     sink.handler.mail_plan.append("421 4.7.0 Closing connection")
     result = await send(relay.port, ["user@example.net"], message())
     assert result.code == 451
@@ -275,7 +275,7 @@ async def test_foreign_value_counts_as_sent(relay: Relay, sink: Sink) -> None:
 
 
 def test_policy_defaults_match_design() -> None:
-    """The default policy is the one DESIGN section 3/4 names (15 min lease, 24 h window)."""
+    """The default policy is the one design.md §3 names (15 min lease, 24 h window)."""
     p = Policy()
     assert (p.lease_s, p.window_s, p.key_prefix) == (900.0, 86400.0, "email:fp:")
     assert (p.missing_key, p.unknown, p.store_down) == ("relay", "suppress", "fail_closed")

@@ -1,4 +1,4 @@
-"""The upstream connection pool (DESIGN section 5): reuse with RSET, reconnect on error.
+"""The upstream connection pool (design.md §5.3): reuse with RSET, reconnect on error.
 
 A real aiosmtpd sink records which relay connection (source port) carried each MAIL and each
 QUIT; a real relay with a real Redis store sends through it.
