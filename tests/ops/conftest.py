@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli import start_relay, wait_for_port
+from tests.support.metrics import ServedRelay
 from tests.support.net import free_port
-
-
-@dataclass
-class ServedRelay:
-    """A relay process: its SMTP and metrics ports, the process, and when it was started
-    (``time.time()`` seconds just before the spawn)."""
-
-    port: int
-    metrics_port: int
-    proc: subprocess.Popen[str]
-    started_at: float
 
 
 @pytest.fixture

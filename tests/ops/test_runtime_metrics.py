@@ -4,26 +4,11 @@ over real HTTP."""
 from __future__ import annotations
 
 import platform
-import urllib.request
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from relay.ops.metrics import PrometheusMetrics
-from tests.ops.conftest import ServedRelay
-
-
-def scrape(metrics_port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """GET /metrics: {sample name: [(labels, value), ...]}."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:  # loopback only
-        assert response.status == 200
-        body = response.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(body):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
+from tests.support.metrics import ServedRelay, scrape
 
 
 def test_a_serving_relay_exports_process_and_python_series(served_relay: ServedRelay) -> None:

@@ -10,9 +10,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import relay
-from tests.ops.conftest import ServedRelay
-from tests.ops.test_runtime_metrics import scrape
 from tests.support.cli import REPO, run_cli
+from tests.support.metrics import ServedRelay, scrape
 
 RELAY_INIT = REPO / "relay" / "__init__.py"
 
