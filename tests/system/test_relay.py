@@ -235,7 +235,7 @@ async def test_upstream_unreachable_is_4yz_and_retry_relayed(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
     """A refused upstream connection gives 451 4.4.1, and the fingerprint is released."""
-    from conftest import free_port
+    from tests.support.net import free_port
 
     relay = await make_relay(upstream=f"127.0.0.1:{free_port()}")
     result = await send(relay.port, ["user@example.net"], message())

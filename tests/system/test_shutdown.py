@@ -147,7 +147,8 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
     (DEBUG SLEEP on a private server): the mark still lands, the record is SENT and the client
     reads its 250 (issue 8 item 2: it was cancelled, leaving SENDING and a bare disconnect)."""
     import redis
-    import redis_servers
+
+    from tests.support import redis_servers
 
     with redis_servers.server_group("settle-cut") as group:
         port = redis_servers.free_port()
@@ -178,7 +179,7 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
     """Redis goes away after the final dot: the client gets its 250, the SENT mark is owed, the
     stopping relay writes it to the settle journal, and the next relay applies it once Redis is
     back: the record is SENT, not a SENDING that reads as in doubt."""
-    import redis_servers
+    from tests.support import redis_servers
 
     journal = tmp_path / "owed.jsonl"
     with redis_servers.server_group("settle-journal") as group:
@@ -212,7 +213,8 @@ async def test_a_cut_during_the_reserve_releases_what_landed_and_says_so(
     released (compare-token), the client reads 451 4.3.2 (not a bare disconnect) and nothing
     is relayed, so its retry is relayed at once instead of meeting a PENDING record (450)."""
     import redis
-    import redis_servers
+
+    from tests.support import redis_servers
 
     with redis_servers.server_group("reserve-cut") as group:
         port = redis_servers.free_port()
