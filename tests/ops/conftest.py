@@ -29,4 +29,4 @@ def served_relay(tmp_path: Path) -> Iterator[ServedRelay]:
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # waits, and closes the stdout/stderr pipes
