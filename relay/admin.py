@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay.config import Settings
+from relay.config import Settings, redact_url
 from relay.core.address import mailbox_problem
 from relay.core.errors import InvalidAddressError
 from relay.core.fingerprint import (
@@ -78,6 +78,16 @@ def _normalized(values: Sequence[str], label: str, limit: int) -> tuple[str, ...
     """The distinct non-empty normalized values, sorted, as :class:`DedupHeaders` holds them."""
     normalized = {normalize_header_value(v, label=label, max_chars=limit) for v in values}
     return tuple(sorted(v for v in normalized if v))
+
+
+def store_label(settings: Settings) -> str:
+    """Which store the admin commands read, for the operator: the URL (passwords masked, a
+    relative SQLite path made absolute), its kind and the key prefix, e.g.
+    ``sqlite:////srv/relay/data/dedup-relay.db (embedded sqlite), prefix email:fp:``.
+    A relay on Redis answers nothing about keys in the quick start's SQLite file: this line
+    tells the two apart."""
+    kind = "redis" if settings.store.startswith("redis") else "embedded sqlite"
+    return f"{redact_url(settings.store)} ({kind}), prefix {settings.store_prefix}"
 
 
 class InFlightError(Exception):

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from relay.config import Settings, redact_url, split_host_port
+from relay.config import Settings, redact_url, setting_names, split_host_port
 from relay.core.dedup import DedupCore, Policy
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
@@ -36,6 +39,84 @@ from relay.upstream.maildir import MaildirUpstream
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 
 log = logging.getLogger("relay.app")
+
+# redis-py URL options that name a file (the CA bundle, a client certificate and its key)
+_STORE_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_settings(settings: Settings) -> None:
+    """Check what the settings name outside themselves, as :meth:`Relay.start` reads it, without
+    opening the store or binding a port: the upstream password file, the TLS certificate and
+    key (loaded as a pair), the credentials file (parsed), the files a store URL names
+    (``ssl_ca_certs=`` ...), an existing SQLite file's format, and that the SQLite file's and
+    the settle journal's directories exist or can be made and are writable.
+
+    ``serve`` and ``check-config`` both call it. Raises :class:`ConfigError` with one line
+    per problem, each naming its setting (flag, env var, file key).
+    """
+    problems: list[str] = []
+
+    def check(fields: tuple[str, ...], action: Any) -> None:
+        try:
+            action()
+        except ConfigError as exc:
+            text = str(exc).removeprefix("tls-cert/tls-key: ")  # relay.smtp.tls's own prefix
+            names = "; ".join(setting_names(f) for f in fields)
+            problems.append(text if names in text else f"{', '.join(fields)}: {text} ({names})")
+
+    s = settings
+    check(("upstream_password_file",), s.upstream_password_value)
+    if s.tls_cert is not None and s.tls_key is not None:
+        cert, key = s.tls_cert, s.tls_key
+        check(("tls_cert", "tls_key"), lambda: server_context(cert, key, s.tls_min_version))
+    if s.auth_file is not None:
+        auth_file = s.auth_file
+        check(("auth_file",), lambda: CredentialFile.load(auth_file))
+    if s.store.startswith("redis"):
+        for name, value in parse_qsl(urlsplit(s.store).query):
+            if name in _STORE_FILE_OPTIONS:
+                check(("store",), lambda n=name, v=value: _readable(Path(v), f"{n}={v}"))
+    else:
+        path = Path(sqlite_path_from_url(s.store))
+        check(("store",), lambda: _sqlite_file(path))
+    if s.settle_journal:
+        journal = Path(s.settle_journal)
+        check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _readable(path: Path, what: str) -> None:
+    """Raise ConfigError unless ``path`` is a file this process can read."""
+    if not path.exists():
+        raise ConfigError(f"{what}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{what}: not readable by this user")
+
+
+def _writable_file(path: Path, what: str) -> None:
+    """Raise ConfigError unless the file ``path`` can be written: it is a writable file, or it
+    is missing and its nearest existing parent is a writable directory (the rest is made)."""
+    if path.exists():
+        if not path.is_file() or not os.access(path, os.R_OK | os.W_OK):
+            raise ConfigError(f"{what} {path} is not a file this user can read and write")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path} cannot be made: {parent} is not a directory this "
+                          "user can write")
+
+
+def _sqlite_file(path: Path) -> None:
+    """Raise ConfigError unless ``path`` is a SQLite database, empty, or can be made."""
+    _writable_file(path, "the SQLite file")
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as file:
+            if file.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
+                raise ConfigError(f"{path} is not a SQLite database")
 
 
 async def build_store(settings: Settings) -> FingerprintStore:
@@ -178,9 +259,8 @@ class Relay:
         processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
                         + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
         host, port = s.listen_address
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            smtp_factory(self.handler, limits, security, processing_s), host=host, port=port)
+        self._server = await _bind(
+            smtp_factory(self.handler, limits, security, processing_s), host, port, "listen")
         self.port = self._server.sockets[0].getsockname()[1]
         if s.tls_listen is not None and security.tls_context is not None:
             tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
@@ -189,8 +269,7 @@ class Relay:
                 smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
                 gate=security.gate, proxy_networks=security.proxy_networks,
                 context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout)
-            self._tls_server = await loop.create_server(
-                self._tls_factory, host=tls_host, port=tls_port)
+            self._tls_server = await _bind(self._tls_factory, tls_host, tls_port, "tls_listen")
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
         if s.metrics_address is not None:
             m_host, m_port = s.metrics_address
@@ -200,12 +279,42 @@ class Relay:
             await self.health.start()
             self._ops = OpsServer(registry=self.registry, health=self.health,
                                   host=m_host, port=m_port)
-            await self._ops.start()
+            try:
+                await self._ops.start()
+            except OSError as exc:
+                raise _bind_error(m_host, m_port, "metrics_listen", exc) from exc
             self.metrics_port = self._ops.port
+        self._log_started()
+
+    def _log_started(self) -> None:
+        """The start-up line: every listener with its TLS and AUTH, the upstream, the store and
+        the metrics address; a WARNING when the smarthost's certificate is not verified."""
+        s = self.settings
+        host, _ = s.listen_address
+        auth = s.auth_file is not None
+        smtp = ["STARTTLS required" if s.tls_required else "STARTTLS offered"
+                ] if s.tls_cert is not None else ["plain, no TLS"]
+        if auth:
+            smtp.append("AUTH required after STARTTLS" if s.auth_required
+                        else "AUTH after STARTTLS")
+        listeners = [f"SMTP {_host_port(host, self.port)} ({', '.join(smtp)})"]
+        if self._tls_server is not None and s.tls_listen is not None:
+            tls_host, _ = split_host_port(s.tls_listen, what="tls-listen")
+            tls_auth = ("AUTH required" if s.auth_required else "AUTH on") if auth else "no AUTH"
+            listeners.append(f"implicit TLS {_host_port(tls_host, self.tls_port)} ({tls_auth})")
+        upstream = s.upstream
+        if not s.upstream.startswith("maildir:"):
+            upstream += f" (tls {s.upstream_tls}{'' if s.upstream_verify else ', unverified'})"
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
-        log.info("listening on %s, upstream %s, store %s (%s), metrics %s",
-                 _host_port(host, self.port), s.upstream, redact_url(s.store), store_kind,
-                 _host_port(m_host, self.metrics_port) if self._ops else "off")
+        metrics = (_host_port(s.metrics_address[0], self.metrics_port)
+                   if self._ops is not None and s.metrics_address is not None else "off")
+        log.info("listening on %s; upstream %s, store %s (%s), metrics %s",
+                 ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics)
+        if not s.upstream_verify and s.upstream_tls != "none" \
+                and not s.upstream.startswith("maildir:"):
+            log.warning("upstream certificate verification is off (upstream_verify = false): "
+                        "anyone on the path to %s can read and change the mail and the AUTH "
+                        "password; use it in a lab only", s.upstream)
 
     async def stop(self) -> None:
         """Graceful shutdown (design.md §6.6), in this order.
@@ -338,6 +447,24 @@ class Relay:
                 session.close_now()
 
 
+async def _bind(factory: Any, host: str, port: int, field: str) -> asyncio.base_events.Server:
+    """``loop.create_server`` on host:port; a port in use or an address not on this host is a
+    :class:`StartupError` naming the setting ``field`` (flag and env var)."""
+    try:
+        return await asyncio.get_running_loop().create_server(factory, host=host, port=port)
+    except OSError as exc:
+        raise _bind_error(host, port, field, exc) from exc
+
+
+def _bind_error(host: str, port: int, field: str, exc: OSError) -> StartupError:
+    if exc.errno == errno.EADDRINUSE:
+        why = "the address is already in use (another process listens there)"
+    else:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return StartupError(f"cannot listen on {_host_port(host, port)} for {field} "
+                        f"({setting_names(field)}): {why}")
+
+
 def _host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 host in brackets (RFC 3986 section 3.2.2)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -348,7 +475,8 @@ async def run(settings: Settings) -> None:
 
     The signal handlers are installed before start-up, so a signal during a slow start (a
     store that does not answer) stops the relay too. Raises :class:`StartupError` with one
-    readable line when the relay cannot start.
+    readable line when the relay cannot start, :class:`ConfigError` when a setting proves
+    wrong only at start (a Redis database number the server does not have).
     """
     relay = Relay(settings)
     stop = asyncio.Event()
@@ -366,7 +494,7 @@ async def run(settings: Settings) -> None:
     else:
         try:
             starting.result()
-        except StartupError:
+        except (StartupError, ConfigError):
             stopping.cancel()
             await relay.stop()
             raise
@@ -376,11 +504,11 @@ async def run(settings: Settings) -> None:
 
 
 async def _start(relay: Relay) -> None:
-    """``relay.start()`` with the operator's usual mistakes turned into :class:`StartupError`."""
+    """``relay.start()`` with the operator's usual mistakes turned into :class:`StartupError`
+    (a :class:`ConfigError` found only now, such as a Redis database number the server does not
+    have, stays one)."""
     try:
         await relay.start()
-    except ConfigError as exc:
-        raise StartupError(str(exc)) from exc
     except StoreError as exc:
         raise StartupError(f"cannot open the store {redact_url(relay.settings.store)}: "
                            f"{exc}") from exc

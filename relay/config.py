@@ -116,8 +116,7 @@ class Settings(BaseSettings):
     listen: str = Field("127.0.0.1:2525", description=(
         "SMTP listener HOST:PORT ([::1]:2525 for IPv6; port 0: any free port)"))
     hostname: str = Field(default_factory=socket.getfqdn, description=(
-        "name in the greeting, the EHLO reply and the Received: header [default: this "
-        "host's FQDN]"))
+        "name in the greeting, the EHLO reply and the Received: header"))
     max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024, description=(
         "bytes; advertised as SIZE, a larger message is refused with 552 5.3.4"))
     max_recipients: int = Field(default=100, ge=1, description=(
@@ -171,7 +170,7 @@ class Settings(BaseSettings):
 
     # upstream / smarthost
     upstream: str = Field(description=(
-        "smarthost HOST:PORT, or maildir:PATH for a local Maildir (staging, CI) [required]"))
+        "smarthost HOST:PORT, or maildir:PATH for a local Maildir (staging, CI)"))
     upstream_tls: Literal["none", "starttls", "tls"] = Field("none", description=(
         "TLS to the smarthost: none, starttls (required: 451 4.4.1 when not offered) or tls "
         "(implicit, port 465)"))

@@ -1,11 +1,13 @@
 """Admin commands: ``dedup-relay fingerprint``, ``inspect``, ``release`` and ``mark-sent``
-(design.md §6.5).
+(design.md §6.5), and ``hash-password`` for the credentials file.
 
 They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``), so the
-key they compute is the one the relay uses; the upstream is not needed. ``--store-key`` must
+key they compute is the one the relay uses; the upstream is not needed. Those that read the
+store say which one on stderr first (``store: URL (kind), prefix P``). ``--store-key`` must
 start with the relay's ``store_prefix`` (a store shared with an application holds its keys
-too). Exit codes: 0 done, 1 nothing there (inspect: absent; release: nothing deleted), 2 bad
-input or configuration, 3 the store failed, 4 refused: the record is in flight (``--force``).
+too). Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done, 1 nothing there (inspect:
+absent; release: nothing deleted), 2 bad input, 3 the store failed, 4 refused: the record is in
+flight (``--force``), 78 invalid configuration.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -28,14 +29,11 @@ from relay.admin import (
     key_for,
     mark_sent,
     release,
+    store_label,
 )
-from relay.config import (
-    DEFAULT_STORE_URL,
-    AdminSettings,
-    Settings,
-    load_settings,
-    unknown_env_vars,
-)
+from relay.cli.exit_codes import ExitCode, epilog
+from relay.cli.options import config_option, fail, load
+from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, setting_names
 from relay.core.errors import ConfigError, InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.interfaces import FingerprintStore, State
 from relay.ops.logs import setup_logging
@@ -46,11 +44,9 @@ _T = TypeVar("_T")
 
 def _store_options(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--store", default=None,
-                        help=f"store URL, as for serve [{DEFAULT_STORE_URL}]")(func)
-    return click.option(
-        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
-        envvar="RELAY_CONFIG", default=None, help="TOML settings file (env RELAY_CONFIG)",
-    )(func)
+                        help=f"store URL, as for serve [default: {DEFAULT_STORE_URL}; env: "
+                             "RELAY_STORE]")(func)
+    return config_option(func)
 
 
 def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,32 +64,23 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _fail(code: int, message: str) -> NoReturn:
-    click.echo(f"dedup-relay: {message}", err=True)
-    sys.exit(code)
-
-
 def _settings(config_file: Path | None, store: str | None) -> Settings:
-    for name in unknown_env_vars(os.environ):
-        click.echo(f"dedup-relay: warning: {name} is not a setting and is ignored", err=True)
-    try:
-        return load_settings({"store": store}, config_file, base=AdminSettings)
-    except ConfigError as exc:
-        _fail(2, f"invalid configuration:\n{exc}")
+    return load(config_file, {"store": store}, base=AdminSettings)
 
 
 def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
                   keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
     if store_key is not None:
         if rcpt is not None or keys or templates or auth_user:
-            _fail(2, "give either --store-key or --rcpt/--template/--key, not both")
+            fail(ExitCode.USAGE,
+                 "give either --store-key or --rcpt/--template/--key, not both")
         if not store_key.startswith(settings.store_prefix):
-            _fail(2, f"{store_key!r} is no fingerprint of this relay: its keys start with "
-                     f"{settings.store_prefix!r} (store_prefix)")
+            fail(ExitCode.USAGE, f"{store_key!r} is no fingerprint of this relay: its keys "
+                                 f"start with {settings.store_prefix!r} (store_prefix)")
         return store_key
     if rcpt is None or not keys:
-        _fail(2, "give --rcpt and --key (and --template when the message has one), "
-                 "or --store-key")
+        fail(ExitCode.USAGE, "give --rcpt and --key (and --template when the message has "
+                             "one), or --store-key")
     return _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
                                                 auth_user=auth_user))[1]
 
@@ -103,13 +90,13 @@ def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     try:
         return key_for(settings, given)
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
-        _fail(2, str(exc))
+        fail(ExitCode.USAGE, str(exc))
 
 
 def register(main: click.Group) -> None:
     """Add the admin commands to the ``dedup-relay`` group."""
 
-    @main.command("fingerprint")
+    @main.command("fingerprint", epilog=epilog())
     @_store_options
     @click.option("--rcpt", required=True, help="envelope recipient (RCPT TO address)")
     @click.option("--template", "templates", multiple=True,
@@ -126,7 +113,7 @@ def register(main: click.Group) -> None:
                                                        keys=keys, auth_user=auth_user))
         click.echo(json.dumps({"fingerprint": fp, "key": key}))
 
-    @main.command("inspect")
+    @main.command("inspect", epilog=epilog())
     @_store_options
     @_selection_options
     def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
@@ -139,9 +126,9 @@ def register(main: click.Group) -> None:
         record = _run_on_store(settings, lambda store: store.inspect(key))
         click.echo(json.dumps(describe(key, record, settings.lease)))
         if record.state is State.ABSENT:
-            sys.exit(1)
+            sys.exit(int(ExitCode.NOT_FOUND))
 
-    @main.command("release")
+    @main.command("release", epilog=epilog())
     @_store_options
     @_selection_options
     @_decision_options
@@ -157,9 +144,9 @@ def register(main: click.Group) -> None:
         click.echo(json.dumps({"released": deleted,
                                "previous": describe(key, before, settings.lease)}))
         if not deleted:
-            sys.exit(1)
+            sys.exit(int(ExitCode.NOT_FOUND))
 
-    @main.command("mark-sent")
+    @main.command("mark-sent", epilog=epilog())
     @_store_options
     @_selection_options
     @_decision_options
@@ -176,6 +163,32 @@ def register(main: click.Group) -> None:
             force=force))
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
+
+
+    _register_hash_password(main)
+
+
+def _register_hash_password(main: click.Group) -> None:
+    @main.command("hash-password", epilog=epilog())
+    @click.option("--user", required=True, help="the AUTH user name (for example app@example.com)")
+    @click.option("--scheme", type=click.Choice(["argon2", "bcrypt"]), default="argon2",
+                  show_default=True)
+    @click.option("--password-stdin", is_flag=True,
+                  help="read the password from standard input instead of prompting")
+    def hash_password_command(user: str, scheme: str, password_stdin: bool) -> None:
+        """Print a `user:hash` line for --auth-file (the password never appears in argv)."""
+        from relay.smtp.auth import Scheme, format_entry, hash_password
+
+        if password_stdin:
+            password = sys.stdin.readline().rstrip("\r\n")
+        else:
+            password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+        if not password:
+            fail(ExitCode.USAGE, "an empty password is not allowed")
+        try:
+            click.echo(format_entry(user, hash_password(password, scheme=cast(Scheme, scheme))))
+        except ValueError as exc:
+            fail(ExitCode.USAGE, str(exc))
 
 
 def _decision_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -199,7 +212,7 @@ def _decision_setup(config_file: Path | None, store: str | None, rcpt: str | Non
     """Settings, logging and the selected key of a release / mark-sent; exits 2 on bad input."""
     settings = _settings(config_file, store)
     if not reason.strip():
-        _fail(2, "--reason must say why (it goes into the audit line)")
+        fail(ExitCode.USAGE, "--reason must say why (it goes into the audit line)")
     _quiet_logging(log_format)
     logging.getLogger("relay.audit").setLevel(logging.INFO)
     return settings, _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
@@ -216,7 +229,9 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
     if settings.store.startswith("sqlite:///"):
         path = Path(sqlite_path_from_url(settings.store))
         if not path.is_file():  # opening would create an empty one and report "absent"
-            _fail(2, f"no database at {path}: run where the relay runs, or pass --store")
+            fail(ExitCode.CONFIG, f"no database at {path}: run where the relay runs, or pass "
+                                   f"the relay's store ({setting_names('store')})")
+    click.echo(f"dedup-relay: store: {store_label(settings)}", err=True)
 
     async def run() -> _T:
         from relay.app import build_store  # the relay's own store factory, imported when needed
@@ -230,8 +245,8 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
     try:
         return asyncio.run(run())
     except StoreError as exc:
-        _fail(3, f"store failed: {exc}")
+        fail(ExitCode.STORE_FAILED, f"store failed: {exc}")
     except InFlightError as exc:
-        _fail(4, f"refused: {exc}")
+        fail(ExitCode.IN_FLIGHT, f"refused: {exc}")
     except ConfigError as exc:  # e.g. a Redis database number the server does not have
-        _fail(2, f"invalid configuration:\n{exc}")
+        fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")

@@ -1,4 +1,4 @@
-"""Fingerprint inputs and the fingerprint itself (design.md §2).
+"""Fingerprint inputs and the fingerprint itself (docs/design.md §2).
 
 Pure functions, no I/O. A fingerprint is computed per envelope recipient::
 
@@ -6,19 +6,9 @@ Pure functions, no I/O. A fingerprint is computed per envelope recipient::
     store key = prefix + fp                                      # default prefix "email:fp:"
 
 With one key, one template and plain ASCII values this equals the seed Go mailer's
-``email:fp:`` + hex SHA-256 of ``lower(trim(to)) NUL template NUL key``.
-
-Rules and where they come from (details in each public function):
-
-- Header section: lines before the first empty line or the first line that is neither a field
-  nor a continuation (RFC 5322 sections 2.1, 3.5); field names match case-insensitively; every
-  occurrence counts.
-- Values: unfolded (RFC 5322 section 2.2.3), encoded-words decoded (RFC 2047
-  sections 4, 6.2), NFC, blank runs collapsed, trimmed; non-UTF-8 bytes kept as they are.
-- Recipient: source route dropped, minimal quoting (RFC 5321 section 4.1.2),
-  NFC, local part lowercased by default although RFC 5321 section 2.4 makes it case-sensitive,
-  ``postmaster`` always case-insensitive (RFC 5321 section 4.5.1); domain as lower-case A-label
-  (UTS 46 mapping, IDNA2008: RFC 5890, RFC 5891).
+``email:fp:`` + hex SHA-256 of ``lower(trim(to)) NUL template NUL key``. The header section,
+value and recipient rules are in docs/design.md §2; each public function below names the RFC
+sections it follows.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Settling reservations after the upstream answered (design.md §3, §4.2).
+"""Settling reservations after the upstream answered (docs/design.md §3, §4.2).
 
-:class:`Settler` writes SENT / UNKNOWN / release for one attempt's keys in one store round
-trip, retries briefly, and when the store still fails keeps retrying in the background until
-the write lands (a SENT mark that never lands would let a retry send again once the lease lapses;
-a release that never lands leaves a SENDING record that reads as UNKNOWN after the lease, so the
-retry of a message that never left would be suppressed as in doubt). What is still owed is
-applied first when a later attempt reserves the same key (:meth:`Settler.flush`), so a retry
-never races the background loop. It also undoes a reserve that landed but reported a failure,
-and settles a transaction that shutdown cut short.
+:class:`Settler` writes SENT / UNKNOWN / release for one attempt's keys in one store round trip,
+retries briefly, then keeps retrying in the background until the write lands; what is still owed
+on a key is applied first when a later attempt reserves it (:meth:`Settler.flush`), so a retry
+never races the background loop. It also marks SENDING before the final dot, renews a working
+attempt's leases, undoes a reserve that landed but reported a failure, and settles a
+transaction that shutdown cut short. Why the retries outlive the lease: docs/design.md §7.
 """
 
 from __future__ import annotations

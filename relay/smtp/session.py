@@ -113,7 +113,13 @@ class RelaySMTP(SMTP):
                  implicit_tls: bool = False, data_deadline_s: float = 600.0,
                  session_lifetime_s: float = 3600.0, max_idle_commands: int = 100,
                  **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
+        # aiosmtpd sees TLS only through its own STARTTLS layer, so on the implicit-TLS port
+        # AUTH must not wait for it (auth_require_tls False); given to its constructor with
+        # auth_required, that logs "auth_required == True but auth_require_tls == False" for
+        # every session although the transport is TLS: set after construction instead
+        auth_require_tls = kwargs.pop("auth_require_tls", True)
+        super().__init__(handler, auth_require_tls=True, **kwargs)
+        self._auth_require_tls = auth_require_tls
         self._data_deadline_s = data_deadline_s
         self._session_lifetime_s = session_lifetime_s
         self._max_idle_commands = max_idle_commands

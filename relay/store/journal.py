@@ -1,18 +1,12 @@
-"""The journal of settles still owed when the relay stops (issue 8 item 2; docs: README
-"Graceful shutdown").
+"""The journal of settles still owed when the relay stops (docs/design.md §3, "The settle
+journal"; README "Graceful shutdown").
 
-A settle after a definite upstream reply (SENT after a 250, release after a refusal, UNKNOWN
-after a cut past the final dot) that has not landed when the relay exits, because the store did
-not answer, is written here, one JSON object per line:
-``{"store", "token", "key", "action", "reply"}``, ``store`` naming the store it is owed to (URL
-with the password masked, and key prefix): a relay applies only the lines of its own store, so
-one started on another store from the same directory leaves them for the right one.
-The next start applies every line (the writes are compare-token, so applying them late, or
-twice, is always safe) and keeps in the file only what still did not land. Several relays
-started from one directory share the file: every change is a read-modify-write under an
-exclusive lock (``flock`` on ``<name>.lock``) that keeps the others' lines. Without it the
-record would stay SENDING and read as in doubt once its lease ran out, although the relay knew
-the answer.
+One JSON object per line: ``{"store", "token", "key", "action", "reply"}``, ``store`` naming
+the store the settle is owed to (URL with the password masked, and key prefix); a relay reads
+only its own store's lines. The next start applies them (compare-token writes: applying one
+late, or twice, is safe) and keeps in the file only what still did not land. Every change is a
+read-modify-write under an exclusive lock (``flock`` on ``<name>.lock``) that keeps the other
+lines, so relays started from one directory can share the file.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The SMTP upstream (smarthost) adapter, built on aiosmtplib.
 
-Connections (connect, EHLO, optional STARTTLS and AUTH) are pooled (design.md §5.3,
-:mod:`relay.upstream.pool`): after a transaction that ended cleanly (every command answered by
-its own reply, none with 421) the connection waits idle for the next one, which starts with
-RSET; a pooled connection that fails its RSET is closed and a fresh one is opened. A connection
-whose transaction failed, timed out or is in doubt is never reused (a late reply would answer
-the next transaction's first command). Every aiosmtplib
-exception is translated here into a per-recipient :class:`relay.core.interfaces.RcptResult`;
-nothing from aiosmtplib escapes this module.
+Connections (connect, EHLO, optional STARTTLS and AUTH) come from :mod:`relay.upstream.pool` and
+go back to it only after a transaction that ended cleanly; one whose transaction failed, timed
+out or is in doubt is never reused (a late reply would answer the next transaction's first
+command). Every aiosmtplib exception is translated here into a per-recipient
+:class:`relay.core.interfaces.RcptResult`; nothing from aiosmtplib escapes this module.
 
-The DATA phase is run by hand on aiosmtplib's public protocol methods (``execute_command``,
-``protocol.write``, ``protocol.read_response``) rather than ``SMTP.data()``, because ``data()``
-uses one timeout for the ``354`` and for the reply to the final dot and does not say which one
-ran out. The relay must know: a failure before the final dot was fully written releases the
-reservation (the retry is safe), a failure after it is UNKNOWN (RFC 1047; releasing it would
-send a duplicate). The message is written by :mod:`relay.upstream.transfer`: the transfer
-times out when it stalls (no byte taken for ``command_timeout_s``, RFC 5321 section
-4.5.3.2.5), not after a total time, and a transfer given up while bytes are still buffered is
-reset, never closed gracefully, so the final dot cannot follow the relay's decision (issue 8).
-The wait for the final reply is ``final_timeout_s`` (default 600 s, RFC 5321 section
-4.5.3.2.6), counted from the moment the whole message is out.
+The DATA phase runs on aiosmtplib's protocol methods rather than ``SMTP.data()``, which uses one
+timeout for the ``354`` and the final reply and cannot say which ran out: a failure before the
+final dot fully left the relay releases the reservation, one after it is UNKNOWN (RFC 1047). The
+message is written by :mod:`relay.upstream.transfer` (stall timeout ``command_timeout_s``); the
+final reply is awaited for ``final_timeout_s`` (default 600 s, RFC 5321 section 4.5.3.2.6) from
+the moment the whole message is out. Design: docs/design.md §5.3.
 """
 
 from __future__ import annotations

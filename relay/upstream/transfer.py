@@ -1,19 +1,14 @@
 """The message transfer into the upstream connection, so that what the relay believes about the
-final dot is what happened on the wire (issue 8: a slow link must never make a duplicate).
+final dot is what happened on the wire (docs/design.md §5.3).
 
-The payload (dot-stuffed content and the final dot, RFC 5321 section 4.5.2) is handed to the
-transport in chunks of :data:`CHUNK_BYTES`, never more than :data:`AHEAD_BYTES` ahead of what
-the kernel took. The transfer is *sent* once every byte, the last byte of the final dot
-included, left the process (the write buffers are empty: the kernel has them and sends them
-even after a close). It *stalls* when no byte left the process for ``stall_timeout_s``
-(RFC 5321 section 4.5.3.2.5: the data-block timeout runs per send, so a large message on a slow
-but moving link is not cut). A transfer given up while bytes are still buffered is aborted with
-:func:`abort`: the socket is reset and asyncio drops its buffer, so the final dot, always the
-last of those bytes, can never follow (a graceful ``close()`` would go on sending it).
-
-Through TLS, asyncio's SSL transport counts only the plaintext it has not encrypted yet; the
-encrypted bytes wait in the socket transport beneath it, which :func:`write_backlog` counts
-too (``_ssl_protocol._transport``, CPython 3.11+; tests/test_upstream_wire.py pins it).
+The payload (dot-stuffed content and the final dot, RFC 5321 section 4.5.2) goes to the
+transport in chunks of :data:`CHUNK_BYTES`, at most :data:`AHEAD_BYTES` ahead of what the kernel
+took. A transfer is *sent* once every byte, the final dot's included, left the process; it
+*stalls* when no byte left for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
+per send, not for the whole message). One given up while bytes are still buffered is reset with
+:func:`abort`, so the final dot can never follow. :func:`write_backlog` counts the encrypted
+bytes under asyncio's SSL transport too (``_ssl_protocol._transport``, CPython 3.11+; pinned by
+tests/upstream/test_upstream_wire.py).
 """
 
 from __future__ import annotations

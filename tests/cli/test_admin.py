@@ -105,7 +105,8 @@ def test_release_by_store_key_on_redis(tmp_path: Path, redis_prefix: str) -> Non
 def test_admin_commands_refuse_a_missing_sqlite_file(tmp_path: Path) -> None:
     """Run in the wrong directory, inspect does not create an empty database and say absent."""
     done = run_cli("inspect", "--store-key", "email:fp:x", cwd=tmp_path)
-    assert done.returncode == 2 and "no database at data/dedup-relay.db" in done.stderr
+    assert done.returncode == 78 and "no database at data/dedup-relay.db" in done.stderr
+    assert "--store, RELAY_STORE" in done.stderr
     assert not (tmp_path / "data").exists()
 
 

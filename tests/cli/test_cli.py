@@ -76,11 +76,14 @@ def test_example_config_names_every_setting() -> None:
 
 
 def test_check_config_rejects_a_lease_too_short_to_renew(tmp_path: Path) -> None:
-    """check-config exits 2 and names the setting when a lease lapses before two renewals."""
+    """check-config exits 78 (EX_CONFIG) and names both settings, as flag and env var, when a
+    lease lapses before two renewals."""
     result = run_cli("check-config", "--upstream", "127.0.0.1:25", "--lease", "5",
                      cwd=tmp_path, env={"RELAY_STORE_TIMEOUT": "2"})
-    assert result.returncode == 2
+    assert result.returncode == 78
     assert "lease (5 s) must be at least three times store_timeout (2 s)" in result.stderr
+    assert "--lease, RELAY_LEASE" in result.stderr
+    assert "--store-timeout, RELAY_STORE_TIMEOUT" in result.stderr
 
 
 def test_check_config_takes_a_lease_shorter_than_the_upstream_timeout(tmp_path: Path) -> None:
@@ -91,9 +94,9 @@ def test_check_config_takes_a_lease_shorter_than_the_upstream_timeout(tmp_path: 
 
 
 def test_check_config_requires_an_upstream(tmp_path: Path) -> None:
-    """Without --upstream (or RELAY_UPSTREAM) check-config exits 2 saying upstream is missing."""
+    """Without --upstream (or RELAY_UPSTREAM) check-config exits 78 saying upstream is missing."""
     result = run_cli("check-config", cwd=tmp_path)
-    assert result.returncode == 2
+    assert result.returncode == 78
     assert "upstream: required (--upstream, RELAY_UPSTREAM or `upstream` in the file)" in (
         result.stderr)
 
@@ -112,7 +115,7 @@ def test_check_config_rejects_a_bad_store_url(tmp_path: Path) -> None:
     """A store URL of another scheme is refused with a readable message."""
     result = run_cli("check-config", "--upstream", "maildir:x", "--store", "mysql://h/db",
                      cwd=tmp_path)
-    assert result.returncode == 2
+    assert result.returncode == 78
     assert "store must be a redis://, rediss:// or sqlite:///path URL" in result.stderr
 
 
@@ -120,7 +123,7 @@ def test_check_config_names_an_unknown_file_key_as_written(tmp_path: Path) -> No
     """A misspelt key in the TOML file is named as written and called unknown."""
     (tmp_path / "relay.toml").write_text('upstream = "maildir:x"\nlisten_port = 25\n')
     result = run_cli("check-config", "--config", "relay.toml", cwd=tmp_path)
-    assert result.returncode == 2
+    assert result.returncode == 78
     assert "listen_port: unknown setting" in result.stderr
 
 
@@ -131,11 +134,11 @@ def test_check_config_names_an_unknown_file_key_as_written(tmp_path: Path) -> No
 def test_a_header_name_that_is_no_field_name_is_refused_at_start_up(
         tmp_path: Path, setting: str, value: str) -> None:
     """A key or template header name that is no RFC 5322 field name (non-ASCII, a blank, a
-    colon) stops check-config and serve with exit 2 and the setting's name, no traceback."""
+    colon) stops check-config and serve with exit 78 and the setting's name, no traceback."""
     for command in ("check-config", "serve"):
         result = run_cli(command, "--upstream", "maildir:md", "--metrics-listen", "off",
                          "--listen", "127.0.0.1:0", cwd=tmp_path, env={setting: value})
-        assert result.returncode == 2, result
+        assert result.returncode == 78, result
         assert setting.removeprefix("RELAY_").lower() in result.stderr
         assert "not an RFC 5322 header field name" in result.stderr
         assert "Traceback" not in result.stderr
@@ -158,26 +161,27 @@ def test_check_config_hides_every_store_password(tmp_path: Path) -> None:
     assert "sentinel_password=***" in result.stdout
 
 
-@pytest.mark.parametrize(("args", "message_part"), [
-    (("--upstream-user", "u", "--upstream-password-file", "missing-file"),
-     "upstream-password-file: No such file or directory: missing-file"),
-    (("--store", "sqlite:///not-a-db.txt"), "cannot start: cannot open the store"),
-    (("--listen", "192.0.2.77:2525"), "cannot start: cannot listen"),
+@pytest.mark.parametrize(("args", "code", "message_part"), [
+    (("--upstream-user", "u", "--upstream-password-file", "missing-file"), 78,
+     "upstream_password_file: No such file or directory: missing-file"),
+    (("--store", "sqlite:///not-a-db.txt"), 78, "not-a-db.txt is not a SQLite database"),
+    (("--listen", "192.0.2.77:2525"), 69, "cannot start: cannot listen on 192.0.2.77:2525"),
 ])
 def test_serve_start_up_mistakes_are_one_readable_line(
-        tmp_path: Path, args: tuple[str, ...], message_part: str) -> None:
-    """A missing password file, a store that is no database, an address not on this host:
-    exit 2 with one line, no traceback."""
+        tmp_path: Path, args: tuple[str, ...], code: int, message_part: str) -> None:
+    """A missing password file, a store that is no database: exit 78 (EX_CONFIG); an address
+    not on this host: exit 69 (EX_UNAVAILABLE); one readable line, no traceback."""
     (tmp_path / "not-a-db.txt").write_text("plain text, not sqlite\n" * 100)
     result = run_cli("serve", "--upstream", "maildir:md", "--metrics-listen", "off", *args,
                      cwd=tmp_path)
-    assert result.returncode == 2, result
+    assert result.returncode == code, result
     assert message_part in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_serve_on_a_port_in_use_is_one_readable_line(tmp_path: Path) -> None:
-    """Another process holds the SMTP port: exit 2, 'address already in use', no traceback."""
+    """Another process holds the SMTP port: exit 69 (EX_UNAVAILABLE), 'already in use' and the
+    setting's flag and env var, no traceback."""
     import socket
 
     with socket.socket() as holder:
@@ -186,8 +190,9 @@ def test_serve_on_a_port_in_use_is_one_readable_line(tmp_path: Path) -> None:
         port = holder.getsockname()[1]
         result = run_cli("serve", "--upstream", "maildir:md", "--metrics-listen", "off",
                          "--listen", f"127.0.0.1:{port}", cwd=tmp_path)
-    assert result.returncode == 2, result
+    assert result.returncode == 69, result
     assert "cannot start" in result.stderr and "in use" in result.stderr
+    assert "(--listen, RELAY_LISTEN" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -1,35 +1,14 @@
 """Replica acknowledgement of the store's writes on a Redis Cluster or Sentinel-managed master.
 
-Redis replicates asynchronously: a master that acknowledged a write and died before a replica
-had it loses the write in the failover, and a SENT mark lost that way lets a retry through as
-a duplicate. So on a cluster or behind Sentinel (where failover promotes replicas) the store
-ends the pipeline of a write it relies on with ``WAIT 1 <ms>``, aimed at each server written
-to. WAIT answers once a replica holds every earlier write of its connection, so it must share
-the connection of those writes: in one pipeline it does (on a cluster, redis-py sends each
-node's part on one connection).
-
-* A replica acknowledges (the usual case, well under a millisecond on a LAN): done.
-* The master dies first: the pipeline fails, the store raises StoreError, and the caller
-  retries on the new master instead of trusting a write the failover lost.
-* No replica acknowledges within ``min(250 ms, op_timeout_s / 4)``, or WAIT is refused (the
-  node was just demoted, an ACL forbids WAIT), although one did in the last 10 s: the call
-  fails with StoreError. A replica that just went away is what a failover looks like from
-  the old master, which may still take writes for a moment (Sentinel promotes the replica
-  before it demotes the old master; a partitioned cluster master takes writes until its node
-  timeout) and those writes vanish when it rejoins as a replica. The caller's retry reaches
-  the new master once the old one is demoted.
-* No replica has acknowledged for 10 s (there is none, or it has been gone that long): the
-  write counts as it would without WAIT (it is on the master), a warning is logged, and that
-  server is not waited on for the next 30 s, so a server without a replica costs one WAIT
-  timeout per 30 s, not one per message, and a replica that is gone for good stops failing
-  writes after 10 s.
-
-Behind Sentinel, an unacknowledged WAIT also asks the sentinels which server is the master:
-when it is another one now (a failover: Sentinel demotes a reachable old master only ~10 s
-later), the call fails and the connections to the old master are dropped, so the retry
-writes to the new one. Each server is tracked by its address, so a newly promoted master
-starts with no history: without a replica yet, its writes count after one WAIT timeout.
-There is no setting: a single ``redis://`` server is never waited on.
+A write the relay relies on ends its pipeline with ``WAIT 1 <ms>``, aimed at each server written
+to and sent on the connection of those writes (WAIT covers only its own connection's writes).
+Per server: a replica acknowledges within ``min(250 ms, op_timeout_s / 4)``: done; none does,
+or WAIT is refused, although one did in the last 10 s: StoreError (a failover is under way, the
+caller retries on the new master); none has for 10 s: the write counts as on a single server, a
+warning is logged and the server is not waited on for 30 s. Behind Sentinel an unacknowledged
+WAIT also asks the sentinels for the master and drops the connections to a demoted one. A single
+``redis://`` server is never waited on. Why each case is handled so: docs/design.md §3
+("Replica acknowledgement").
 """
 
 from __future__ import annotations

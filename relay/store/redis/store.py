@@ -90,15 +90,11 @@ class RedisStore:
     operation, in seconds, connect, retries and redirections included. Every method raises
     :class:`relay.core.errors.StoreError` on any failure.
 
-    On a cluster or a Sentinel-managed master, where a failover promotes a replica, the writes
-    the relay relies on (a reserve; a settle that marks SENT or UNKNOWN) end their pipeline
-    with ``WAIT 1 <ms>``: the call returns once a replica holds them, or raises StoreError
-    when the master dies first or its replica stopped acknowledging moments ago (a failover
-    under way), so the caller retries on the new master instead of trusting a write the
-    failover would lose. A server with no replica (for 10 s or more) is waited on for
-    ``min(250 ms, op_timeout_s / 4)`` once per 30 s and its writes count as on a single
-    server (:mod:`relay.store.redis.replicas`). Releases are not waited on: a lost one frees
-    its key when the lease ends anyway. A single server is never waited on.
+    On a cluster or a Sentinel-managed master the writes the relay relies on (a reserve; a
+    settle that marks SENT or UNKNOWN) wait for one replica, or raise StoreError while a
+    failover is under way (:mod:`relay.store.redis.replicas`, docs/design.md §3). Releases are
+    not waited on: a lost one frees its key when the lease ends anyway. A single server is
+    never waited on.
     """
 
     def __init__(

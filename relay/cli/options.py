@@ -1,0 +1,149 @@
+"""Command-line flags generated from :class:`relay.config.Settings`: one per field.
+
+The flag of field ``store_timeout`` is ``--store-timeout`` (a bool's is ``--scope-by-auth /
+--no-scope-by-auth``), its help is the field's description followed by its default and its env
+var. Values reach the settings as given, so a flag, its env var and its file key are checked
+by the same validators and an invalid one is named the same way (exit 78, EX_CONFIG).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
+
+import click
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
+
+from relay.cli.exit_codes import ExitCode
+from relay.config import Settings, env_name, flag_name, load_settings, unknown_env_vars
+from relay.core.errors import ConfigError
+
+# the fields that open each part of `serve --help` (the order of relay.config.Settings)
+_SECTIONS = {
+    "listen": "Listener",
+    "allowed_networks": "Listener security",
+    "upstream": "Upstream (smarthost)",
+    "store": "Store and dedup",
+    "metrics_listen": "Operations",
+}
+_COMPUTED_DEFAULTS = {"hostname": "this host's FQDN"}
+
+
+def fail(code: ExitCode, message: str) -> NoReturn:
+    """Print ``dedup-relay: message`` on stderr and exit with ``code``."""
+    click.echo(f"dedup-relay: {message}", err=True)
+    sys.exit(int(code))
+
+
+def load(config_file: Path | None, flags: dict[str, Any], *,
+         base: type[Settings] = Settings) -> Settings:
+    """The settings from ``flags`` (field name -> value or None), env vars and the file;
+    exits :attr:`ExitCode.CONFIG` with one line per problem when they are invalid.
+
+    A ``RELAY_*`` env var that is no setting is warned about on stderr (a typo is otherwise
+    silently ignored).
+    """
+    for name in unknown_env_vars(os.environ):
+        click.echo(f"dedup-relay: warning: {name} is not a setting and is ignored", err=True)
+    try:
+        return load_settings(flags, config_file, base=base)
+    except ConfigError as exc:
+        fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+
+
+def config_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--config FILE`` (env ``RELAY_CONFIG``): the TOML settings file."""
+    return click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="RELAY_CONFIG", default=None,
+        help="TOML settings file, keys as the field names (see config/dedup-relay.example."
+             "toml) [env: RELAY_CONFIG]",
+    )(func)
+
+
+def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--config`` and one flag per settings field to a command; the command receives
+    ``config_file`` and each field by its name (None when the flag is not given)."""
+    for name, field in reversed(list(Settings.model_fields.items())):
+        func = _option(name, field)(func)
+    return config_option(func)
+
+
+def _option(name: str, field: FieldInfo) -> Callable[[Callable[..., Any]], Any]:
+    flag = flag_name(name)
+    help_text = f"{field.description} [{_default(name, field)}; env: {env_name(name)}]"
+    if _plain(field.annotation) is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+    return click.option(flag, name, default=None, metavar=_metavar(field.annotation),
+                        help=help_text)
+
+
+def _plain(annotation: Any) -> Any:
+    """``annotation`` without ``| None``."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _metavar(annotation: Any) -> str:
+    plain = _plain(annotation)
+    if get_origin(plain) is Literal:
+        return "[" + "|".join(str(v) for v in get_args(plain)) + "]"
+    if get_origin(plain) is tuple:
+        return "A,B,..."
+    return {int: "INTEGER", float: "SECONDS", Path: "FILE", SecretStr: "SECRET"}.get(plain,
+                                                                                    "TEXT")
+
+
+def _default(name: str, field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    if field.default_factory is not None:
+        return f"default: {_COMPUTED_DEFAULTS.get(name, 'computed at start')}"
+    return f"default: {_shown(field.default)}"
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return ",".join(value) if value else "empty"
+    if value == "":
+        return '"" (off)'
+    return str(value)
+
+
+class SettingsCommand(click.Command):
+    """A command whose ``--help`` lists the settings flags in the parts of the settings
+    (listener, security, upstream, store, operations) after the command's own options."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Write the options in sections: the command's own, then one per settings part."""
+        sections: list[tuple[str, list[tuple[str, str]]]] = [("Options", [])]
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.name in _SECTIONS:
+                sections.append((_SECTIONS[param.name] + " settings", []))
+            target = sections[-1][1] if param.name in Settings.model_fields else sections[0][1]
+            target.append(record)
+        for title, rows in sections:
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def field_names(names: Sequence[str]) -> frozenset[str]:
+    """The settings fields among ``names`` (a command's parameters)."""
+    return frozenset(n for n in names if n in Settings.model_fields)

@@ -1,0 +1,108 @@
+"""``dedup-relay serve``, ``check-config`` and ``healthcheck``.
+
+``serve`` and ``check-config`` take the same flags and run the same checks
+(:func:`relay.app.check_settings`: the settings, and every file they name) before ``serve``
+opens the store and binds its listeners, so a configuration ``check-config`` approves does not
+fail at start for a reason it could have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from relay.cli.exit_codes import ExitCode, epilog
+from relay.cli.options import SettingsCommand, fail, load, settings_options
+from relay.config import AdminSettings, Settings, redact_url
+from relay.core.errors import ConfigError, StartupError
+from relay.ops.logs import setup_logging
+
+
+def _checked(config_file: Path | None, flags: dict[str, Any]) -> Settings:
+    """The settings, validated with every file they name; exits 78 (EX_CONFIG) when not."""
+    from relay.app import check_settings  # the composition root knows how each file is read
+
+    settings = load(config_file, flags)
+    try:
+        check_settings(settings)
+    except ConfigError as exc:
+        fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+    return settings
+
+
+def register(main: click.Group) -> None:
+    """Add ``serve``, ``check-config`` and ``healthcheck`` to the ``dedup-relay`` group."""
+
+    @main.command(cls=SettingsCommand, epilog=epilog())
+    @settings_options
+    def serve(config_file: Path | None, **flags: Any) -> None:
+        """Run the relay until SIGTERM/SIGINT.
+
+        Every setting is a flag, an env var RELAY_<NAME> and a key of the --config file;
+        flags beat env vars, env vars beat the file.
+        """
+        settings = _checked(config_file, flags)
+        setup_logging(settings.log_level, settings.log_format)
+        try:
+            asyncio.run(_serve(settings))
+        except ConfigError as exc:  # found only when the store answered (a Redis db number)
+            fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+        except StartupError as exc:
+            fail(ExitCode.UNAVAILABLE, f"cannot start: {exc}")
+
+    @main.command("check-config", cls=SettingsCommand, epilog=epilog())
+    @settings_options
+    def check_config(config_file: Path | None, **flags: Any) -> None:
+        """Check the settings as serve does before it starts: every value, and every file they
+        name (TLS certificate and key, credentials, password file, CA files of the store URL,
+        the settle journal's directory). Exit 0 when serve would start, 78 with one line per
+        problem when not. Opens no store and binds no port."""
+        settings = _checked(config_file, flags)
+        click.echo(f"configuration ok: listen {settings.listen}, upstream {settings.upstream}, "
+                   f"store {redact_url(settings.store)}")
+
+    @main.command("healthcheck", cls=SettingsCommand, epilog=epilog())
+    @click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")
+    @settings_options
+    def healthcheck(config_file: Path | None, timeout: float, **flags: Any) -> None:
+        """Exit 0 when the relay on this host serves (container HEALTHCHECK), else 1.
+
+        Asks ``/healthz`` on the metrics port; with metrics off, waits for the SMTP greeting.
+        """
+        settings = load(config_file, flags, base=AdminSettings)
+        ok = _serving(settings, timeout)
+        sys.exit(int(ExitCode.OK if ok else ExitCode.NOT_FOUND))
+
+
+async def _serve(settings: Settings) -> None:
+    from relay.app import run  # imported here: the admin commands need none of it
+
+    await run(settings)
+
+
+def _serving(settings: Settings, timeout: float) -> bool:
+    """True when the relay answers: ``/healthz`` 200, or an SMTP greeting with metrics off."""
+    metrics = settings.metrics_address
+    try:
+        if metrics is not None:
+            url = f"http://{_local(metrics[0])}:{metrics[1]}/healthz"
+            with urllib.request.urlopen(url, timeout=timeout) as reply:
+                return bool(reply.status == 200)
+        host, port = settings.listen_address
+        with socket.create_connection((_local(host), port), timeout=timeout) as conn:
+            # any greeting proves the process serves: a 421 is the allowed_networks
+            # refusal when loopback is not among them, or a connection limit
+            return conn.recv(4)[:3] in (b"220", b"421")
+    except OSError as exc:
+        fail(ExitCode.NOT_FOUND, f"not healthy: {exc}")
+
+
+def _local(host: str) -> str:
+    """Where to reach a listener bound to ``host`` from this host (a wildcard: loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # noqa: S104
