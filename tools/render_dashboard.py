@@ -4,8 +4,10 @@ Runs a relay (in this process) in front of an aiosmtpd sink that sometimes answe
 after the final dot or goes away for a while, drives a bounded mixed load at it over loopback,
 lets a real Prometheus (`prometheus` on PATH, Debian package) scrape it every second with the
 shipped alert rules loaded, then evaluates every panel's PromQL through Prometheus' HTTP API and
-draws the panels with matplotlib at their dashboard positions.
+draws the panels with matplotlib at their dashboard positions (the dashboard's ``$job`` and
+``$instance`` variables as Grafana fills them for this one relay).
 
+    .venv/bin/pip install -e '.[tools]'    # matplotlib, not in the dev extras
     .venv/bin/python tools/render_dashboard.py --out docs/dashboard.png --seconds 150
 
 Needs Redis on 127.0.0.1:6379 (keys under a random prefix, deleted afterwards).
