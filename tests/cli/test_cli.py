@@ -51,7 +51,7 @@ def test_fingerprints_survive_a_restart(tmp_path: Path) -> None:
             assert smtp_send(port, message(key="RESTART-1"))[0] == 250
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+            proc.communicate(timeout=30)  # waits, and closes the pipes
         assert len(maildir_files(tmp_path / "md")) == expected_files
 
 
@@ -220,7 +220,7 @@ def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    log = proc.stderr.read() if proc.stderr else ""
+    log = proc.communicate()[1]  # the rest of stderr; closes the pipes
     assert "signal received during start-up" in log
     assert "listening on" not in log
 

@@ -1,0 +1,218 @@
+"""Every setting is a flag of `serve` and `check-config`, generated from the settings object,
+with its description, default and env var in `--help`; a configuration error names flags and
+env vars that exist; the exit codes are one named table shown in `--help`."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+from pydantic import SecretStr
+
+from relay.cli.exit_codes import ExitCode
+from relay.cli.group import main
+from relay.cli.options import SettingsCommand, load, settings_options
+from relay.config import Settings, env_name, flag_name
+
+# one valid value other than the default for every setting, as an operator types it, and
+# what the settings then hold (a bool flag takes no value: None here)
+SAMPLES: dict[str, tuple[str | None, object]] = {
+    "listen": ("127.0.0.1:2600", "127.0.0.1:2600"),
+    "hostname": ("relay.test", "relay.test"),
+    "max_message_size": ("2048", 2048),
+    "max_recipients": ("7", 7),
+    "client_timeout": ("11", 11.0),
+    "data_deadline": ("12.5", 12.5),
+    "session_lifetime": ("13", 13.0),
+    "max_idle_commands": ("14", 14),
+    "allowed_networks": ("10.0.0.0/8, 192.168.0.0/16", ("10.0.0.0/8", "192.168.0.0/16")),
+    "allowed_senders": ("*@example.com", ("*@example.com",)),
+    "max_connections": ("15", 15),
+    "max_connections_per_ip": ("3", 3),
+    "tls_cert": ("cert.pem", Path("cert.pem")),
+    "tls_key": ("key.pem", Path("key.pem")),
+    "tls_listen": ("127.0.0.1:4650", "127.0.0.1:4650"),
+    "tls_min_version": ("TLSv1.3", "TLSv1.3"),
+    "tls_handshake_timeout": ("4", 4.0),
+    "tls_required": (None, True),
+    "auth_file": ("users", Path("users")),
+    "auth_required": (None, True),
+    "auth_failure_delay": ("0.5", 0.5),
+    "auth_max_failures": ("9", 9),
+    "auth_failure_window": ("60", 60.0),
+    "proxy_protocol": (None, True),
+    "proxy_networks": ("10.1.0.0/16", ("10.1.0.0/16",)),
+    "upstream": ("smtp.example.com:587", "smtp.example.com:587"),
+    "upstream_tls": ("starttls", "starttls"),
+    "upstream_verify": (None, False),  # --no-upstream-verify
+    "upstream_user": ("relay@example.com", "relay@example.com"),
+    "upstream_password_file": ("pw.txt", Path("pw.txt")),
+    "upstream_password": ("hunter2", "hunter2"),  # not with the file: a second invocation
+    "upstream_timeout": ("601", 601.0),
+    "upstream_command_timeout": ("61", 61.0),
+    "upstream_connect_timeout": ("31", 31.0),
+    "upstream_pool_size": ("0", 0),
+    "upstream_pool_idle": ("32", 32.0),
+    "upstream_pool_max_messages": ("5", 5),
+    "store": ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379/3"),
+    "store_prefix": ("app:fp:", "app:fp:"),
+    "store_timeout": ("3", 3.0),
+    "dedup_window": ("7200", 7200.0),
+    "lease": ("120", 120.0),
+    "dedupe_headers": ("X-Key", ("X-Key",)),
+    "template_headers": ("X-Tpl,X-Template", ("X-Tpl", "X-Template")),
+    "max_key_chars": ("64", 64),
+    "local_part_case_sensitive": (None, True),
+    "fingerprint_secret": ("s3cret", "s3cret"),
+    "missing_key": ("reject", "reject"),
+    "strip_dedupe_headers": (None, True),
+    "scope_by_auth": (None, True),
+    "unknown_policy": ("hold", "hold"),
+    "store_down": ("fail_open", "fail_open"),
+    "dsn_on_partial_failure": (None, False),  # --no-dsn-on-partial-failure
+    "metrics_listen": ("127.0.0.1:9800", "127.0.0.1:9800"),
+    "health_interval": ("2", 2.0),
+    "log_level": ("DEBUG", "DEBUG"),
+    "log_format": ("text", "text"),
+    "log_recipients": (None, True),
+    "shutdown_grace": ("5", 5.0),
+    "settle_journal": ("", ""),
+}
+SECOND_RUN = {"upstream_password"}  # excludes upstream_password_file (a rule between them)
+
+
+def _argv(names: set[str]) -> list[str]:
+    argv: list[str] = []
+    for name in sorted(names):
+        given, expected = SAMPLES[name]
+        if given is None:  # a bool: --x for true, --no-x for false
+            argv.append(flag_name(name) if expected else f"--no-{flag_name(name)[2:]}")
+        else:
+            argv += [flag_name(name), given]
+    return argv
+
+
+def _parsed(argv: list[str]) -> Settings:
+    """The settings a command with the generated flags builds from ``argv`` (real click
+    parsing, real validation; no env var or file involved)."""
+    got: list[Settings] = []
+
+    @click.command(cls=SettingsCommand)
+    @settings_options
+    def probe(config_file: Path | None, **flags: Any) -> None:
+        got.append(load(config_file, flags))
+
+    result = CliRunner().invoke(probe, argv, env={k: None for k in os.environ
+                                                  if k.startswith("RELAY_")})
+    assert result.exit_code == 0, result.output
+    return got[0]
+
+
+def test_every_setting_has_a_sample() -> None:
+    """A new setting needs a row here (and then has its flag checked below)."""
+    assert set(SAMPLES) == set(Settings.model_fields)
+
+
+def test_every_setting_reaches_the_settings_through_its_flag() -> None:
+    """Each generated flag sets its own field, as typed on the command line (two runs: the
+    password file and the password itself exclude each other)."""
+    first = set(SAMPLES) - SECOND_RUN
+    second = SECOND_RUN | {"upstream"}
+    for names in (first, second):
+        settings = _parsed(_argv(names))
+        for name in names:
+            value = getattr(settings, name)
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            assert value == SAMPLES[name][1], name
+
+
+def _help(*command: str) -> str:
+    result = CliRunner().invoke(main, [*command, "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # click wraps lines: compare the words
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_help_shows_every_flag_with_its_default_and_env_var(command: str) -> None:
+    """`serve --help` and `check-config --help` list a flag for every setting, with the field's
+    description, its default (or "required") and its RELAY_ env var."""
+    text = _help(command)
+    squeezed = "".join(text.split())  # click also breaks lines after a hyphen
+    for name, field in Settings.model_fields.items():
+        assert f"{flag_name(name)} " in text, name
+        assert "".join(str(field.description).split()) in squeezed, name
+        assert f"; env: {env_name(name)}]" in text, name
+    assert "[default: 900; env: RELAY_LEASE]" in text
+    assert "[required; env: RELAY_UPSTREAM]" in text
+    assert "--tls-required / --no-tls-required" in text
+    assert "[default: this host's FQDN; env: RELAY_HOSTNAME]" in text
+
+
+def test_the_flags_of_earlier_releases_still_exist() -> None:
+    """The README, scripts and black-box checks use these names: none is renamed."""
+    text = _help("serve")
+    for flag in ("--listen", "--upstream", "--upstream-tls", "--upstream-user",
+                 "--upstream-password-file", "--store", "--metrics-listen", "--upstream-timeout",
+                 "--data-deadline", "--dedup-window", "--lease", "--log-format",
+                 "--shutdown-grace", "--tls-cert", "--tls-key", "--tls-listen", "--auth-file",
+                 "--allowed-networks", "--config"):
+        assert f"{flag} " in text, flag
+
+
+def _flags_of(text: str) -> set[str]:
+    return set(re.findall(r"--[a-z][a-z-]+", text))
+
+
+@pytest.mark.parametrize(("args", "env"), [
+    (("--lease", "-1"), {}),
+    (("--lease", "abc"), {}),
+    (("--lease", "4"), {}),  # a rule between settings: lease >= 3 x store_timeout
+    (("--dedup-window", "60"), {}),  # a rule: the window not shorter than the lease
+    (("--unknown-policy", "later"), {}),
+    (("--upstream-tls", "ssl"), {}),
+    (("--tls-required",), {}),  # needs tls_cert and tls_key
+    (("--auth-required",), {}),  # needs auth_file
+    ((), {"RELAY_MAX_RECIPIENTS": "many"}),
+    ((), {"RELAY_STORE_TIMEOUT": "400"}),  # the rule again, set from the environment
+    (("--metrics-listen", "9725"), {}),
+    (("--tls-cert", "missing.pem", "--tls-key", "missing.key"), {}),  # checked files
+])
+def test_a_configuration_error_names_flags_that_exist(
+        tmp_path: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
+    """Exit 78 (EX_CONFIG); every flag the message names is one `serve --help` lists and
+    every env var one the settings read (none named `--settings` or `RELAY_SETTINGS`)."""
+    known_flags = _flags_of(_help("serve"))
+    known_env = {env_name(n) for n in Settings.model_fields} | {"RELAY_CONFIG"}
+    result = CliRunner().invoke(main, ["check-config", "--upstream", "maildir:md", *args],
+                                env={**{k: None for k in os.environ if k.startswith("RELAY_")},
+                                     **env})
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    named = _flags_of(result.stderr)
+    assert named, result.stderr
+    assert named <= known_flags, named - known_flags
+    assert set(re.findall(r"RELAY_[A-Z_]+", result.stderr)) <= known_env, result.stderr
+
+
+def test_exit_codes_are_one_table_shown_in_help() -> None:
+    """The sysexits numbers where they apply; the table is in the group's and each command's
+    `--help`."""
+    assert (ExitCode.CONFIG, ExitCode.UNAVAILABLE) == (os.EX_CONFIG, os.EX_UNAVAILABLE)
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4, 69, 78]
+    for command in ((), ("serve",), ("check-config",), ("inspect",), ("release",)):
+        text = _help(*command)
+        assert "Exit codes: 0 ok 1 not found" in text, command
+        assert "69 cannot start" in text and "78 invalid configuration" in text, command
+
+
+def test_a_flag_the_command_does_not_have_is_a_usage_error(tmp_path: Path) -> None:
+    """Exit 2 (usage), not 78: the settings were never read."""
+    result = CliRunner().invoke(main, ["check-config", "--upstream", "maildir:md", "--lease-s",
+                                       "60"])
+    assert result.exit_code == ExitCode.USAGE
+    assert "No such option" in result.output
