@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
@@ -142,8 +142,3 @@ class SettingsCommand(click.Command):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
-
-
-def field_names(names: Sequence[str]) -> frozenset[str]:
-    """The settings fields among ``names`` (a command's parameters)."""
-    return frozenset(n for n in names if n in Settings.model_fields)
