@@ -12,6 +12,7 @@ import os
 import sys
 import types
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
@@ -95,6 +96,8 @@ def _metavar(annotation: Any) -> str:
     plain = _plain(annotation)
     if get_origin(plain) is Literal:
         return "[" + "|".join(str(v) for v in get_args(plain)) + "]"
+    if isinstance(plain, type) and issubclass(plain, Enum):
+        return "[" + "|".join(str(m.value) for m in plain) + "]"
     if get_origin(plain) is tuple:
         return "A,B,..."
     return {int: "INTEGER", float: "SECONDS", Path: "FILE", SecretStr: "SECRET"}.get(plain,
@@ -120,6 +123,8 @@ def _shown(value: object) -> str:
         return ",".join(value) if value else "empty"
     if value == "":
         return '"" (off)'
+    if isinstance(value, Enum):
+        return str(value.value)
     return str(value)
 
 
