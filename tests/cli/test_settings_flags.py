@@ -216,3 +216,11 @@ def test_a_flag_the_command_does_not_have_is_a_usage_error(tmp_path: Path) -> No
                                        "60"])
     assert result.exit_code == ExitCode.USAGE
     assert "No such option" in result.output
+
+
+def test_the_readme_lists_the_same_exit_codes() -> None:
+    """The README's exit-code table has one row per ExitCode, no more."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    assert [int(c) for c in re.findall(r"^\| `(\d+)` \|", section, re.M)] == [
+        int(c) for c in ExitCode]
