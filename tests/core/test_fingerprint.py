@@ -81,7 +81,7 @@ def test_empty_hmac_secret_is_refused() -> None:
 # -- header lookup and value normalization (RFC 5322 sections 1.2.2, 2.2.3; RFC 2047) ------------
 
 
-def test_case07_value_folded_onto_the_next_line_equals_the_unfolded_value() -> None:
+def test_value_folded_onto_the_next_line_equals_the_unfolded_value() -> None:
     """Case 07: a key folded after the colon hashes like the same key on one line (A == B)."""
     key = "ORD-2024-000123-customer-00042-region-eu-west-channel-webshop-retry-0"
     folded = message("X-Template: order-confirmation", "X-Dedupe-Key:", f" {key}")
@@ -90,7 +90,7 @@ def test_case07_value_folded_onto_the_next_line_equals_the_unfolded_value() -> N
     assert extract_dedup_headers(folded).key == key
 
 
-def test_case07_tab_fold_inside_a_value_equals_one_space() -> None:
+def test_tab_fold_inside_a_value_equals_one_space() -> None:
     """Case 07: a value folded with CRLF TAB hashes like its one-line form (C == D)."""
     folded = message(
         "X-Template: order confirmation", "X-Dedupe-Key: order 123 for", "\tcustomer 42"
@@ -100,7 +100,7 @@ def test_case07_tab_fold_inside_a_value_equals_one_space() -> None:
     assert extract_dedup_headers(folded).key == "order 123 for customer 42"
 
 
-def test_case09_every_occurrence_counts_as_a_sorted_set() -> None:
+def test_every_occurrence_counts_as_a_sorted_set() -> None:
     """Case 09: {K-1, K-2} in either order match each other, K-1 twice matches K-1 once."""
     a = message("X-Template: digest", "X-Dedupe-Key: K-1", "X-Dedupe-Key: K-2")
     b = message("X-Template: digest", "X-Dedupe-Key: K-1")
@@ -113,7 +113,7 @@ def test_case09_every_occurrence_counts_as_a_sorted_set() -> None:
     assert extract_dedup_headers(a).key == "K-1\x1fK-2"
 
 
-def test_case10_field_names_match_in_any_case() -> None:
+def test_field_names_match_in_any_case() -> None:
     """Case 10: X-Dedupe-Key, x-dedupe-key and X-Dedupe-KEY are one field (A == B == C)."""
     a = message("X-Template: t-1", "X-Dedupe-Key: k-1")
     b = message("x-template: t-1", "x-dedupe-key: k-1")
@@ -122,19 +122,19 @@ def test_case10_field_names_match_in_any_case() -> None:
     assert fp_of(a) == fp_of(b) == fp_of(c)
 
 
-def test_case10_underscore_spelling_is_a_different_field() -> None:
+def test_underscore_spelling_is_a_different_field() -> None:
     """Case 10: X-Dedupe_Key is not X-Dedupe-Key, so message D carries no key."""
     d = message("X-Template: t-1", "X-Dedupe_Key: k-1")
     assert extract_dedup_headers(d).key is None
 
 
-def test_case10_names_differing_only_in_case_are_two_occurrences() -> None:
+def test_names_differing_only_in_case_are_two_occurrences() -> None:
     """Case 10: X-Dedupe-Key: k-1 and x-dedupe-key: k-2 give the key set {k-1, k-2}."""
     content = message("X-Dedupe-Key: k-1", "x-dedupe-key: k-2")
     assert extract_dedup_headers(content).keys == ("k-1", "k-2")
 
 
-def test_case11_surrounding_blanks_and_missing_space_do_not_change_the_key() -> None:
+def test_surrounding_blanks_and_missing_space_do_not_change_the_key() -> None:
     """Case 11: trailing spaces, no space after the colon and TABs around the value all match."""
     variants = [
         "X-Dedupe-Key: K-77",
@@ -147,12 +147,12 @@ def test_case11_surrounding_blanks_and_missing_space_do_not_change_the_key() -> 
     assert None not in fps
 
 
-def test_case11_whitespace_only_key_means_no_key() -> None:
+def test_whitespace_only_key_means_no_key() -> None:
     """Case 11 E: a key of blanks only is empty after trimming, so the message has no key."""
     assert extract_dedup_headers(message("X-Template: statement", "X-Dedupe-Key:  ")).key is None
 
 
-def test_case11_inner_blank_runs_collapse_to_one_space() -> None:
+def test_inner_blank_runs_collapse_to_one_space() -> None:
     """Case 11: 'K 77' and 'K  77' match each other but not 'K-77'."""
     f = message("X-Template: statement", "X-Dedupe-Key: K 77")
     g = message("X-Template: statement", "X-Dedupe-Key: K  77")
@@ -369,7 +369,7 @@ def test_rfc2047_every_stdlib_codec_as_charset_decodes_or_stays_literal() -> Non
 # -- 8-bit values: raw bytes hash as themselves -------------------------------------------------
 
 
-def test_case06_identical_latin1_bytes_give_the_same_fingerprint() -> None:
+def test_identical_latin1_bytes_give_the_same_fingerprint() -> None:
     """Case 06: a key holding a raw non-UTF-8 byte hashes the same on a byte-identical resend."""
     first = message(b"X-Template: rechnung", b"X-Dedupe-Key: R-2024-\xfc42")
     again = message(b"X-Template: rechnung", b"X-Dedupe-Key: R-2024-\xfc42")
@@ -377,7 +377,7 @@ def test_case06_identical_latin1_bytes_give_the_same_fingerprint() -> None:
     assert fp_of(first) == fp_of(again)
 
 
-def test_case06_a_different_latin1_byte_gives_another_fingerprint() -> None:
+def test_a_different_latin1_byte_gives_another_fingerprint() -> None:
     """Case 06: keys differing in one raw 8-bit byte have different fingerprints."""
     first = message(b"X-Dedupe-Key: R-\xfc")
     other = message(b"X-Dedupe-Key: R-\xdf")
@@ -457,13 +457,13 @@ def test_normalize_header_value_accepts_str() -> None:
 # -- recipients (RFC 5321 sections 2.4, 4.1.2; RFC 5890; RFC 6531) -------------------------------
 
 
-def test_case12_local_part_is_lowercased_by_default() -> None:
+def test_local_part_is_lowercased_by_default() -> None:
     """Case 12: John.Doe@Example.COM, john.doe@example.com and JOHN.DOE@EXAMPLE.COM match."""
     forms = ["John.Doe@Example.COM", "john.doe@example.com", "JOHN.DOE@EXAMPLE.COM"]
     assert {normalize_recipient(form) for form in forms} == {"john.doe@example.com"}
 
 
-def test_case12_case_sensitive_local_parts_stay_distinct() -> None:
+def test_case_sensitive_local_parts_stay_distinct() -> None:
     """Case 12: with local_part_case_sensitive the three forms differ; the domain is lowered."""
     forms = ["John.Doe@Example.COM", "john.doe@example.com", "JOHN.DOE@EXAMPLE.COM"]
     normalized = [normalize_recipient(form, local_part_case_sensitive=True) for form in forms]
@@ -472,7 +472,7 @@ def test_case12_case_sensitive_local_parts_stay_distinct() -> None:
 
 @pytest.mark.parametrize("sensitive", [False, True])
 @pytest.mark.parametrize("form", ["Postmaster", "<Postmaster>", "POSTMASTER", "postmaster"])
-def test_case12_postmaster_is_case_insensitive_in_every_policy(form: str, sensitive: bool) -> None:
+def test_postmaster_is_case_insensitive_in_every_policy(form: str, sensitive: bool) -> None:
     """Case 12: Postmaster in any case, with or without brackets, is postmaster."""
     assert normalize_recipient(form, local_part_case_sensitive=sensitive) == "postmaster"
 
@@ -484,13 +484,13 @@ def test_postmaster_with_a_domain_is_case_insensitive(sensitive: bool) -> None:
     assert normalized == "postmaster@example.com"
 
 
-def test_case01_decomposed_local_part_equals_the_nfc_form() -> None:
+def test_decomposed_local_part_equals_the_nfc_form() -> None:
     """Case 01: jörg (NFC) and jo + U+0308 + rg normalize to the same recipient."""
     assert normalize_recipient("jörg@example.com") == normalize_recipient("jo\u0308rg@example.com")
     assert normalize_recipient("jo\u0308rg@example.com") == "j\u00f6rg@example.com"
 
 
-def test_case01_non_ascii_local_part_is_lowercased_by_default() -> None:
+def test_non_ascii_local_part_is_lowercased_by_default() -> None:
     """Case 01: JÖRG@example.com matches jörg@example.com under the default policy."""
     assert normalize_recipient("JÖRG@example.com") == normalize_recipient("jörg@example.com")
     assert normalize_recipient("JÖRG@example.com", local_part_case_sensitive=True) == (

@@ -84,7 +84,7 @@ async def wire_sink() -> AsyncIterator[WireSink]:
 INVOICE = (b"To: j\xc3\xb6rg@example.com", b"X-Template: invoice", b"X-Dedupe-Key: INV-1001")
 
 
-async def test_case01_utf8_local_part_is_relayed_with_smtputf8(relay: Relay, sink: Sink) -> None:
+async def test_utf8_local_part_is_relayed_with_smtputf8(relay: Relay, sink: Sink) -> None:
     """A UTF-8 local part with MAIL ... SMTPUTF8 is relayed with SMTPUTF8 and BODY=8BITMIME."""
     data = msg(*INVOICE, body=b"Hallo J\xc3\xb6rg")
     client, _ = await ehlo(relay.port)
@@ -101,7 +101,7 @@ async def test_case01_utf8_local_part_is_relayed_with_smtputf8(relay: Relay, sin
     assert await state_of(relay, "jörg@example.com", "invoice", "INV-1001") is State.SENT
 
 
-async def test_case01_utf8_address_reaches_upstream_as_identical_bytes(
+async def test_utf8_address_reaches_upstream_as_identical_bytes(
     make_relay: MakeRelay, wire_sink: WireSink
 ) -> None:
     """Upstream reads RCPT TO:<j\\xc3\\xb6rg@example.com> and MAIL ... SMTPUTF8 byte for byte."""
@@ -120,7 +120,7 @@ async def test_case01_utf8_address_reaches_upstream_as_identical_bytes(
     assert wire_sink.data[0].endswith(data + b".\r\n")
 
 
-async def test_case01_non_ascii_rcpt_without_smtputf8_is_553(relay: Relay, sink: Sink) -> None:
+async def test_non_ascii_rcpt_without_smtputf8_is_553(relay: Relay, sink: Sink) -> None:
     """A UTF-8 MAIL or RCPT path without the SMTPUTF8 parameter gets 553 5.6.7; session goes on."""
     client, _ = await ehlo(relay.port)
     sender = await client.cmd("MAIL FROM:<jörg@example.com>".encode())
@@ -137,7 +137,7 @@ async def test_case01_non_ascii_rcpt_without_smtputf8_is_553(relay: Relay, sink:
 
 @pytest.mark.parametrize("mail", [b"MAIL FROM:<app@example.com>",
                                   b"MAIL FROM:<app@example.com> SMTPUTF8"])
-async def test_case01_invalid_utf8_local_part_is_refused(
+async def test_invalid_utf8_local_part_is_refused(
     relay: Relay, sink: Sink, mail: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A lone Latin-1 byte F6 in RCPT gets 501 5.5.2 (or 553 5.6.7), no traceback, no relay."""
@@ -152,7 +152,7 @@ async def test_case01_invalid_utf8_local_part_is_refused(
     assert await stored_keys(relay) == []
 
 
-async def test_case01_eight_bit_byte_in_mail_from_gets_a_reply(
+async def test_eight_bit_byte_in_mail_from_gets_a_reply(
     relay: Relay, sink: Sink, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A raw 0xC0 byte in MAIL FROM gets 501 5.5.2 (or 553 5.6.7) and the session survives."""
@@ -168,7 +168,7 @@ async def test_case01_eight_bit_byte_in_mail_from_gets_a_reply(
     assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
 
 
-async def test_case01_upstream_without_smtputf8_is_550_and_nothing_sent(
+async def test_upstream_without_smtputf8_is_550_and_nothing_sent(
     make_relay: MakeRelay,
 ) -> None:
     """Upstream without SMTPUTF8: 550 5.6.7 after the dot, nothing upstream, no key."""
@@ -185,7 +185,7 @@ async def test_case01_upstream_without_smtputf8_is_550_and_nothing_sent(
         sink.server.close()
 
 
-async def test_case01_nfc_and_case_variants_are_suppressed(relay: Relay, sink: Sink) -> None:
+async def test_nfc_and_case_variants_are_suppressed(relay: Relay, sink: Sink) -> None:
     """jörg, the decomposed jo\\u0308rg and JÖRG share a fingerprint: one upstream copy."""
     results = [await send(relay.port, [rcpt], msg(*INVOICE), mail_options=["SMTPUTF8"])
                for rcpt in ("jörg@example.com", "jo\u0308rg@example.com", "JÖRG@example.com")]
@@ -208,7 +208,7 @@ def smuggled(fake_end: bytes) -> bytes:
 
 @pytest.mark.parametrize("fake_end", [b"\n.\r\n", b"\n.\n", b"\r.\r", b"\r\n.\n", b"\r.\r\n"],
                          ids=["LF.CRLF", "LF.LF", "CR.CR", "CRLF.LF", "CR.CRLF"])
-async def test_case03_smuggled_terminator_is_refused(
+async def test_smuggled_terminator_is_refused(
     relay: Relay, sink: Sink, fake_end: bytes
 ) -> None:
     """A fake end marker does not end DATA: one 550 5.6.0 (or 421) after the real end, no relay."""
@@ -234,7 +234,7 @@ async def test_case03_smuggled_terminator_is_refused(
 
 @pytest.mark.parametrize("body", [b"hello\nworld", b"hello\rworld", b"hello\n"],
                          ids=["bare-LF", "bare-CR", "trailing-LF"])
-async def test_case03_bare_line_end_in_data_is_refused(
+async def test_bare_line_end_in_data_is_refused(
     relay: Relay, sink: Sink, body: bytes
 ) -> None:
     """A lone LF or CR inside DATA gets 550 5.6.0 and nothing reaches upstream."""
@@ -248,7 +248,7 @@ async def test_case03_bare_line_end_in_data_is_refused(
     assert await stored_keys(relay) == []
 
 
-async def test_case03_lf_only_client_gets_data_timeout(make_relay: MakeRelay, sink: Sink) -> None:
+async def test_lf_only_client_gets_data_timeout(make_relay: MakeRelay, sink: Sink) -> None:
     """A DATA section in LF only, ended by <LF>.<LF>, ends with 421 4.4.2 and a close."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", client_timeout=1.0)
     client, _ = await ehlo(relay.port)
@@ -273,7 +273,7 @@ STUFFED = msg("X-Template: report", "X-Dedupe-Key: R-7",
 UNSTUFFED_BODY = b"\r\n\r\n.hidden-file.txt\r\n.\r\n..\r\nend\r\n"
 
 
-async def test_case04_stuffed_lines_reach_upstream_unstuffed_once(
+async def test_stuffed_lines_reach_upstream_unstuffed_once(
     relay: Relay, sink: Sink
 ) -> None:
     """Lines ..x, .., ... arrive upstream (after its one unstuffing) as .x, ., .. exactly."""
@@ -286,7 +286,7 @@ async def test_case04_stuffed_lines_reach_upstream_unstuffed_once(
     assert await state_of(relay, RCPT, "report", "R-7") is State.SENT
 
 
-async def test_case04_upstream_wire_carries_the_client_stuffing(
+async def test_upstream_wire_carries_the_client_stuffing(
     make_relay: MakeRelay, wire_sink: WireSink
 ) -> None:
     """The DATA bytes on the upstream wire end with exactly the stuffed lines the client sent."""
@@ -300,7 +300,7 @@ async def test_case04_upstream_wire_carries_the_client_stuffing(
     assert wire.count(b"\r\n.\r\n") == 1
 
 
-async def test_case04_resend_with_other_dot_count_is_suppressed(relay: Relay, sink: Sink) -> None:
+async def test_resend_with_other_dot_count_is_suppressed(relay: Relay, sink: Sink) -> None:
     """The body is not in the fingerprint: a resend with fewer dots is answered 250, not relayed."""
     client, _ = await ehlo(relay.port)
     first = await transaction(client, [RCPT], STUFFED)
@@ -313,7 +313,7 @@ async def test_case04_resend_with_other_dot_count_is_suppressed(relay: Relay, si
     assert await state_of(relay, RCPT, "report", "R-7") is State.SENT
 
 
-async def test_case04_unstuffed_lone_dot_ends_the_message_early(relay: Relay, sink: Sink) -> None:
+async def test_unstuffed_lone_dot_ends_the_message_early(relay: Relay, sink: Sink) -> None:
     """An unstuffed "." line ends DATA; .x arrives as x; the lines after it get 500/502."""
     client, _ = await ehlo(relay.port)
     head = msg("X-Template: report", "X-Dedupe-Key: R-8", body=b".hidden-file.txt")
@@ -336,7 +336,7 @@ REPORT = ("X-Template: nightly-report", "X-Dedupe-Key: NR-2024-03-01", "Content-
 
 
 @pytest.mark.parametrize("octets", [999, 1500])
-async def test_case05_long_line_is_refused_after_terminator_and_session_stays_in_sync(
+async def test_long_line_is_refused_after_terminator_and_session_stays_in_sync(
     relay: Relay, sink: Sink, octets: int
 ) -> None:
     """A line over 998 octets: one 500 5.5.2 after the dot, nothing relayed, next MAIL works."""
@@ -357,7 +357,7 @@ async def test_case05_long_line_is_refused_after_terminator_and_session_stays_in
     assert await state_of(relay, RCPT, "nightly-report", "NR-2024-03-01") is State.SENT
 
 
-async def test_case05_line_of_998_octets_is_relayed_unchanged(relay: Relay, sink: Sink) -> None:
+async def test_line_of_998_octets_is_relayed_unchanged(relay: Relay, sink: Sink) -> None:
     """A line of exactly 998 octets is within the limit and reaches upstream unwrapped."""
     line = b"B" * 998
     data = msg(*REPORT, body=line)
@@ -369,7 +369,7 @@ async def test_case05_line_of_998_octets_is_relayed_unchanged(relay: Relay, sink
     assert b"\r\n" + line + b"\r\n" in sink.handler.delivered[0].content
 
 
-async def test_case05_long_dedupe_key_line_is_refused(relay: Relay, sink: Sink) -> None:
+async def test_long_dedupe_key_line_is_refused(relay: Relay, sink: Sink) -> None:
     """An X-Dedupe-Key line of 1200+ octets gets 500 5.5.2 (or 552 5.3.4); nothing relayed."""
     client, _ = await ehlo(relay.port)
     got = await transaction(client, [RCPT], msg("X-Template: nightly-report",
@@ -391,7 +391,7 @@ RECHNUNG = msg("X-Template: rechnung", "X-Dedupe-Key: R-2024-0042", "MIME-Versio
                body=b"Gr\xfc\xdfe")
 
 
-async def test_case06_latin1_body_is_relayed_byte_exact_with_body_8bitmime(
+async def test_latin1_body_is_relayed_byte_exact_with_body_8bitmime(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
     """EHLO offers 8BITMIME+SMTPUTF8+SIZE; Latin-1 body bytes reach upstream unchanged."""
@@ -414,7 +414,7 @@ async def test_case06_latin1_body_is_relayed_byte_exact_with_body_8bitmime(
     assert await state_of(relay, "kunde@example.net", "rechnung", "R-2024-0042") is State.SENT
 
 
-async def test_case06_eight_bit_body_without_body_parameter_is_relayed(
+async def test_eight_bit_body_without_body_parameter_is_relayed(
     relay: Relay, sink: Sink
 ) -> None:
     """8-bit content after a MAIL without BODY= is accepted and relayed with BODY=8BITMIME."""
@@ -427,7 +427,7 @@ async def test_case06_eight_bit_body_without_body_parameter_is_relayed(
     assert await state_of(relay, "kunde@example.net", "rechnung", "R-2024-0042") is State.SENT
 
 
-async def test_case06_upstream_without_8bitmime_is_554_and_nothing_sent(
+async def test_upstream_without_8bitmime_is_554_and_nothing_sent(
     make_relay: MakeRelay,
 ) -> None:
     """Upstream without 8BITMIME: 554 5.6.3 after the dot, no conversion, nothing sent, no key."""
@@ -446,7 +446,7 @@ async def test_case06_upstream_without_8bitmime_is_554_and_nothing_sent(
         sink.server.close()
 
 
-async def test_case06_byte_identical_eight_bit_key_resend_is_suppressed(
+async def test_byte_identical_eight_bit_key_resend_is_suppressed(
     relay: Relay, sink: Sink
 ) -> None:
     """A key holding a raw Latin-1 byte fingerprints by its bytes: the identical resend is kept."""
@@ -471,7 +471,7 @@ DSN = msg("From: Mail Delivery System <mailer-daemon@example.com>",
 
 
 @pytest.mark.parametrize("mail", [b"MAIL FROM:<>", b"MAIL FROM: <>", b"MAIL FROM:<> SIZE=1234"])
-async def test_case15_null_sender_forms_are_relayed_as_the_null_path(
+async def test_null_sender_forms_are_relayed_as_the_null_path(
     relay: Relay, sink: Sink, mail: bytes
 ) -> None:
     """MAIL FROM:<>, FROM: <> and <> SIZE=1234 get 250 and go upstream as the null path."""
@@ -485,7 +485,7 @@ async def test_case15_null_sender_forms_are_relayed_as_the_null_path(
     assert await state_of(relay, RCPT, "delivery-failure", "DSN-4711") is State.SENT
 
 
-async def test_case15_null_sender_is_written_upstream_as_empty_path(
+async def test_null_sender_is_written_upstream_as_empty_path(
     make_relay: MakeRelay, wire_sink: WireSink
 ) -> None:
     """The upstream command is exactly MAIL FROM:<> (plus parameters), never <""> or <@>."""
@@ -498,7 +498,7 @@ async def test_case15_null_sender_is_written_upstream_as_empty_path(
     assert re.fullmatch(rb"MAIL FROM:<>( [A-Z0-9=]+)*\r\n", mail), mail
 
 
-async def test_case15_second_dsn_copy_is_suppressed_whatever_the_sender(
+async def test_second_dsn_copy_is_suppressed_whatever_the_sender(
     relay: Relay, sink: Sink
 ) -> None:
     """The sender is not in the fingerprint: DSN-4711 again from app@ is suppressed."""
@@ -512,7 +512,7 @@ async def test_case15_second_dsn_copy_is_suppressed_whatever_the_sender(
     assert await state_of(relay, RCPT, "delivery-failure", "DSN-4711") is State.SENT
 
 
-async def test_case15_upstream_501_on_null_sender_is_5xx_and_not_committed(
+async def test_upstream_501_on_null_sender_is_5xx_and_not_committed(
     relay: Relay, sink: Sink
 ) -> None:
     """Upstream 501 5.1.7 to MAIL FROM:<> gives the client 501 5.1.7 after DATA, no key."""
@@ -540,7 +540,7 @@ def big_message(size: int) -> bytes:
     return msg(*EXPORT, body=(line * (size // len(line) + 1)).rstrip(b"\r\n"))
 
 
-async def test_case16_declared_oversize_is_552_at_mail(make_relay: MakeRelay, sink: Sink) -> None:
+async def test_declared_oversize_is_552_at_mail(make_relay: MakeRelay, sink: Sink) -> None:
     """EHLO advertises the enforced SIZE 1048576; MAIL ... SIZE=5242880 gets 552 5.3.4."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_message_size=MIB)
     client, ehlo_reply = await ehlo(relay.port)
@@ -553,7 +553,7 @@ async def test_case16_declared_oversize_is_552_at_mail(make_relay: MakeRelay, si
     assert await stored_keys(relay) == []
 
 
-async def test_case16_malformed_size_is_501(make_relay: MakeRelay, sink: Sink) -> None:
+async def test_malformed_size_is_501(make_relay: MakeRelay, sink: Sink) -> None:
     """MAIL ... SIZE=abc gets 501 5.5.4 and opens no transaction."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_message_size=MIB)
     client, _ = await ehlo(relay.port)
@@ -567,7 +567,7 @@ async def test_case16_malformed_size_is_501(make_relay: MakeRelay, sink: Sink) -
 @pytest.mark.parametrize("mail", [b"MAIL FROM:<app@example.com>",
                                   b"MAIL FROM:<app@example.com> SIZE=100"],
                          ids=["undeclared", "understated"])
-async def test_case16_oversize_data_gets_one_552_after_terminator(
+async def test_oversize_data_gets_one_552_after_terminator(
     make_relay: MakeRelay, sink: Sink, mail: bytes
 ) -> None:
     """2 MiB of DATA over a 1 MiB limit: one 552 5.3.4 after the dot; the next message works."""
@@ -587,7 +587,7 @@ async def test_case16_oversize_data_gets_one_552_after_terminator(
     assert await state_of(relay, RCPT, "export", "EXP-1") is State.SENT
 
 
-async def test_case16_relayed_message_declares_its_actual_size_upstream(
+async def test_relayed_message_declares_its_actual_size_upstream(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
     """A message under the limit is relayed with SIZE=<bytes sent> on the upstream MAIL."""
@@ -615,7 +615,7 @@ def message_of_exactly(size: int) -> bytes:
 
 
 @pytest.mark.parametrize(("size", "accepted"), [(4096, True), (4097, False)])
-async def test_case16_size_counts_the_message_not_its_transparency_dots(
+async def test_size_counts_the_message_not_its_transparency_dots(
     make_relay: MakeRelay, sink: Sink, size: int, accepted: bool
 ) -> None:
     """SIZE 4096: a message of exactly 4096 octets is relayed though, stuffed, the wire
@@ -637,7 +637,7 @@ async def test_case16_size_counts_the_message_not_its_transparency_dots(
         assert sink.handler.transactions == 0 and await stored_keys(relay) == []
 
 
-async def test_case16_upstream_552_at_mail_is_552_and_no_key(relay: Relay, sink: Sink) -> None:
+async def test_upstream_552_at_mail_is_552_and_no_key(relay: Relay, sink: Sink) -> None:
     """Upstream 552 at MAIL (its limit is smaller) gives the client 552 after DATA, no key."""
     sink.handler.mail_plan.append("552 5.3.4 Message size exceeds fixed maximum message size")
     client, _ = await ehlo(relay.port)
@@ -669,7 +669,7 @@ def abort_with_rst(client: RawClient) -> None:
     (PAYSLIP_HEAD[:40], False),
     (PAYSLIP_HEAD + b"\r\nfirst half of the body\r\n", True),
 ], ids=["FIN-in-body", "FIN-in-headers", "RST-in-body"])
-async def test_case19_disconnect_mid_data_leaves_no_trace_and_retry_is_relayed(
+async def test_disconnect_mid_data_leaves_no_trace_and_retry_is_relayed(
     relay: Relay, sink: Sink, partial: bytes, rst: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client gone before the dot: nothing upstream, no key, other sessions fine, retry 250."""
@@ -698,7 +698,7 @@ async def test_case19_disconnect_mid_data_leaves_no_trace_and_retry_is_relayed(
     assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
 
 
-async def test_case19_hangup_after_the_dot_still_settles_the_send(
+async def test_hangup_after_the_dot_still_settles_the_send(
     relay: Relay, sink: Sink
 ) -> None:
     """A client gone right after the dot: upstream gets it once, the key is SENT, retry kept."""
@@ -723,7 +723,7 @@ async def test_case19_hangup_after_the_dot_still_settles_the_send(
 # ------------------------------------------------------------------------------------------
 
 
-async def test_case20_rset_sequence_gets_the_rfc_replies_and_one_delivery(
+async def test_rset_sequence_gets_the_rfc_replies_and_one_delivery(
     relay: Relay, sink: Sink
 ) -> None:
     """RSET before EHLO, mid-transaction and after a send: RFC replies, one copy, to b only."""
@@ -751,7 +751,7 @@ async def test_case20_rset_sequence_gets_the_rfc_replies_and_one_delivery(
     assert await state_of(relay, "a@example.net", "t", "R-1") is State.ABSENT
 
 
-async def test_case20_session_is_reusable_after_an_upstream_failure(
+async def test_session_is_reusable_after_an_upstream_failure(
     relay: Relay, sink: Sink
 ) -> None:
     """After an upstream 451 mid-transaction, RSET and a resend on the same session get 250."""
@@ -770,7 +770,7 @@ async def test_case20_session_is_reusable_after_an_upstream_failure(
     assert await state_of(relay, "b@example.net", "t", "R-2") is State.SENT
 
 
-async def test_case20_pipelined_commands_with_rset_get_ordered_replies(
+async def test_pipelined_commands_with_rset_get_ordered_replies(
     relay: Relay, sink: Sink
 ) -> None:
     """MAIL, RCPT a, RSET, MAIL, RCPT b, DATA in one write: six replies in order, b only."""
@@ -792,7 +792,7 @@ async def test_case20_pipelined_commands_with_rset_get_ordered_replies(
 # ------------------------------------------------------------------------------------------
 
 
-async def test_case26_idle_client_gets_421_and_is_closed(make_relay: MakeRelay, sink: Sink) -> None:
+async def test_idle_client_gets_421_and_is_closed(make_relay: MakeRelay, sink: Sink) -> None:
     """A client that says nothing gets 421 4.4.2 after the command timeout and is closed."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", client_timeout=1.0)
     client = await RawClient.connect(relay.port)
@@ -802,7 +802,7 @@ async def test_case26_idle_client_gets_421_and_is_closed(make_relay: MakeRelay, 
     assert sink.handler.transactions == 0
 
 
-async def test_case26_silent_client_in_data_gets_421_and_nothing_is_relayed(
+async def test_silent_client_in_data_gets_421_and_nothing_is_relayed(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
     """A client silent after 354 gets 421 4.4.2, is closed, and nothing is relayed or kept."""
@@ -819,7 +819,7 @@ async def test_case26_silent_client_in_data_gets_421_and_nothing_is_relayed(
     assert await stored_keys(relay) == []
 
 
-async def test_case26_client_sending_data_steadily_is_not_cut_off(
+async def test_client_sending_data_steadily_is_not_cut_off(
     make_relay: MakeRelay, sink: Sink
 ) -> None:
     """A client sending DATA past the idle timeout is not cut off (RFC 5321 4.5.3.2.5)."""
@@ -847,7 +847,7 @@ async def test_case26_client_sending_data_steadily_is_not_cut_off(
 # ------------------------------------------------------------------------------------------
 
 
-async def test_case29_bare_cr_in_header_value_is_refused(relay: Relay, sink: Sink) -> None:
+async def test_bare_cr_in_header_value_is_refused(relay: Relay, sink: Sink) -> None:
     """X-Dedupe-Key: INV-9<CR>Bcc: ... gets 550 5.6.0; nothing upstream, no key."""
     data = msg("X-Template: invoice", b"X-Dedupe-Key: INV-9\rBcc: attacker@example.org")
     client, _ = await ehlo(relay.port)
@@ -860,7 +860,7 @@ async def test_case29_bare_cr_in_header_value_is_refused(relay: Relay, sink: Sin
     assert await stored_keys(relay) == []
 
 
-async def test_case29_nul_in_message_is_refused(relay: Relay, sink: Sink) -> None:
+async def test_nul_in_message_is_refused(relay: Relay, sink: Sink) -> None:
     """A NUL octet in the message gets 550 5.6.0 and nothing reaches upstream."""
     client, _ = await ehlo(relay.port)
     got = await transaction(client, [RCPT], msg("X-Template: invoice", "X-Dedupe-Key: INV-9",
@@ -876,7 +876,7 @@ async def test_case29_nul_in_message_is_refused(relay: Relay, sink: Sink) -> Non
     b"RCPT TO:<x\x00RCPT TO:<attacker@example.org>@example.com>",
     b"RCPT TO:<x\x0bRCPT TO:<attacker@example.org>@example.com>",
 ], ids=["CR-in-quoted-local-part", "NUL", "VT"])
-async def test_case29_control_character_in_rcpt_is_501(
+async def test_control_character_in_rcpt_is_501(
     relay: Relay, sink: Sink, rcpt: bytes
 ) -> None:
     """A control character in a RCPT path gets 501 5.1.3; upstream never sees an extra RCPT."""
@@ -897,7 +897,7 @@ async def test_case29_control_character_in_rcpt_is_501(
     b"RCPT TO:<a@example.net>\r\r\n",
     b"RCPT TO:<a@example.net>\n",
 ], ids=["LF-between-commands", "CR-before-CRLF", "LF-only"])
-async def test_case29_bare_cr_or_lf_in_a_command_line_closes_with_421(
+async def test_bare_cr_or_lf_in_a_command_line_closes_with_421(
     relay: Relay, sink: Sink, lines: bytes
 ) -> None:
     """A command line ends in CRLF only (RFC 5321 2.3.8): a bare LF, or a CR just before the
@@ -940,7 +940,7 @@ async def test_an_over_long_command_line_ending_in_a_bare_lf_is_421(relay: Relay
     assert sink.handler.rcpt_commands == []
 
 
-async def test_case29_lf_only_session_is_closed_at_its_first_command(relay: Relay) -> None:
+async def test_lf_only_session_is_closed_at_its_first_command(relay: Relay) -> None:
     """A client that ends its commands with LF only is told 421 at once, not left waiting."""
     client = await RawClient.connect(relay.port)  # the 220 greeting read
     await client.write(b"EHLO legacy.example.com\n")
@@ -949,7 +949,7 @@ async def test_case29_lf_only_session_is_closed_at_its_first_command(relay: Rela
     await client.close()
 
 
-async def test_case29_control_character_in_mail_from_is_501(relay: Relay, sink: Sink) -> None:
+async def test_control_character_in_mail_from_is_501(relay: Relay, sink: Sink) -> None:
     """A CR in the MAIL FROM path gets 501 5.1.7; the injected RCPT never reaches upstream."""
     client, _ = await ehlo(relay.port)
     reply = await client.cmd(b"MAIL FROM:<a\rRCPT TO:<attacker@example.org>@example.com>")
@@ -961,7 +961,7 @@ async def test_case29_control_character_in_mail_from_is_501(relay: Relay, sink: 
     assert sink.handler.rcpt_commands == [RCPT]
 
 
-async def test_case29_injected_bcc_header_adds_no_recipient(relay: Relay, sink: Sink) -> None:
+async def test_injected_bcc_header_adds_no_recipient(relay: Relay, sink: Sink) -> None:
     """A real Bcc: header is relayed as sent, adds no envelope recipient, keys on INV-9 only."""
     data = msg("X-Template: invoice", "X-Dedupe-Key: INV-9", "Bcc: attacker@example.org",
                body=b"body")
