@@ -29,6 +29,7 @@ from pydantic_settings import (
 )
 
 from relay.core.errors import ConfigError
+from relay.core.rules import MissingKeyPolicy, StoreDownPolicy, UnknownPolicy
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
 
@@ -220,16 +221,16 @@ class Settings(BaseSettings):
     fingerprint_secret: SecretStr | None = Field(None, description=(
         "HMAC-SHA-256 key of the fingerprint instead of plain SHA-256; prefer the env var: a "
         "flag is visible in the process list"))
-    missing_key: Literal["relay", "reject"] = Field("relay", description=(
+    missing_key: MissingKeyPolicy = Field("relay", description=(
         "a message without a dedupe key: relay (without dedup) or reject (554 5.6.0)"))
     strip_dedupe_headers: bool = Field(False, description=(
         "leave the dedupe key and template fields out of the relayed message"))
     scope_by_auth: bool = Field(False, description=(
         "the AUTH identity is part of the fingerprint"))
-    unknown_policy: Literal["suppress", "hold", "send"] = Field("suppress", description=(
+    unknown_policy: UnknownPolicy = Field("suppress", description=(
         "a retry of an in-doubt (UNKNOWN) message: suppress (250, not relayed), hold (451) "
         "or send (relayed again, a possible duplicate)"))
-    store_down: Literal["fail_closed", "fail_open"] = Field("fail_closed", description=(
+    store_down: StoreDownPolicy = Field("fail_closed", description=(
         "the store does not answer: fail_closed (451 4.3.0) or fail_open (relay without "
         "dedup)"))
     dsn_on_partial_failure: bool = Field(True, description=(

@@ -1,4 +1,4 @@
-"""The dedup core: reserve -> partition -> send -> settle -> aggregate reply (design.md §4).
+"""The dedup core: reserve -> classify -> send -> settle -> aggregate reply (design.md §4).
 
 Pure orchestration over the :class:`FingerprintStore`, :class:`Upstream` and :class:`Metrics`
 Protocols; it imports no socket, Redis or SMTP library. One :meth:`DedupCore.process` call
@@ -13,20 +13,14 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
-from relay.core import replies
+from relay.core import replies, rules
 from relay.core.cancellation import absorb_cancel, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.fingerprint import (
-    extract_dedup_headers,
-    fingerprint,
-    normalize_recipient,
-    store_key,
-    strip_fields,
-)
+from relay.core.fingerprint import extract_dedup_headers, strip_fields
 from relay.core.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -35,14 +29,20 @@ from relay.core.interfaces import (
     NonDelivery,
     Notifier,
     OutboundMessage,
-    RcptResult,
-    RcptStatus,
+    Outcome,
     Reservation,
-    Settle,
+    Result,
     SettleOp,
     SmtpReply,
-    State,
     Upstream,
+)
+from relay.core.keys import recipient_keys
+from relay.core.rules import (
+    Action,
+    MissingKeyPolicy,
+    StoreDownPolicy,
+    UnknownPolicy,
+    Verdict,
 )
 from relay.core.settlement import Settler
 
@@ -61,9 +61,9 @@ class Policy:
     max_key_chars: int = 256
     local_part_case_sensitive: bool = False
     secret: bytes | None = None
-    missing_key: str = "relay"  # relay | reject
-    unknown: str = "suppress"  # suppress | hold | send
-    store_down: str = "fail_closed"  # fail_closed | fail_open
+    missing_key: MissingKeyPolicy = "relay"
+    unknown: UnknownPolicy = "suppress"
+    store_down: StoreDownPolicy = "fail_closed"
     strip_headers: bool = False  # remove the key and template fields before relaying
     scope_by_auth: bool = False  # the AUTH identity is part of the fingerprint (tenants)
 
@@ -94,54 +94,18 @@ class Decision:
     operator can find the record of an in-doubt message from its log line."""
 
     reply: SmtpReply
-    result: str
-    outcomes: Mapping[str, str] = field(default_factory=dict)
+    result: Result
+    outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     upstream_reply: SmtpReply | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
 
 
-# rank of temporary outcomes, worst first (design.md §4.3: "the reply: worst first")
-_RANK_STORE_DOWN, _RANK_UNKNOWN, _RANK_REFUSED, _RANK_HELD, _RANK_INFLIGHT = range(5)
-
-
-@dataclass
-class _Tally:
-    """Per-recipient outcomes and the replies that decided them, for the aggregate reply."""
-
-    outcomes: dict[str, str] = field(default_factory=dict)
-    temp_replies: list[tuple[int, SmtpReply]] = field(default_factory=list)
-    perm_replies: list[SmtpReply] = field(default_factory=list)
-    perm_results: dict[str, RcptResult] = field(default_factory=dict)  # for the DSN
-    first_sent_at: float | None = None
-
-    def add(self, rcpt: str, outcome: str) -> None:
-        self.outcomes[rcpt] = outcome
-
-    def temp(self, rcpt: str, outcome: str, rank: int, reply: SmtpReply) -> None:
-        self.outcomes[rcpt] = outcome
-        self.temp_replies.append((rank, reply))
-
-    def record(self, rcpt: str, result: RcptResult, relayed_outcome: str) -> None:
-        """Tally one recipient's upstream result (design.md §4.2)."""
-        if result.status is RcptStatus.ACCEPTED:
-            self.add(rcpt, relayed_outcome)
-        elif result.status is RcptStatus.UNKNOWN:
-            self.temp(rcpt, "unknown", _RANK_UNKNOWN, replies.OUTCOME_UNKNOWN)
-        elif result.reply.code >= 500:
-            self.add(rcpt, "refused_perm")
-            self.perm_replies.append(_as_client_reply(result))
-            self.perm_results[rcpt] = result
-        else:
-            self.temp(rcpt, "refused_temp", _RANK_REFUSED, _as_client_reply(result))
-
-    def count(self, outcome: str) -> int:
-        return sum(1 for o in self.outcomes.values() if o == outcome)
-
-
-
-
 class DedupCore:
-    """Decides, per envelope recipient, whether a message goes upstream, and what to answer."""
+    """Decides, per envelope recipient, whether a message goes upstream, and what to answer.
+
+    The decisions are the rules of :mod:`relay.core.rules`; this class runs the steps around
+    them (reserve, relay, settle) and reports to the metrics.
+    """
 
     def __init__(
         self,
@@ -189,29 +153,23 @@ class DedupCore:
                 max_key_chars=p.max_key_chars,
             )
         except InvalidDedupKeyError as exc:
-            return self._finish(msg, replies.invalid_key(str(exc)), "invalid", {})
+            return self._finish(replies.invalid_key(str(exc)), Result.INVALID, {})
         if headers.key is None:
             if p.missing_key == "reject":
-                return self._finish(msg, replies.MISSING_KEY_REJECTED, "invalid", {})
-            return await self._relay_plain(msg, relayed_outcome="no_key")
+                return self._finish(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
+            return await self._relay_plain(msg, relayed=Outcome.NO_KEY)
         try:
-            scope = msg.auth_user if p.scope_by_auth else None
-            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, scope)
+            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user)
         except InvalidAddressError:
-            return self._finish(msg, replies.BAD_RECIPIENT_ADDRESS, "invalid", {})
+            return self._finish(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
         decision = await self._relay_dedup(msg, keys)
         return dataclasses.replace(decision, keys=keys)
 
     def _keys(self, rcpt_tos: Sequence[str], template: str, key: str,
-              scope: str | None) -> dict[str, str]:
-        """Map each recipient to its store key (design.md §2)."""
-        p = self._policy
-        out: dict[str, str] = {}
-        for rcpt in rcpt_tos:
-            norm = normalize_recipient(rcpt, local_part_case_sensitive=p.local_part_case_sensitive)
-            fp = fingerprint(norm, template, key, secret=p.secret, scope=scope)
-            out[rcpt] = store_key(p.key_prefix, fp)
-        return out
+              auth_user: str | None) -> dict[str, str]:
+        """Map each recipient to its store key (:func:`relay.core.keys.recipient_keys`, the
+        derivation the admin commands use too); raises InvalidAddressError."""
+        return recipient_keys(rcpt_tos, template, key, self._policy, auth_user)
 
     async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
         token = secrets.token_hex(16)  # 128-bit random token per attempt (design.md §3)
@@ -221,30 +179,30 @@ class DedupCore:
             reservations = await self._reserve_uncut(unique_keys, token)
         except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
             absorb_cancel()
-            tally = self._all_temp(msg, "refused_temp", replies.CUT_BY_SHUTDOWN)
-            return self._conclude(msg, tally, None)
+            return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None)
         except StoreError as exc:
             log.error("store reserve failed (%s); policy store_down=%s",
                       exc, self._policy.store_down)
             await self._settler.release_quietly(unique_keys, token)
-            if self._policy.store_down == "fail_open":
-                return await self._relay_plain(msg, relayed_outcome="store_down")
-            return self._conclude(msg, self._all_temp(msg, "store_down", replies.STORE_DOWN),
-                                  None)
+            failed = rules.reserve_failed(self._policy.store_down)
+            if failed.verdict is None:  # fail_open
+                return await self._relay_plain(msg, relayed=Outcome.STORE_DOWN)
+            return self._conclude(msg, self._for_all(msg, failed.verdict), None)
         by_key = {r.key: r for r in reservations}
-        tally = _Tally()
-        to_send = self._partition(keys, by_key, tally, msg.queue_id)
+        verdicts: dict[str, Verdict] = {}
+        to_send = self._partition(keys, by_key, verdicts, msg.queue_id)
         if not to_send:
-            return self._conclude(msg, tally, None)
+            return self._conclude(msg, verdicts, None)
         # one upstream recipient per fingerprint: the first spelling the client used
         first_rcpt: dict[str, str] = {}
         for rcpt, key in keys.items():
             if key in to_send:
                 first_rcpt.setdefault(key, rcpt)
-        return await self._send_reserved(msg, keys, first_rcpt, token, tally)
+        return await self._send_reserved(msg, keys, first_rcpt, token, verdicts)
 
     async def _send_reserved(self, msg: InboundMessage, keys: Mapping[str, str],
-                             first_rcpt: dict[str, str], token: str, tally: _Tally) -> Decision:
+                             first_rcpt: dict[str, str], token: str,
+                             verdicts: dict[str, Verdict]) -> Decision:
         """Relay the fingerprints this attempt reserved, keeping their lease alive while the
         upstream works, then settle them; the settle after a definite reply always completes
         (a shutdown past its grace waits for it) and the client gets that reply."""
@@ -255,14 +213,27 @@ class DedupCore:
                 result = await self._deliver(msg, list(first_rcpt.values()), progress)
         except asyncio.CancelledError:  # shutdown past its grace cut the transaction
             absorb_cancel()
+            cut = rules.after_cut(progress.dot_written)
             await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
                                            time.monotonic() + self._policy.lease_s)
-            return self._cut_decision(msg, keys, first_rcpt, tally, progress.dot_written)
+            for rcpt, key in keys.items():
+                if key in first_rcpt:
+                    verdicts[rcpt] = cut.verdict
+            return self._conclude(msg, verdicts, None)
         # the lease was renewed while the upstream worked, last at most a third of it ago
         lease_ends = time.monotonic() + self._policy.lease_s * 2 / 3
-        await self._settle(result, first_rcpt, token, lease_ends)
-        self._tally_delivery(result, keys, first_rcpt, tally)
-        return self._conclude(msg, tally, result)
+        ops: list[SettleOp] = []
+        for key, rcpt in first_rcpt.items():
+            sent = result.recipients[rcpt]
+            ops.append(SettleOp(key=key, action=rules.after_upstream(sent).settle,
+                                reply=str(sent.reply)))
+        await self._settler.settle(ops, token, lease_ends)
+        for rcpt, key in keys.items():
+            if key in first_rcpt:  # a second spelling of a mailbox shares its one copy
+                verdicts[rcpt] = rules.after_upstream(
+                    result.recipients[first_rcpt[key]],
+                    second_spelling=first_rcpt[key] != rcpt).verdict
+        return self._conclude(msg, verdicts, result)
 
     async def _reserve_uncut(self, keys: list[str], token: str) -> list[Reservation]:
         """Reserve ``keys``; when shutdown cuts the wait, let the reserve finish, undo what of
@@ -279,51 +250,32 @@ class DedupCore:
             raise asyncio.CancelledError from None
 
     @staticmethod
-    def _all_temp(msg: InboundMessage, outcome: str, reply: SmtpReply) -> _Tally:
-        tally = _Tally()
-        for rcpt in msg.rcpt_tos:
-            tally.temp(rcpt, outcome, _RANK_STORE_DOWN, reply)
-        return tally
-
-    def _cut_decision(self, msg: InboundMessage, keys: Mapping[str, str],
-                      first_rcpt: Mapping[str, str], tally: _Tally,
-                      dot_written: bool) -> Decision:
-        """The reply for a transaction shutdown cut: in doubt after the dot, else try again."""
-        outcome, reply = (("unknown", replies.OUTCOME_UNKNOWN) if dot_written
-                          else ("refused_temp", replies.CUT_BY_SHUTDOWN))
-        for rcpt, key in keys.items():
-            if key in first_rcpt:
-                tally.temp(rcpt, outcome, _RANK_UNKNOWN, reply)
-        return self._conclude(msg, tally, None)
+    def _for_all(msg: InboundMessage, verdict: Verdict) -> dict[str, Verdict]:
+        return dict.fromkeys(msg.rcpt_tos, verdict)
 
     def _partition(
-        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation], tally: _Tally,
-        queue_id: str,
+        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation],
+        verdicts: dict[str, Verdict], queue_id: str,
     ) -> set[str]:
-        """Sort recipients by what the store holds; return the keys this attempt reserved."""
+        """Classify each recipient by what the store held (:func:`relay.core.rules.classify`):
+        the verdict of those answered without sending goes into ``verdicts``; returns the keys
+        this attempt reserved, to send."""
         to_send: set[str] = set()
         for rcpt, key in keys.items():
-            res = by_key[key]
-            found = res.found
-            if res.reserved:
-                if key not in to_send and found is not None and found.state is State.UNKNOWN:
-                    # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
-                    log.warning("relaying again although an earlier attempt is in doubt "
-                                "(since %s): possible duplicate", _iso(found.at),
-                                extra={"queue_id": queue_id, "key": key})
-                    self._metrics.unknown_resent()
+            found = by_key[key].found
+            decided = rules.classify(by_key[key], unknown_policy=self._policy.unknown,
+                                     lease_s=self._policy.lease_s)
+            if decided.action is Action.RESEND_IN_DOUBT and key not in to_send:
+                # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
+                log.warning("relaying again although an earlier attempt is in doubt "
+                            "(since %s): possible duplicate",
+                            rules.iso_utc(found.at if found is not None else None),
+                            extra={"queue_id": queue_id, "key": key})
+                self._metrics.unknown_resent()
+            if decided.verdict is None:
                 to_send.add(key)
-            elif found is not None and found.state is State.PENDING:
-                tally.temp(rcpt, "inflight", _RANK_INFLIGHT, replies.INFLIGHT)
-            elif (found is not None and found.state is State.UNKNOWN
-                  and self._policy.unknown == "hold"):
-                tally.temp(rcpt, "held", _RANK_HELD, replies.HELD_UNKNOWN)
             else:
-                in_doubt = found is not None and found.state is State.UNKNOWN
-                tally.add(rcpt, "suppressed_unknown" if in_doubt else "suppressed")
-                at = found.at if found is not None else None
-                if at is not None and (tally.first_sent_at is None or at < tally.first_sent_at):
-                    tally.first_sent_at = at
+                verdicts[rcpt] = decided.verdict
         return to_send
 
     async def _deliver(self, msg: InboundMessage, rcpts: list[str],
@@ -347,33 +299,9 @@ class DedupCore:
         self._metrics.upstream_call(time.perf_counter() - started, code)
         return result
 
-    async def _settle(self, result: DeliveryResult, first_rcpt: Mapping[str, str],
-                      token: str, lease_ends: float) -> None:
-        ops: list[SettleOp] = []
-        for key, rcpt in first_rcpt.items():
-            r = result.recipients[rcpt]
-            action = {RcptStatus.ACCEPTED: Settle.SENT, RcptStatus.UNKNOWN: Settle.UNKNOWN,
-                      RcptStatus.REFUSED: Settle.RELEASE}[r.status]
-            ops.append(SettleOp(key=key, action=action, reply=str(r.reply)))
-        await self._settler.settle(ops, token, lease_ends)
-
-    def _tally_delivery(self, result: DeliveryResult, keys: Mapping[str, str],
-                        first_rcpt: Mapping[str, str], tally: _Tally) -> None:
-        """Each recipient's outcome from the upstream result of its fingerprint. A second
-        spelling of one mailbox in the message (``a@x`` and ``A@X``) shares the one upstream
-        copy: it is ``suppressed`` when that copy was accepted (counting it ``relayed`` too
-        would say two went out), and shares the refusal otherwise."""
-        for rcpt, key in keys.items():
-            if key not in first_rcpt:
-                continue
-            shared = result.recipients[first_rcpt[key]]
-            if first_rcpt[key] != rcpt and shared.status is RcptStatus.ACCEPTED:
-                tally.add(rcpt, "suppressed")
-            else:
-                tally.record(rcpt, shared, "relayed")
-
-    async def _relay_plain(self, msg: InboundMessage, *, relayed_outcome: str) -> Decision:
-        """Relay without dedup (no key, or store down with fail_open): all recipients at once.
+    async def _relay_plain(self, msg: InboundMessage, *, relayed: Outcome) -> Decision:
+        """Relay without dedup (no key, or store down with fail_open): all recipients at once;
+        an accepted recipient's outcome is ``relayed`` (``no_key`` or ``store_down``).
 
         Cut by shutdown: the client is told so (4yz), in doubt when the final dot was out."""
         progress = DeliveryProgress()
@@ -381,46 +309,33 @@ class DedupCore:
             result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress)
         except asyncio.CancelledError:
             absorb_cancel()
-            reply = replies.OUTCOME_UNKNOWN if progress.dot_written else replies.CUT_BY_SHUTDOWN
-            outcome = "unknown" if progress.dot_written else "refused_temp"
-            return self._conclude(msg, self._all_temp(msg, outcome, reply), None)
-        tally = _Tally()
-        for rcpt in msg.rcpt_tos:
-            tally.record(rcpt, result.recipients[rcpt], relayed_outcome)
-        return self._conclude(msg, tally, result, relayed_outcome=relayed_outcome)
+            cut = rules.after_cut(progress.dot_written).verdict
+            return self._conclude(msg, self._for_all(msg, cut), None)
+        verdicts = {rcpt: rules.after_upstream(result.recipients[rcpt], relayed=relayed).verdict
+                    for rcpt in msg.rcpt_tos}
+        return self._conclude(msg, verdicts, result, relayed=relayed)
 
-    def _conclude(self, msg: InboundMessage, tally: _Tally, result: DeliveryResult | None,
-                  *, relayed_outcome: str = "relayed") -> Decision:
-        """Aggregate per-recipient outcomes into one reply, worst first (design.md §4.3)."""
-        relayed = tally.count(relayed_outcome)
-        in_doubt = tally.count("suppressed_unknown")
-        suppressed = tally.count("suppressed") + in_doubt
-        refused_perm = tally.count("refused_perm")
-        upstream_reply = result.final_reply if result is not None else None
-        if tally.temp_replies:
-            reply = min(tally.temp_replies, key=lambda t: t[0])[1]
-            res = "tempfail"
-        elif refused_perm and not relayed:
-            reply, res = tally.perm_replies[0], "permfail"
-        elif relayed:
-            reply = replies.accepted(relayed, suppressed, refused_perm, msg.queue_id, in_doubt)
-            res = "relayed" if relayed_outcome == "relayed" else relayed_outcome
-        else:
-            when = _iso(tally.first_sent_at)
-            reply = replies.all_suppressed(suppressed, when, msg.queue_id, in_doubt)
-            res = "suppressed"
-        if self._notifier is not None and reply.code == 250 and tally.perm_results:
+    def _conclude(self, msg: InboundMessage, verdicts: Mapping[str, Verdict],
+                  result: DeliveryResult | None, *,
+                  relayed: Outcome = Outcome.RELAYED) -> Decision:
+        """Fold the recipients' verdicts into one reply (:func:`relay.core.rules.aggregate`),
+        and owe the sender a notice of permanent refusals the client is answered 250 for."""
+        reply, res = rules.aggregate(verdicts.values(), queue_id=msg.queue_id, relayed=relayed)
+        failures = {rcpt: v.refusal for rcpt, v in verdicts.items() if v.refusal is not None}
+        if self._notifier is not None and reply.code == 250 and failures:
             # RFC 5321 4.2.5, 6.1: a 250 makes the relay owe notice of the refused recipients
             self._notifier.non_delivery(NonDelivery(
-                mail_from=msg.mail_from, failures=dict(tally.perm_results),
+                mail_from=msg.mail_from, failures=failures,
                 content=msg.trace + msg.content, queue_id=msg.queue_id))
-        return self._finish(msg, reply, res, tally.outcomes, upstream_reply)
+        upstream_reply = result.final_reply if result is not None else None
+        return self._finish(reply, res, {rcpt: v.outcome for rcpt, v in verdicts.items()},
+                            upstream_reply)
 
-    def _finish(self, msg: InboundMessage, reply: SmtpReply, result: str,
-                outcomes: Mapping[str, str], upstream_reply: SmtpReply | None = None) -> Decision:
+    def _finish(self, reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome],
+                upstream_reply: SmtpReply | None = None) -> Decision:
         self._metrics.message(result)
-        for outcome in set(outcomes.values()):
-            self._metrics.recipients(outcome, sum(1 for o in outcomes.values() if o == outcome))
+        for outcome, count in Counter(outcomes.values()).items():
+            self._metrics.recipients(outcome, count)
         return Decision(reply=reply, result=result, outcomes=dict(outcomes),
                         upstream_reply=upstream_reply)
 
@@ -434,14 +349,3 @@ class DedupCore:
             raise
         self._metrics.store_call("reserve", time.perf_counter() - started, True)
         return out
-
-
-def _as_client_reply(result: RcptResult) -> SmtpReply:
-    """A refusal as our client sees it: the upstream's passed through, the relay's own as is."""
-    return replies.pass_through(result.reply) if result.from_upstream else result.reply
-
-
-def _iso(at: float | None) -> str | None:
-    if at is None:
-        return None
-    return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

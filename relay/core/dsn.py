@@ -31,6 +31,7 @@ from typing import TypeAlias
 from relay.core.address import mask_address
 from relay.core.fingerprint import header_section_end
 from relay.core.interfaces import (
+    DsnResult,
     Metrics,
     NonDelivery,
     OutboundMessage,
@@ -204,18 +205,18 @@ class DsnSender:
             result = await self._upstream.deliver(dsn)
         except asyncio.CancelledError:
             log.error("DSN to the sender cut by shutdown: not sent", extra=extra)
-            self._metrics.dsn("failed")
+            self._metrics.dsn(DsnResult.FAILED)
             raise
         except Exception:  # a bug here must not become an unretrieved task error
             log.exception("DSN to the sender could not be built or sent", extra=extra)
-            self._metrics.dsn("failed")
+            self._metrics.dsn(DsnResult.FAILED)
             return
         outcome = result.recipients.get(notice.mail_from)
         if outcome is not None and outcome.status is RcptStatus.ACCEPTED:
             log.info("DSN sent to the sender for %d refused recipient(s)",
                      len(notice.failures), extra=extra)
-            self._metrics.dsn("sent")
+            self._metrics.dsn(DsnResult.SENT)
             return
         reason = str(outcome.reply) if outcome is not None else "no result"
         log.error("DSN to the sender not delivered: %s", reason, extra=extra)
-        self._metrics.dsn("failed")
+        self._metrics.dsn(DsnResult.FAILED)

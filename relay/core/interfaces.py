@@ -346,15 +346,52 @@ class Notifier(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
+class Outcome(enum.StrEnum):
+    """What became of one envelope recipient: the ``outcome`` label of
+    ``relay_recipients_total`` (docs/design.md §4; dashboards and alert rules name these
+    strings, so a value is never renamed)."""
+
+    RELAYED = "relayed"  # the upstream accepted it
+    SUPPRESSED = "suppressed"  # a duplicate: SENT within the dedup window, not relayed again
+    SUPPRESSED_UNKNOWN = "suppressed_unknown"  # an earlier attempt is in doubt (policy suppress)
+    INFLIGHT = "inflight"  # another attempt holds the reservation: 450, retry
+    HELD = "held"  # an earlier attempt is in doubt (unknown_policy = hold): 451
+    REFUSED_TEMP = "refused_temp"  # refused temporarily (upstream 4yz, or the relay's own)
+    REFUSED_PERM = "refused_perm"  # refused permanently (upstream 5yz, or the relay's own)
+    UNKNOWN = "unknown"  # the final dot was written and no reply came (RFC 1047)
+    NO_KEY = "no_key"  # relayed without dedup: the message has no dedupe key
+    STORE_DOWN = "store_down"  # the store failed: 451 (fail_closed), or relayed (fail_open)
+
+
+class Result(enum.StrEnum):
+    """What the client was told for one message: the ``result`` label of
+    ``relay_messages_total`` (the strings are kept: dashboards and alert rules use them)."""
+
+    RELAYED = "relayed"  # 250, at least one recipient relayed
+    SUPPRESSED = "suppressed"  # 250, every recipient a duplicate (or in doubt, suppressed)
+    NO_KEY = "no_key"  # 250, relayed without dedup: the message has no dedupe key
+    STORE_DOWN = "store_down"  # 250, relayed without dedup: store down, store_down = fail_open
+    TEMPFAIL = "tempfail"  # 4yz
+    PERMFAIL = "permfail"  # 5yz from the upstream for every recipient
+    INVALID = "invalid"  # the relay refused the input (key, address, size, line, ...)
+
+
+class DsnResult(enum.StrEnum):
+    """The ``result`` label of ``relay_dsn_total``: whether an RFC 3464 notice went out."""
+
+    SENT = "sent"
+    FAILED = "failed"
+
+
 class Metrics(Protocol):
     """What the core and the adapters report; implemented with prometheus-client."""
 
-    def message(self, result: str) -> None:
-        """Count one message by its ``result`` (relayed, suppressed, partial, tempfail, ...)."""
+    def message(self, result: Result) -> None:
+        """Count one message by its ``result``."""
         ...
 
-    def recipients(self, outcome: str, count: int = 1) -> None:
-        """Count ``count`` recipients by ``outcome`` (design.md §4 names)."""
+    def recipients(self, outcome: Outcome, count: int = 1) -> None:
+        """Count ``count`` recipients by ``outcome``."""
         ...
 
     def store_call(self, op: str, seconds: float, ok: bool) -> None:
@@ -389,6 +426,6 @@ class Metrics(Protocol):
         """Record the last readiness probe of ``component`` (``store`` or ``upstream``)."""
         ...
 
-    def dsn(self, result: str) -> None:
+    def dsn(self, result: DsnResult) -> None:
         """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
         ...

@@ -24,7 +24,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from relay.core import replies
+from relay.core import replies, rules
 from relay.core.cancellation import run_to_end
 from relay.core.errors import StoreError
 from relay.core.interfaces import DeliveryProgress, FingerprintStore, Metrics, Settle, SettleOp
@@ -214,7 +214,7 @@ class Settler:
         client's retry is relayed. After it, the outcome is unknown: mark UNKNOWN. Runs to its
         end whatever cancels the caller, and what does not land is owed like any settle.
         """
-        action = Settle.UNKNOWN if dot_written else Settle.RELEASE
+        action = rules.after_cut(dot_written).settle
         ops = [SettleOp(key=k, action=action) for k in keys]
         log.warning("transaction cut by shutdown %s the final dot: %s", "after" if dot_written
                     else "before", "marked UNKNOWN" if dot_written else "released")

@@ -1,7 +1,9 @@
 """Prometheus metrics (design.md §6.2), registered on an injected registry.
 
 No label ever holds an address, a key or a fingerprint: labels are small closed sets
-(``result``, ``outcome``, ``op``, ``code_class``). Base units: seconds and bytes.
+(``result``, ``outcome``, ``op``, ``code_class``); ``result`` and ``outcome`` take the
+:class:`relay.core.interfaces.Result` / ``Outcome`` / ``DsnResult`` enums only. Base units:
+seconds and bytes.
 """
 
 from __future__ import annotations
@@ -18,16 +20,10 @@ from prometheus_client import (
 )
 
 from relay import __version__
+from relay.core.interfaces import DsnResult, Outcome, Result
 
-OUTCOMES = (
-    "relayed", "suppressed", "suppressed_unknown", "inflight", "held", "refused_temp",
-    "refused_perm", "unknown",
-    "no_key", "store_down",
-)
-RESULTS = ("relayed", "suppressed", "no_key", "store_down", "tempfail", "permfail", "invalid")
 STORE_OPS = ("reserve", "settle")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
-DSN_RESULTS = ("sent", "failed")
 
 
 def register_runtime_collectors(registry: CollectorRegistry) -> None:
@@ -105,26 +101,29 @@ class PrometheusMetrics:
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         register_runtime_collectors(registry)
-        for outcome in OUTCOMES:
-            self._recipients.labels(outcome)
-        for result in RESULTS:
-            self._messages.labels(result)
+        # every label value of an enum is shown from the start (at 0), and no other can appear
+        for outcome in Outcome:
+            self._recipients.labels(outcome.value)
+        for result in Result:
+            self._messages.labels(result.value)
         for op in STORE_OPS:
             self._store_errors.labels(op)
         for cls in CODE_CLASSES:
             self._upstream_replies.labels(cls)
         for component in ("store", "upstream"):
             self._up.labels(component)
-        for dsn_result in DSN_RESULTS:
-            self._dsn.labels(dsn_result)
+        for dsn_result in DsnResult:
+            self._dsn.labels(dsn_result.value)
 
-    def message(self, result: str) -> None:
-        """Count one message by ``result``."""
-        self._messages.labels(result).inc()
+    def message(self, result: Result) -> None:
+        """Count one message by ``result``; raises ``ValueError`` for a value not in
+        :class:`Result` (no new label from a typo)."""
+        self._messages.labels(Result(result).value).inc()
 
-    def recipients(self, outcome: str, count: int = 1) -> None:
-        """Count ``count`` recipients by ``outcome``."""
-        self._recipients.labels(outcome).inc(count)
+    def recipients(self, outcome: Outcome, count: int = 1) -> None:
+        """Count ``count`` recipients by ``outcome``; raises ``ValueError`` for a value not
+        in :class:`Outcome`."""
+        self._recipients.labels(Outcome(outcome).value).inc(count)
 
     def store_call(self, op: str, seconds: float, ok: bool) -> None:
         """Observe one store round trip (seconds) and count it as an error when not ``ok``."""
@@ -171,6 +170,7 @@ class PrometheusMetrics:
         """Set ``relay_component_up{component}`` to 1 or 0."""
         self._up.labels(component).set(1 if up else 0)
 
-    def dsn(self, result: str) -> None:
-        """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
-        self._dsn.labels(result).inc()
+    def dsn(self, result: DsnResult) -> None:
+        """Count one delivery status notification by ``result``; raises ``ValueError`` for a
+        value not in :class:`DsnResult`."""
+        self._dsn.labels(DsnResult(result).value).inc()

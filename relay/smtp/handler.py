@@ -28,7 +28,7 @@ from relay.core.address import mailbox_problem, mask_address
 from relay.core.dedup import Decision, DedupCore, InboundMessage
 from relay.core.errors import InvalidAddressError
 from relay.core.fingerprint import normalize_recipient
-from relay.core.interfaces import Metrics, SmtpReply
+from relay.core.interfaces import Metrics, Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
 from relay.smtp.session import RelaySMTP
 
@@ -225,7 +225,7 @@ class RelayHandler:
         self.metrics.in_progress(-1)
 
     def _refuse(self, queue_id: str, reply: SmtpReply) -> str:
-        self.metrics.message("invalid")
+        self.metrics.message(Result.INVALID)
         log.warning("message refused", extra={"queue_id": queue_id, "reply": str(reply)})
         return str(reply)
 
@@ -256,9 +256,9 @@ class RelayHandler:
         match = _UPSTREAM_QUEUE_ID.search(upstream.text) if upstream is not None else None
         log.info("message", extra={
             "queue_id": msg.queue_id,
-            "result": decision.result,
+            "result": decision.result.value,  # plain strings: the text format uses repr()
             "reply": str(decision.reply),
-            "outcomes": {show(r): o for r, o in decision.outcomes.items()},
+            "outcomes": {show(r): o.value for r, o in decision.outcomes.items()},
             "keys": {show(r): k for r, k in decision.keys.items()},
             "upstream_reply": str(upstream) if upstream is not None else None,
             "upstream_queue_id": match.group(1) if match else None,

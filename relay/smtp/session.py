@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiosmtpd.smtp import MISSING, SMTP, TLSSetupException, syntax
 
 from relay.core import replies
-from relay.core.interfaces import SmtpReply
+from relay.core.interfaces import Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.data import ClientGone, CommandLineGuard, read_message
 from relay.smtp.tls_halfclose import HalfCloseTLSProtocol
@@ -287,7 +287,7 @@ class RelaySMTP(SMTP):
             self._stop_timer("data")
         if self._data_started and not self._data_handled and self.transport is not None:
             # refused while reading (line too long, too big): counted like the handler's
-            self._metrics.message("invalid")
+            self._metrics.message(Result.INVALID)
         closing = replies.SHUTTING_DOWN if self.draining else self._close_after_data
         if closing is not None:  # the transaction is answered: now the session goes
             self._say_and_close(closing)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from relay.app import build_policy
 from relay.config import Settings
 from relay.core import replies
-from relay.core.dedup import DedupCore, InboundMessage, Policy, _iso
+from relay.core.dedup import DedupCore, InboundMessage, Policy
 from relay.core.errors import StoreError
 from relay.core.interfaces import (
     DeliveryProgress,
@@ -27,6 +27,7 @@ from relay.core.interfaces import (
     SmtpReply,
     State,
 )
+from relay.core.rules import iso_utc as _iso
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message

@@ -1,0 +1,107 @@
+"""The one place a store key is derived (docs/design.md §2).
+
+The relay (:meth:`relay.core.dedup.DedupCore.process`) and the admin commands
+(:func:`relay.admin.key_for`) both call :func:`recipient_key`, so the key an operator computes
+is the key the relay reserved; :func:`header_values` turns header values given on a command line
+into what the relay reads from a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from relay.core.fingerprint import (
+    DEFAULT_MAX_KEY_CHARS,
+    DEFAULT_STORE_PREFIX,
+    DedupHeaders,
+    fingerprint,
+    normalize_header_value,
+    normalize_recipient,
+    store_key,
+)
+
+
+class KeyPolicy(Protocol):
+    """The settings a store key depends on (:class:`relay.core.dedup.Policy` has them)."""
+
+    @property
+    def key_prefix(self) -> str:
+        """Prefix of every store key (``email:fp:``)."""
+        ...
+
+    @property
+    def secret(self) -> bytes | None:
+        """HMAC key of the fingerprint; None: plain SHA-256."""
+        ...
+
+    @property
+    def local_part_case_sensitive(self) -> bool:
+        """Whether ``User@x`` and ``user@x`` are two mailboxes."""
+        ...
+
+    @property
+    def scope_by_auth(self) -> bool:
+        """Whether the AUTH identity is part of the fingerprint (tenants)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """A :class:`KeyPolicy` for a caller without a :class:`relay.core.dedup.Policy`."""
+
+    key_prefix: str = DEFAULT_STORE_PREFIX
+    secret: bytes | None = None
+    local_part_case_sensitive: bool = False
+    scope_by_auth: bool = False
+
+
+@dataclass(frozen=True)
+class RecipientKey:
+    """One recipient's normalized ``mailbox``, its ``fingerprint`` (64 hex) and store ``key``."""
+
+    mailbox: str
+    fingerprint: str
+    key: str
+
+
+def header_values(keys: Iterable[str], templates: Iterable[str], *,
+                  max_chars: int = DEFAULT_MAX_KEY_CHARS) -> DedupHeaders:
+    """The dedup fields of a message whose key and template values are given apart (as an
+    application writes them; several occurrences allowed), as
+    :func:`relay.core.fingerprint.extract_dedup_headers` reads them from a header section:
+    each value normalized, blanks dropped, distinct values sorted. Raises
+    :class:`relay.core.errors.InvalidDedupKeyError` for a value the relay refuses."""
+    return DedupHeaders(keys=_normalized(keys, "dedupe key", max_chars),
+                        templates=_normalized(templates, "template", max_chars))
+
+
+def _normalized(values: Iterable[str], label: str, limit: int) -> tuple[str, ...]:
+    normalized = {normalize_header_value(v, label=label, max_chars=limit) for v in values}
+    return tuple(sorted(v for v in normalized if v))
+
+
+def recipient_key(rcpt: str, template: str, key: str, policy: KeyPolicy,
+                  auth_user: str | None = None) -> RecipientKey:
+    """Derive the store key of ``rcpt`` (a forward path as the client gave it) for a message
+    whose dedup header values are ``template`` and ``key`` (as
+    :class:`relay.core.fingerprint.DedupHeaders` gives them: normalized, several values joined
+    by US), under ``policy``; ``auth_user`` (the session's AUTH identity) counts only with
+    ``scope_by_auth``.
+
+    Raises :class:`relay.core.errors.InvalidAddressError` for a recipient that cannot be
+    normalized.
+    """
+    mailbox = normalize_recipient(rcpt, local_part_case_sensitive=policy.local_part_case_sensitive)
+    scope = auth_user if policy.scope_by_auth else None
+    fp = fingerprint(mailbox, template, key, secret=policy.secret, scope=scope)
+    return RecipientKey(mailbox=mailbox, fingerprint=fp, key=store_key(policy.key_prefix, fp))
+
+
+def recipient_keys(rcpt_tos: Sequence[str], template: str, key: str, policy: KeyPolicy,
+                   auth_user: str | None = None) -> dict[str, str]:
+    """Map each recipient of ``rcpt_tos`` to its store key (:func:`recipient_key`); raises
+    as it does."""
+    return {rcpt: recipient_key(rcpt, template, key, policy, auth_user).key
+            for rcpt in rcpt_tos}

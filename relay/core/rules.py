@@ -1,0 +1,243 @@
+"""The decision rules of docs/design.md §4 as pure, synchronous functions.
+
+Three tables, read in the order a message meets them:
+
+1. :func:`classify` (and :func:`reserve_failed`): what the store held for one recipient's key
+   -> send it, or answer for it without sending (§4.1);
+2. :func:`after_upstream` (and :func:`after_cut`): one recipient's upstream result -> how its
+   reservation is settled and its outcome (§4.2);
+3. :func:`aggregate`: every recipient's outcome -> the one reply to the final dot and the
+   message's result, worst first (§4.3).
+
+No I/O, no clock (but :func:`reads_as` for a record without a store age), no logging:
+:class:`relay.core.dedup.DedupCore` runs them and does the rest. ``tests/core/test_rules.py``
+holds one row per rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from relay.core import replies
+from relay.core.interfaces import (
+    Outcome,
+    RcptResult,
+    RcptStatus,
+    Record,
+    Reservation,
+    Result,
+    Settle,
+    SmtpReply,
+    State,
+)
+
+# the policy knobs, typed once: relay.config's settings and relay.core.dedup.Policy use these
+MissingKeyPolicy = Literal["relay", "reject"]
+UnknownPolicy = Literal["suppress", "hold", "send"]
+StoreDownPolicy = Literal["fail_closed", "fail_open"]
+
+
+class Action(enum.Enum):
+    """What to do with one recipient's fingerprint once the reserve answered (§4.1)."""
+
+    SEND = "send"  # this attempt reserved it: relay it
+    RESEND_IN_DOUBT = "resend_in_doubt"  # reserved over a record in doubt (unknown_policy =
+    # send): relay it, a possible duplicate (counted and logged)
+    ANSWER = "answer"  # do not relay: the verdict answers for it
+    RELAY_WITHOUT_DEDUP = "relay_without_dedup"  # the store failed, store_down = fail_open
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One recipient's outcome, with what the client reply needs of it.
+
+    ``reply`` is the reply of a refusal or a temporary outcome as the client gets it; ``at``
+    (unix seconds) when the original of a suppressed duplicate was sent, or when the attempt
+    in doubt was; ``refusal`` the upstream result of a permanent refusal, which an RFC 3464
+    notice quotes when the message is answered ``250``.
+    """
+
+    outcome: Outcome
+    reply: SmtpReply | None = None
+    at: float | None = None
+    refusal: RcptResult | None = None
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What :func:`classify` decided for one recipient: the ``action``, and for
+    :attr:`Action.ANSWER` the ``verdict`` (``None`` otherwise: the upstream decides)."""
+
+    action: Action
+    verdict: Verdict | None = None
+
+
+@dataclass(frozen=True)
+class Ruling:
+    """One recipient's upstream result as the core acts on it: ``settle`` is what its
+    reservation becomes (a key is settled once: two spellings of one mailbox share it) and
+    ``verdict`` its outcome."""
+
+    settle: Settle
+    verdict: Verdict
+
+
+# --------------------------------------------------------------------------------------------
+# §4.1 what the store held -> the action
+# --------------------------------------------------------------------------------------------
+
+
+def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
+    """The state a new attempt reads ``record`` as (§3, "SENDING and the heartbeat").
+
+    SENDING is PENDING (in flight) while its last heartbeat ``at`` is younger than its
+    writer's lease (``record.lease_s``; ``lease_s`` seconds for a record without one), and
+    UNKNOWN (its relay died after the final dot) after it. The age is the store's
+    (``record.age_s``) when it reported one; ``now`` (unix seconds, default this host's
+    clock) only for a record without. Every other state reads as itself.
+    """
+    if record.state is not State.SENDING:
+        return record.state
+    if record.lease_s is not None:
+        lease_s = record.lease_s
+    if record.age_s is not None:
+        return State.PENDING if record.age_s < lease_s else State.UNKNOWN
+    now = time.time() if now is None else now
+    at = record.at if record.at is not None else now
+    return State.PENDING if now - at < lease_s else State.UNKNOWN
+
+
+def classify(reservation: Reservation, *, unknown_policy: UnknownPolicy,
+             lease_s: float) -> Classification:
+    """Decide for one recipient from what its reserve found (§4.1).
+
+    ``lease_s`` (seconds) judges a SENDING record without a lease of its own (the stores
+    report SENDING to a reserve already judged, as PENDING or UNKNOWN). A record that is
+    neither in flight nor in doubt (SENT, or a foreign value) is a duplicate.
+    """
+    found = reservation.found
+    state = reads_as(found, lease_s) if found is not None else State.ABSENT
+    if reservation.reserved:
+        if state is State.UNKNOWN:  # the store replaced it: unknown_policy = send
+            return Classification(Action.RESEND_IN_DOUBT)
+        return Classification(Action.SEND)
+    if state is State.PENDING:
+        return _answer(Outcome.INFLIGHT, replies.INFLIGHT)
+    at = found.at if found is not None else None
+    if state is State.UNKNOWN:
+        if unknown_policy == "hold":
+            return _answer(Outcome.HELD, replies.HELD_UNKNOWN)
+        return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED_UNKNOWN, at=at))
+    return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED, at=at))
+
+
+def reserve_failed(store_down: StoreDownPolicy) -> Classification:
+    """Decide for every recipient of a message whose reserve failed or timed out (§4.1)."""
+    if store_down == "fail_open":
+        return Classification(Action.RELAY_WITHOUT_DEDUP)
+    return _answer(Outcome.STORE_DOWN, replies.STORE_DOWN)
+
+
+def _answer(outcome: Outcome, reply: SmtpReply) -> Classification:
+    return Classification(Action.ANSWER, Verdict(outcome, reply))
+
+
+# --------------------------------------------------------------------------------------------
+# §4.2 the upstream's result -> the settle and the outcome
+# --------------------------------------------------------------------------------------------
+
+
+def after_upstream(result: RcptResult, *, relayed: Outcome = Outcome.RELAYED,
+                   second_spelling: bool = False) -> Ruling:
+    """Settle and outcome of one recipient from its upstream ``result`` (§4.2).
+
+    ``relayed`` is the outcome of an accepted recipient (``no_key`` / ``store_down`` when the
+    message went without dedup: then the settle is not used). A ``second_spelling`` of a
+    mailbox the message names twice shares the first spelling's copy and key: ``suppressed``
+    when it was accepted (two ``relayed`` would claim two copies), the same refusal
+    otherwise. An upstream
+    refusal reaches the client through :func:`relay.core.replies.pass_through`; the relay's
+    own (``from_upstream`` False) as it is.
+    """
+    own = _SETTLE[result.status]
+    if result.status is RcptStatus.ACCEPTED:
+        return Ruling(own, Verdict(Outcome.SUPPRESSED if second_spelling else relayed))
+    if result.status is RcptStatus.UNKNOWN:
+        return Ruling(own, Verdict(Outcome.UNKNOWN, replies.OUTCOME_UNKNOWN))
+    reply = replies.pass_through(result.reply) if result.from_upstream else result.reply
+    if result.reply.code >= 500:
+        return Ruling(own, Verdict(Outcome.REFUSED_PERM, reply, refusal=result))
+    return Ruling(own, Verdict(Outcome.REFUSED_TEMP, reply))
+
+
+_SETTLE = {RcptStatus.ACCEPTED: Settle.SENT, RcptStatus.UNKNOWN: Settle.UNKNOWN,
+           RcptStatus.REFUSED: Settle.RELEASE}
+
+
+def after_cut(dot_written: bool) -> Ruling:
+    """Settle and outcome of a recipient whose transaction shutdown cut (past its grace):
+    before the final dot nothing can have been delivered (release, try again); after it the
+    outcome is unknown (RFC 1047)."""
+    if dot_written:
+        return Ruling(Settle.UNKNOWN, Verdict(Outcome.UNKNOWN, replies.OUTCOME_UNKNOWN))
+    return Ruling(Settle.RELEASE, Verdict(Outcome.REFUSED_TEMP, replies.CUT_BY_SHUTDOWN))
+
+
+# --------------------------------------------------------------------------------------------
+# §4.3 every outcome -> the one reply, worst first
+# --------------------------------------------------------------------------------------------
+
+# temporary outcomes, worst first: the worst one's reply is the message's
+WORST_FIRST = (Outcome.STORE_DOWN, Outcome.UNKNOWN, Outcome.REFUSED_TEMP, Outcome.HELD,
+               Outcome.INFLIGHT)
+_RELAYED_RESULT = {Outcome.RELAYED: Result.RELAYED, Outcome.NO_KEY: Result.NO_KEY,
+                   Outcome.STORE_DOWN: Result.STORE_DOWN}
+
+
+def aggregate(verdicts: Iterable[Verdict], *, queue_id: str,
+              relayed: Outcome = Outcome.RELAYED) -> tuple[SmtpReply, Result]:
+    """Fold the recipients' verdicts (in recipient order) into the reply to the final dot
+    and the message's result (§4.3).
+
+    ``relayed`` names the outcome of a relayed recipient: ``no_key`` / ``store_down`` for a
+    message relayed without dedup (then ``store_down`` is not a temporary outcome). Raises
+    ``KeyError`` for a ``relayed`` outcome that is not a way to relay, ``ValueError`` for a
+    temporary or refused verdict without its reply.
+    """
+    result_if_relayed = _RELAYED_RESULT[relayed]
+    verdicts = list(verdicts)
+    temporary = [v for v in verdicts if v.outcome in WORST_FIRST and v.outcome is not relayed]
+    if temporary:  # min() keeps the first of equal rank: the first recipient's reply
+        worst = min(temporary, key=lambda v: WORST_FIRST.index(v.outcome))
+        return _reply_of(worst), Result.TEMPFAIL
+    counts = Counter(v.outcome for v in verdicts)
+    in_doubt = counts[Outcome.SUPPRESSED_UNKNOWN]
+    suppressed = counts[Outcome.SUPPRESSED] + in_doubt
+    refused = [v for v in verdicts if v.outcome is Outcome.REFUSED_PERM]
+    if refused and not counts[relayed]:
+        return _reply_of(refused[0]), Result.PERMFAIL
+    if counts[relayed]:
+        return (replies.accepted(counts[relayed], suppressed, len(refused), queue_id, in_doubt),
+                result_if_relayed)
+    sent_at = [v.at for v in verdicts if v.at is not None]
+    first = iso_utc(min(sent_at)) if sent_at else None
+    return replies.all_suppressed(suppressed, first, queue_id, in_doubt), Result.SUPPRESSED
+
+
+def _reply_of(verdict: Verdict) -> SmtpReply:
+    if verdict.reply is None:  # a temporary outcome or a refusal always says why
+        raise ValueError(f"{verdict.outcome} verdict without its reply")
+    return verdict.reply
+
+
+def iso_utc(at: float | None) -> str | None:
+    """Unix seconds as ISO 8601 UTC to the second (``2026-01-02T03:04:05Z``); None for None."""
+    if at is None:
+        return None
+    return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

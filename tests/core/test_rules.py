@@ -1,0 +1,275 @@
+"""The decision rules (relay/core/rules.py, docs/design.md §4), one row per rule.
+
+Three tables, in the order a message meets them: what the store held -> the action (§4.1);
+the upstream's result -> the settle and the outcome (§4.2); every outcome -> the one reply,
+worst first (§4.3). Pure functions: no store, no upstream, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from relay.core import replies
+from relay.core.interfaces import (
+    Outcome,
+    RcptResult,
+    RcptStatus,
+    Record,
+    Reservation,
+    Result,
+    Settle,
+    SmtpReply,
+    State,
+)
+from relay.core.rules import (
+    Action,
+    Classification,
+    Ruling,
+    StoreDownPolicy,
+    UnknownPolicy,
+    Verdict,
+    after_cut,
+    after_upstream,
+    aggregate,
+    classify,
+    iso_utc,
+    reserve_failed,
+)
+
+LEASE_S = 30.0  # the reader's lease
+AT = 1_767_225_600.0  # 2026-01-01T00:00:00Z: when the original was sent / the doubt began
+KEY = "email:fp:0f"
+
+# --------------------------------------------------------------------------------------------
+# §4.1 what the store held -> the action
+# --------------------------------------------------------------------------------------------
+
+STORE_FAILED = "the reserve failed"
+
+
+def held(state: State, *, at: float | None = AT, age_s: float | None = None,
+         lease_s: float | None = None) -> Reservation:
+    """Another attempt's record, as a reserve reports it (not reserved)."""
+    return Reservation(KEY, reserved=False, found=Record(state, at=at, age_s=age_s,
+                                                         lease_s=lease_s))
+
+
+def answer(outcome: Outcome, reply: SmtpReply | None = None,
+           at: float | None = None) -> Classification:
+    return Classification(Action.ANSWER, Verdict(outcome, reply, at=at))
+
+
+CLASSIFY = [
+    pytest.param(Reservation(KEY, reserved=True), "suppress",
+                 Classification(Action.SEND), id="absent-is-reserved-and-sent"),
+    pytest.param(held(State.PENDING, at=None), "suppress",
+                 answer(Outcome.INFLIGHT, replies.INFLIGHT),
+                 id="pending-of-another-attempt-is-inflight-450"),
+    pytest.param(held(State.SENDING, age_s=10.0, lease_s=30.0), "suppress",
+                 answer(Outcome.INFLIGHT, replies.INFLIGHT),
+                 id="sending-within-its-writers-lease-is-inflight-450"),
+    pytest.param(held(State.SENDING, age_s=40.0, lease_s=60.0), "suppress",
+                 answer(Outcome.INFLIGHT, replies.INFLIGHT),
+                 id="sending-is-judged-by-its-writers-lease-not-the-readers"),
+    pytest.param(held(State.SENDING, age_s=40.0, lease_s=30.0), "suppress",
+                 answer(Outcome.SUPPRESSED_UNKNOWN, at=AT),
+                 id="sending-past-its-writers-lease-is-in-doubt"),
+    pytest.param(held(State.SENDING, age_s=40.0), "suppress",
+                 answer(Outcome.SUPPRESSED_UNKNOWN, at=AT),
+                 id="sending-without-a-lease-of-its-own-is-judged-by-the-readers"),
+    pytest.param(held(State.SENT), "suppress", answer(Outcome.SUPPRESSED, at=AT),
+                 id="sent-within-window-is-duplicate"),
+    pytest.param(held(State.SENT, at=None), "suppress", answer(Outcome.SUPPRESSED),
+                 id="foreign-value-is-duplicate"),
+    pytest.param(held(State.UNKNOWN), "suppress", answer(Outcome.SUPPRESSED_UNKNOWN, at=AT),
+                 id="in-doubt-under-suppress-is-suppressed-as-in-doubt"),
+    pytest.param(held(State.UNKNOWN), "hold", answer(Outcome.HELD, replies.HELD_UNKNOWN),
+                 id="in-doubt-under-hold-is-held-451"),
+    pytest.param(held(State.SENDING, age_s=40.0, lease_s=30.0), "hold",
+                 answer(Outcome.HELD, replies.HELD_UNKNOWN),
+                 id="sending-past-its-lease-under-hold-is-held-451"),
+    pytest.param(Reservation(KEY, reserved=True, found=Record(State.UNKNOWN, at=AT)), "send",
+                 Classification(Action.RESEND_IN_DOUBT),
+                 id="in-doubt-under-send-is-taken-over-and-sent-again"),
+    pytest.param(STORE_FAILED, "fail_closed", answer(Outcome.STORE_DOWN, replies.STORE_DOWN),
+                 id="store-down-under-fail-closed-is-451"),
+    pytest.param(STORE_FAILED, "fail_open", Classification(Action.RELAY_WITHOUT_DEDUP),
+                 id="store-down-under-fail-open-relays-without-dedup"),
+]
+
+
+@pytest.mark.parametrize(("reserve", "policy", "expected"), CLASSIFY)
+def test_what_the_store_held_decides_the_action(
+        reserve: Reservation | str, policy: UnknownPolicy | StoreDownPolicy,
+        expected: Classification) -> None:
+    """``policy`` is ``unknown_policy`` for a reserve that answered, ``store_down`` for one
+    that failed."""
+    if isinstance(reserve, str):
+        assert policy in ("fail_closed", "fail_open")
+        got = reserve_failed(policy)
+    else:
+        assert policy in ("suppress", "hold", "send")
+        got = classify(reserve, unknown_policy=policy, lease_s=LEASE_S)
+    assert got == expected
+
+
+# --------------------------------------------------------------------------------------------
+# §4.2 the upstream's result -> the settle and the outcome
+# --------------------------------------------------------------------------------------------
+
+ACCEPTED = RcptResult(RcptStatus.ACCEPTED, SmtpReply(250, "2.0.0", "Ok: queued as A1"))
+BUSY = RcptResult(RcptStatus.REFUSED, SmtpReply.parse(450, "4.2.1 Mailbox busy"))
+CLOSING = RcptResult(RcptStatus.REFUSED, SmtpReply.parse(421, "4.3.2 Closing"))
+NO_SUCH_USER = RcptResult(RcptStatus.REFUSED, SmtpReply.parse(550, "5.1.1 No such user"))
+UNREACHABLE = RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_UNREACHABLE, from_upstream=False)
+LOST = RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_LOST, from_upstream=False)
+NO_SMTPUTF8 = RcptResult(RcptStatus.REFUSED, replies.UPSTREAM_NO_SMTPUTF8, from_upstream=False)
+NO_REPLY_TO_DOT = RcptResult(RcptStatus.UNKNOWN, replies.OUTCOME_UNKNOWN, from_upstream=False)
+
+CUT_BEFORE_DOT, CUT_AFTER_DOT = "cut before the final dot", "cut after the final dot"
+
+
+@dataclass(frozen=True)
+class How:
+    """How the recipient went: ``relayed`` is its outcome when accepted (``no_key`` without
+    dedup); a ``second_spelling`` of a mailbox the message names twice."""
+
+    relayed: Outcome = Outcome.RELAYED
+    second_spelling: bool = False
+
+
+FIRST = How()
+
+AFTER_UPSTREAM = [
+    pytest.param(ACCEPTED, FIRST, Ruling(Settle.SENT, Verdict(Outcome.RELAYED)),
+                 id="accepted-is-marked-sent-and-relayed"),
+    pytest.param(ACCEPTED, How(relayed=Outcome.NO_KEY),
+                 Ruling(Settle.SENT, Verdict(Outcome.NO_KEY)),
+                 id="accepted-without-dedup-counts-as-no-key"),
+    pytest.param(ACCEPTED, How(second_spelling=True),
+                 Ruling(Settle.SENT, Verdict(Outcome.SUPPRESSED)),
+                 id="second-spelling-of-an-accepted-mailbox-is-suppressed"),
+    pytest.param(BUSY, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_TEMP, SmtpReply(450, "4.2.1", "upstream: Mailbox busy"))),
+                 id="upstream-4yz-is-released-and-passed-through"),
+    pytest.param(CLOSING, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_TEMP, SmtpReply(451, "4.3.2", "upstream: Closing"))),
+                 id="upstream-421-is-released-and-told-as-451"),
+    pytest.param(NO_SUCH_USER, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_PERM, SmtpReply(550, "5.1.1", "upstream: No such user"),
+        refusal=NO_SUCH_USER)),
+                 id="upstream-5yz-is-released-refused-perm-and-owed-a-notice"),
+    pytest.param(NO_SUCH_USER, How(second_spelling=True), Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_PERM, SmtpReply(550, "5.1.1", "upstream: No such user"),
+        refusal=NO_SUCH_USER)),
+                 id="second-spelling-shares-the-refusal"),
+    pytest.param(UNREACHABLE, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_TEMP, replies.UPSTREAM_UNREACHABLE)),
+                 id="relays-own-4yz-is-released-and-told-as-is"),
+    pytest.param(NO_SMTPUTF8, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_PERM, replies.UPSTREAM_NO_SMTPUTF8, refusal=NO_SMTPUTF8)),
+                 id="relays-own-5yz-is-released-and-refused-perm"),
+    pytest.param(LOST, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_TEMP, replies.UPSTREAM_LOST)),
+                 id="lost-before-the-dot-is-released"),
+    pytest.param(NO_REPLY_TO_DOT, FIRST, Ruling(Settle.UNKNOWN, Verdict(
+        Outcome.UNKNOWN, replies.OUTCOME_UNKNOWN)),
+                 id="no-reply-after-the-dot-is-marked-unknown"),
+    pytest.param(CUT_BEFORE_DOT, FIRST, Ruling(Settle.RELEASE, Verdict(
+        Outcome.REFUSED_TEMP, replies.CUT_BY_SHUTDOWN)),
+                 id="shutdown-cut-before-the-dot-is-released"),
+    pytest.param(CUT_AFTER_DOT, FIRST, Ruling(Settle.UNKNOWN, Verdict(
+        Outcome.UNKNOWN, replies.OUTCOME_UNKNOWN)),
+                 id="shutdown-cut-after-the-dot-is-marked-unknown"),
+]
+
+
+@pytest.mark.parametrize(("upstream", "how", "expected"), AFTER_UPSTREAM)
+def test_the_upstream_result_decides_the_settle_and_the_outcome(
+        upstream: RcptResult | str, how: How, expected: Ruling) -> None:
+    if isinstance(upstream, str):
+        got = after_cut(dot_written=upstream == CUT_AFTER_DOT)
+    else:
+        got = after_upstream(upstream, relayed=how.relayed,
+                             second_spelling=how.second_spelling)
+    assert got == expected
+
+
+# --------------------------------------------------------------------------------------------
+# §4.3 every outcome -> the one reply, worst first
+# --------------------------------------------------------------------------------------------
+
+Q = "q1"
+RELAYED = Verdict(Outcome.RELAYED)
+DUPLICATE = Verdict(Outcome.SUPPRESSED, at=AT + 60)
+EARLIER_DUPLICATE = Verdict(Outcome.SUPPRESSED, at=AT)
+IN_DOUBT = Verdict(Outcome.SUPPRESSED_UNKNOWN, at=AT)
+SECOND_SPELLING = Verdict(Outcome.SUPPRESSED)
+STORE_DOWN = Verdict(Outcome.STORE_DOWN, replies.STORE_DOWN)
+UNKNOWN = Verdict(Outcome.UNKNOWN, replies.OUTCOME_UNKNOWN)
+REFUSED_BUSY = Verdict(Outcome.REFUSED_TEMP, SmtpReply(450, "4.2.1", "upstream: Mailbox busy"))
+REFUSED_LOST = Verdict(Outcome.REFUSED_TEMP, replies.UPSTREAM_LOST)
+HELD = Verdict(Outcome.HELD, replies.HELD_UNKNOWN)
+INFLIGHT = Verdict(Outcome.INFLIGHT, replies.INFLIGHT)
+NO_USER = SmtpReply(550, "5.1.1", "upstream: No such user")
+REFUSED_PERM = Verdict(Outcome.REFUSED_PERM, NO_USER)
+OTHER_PERM = Verdict(Outcome.REFUSED_PERM, SmtpReply(552, "5.2.2", "upstream: Mailbox full"))
+
+AGGREGATE = [
+    pytest.param([RELAYED, RELAYED], Outcome.RELAYED,
+                 (replies.accepted(2, 0, 0, Q), Result.RELAYED),
+                 id="all-relayed-is-250-relayed"),
+    pytest.param([RELAYED, REFUSED_BUSY], Outcome.RELAYED,
+                 (REFUSED_BUSY.reply, Result.TEMPFAIL),
+                 id="any-temporary-outcome-wins-over-relayed"),
+    pytest.param([INFLIGHT, UNKNOWN, STORE_DOWN], Outcome.RELAYED,
+                 (replies.STORE_DOWN, Result.TEMPFAIL),
+                 id="store-down-is-the-worst"),
+    pytest.param([REFUSED_BUSY, UNKNOWN], Outcome.RELAYED,
+                 (replies.OUTCOME_UNKNOWN, Result.TEMPFAIL),
+                 id="unknown-is-worse-than-refused-temp"),
+    pytest.param([HELD, REFUSED_BUSY], Outcome.RELAYED,
+                 (REFUSED_BUSY.reply, Result.TEMPFAIL),
+                 id="refused-temp-is-worse-than-held"),
+    pytest.param([INFLIGHT, HELD], Outcome.RELAYED,
+                 (replies.HELD_UNKNOWN, Result.TEMPFAIL),
+                 id="held-is-worse-than-inflight"),
+    pytest.param([INFLIGHT, DUPLICATE], Outcome.RELAYED,
+                 (replies.INFLIGHT, Result.TEMPFAIL),
+                 id="inflight-beside-a-duplicate-is-450"),
+    pytest.param([REFUSED_LOST, REFUSED_BUSY], Outcome.RELAYED,
+                 (replies.UPSTREAM_LOST, Result.TEMPFAIL),
+                 id="within-a-rank-the-first-recipients-reply"),
+    pytest.param([REFUSED_PERM, OTHER_PERM], Outcome.RELAYED, (NO_USER, Result.PERMFAIL),
+                 id="all-refused-perm-is-the-first-5yz"),
+    pytest.param([REFUSED_PERM, DUPLICATE], Outcome.RELAYED, (NO_USER, Result.PERMFAIL),
+                 id="refused-perm-and-nothing-relayed-is-the-5yz"),
+    pytest.param([RELAYED, REFUSED_PERM], Outcome.RELAYED,
+                 (replies.accepted(1, 0, 1, Q), Result.RELAYED),
+                 id="refused-perm-beside-relayed-is-250-with-the-count"),
+    pytest.param([RELAYED, DUPLICATE, IN_DOUBT, SECOND_SPELLING], Outcome.RELAYED,
+                 (replies.accepted(1, 3, 0, Q, in_doubt=1), Result.RELAYED),
+                 id="relayed-beside-duplicates-counts-them-and-those-in-doubt"),
+    pytest.param([DUPLICATE, EARLIER_DUPLICATE], Outcome.RELAYED,
+                 (replies.all_suppressed(2, iso_utc(AT), Q), Result.SUPPRESSED),
+                 id="all-duplicates-is-250-naming-the-earliest-send"),
+    pytest.param([DUPLICATE, IN_DOUBT], Outcome.RELAYED,
+                 (replies.all_suppressed(2, iso_utc(AT), Q, in_doubt=1), Result.SUPPRESSED),
+                 id="duplicates-in-doubt-say-in-doubt"),
+    pytest.param([Verdict(Outcome.NO_KEY), REFUSED_PERM], Outcome.NO_KEY,
+                 (replies.accepted(1, 0, 1, Q), Result.NO_KEY),
+                 id="relayed-without-a-key-is-result-no-key"),
+    pytest.param([Verdict(Outcome.STORE_DOWN)], Outcome.STORE_DOWN,
+                 (replies.accepted(1, 0, 0, Q), Result.STORE_DOWN),
+                 id="relayed-under-fail-open-is-result-store-down-not-a-tempfail"),
+]
+
+
+@pytest.mark.parametrize(("verdicts", "relayed", "expected"), AGGREGATE)
+def test_the_reply_is_the_worst_outcome_first(
+        verdicts: Sequence[Verdict], relayed: Outcome,
+        expected: tuple[SmtpReply, Result]) -> None:
+    assert aggregate(verdicts, queue_id=Q, relayed=relayed) == expected
