@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import getpass
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,14 +22,9 @@ from datetime import UTC, datetime
 from relay.config import Settings, redact_url
 from relay.core.address import mailbox_problem
 from relay.core.errors import InvalidAddressError
-from relay.core.fingerprint import (
-    DedupHeaders,
-    fingerprint,
-    normalize_header_value,
-    normalize_recipient,
-    store_key,
-)
 from relay.core.interfaces import FingerprintStore, Record, State
+from relay.core.keys import KeyRules, header_values, recipient_key
+from relay.core.rules import reads_as
 
 audit = logging.getLogger("relay.audit")
 
@@ -59,25 +53,17 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     """
     if given.auth_user and not settings.scope_by_auth:
         raise ValueError("scope_by_auth is off: the AUTH identity is not part of fingerprints")
-    limit = settings.max_key_chars
-    headers = DedupHeaders(keys=_normalized(given.keys, "dedupe key", limit),
-                           templates=_normalized(given.templates, "template", limit))
+    headers = header_values(given.keys, given.templates, max_chars=settings.max_key_chars)
     if headers.key is None:
         raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
-    rcpt = normalize_recipient(given.rcpt,
-                               local_part_case_sensitive=settings.local_part_case_sensitive)
-    problem = mailbox_problem(rcpt, postmaster_alone=True)  # source route already dropped
+    rules = KeyRules(key_prefix=settings.store_prefix, secret=settings.fingerprint_secret_bytes,
+                     local_part_case_sensitive=settings.local_part_case_sensitive,
+                     scope_by_auth=settings.scope_by_auth)
+    derived = recipient_key(given.rcpt, headers.template, headers.key, rules, given.auth_user)
+    problem = mailbox_problem(derived.mailbox, postmaster_alone=True)  # source route dropped
     if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
         raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
-    fp = fingerprint(rcpt, headers.template, headers.key,
-                     secret=settings.fingerprint_secret_bytes, scope=given.auth_user or None)
-    return fp, store_key(settings.store_prefix, fp)
-
-
-def _normalized(values: Sequence[str], label: str, limit: int) -> tuple[str, ...]:
-    """The distinct non-empty normalized values, sorted, as :class:`DedupHeaders` holds them."""
-    normalized = {normalize_header_value(v, label=label, max_chars=limit) for v in values}
-    return tuple(sorted(v for v in normalized if v))
+    return derived.fingerprint, derived.key
 
 
 def store_label(settings: Settings) -> str:
@@ -92,23 +78,6 @@ def store_label(settings: Settings) -> str:
 
 class InFlightError(Exception):
     """The record belongs to an attempt that may still be delivering (refused unless forced)."""
-
-
-def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
-    """The state a new attempt would see: SENDING is PENDING within its attempt's own lease
-    (``record.lease_s``; ``lease_s`` seconds for a record without one) from its last heartbeat
-    ``at``, and UNKNOWN after it (its relay died after the final dot). The age is the store's
-    (``record.age_s``) when the store reported it, so this host's clock does not decide;
-    ``now`` (unix seconds) only for a record without one."""
-    if record.state is not State.SENDING:
-        return record.state
-    if record.lease_s is not None:
-        lease_s = record.lease_s
-    if record.age_s is not None:
-        return State.PENDING if record.age_s < lease_s else State.UNKNOWN
-    now = time.time() if now is None else now
-    at = record.at if record.at is not None else now
-    return State.PENDING if now - at < lease_s else State.UNKNOWN
 
 
 def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:

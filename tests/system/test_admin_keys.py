@@ -1,0 +1,49 @@
+"""The admin commands and a running relay derive the same store key from the same input
+(both call relay.core.keys): what ``dedup-relay fingerprint`` prints is what the relay reserved."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aredis
+
+from relay.admin import FingerprintInput, key_for
+from relay.app import Relay
+from tests.support.clients import send
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
+
+# two keys (one through the Idempotency-Key alias, with blanks to collapse) and an RFC 2047
+# template: the relay reads them from the header section, the admin gets them as given
+KEYS = ["order-42", "  Order \t 43 "]
+TEMPLATES = ["=?utf-8?q?Willkommen_=C3=BCbersicht?="]
+MESSAGE = (
+    "From: app@example.com\r\nTo: several@example.net\r\nSubject: keys\r\n"
+    f"X-Dedupe-Key: {KEYS[0]}\r\nIdempotency-Key:{KEYS[1]}\r\n"
+    f"X-Template: {TEMPLATES[0]}\r\n\r\nhello\r\n"
+).encode()
+RCPTS = ["User@Example.NET", "second.user@EXAMPLE.org", "jörg@bücher.example"]
+
+
+async def _stored(relay: Relay) -> set[str]:
+    client = aredis.Redis.from_url(relay.settings.store)
+    try:
+        return {k.decode() async for k in client.scan_iter(
+            match=relay.settings.store_prefix + "*")}
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("settings", [
+    pytest.param({}, id="defaults"),
+    pytest.param({"fingerprint_secret": "s3cret", "local_part_case_sensitive": True},
+                 id="hmac-secret-and-case-sensitive-local-parts"),
+])
+async def test_the_admin_key_is_the_key_the_relay_reserved(
+        make_relay: MakeRelay, sink: Sink, settings: dict[str, object]) -> None:
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", **settings)
+    result = await send(relay.port, RCPTS, MESSAGE, mail_options=["SMTPUTF8"])
+    assert result.code == 250 and "relayed 3" in result.text, result
+    admin = {key_for(relay.settings, FingerprintInput(rcpt=r, templates=TEMPLATES, keys=KEYS))[1]
+             for r in RCPTS}
+    assert len(admin) == 3
+    assert await _stored(relay) == admin
