@@ -285,6 +285,8 @@ def smtp_factory(handler: RelayHandler, limits: ListenerLimits, security: Listen
     def factory() -> RelaySMTP:
         return RelaySMTP(
             handler,
+            metrics=handler.metrics,
+            sessions=handler.sessions,
             processing_timeout_s=processing_timeout_s,
             gate=security.gate,
             proxy_networks=security.proxy_networks,

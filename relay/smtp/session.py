@@ -5,7 +5,9 @@ Enhanced status codes on every reply (RFC 2034), strict paths (RFC 5321 section 
 (:mod:`relay.smtp.data`), per-chunk DATA timeout and an overall DATA deadline, a session
 lifetime and a cap on commands without a message, replies owed to a client that half-closed,
 and the access rules of :class:`relay.smtp.access.ConnectionGate` applied before the greeting. The
-hooks that decide about mail are in :mod:`relay.smtp.handler`.
+hooks that decide about mail are in :mod:`relay.smtp.handler`; a session knows its handler only
+as the :class:`SessionHandler` Protocol, and gets its metrics and the session registry injected
+(the handler module imports this one, never the reverse).
 """
 
 from __future__ import annotations
@@ -14,18 +16,15 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
-from aiosmtpd.smtp import MISSING, SMTP, TLSSetupException, syntax
+from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, TLSSetupException, syntax
 
 from relay.core import replies
 from relay.core.interfaces import Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.data import ClientGone, CommandLineGuard, read_message
 from relay.smtp.tls_halfclose import HalfCloseTLSProtocol
-
-if TYPE_CHECKING:
-    from relay.smtp.handler import RelayHandler
 
 log = logging.getLogger("relay.smtp")
 
@@ -101,6 +100,44 @@ def xtext_ok(value: str) -> bool:
     return _XTEXT.fullmatch(value) is not None
 
 
+class SessionHandler(Protocol):
+    """The handler a session passes its commands to: :class:`relay.smtp.handler.RelayHandler`.
+
+    The session calls ``handle_DATA`` once the message is read (:meth:`RelaySMTP.smtp_DATA`);
+    aiosmtpd looks the other hooks up by name, each optional (``handle_EHLO``,
+    ``handle_MAIL``, ``handle_RCPT``, ``handle_PROXY``, ``handle_exception``, ``auth_PLAIN``).
+    """
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        """The reply line to the final dot for ``envelope`` (the message in its content)."""
+        ...
+
+
+class SessionMetrics(Protocol):
+    """What a session reports (:class:`relay.core.interfaces.Metrics` has it)."""
+
+    def session(self, delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to the number of open client sessions."""
+        ...
+
+    def message(self, result: Result) -> None:
+        """Count one message by its ``result`` (a DATA refused while it arrived: invalid)."""
+        ...
+
+
+class SessionRegistry(Protocol):
+    """The open sessions (a ``set``): a session adds itself when its connection is made and
+    discards itself when it is lost, so a graceful shutdown finds them all."""
+
+    def add(self, session: RelaySMTP, /) -> None:
+        """Register ``session``."""
+        ...
+
+    def discard(self, session: RelaySMTP, /) -> None:
+        """Unregister ``session`` (no error when it is not registered)."""
+        ...
+
+
 class RelaySMTP(SMTP):
     """aiosmtpd's SMTP protocol with the relay's wire rules (design.md §5.1)."""
 
@@ -108,7 +145,8 @@ class RelaySMTP(SMTP):
     # does not count; the exact 998-octet rule is applied after unstuffing (smtp_data)
     line_length_limit = 1001
 
-    def __init__(self, handler: RelayHandler, *, processing_timeout_s: float,
+    def __init__(self, handler: SessionHandler, *, metrics: SessionMetrics,
+                 sessions: SessionRegistry, processing_timeout_s: float,
                  gate: ConnectionGate, proxy_networks: tuple[Network, ...] | None = None,
                  implicit_tls: bool = False, data_deadline_s: float = 600.0,
                  session_lifetime_s: float = 3600.0, max_idle_commands: int = 100,
@@ -140,8 +178,8 @@ class RelaySMTP(SMTP):
         self._receiving_data = self._in_data = False
         self.draining = False
         self._data_started = self._data_handled = False
-        self._metrics = handler.metrics
-        self._sessions = handler.sessions
+        self._metrics = metrics
+        self._sessions = sessions
         self._counted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

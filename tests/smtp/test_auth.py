@@ -19,7 +19,7 @@ from typing import Any
 import argon2
 import bcrypt
 import pytest
-from aiosmtpd.smtp import SMTP, AuthResult
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
 from prometheus_client import CollectorRegistry
 
 from relay.core import replies
@@ -299,6 +299,9 @@ class AuthOnlyHandler:
         self.servers.append(server)
         return await self.sasl.auth_LOGIN(server, args)
 
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        return "250 OK"  # aiosmtpd's answer without the hook; no test here sends a message
+
 
 @dataclass
 class AuthServer:
@@ -334,7 +337,8 @@ async def start_server(credentials: CredentialFile) -> AsyncIterator[StartServer
         gate = ConnectionGate(allowed=parse_networks(["127.0.0.0/8"]), max_total=50,
                               max_per_ip=50)
         server = await asyncio.get_running_loop().create_server(
-            lambda: RelaySMTP(handler, processing_timeout_s=60, gate=gate, hostname="auth.test",
+            lambda: RelaySMTP(handler, metrics=handler.metrics, sessions=handler.sessions,
+                              processing_timeout_s=60, gate=gate, hostname="auth.test",
                               auth_require_tls=False, decode_data=False,
                               enable_SMTPUTF8=True),
             "127.0.0.1", 0)
