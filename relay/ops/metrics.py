@@ -22,7 +22,7 @@ from prometheus_client import (
 from relay import __version__
 from relay.core.interfaces import DsnResult, Outcome, Result
 
-STORE_OPS = ("reserve", "settle")
+STORE_OPS = ("reserve", "settle", "renew")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
 
 
