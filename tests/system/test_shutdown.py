@@ -31,6 +31,7 @@ async def test_idle_session_is_told_421_and_new_connections_are_refused(
     await relay.stop()
     assert await client.reply() == str(replies.SHUTTING_DOWN)
     assert await client.reader.read() == b""
+    await client.close()
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     except OSError:
@@ -56,6 +57,7 @@ async def test_message_in_flight_finishes_then_session_closes(
     stopping = asyncio.create_task(relay.stop())
     assert (await client.reply()).startswith("250 2.0.0 Ok: relayed 1")
     assert await client.reply() == str(replies.SHUTTING_DOWN)
+    await client.close()
     await stopping
     assert len(sink.handler.delivered) == 1
 
@@ -137,7 +139,7 @@ def test_sigterm_lets_the_message_in_flight_finish(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate(timeout=30)  # waits, and closes the pipes (no ResourceWarning)
 
 
 async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
