@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Self
 
 import redis.asyncio
 from redis.asyncio.cluster import ClusterNode
@@ -120,7 +120,7 @@ class RedisStore:
         self._force_sent_script = client.register_script(FORCE_SENT_LUA)
 
     @classmethod
-    def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> RedisStore:
+    def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> Self:
         """Build a store from a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, or a
         ``redis+cluster://`` or ``redis+sentinel://`` URL (:mod:`relay.store.redis.urls`).
 
