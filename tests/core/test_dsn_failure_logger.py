@@ -1,0 +1,73 @@
+"""The DSN alert's runbook names the logger of the line it sends the operator to.
+
+config/prometheus/alerts.yml (DedupRelayDsnFailed) tells the operator that "the relay log (logger
+relay.dsn, ERROR) names the queue ids". Up to 4a07d8f the notice's failure was logged on
+``relay.dsn``; the layout commit 0ea2d03 moved the module to relay/core/dsn.py and its logger
+to ``relay.core.dsn`` (as every module's: relay.listener is relay.smtp.handler, relay.dedup is
+relay.core.dedup, ...; the README's decision-line logger was updated, the alert was not), so the
+JSON lines' ``logger`` field changed and a search for ``relay.dsn`` finds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from relay.core.dsn import DsnSender
+from relay.core.interfaces import (
+    DeliveryProgress,
+    DeliveryResult,
+    NonDelivery,
+    OutboundMessage,
+    RcptResult,
+    RcptStatus,
+    SmtpReply,
+)
+from relay.ops.metrics import PrometheusMetrics
+
+ALERTS = Path(__file__).resolve().parents[2] / "config" / "prometheus" / "alerts.yml"
+
+
+class RefusingUpstream:
+    """An upstream that refuses every recipient (the notice is not delivered)."""
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        refused = RcptResult(RcptStatus.REFUSED, SmtpReply.parse(550, "5.7.1 no"))
+        return DeliveryResult(recipients=dict.fromkeys(message.rcpt_tos, refused))
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def logger_the_alert_names() -> str:
+    found = re.search(r"\(logger ([\w.]+), ERROR\)", ALERTS.read_text())
+    assert found is not None, "DedupRelayDsnFailed no longer names a logger"
+    return found.group(1)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "0ea2d03 renamed the loggers with their modules (relay.dsn -> relay.core.dsn); "
+    "config/prometheus/alerts.yml still sends the operator to logger relay.dsn"))
+async def test_a_notice_not_delivered_is_logged_on_the_logger_the_alert_names(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sender = DsnSender(upstream=RefusingUpstream(),
+                       metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                       reporting_mta="relay.example")
+    failure = RcptResult(RcptStatus.REFUSED, SmtpReply.parse(550, "5.1.1 User unknown"))
+    with caplog.at_level(logging.ERROR):
+        sender.non_delivery(NonDelivery(
+            mail_from="app@example.com", failures={"b@example.net": failure},
+            content=b"Subject: x\r\n\r\nbody\r\n", queue_id="q1"))
+        for task in list(sender.background):
+            await task
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors, "the undelivered notice was not logged at ERROR"
+    assert {r.name for r in errors} == {logger_the_alert_names()}
