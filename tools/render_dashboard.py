@@ -28,6 +28,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aiosmtplib
 import matplotlib
@@ -36,6 +37,7 @@ from aiosmtpd.smtp import SMTP
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
+from matplotlib.axes import Axes
 
 REPO = Path(__file__).resolve().parent.parent
 if __name__ == "__main__" and not __package__:
@@ -100,10 +102,11 @@ async def drive(seconds: float, prom_port: int, workdir: Path, out: Path) -> Non
     sink = await loop.create_server(lambda: SMTP(handler, decode_data=False), "127.0.0.1",
                                     sink_port)
     prefix = f"render:{uuid.uuid4().hex}:"
-    relay = Relay(Settings(
-        listen="127.0.0.1:0", upstream=f"127.0.0.1:{sink_port}", store="redis://127.0.0.1:6379/0",
-        store_prefix=prefix, metrics_listen="127.0.0.1:0", upstream_timeout=1.0, lease=30,
-        health_interval=1.0, hostname="relay.render"))
+    relay = Relay(Settings.model_validate({
+        "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{sink_port}",
+        "store": "redis://127.0.0.1:6379/0", "store_prefix": prefix,
+        "metrics_listen": "127.0.0.1:0", "upstream_timeout": 1.0, "lease": 30,
+        "health_interval": 1.0, "hostname": "relay.render"}))
     await relay.start()
     config = workdir / "prometheus.yml"
     config.write_text(json.dumps({
@@ -153,7 +156,7 @@ async def cleanup(prom: subprocess.Popen[bytes], relay: Relay, sink: asyncio.bas
         client.delete(*keys)
 
 
-def query_range(prom_port: int, expr: str, start: float, end: float) -> list[dict[str, object]]:
+def query_range(prom_port: int, expr: str, start: float, end: float) -> list[dict[str, Any]]:
     """Evaluate ``expr`` over [start, end] with a 2 s step."""
     for name, value in VARIABLES.items():
         expr = expr.replace(name, value)
@@ -190,14 +193,14 @@ def render(prom_port: int, start: float, end: float, out: Path) -> None:
     fig.savefig(out, dpi=80, bbox_inches="tight")
 
 
-def draw_panel(ax: plt.Axes, panel: dict[str, object], prom_port: int, start: float,
+def draw_panel(ax: Axes, panel: dict[str, Any], prom_port: int, start: float,
                end: float) -> None:
     """One panel: a time series plot, or the last value for stat panels."""
     texts = []
-    for target in panel["targets"]:  # type: ignore[attr-defined]
+    for target in panel["targets"]:
         for series in query_range(prom_port, target["expr"], start, end):
             points = [(float(t) - start, float(v)) for t, v in series["values"]]
-            name = legend(target["legendFormat"], series["metric"])  # type: ignore[arg-type]
+            name = legend(target["legendFormat"], series["metric"])
             if panel["type"] == "stat":
                 texts.append(f"{name}: {stat_text(panel, points[-1][1])}" if points else "-")
             else:
@@ -212,9 +215,9 @@ def draw_panel(ax: plt.Axes, panel: dict[str, object], prom_port: int, start: fl
         ax.legend(fontsize=7, loc="upper left")
 
 
-def stat_text(panel: dict[str, object], val: float) -> str:
+def stat_text(panel: dict[str, Any], val: float) -> str:
     """A stat value through the panel's value mappings (1 -> UP)."""
-    defaults = panel["fieldConfig"]["defaults"]  # type: ignore[index]
+    defaults = panel["fieldConfig"]["defaults"]
     for mapping in defaults.get("mappings", []):
         if f"{val:g}" in mapping["options"]:
             return str(mapping["options"][f"{val:g}"]["text"])

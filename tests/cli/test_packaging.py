@@ -8,6 +8,7 @@ import re
 import shlex
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -44,7 +45,7 @@ def docker_env() -> dict[str, str]:
     return env
 
 
-def compose() -> dict[str, object]:
+def compose() -> dict[str, Any]:
     """compose.yaml parsed."""
     loaded = yaml.safe_load((REPO / "compose.yaml").read_text())
     assert isinstance(loaded, dict)
@@ -105,8 +106,9 @@ def test_image_env_and_ports_match_the_settings() -> None:
     assert listen_host == "0.0.0.0"  # noqa: S104  # inside a container, by design
     exposed = {int(p) for w, a in dockerfile() if w == "EXPOSE" for p in a.split()}
     assert exposed == {listen_port, metrics_port}
-    Settings(**{k[len("RELAY_"):].lower(): v for k, v in env.items() if k.startswith("RELAY_")},
-             upstream="maildir:/tmp/x")
+    Settings.model_validate({
+        **{k[len("RELAY_"):].lower(): v for k, v in env.items() if k.startswith("RELAY_")},
+        "upstream": "maildir:/tmp/x"})
 
 
 def test_copied_sources_exist() -> None:
@@ -137,14 +139,14 @@ def test_compose_relay_settings_are_valid() -> None:
 
 def test_compose_redis_is_noeviction_with_aof() -> None:
     """The compose Redis never evicts fingerprints and persists them (design.md §3)."""
-    command = " ".join(compose()["services"]["redis"]["command"])  # type: ignore[index]
+    command = " ".join(compose()["services"]["redis"]["command"])
     assert "--maxmemory-policy noeviction" in command
     assert "--appendonly yes" in command
 
 
 def test_compose_mounts_exist() -> None:
     """Every host path compose mounts into a container exists in the repo."""
-    for name, service in compose()["services"].items():  # type: ignore[attr-defined]
+    for name, service in compose()["services"].items():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("./"):
@@ -154,6 +156,6 @@ def test_compose_mounts_exist() -> None:
 def test_prometheus_loads_the_rules_file_compose_mounts() -> None:
     """prometheus.yml's rule file is where compose mounts config/prometheus/alerts.yml."""
     prom = yaml.safe_load((REPO / "config/prometheus/prometheus.yml").read_text())
-    mounts = compose()["services"]["prometheus"]["volumes"]  # type: ignore[index]
+    mounts = compose()["services"]["prometheus"]["volumes"]
     targets = {v.split(":")[1] for v in mounts}
     assert set(prom["rule_files"]) <= targets

@@ -282,7 +282,7 @@ async def test_a_failed_reserve_is_logged_with_the_store_down_policy(
 
 def test_the_cores_policy_defaults_are_the_relays_configuration_defaults() -> None:
     """Policy() equals the policy the app builds from default Settings (no drift)."""
-    assert build_policy(Settings(upstream="127.0.0.1:25")) == Policy()
+    assert build_policy(Settings.model_validate({"upstream": "127.0.0.1:25"})) == Policy()
 
 
 async def test_a_message_without_transport_flags_goes_upstream_as_plain_smtp(prefix: str) -> None:

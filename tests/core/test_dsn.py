@@ -44,8 +44,8 @@ def status_blocks(report: EmailMessage) -> list[EmailMessage]:
     """The per-message block and the per-recipient blocks of a multipart/report."""
     part = next(p for p in report.iter_parts() if p.get_content_type() == "message/delivery-status")
     blocks = part.get_payload()
-    assert isinstance(blocks, list)
-    return blocks
+    assert isinstance(blocks, list) and all(isinstance(b, EmailMessage) for b in blocks)
+    return [b for b in blocks if isinstance(b, EmailMessage)]
 
 
 def dsn_count(relay: Relay, result: str) -> float | None:

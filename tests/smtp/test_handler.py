@@ -6,6 +6,7 @@ import pytest
 
 from relay.app import Relay
 from relay.core import replies
+from relay.core.interfaces import SmtpReply
 from tests.support.clients import RawClient
 from tests.support.sink import Sink
 
@@ -16,7 +17,7 @@ from tests.support.sink import Sink
     ("MAIL FROM:app@example.com", replies.PATH_NEEDS_BRACKETS),
 ])
 async def test_malformed_reverse_path_is_refused(relay: Relay, sink: Sink, command: str,
-                                                 reply: replies.SmtpReply) -> None:
+                                                 reply: SmtpReply) -> None:
     """A reverse path without its closing bracket or with a bare blank is refused, not fixed."""
     client = await RawClient.connect(relay.port)
     await client.cmd("EHLO client.test")

@@ -19,6 +19,7 @@ import pytest
 
 from relay.app import Relay
 from relay.core import replies
+from relay.core.interfaces import SmtpReply
 from tests.support.cli import smtp_send, start_relay, wait_for_port
 from tests.support.clients import RawClient, message
 from tests.support.net import free_port
@@ -230,7 +231,7 @@ def relay_process(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]
 ])
 def test_a_long_line_without_crlf_is_read_in_bounded_memory(
         relay_process: tuple[int, subprocess.Popen[str]], prefix: bytes,
-        reply: replies.SmtpReply) -> None:
+        reply: SmtpReply) -> None:
     """200 MB without a line end, in DATA or in a command, grows the relay by under 20 MB."""
     port, proc = relay_process
     pid = proc.pid

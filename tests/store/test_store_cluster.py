@@ -180,7 +180,7 @@ async def test_url_passwords_reach_the_servers_and_sentinels() -> None:
     assert cluster_client.get_connection_kwargs()["password"] == "pw"
     master, service = open_client(
         "redis+sentinel://u:pw@s:26379/m?sentinel_password=spw", op_timeout_s=1)
-    assert service is not None
+    assert service is not None and isinstance(master, redis.asyncio.Redis)
     assert master.connection_pool.connection_kwargs["password"] == "pw"
     assert master.connection_pool.connection_kwargs["username"] == "u"
     sentinel_pool = service.sentinel.sentinels[0].connection_pool
@@ -195,7 +195,7 @@ async def test_rediss_urls_use_tls_to_servers_and_sentinels() -> None:
     assert isinstance(cluster_client, redis.asyncio.RedisCluster)
     assert cluster_client.get_connection_kwargs()["connection_class"] is SSLConnection
     master, service = open_client("rediss+sentinel://s/m?ssl_cert_reqs=none", op_timeout_s=1)
-    assert service is not None
+    assert service is not None and isinstance(master, redis.asyncio.Redis)
     assert master.connection_pool.connection_class is SentinelManagedSSLConnection
     assert master.connection_pool.connection_kwargs["ssl_cert_reqs"] == "none"
     sentinel_pool = service.sentinel.sentinels[0].connection_pool
@@ -250,7 +250,7 @@ async def test_cluster_writes_are_on_a_replica_when_the_call_returns(
         with contextlib.closing(client(cluster.replica_port_of(port))) as replica:
             replica.execute_command("READONLY")
             value = replica.get(key)
-        assert value is not None and value.startswith(b"S|")
+        assert isinstance(value, bytes) and value.startswith(b"S|")
 
 
 def _calls(port: int, command: str) -> int:

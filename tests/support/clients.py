@@ -43,11 +43,13 @@ def _transaction(client: smtplib.SMTP, mail_from: str, rcpts: Sequence[str], dat
             refused[rcpt] = (code, text.decode())
     if len(refused) == len(rcpts):
         return SendResult(554, "all recipients refused", refused)
+    answer: bytes | str
     try:
-        code, text = client.data(data)
+        code, answer = client.data(data)
     except smtplib.SMTPDataError as exc:
-        code, text = exc.smtp_code, exc.smtp_error
-    return SendResult(code, text.decode(errors="replace"), refused)
+        code, answer = exc.smtp_code, exc.smtp_error
+    said = answer.decode(errors="replace") if isinstance(answer, bytes) else answer
+    return SendResult(code, said, refused)
 
 
 async def send(port: int, rcpts: Sequence[str], data: bytes, *,

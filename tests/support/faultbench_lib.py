@@ -269,8 +269,9 @@ class _StallingSMTP(SMTP):
 
     async def smtp_DATA(self, arg: str) -> None:
         handler, transport = self.event_handler, self.transport
-        stall_s = handler.stall_s(self.envelope) if isinstance(handler, BenchSink) else 0.0
-        if stall_s and transport is not None:
+        stall_s = (handler.stall_s(self.envelope)
+                   if isinstance(handler, BenchSink) and self.envelope is not None else 0.0)
+        if stall_s and isinstance(transport, asyncio.ReadTransport):
             transport.pause_reading()
             asyncio.get_running_loop().call_later(stall_s, _resume_reading, transport)
         await super().smtp_DATA(arg)

@@ -150,7 +150,7 @@ class RetryPolicy:
     timeout_s: float = 10.0  # per reply; longer than the relay's slowest answer
 
     def backoff_s(self, attempt: int, rng: random.Random) -> float:
-        return rng.uniform(0.5, 1.0) * min(self.max_s, self.base_s * 2 ** min(attempt, 16))
+        return rng.uniform(0.5, 1.0) * min(self.max_s, self.base_s * 2.0 ** min(attempt, 16))
 
 
 @dataclass

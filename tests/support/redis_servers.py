@@ -61,7 +61,7 @@ def client(port: int) -> redis.Redis:
 def is_master(port: int) -> bool:
     """True when the server on ``port`` is a master now."""
     with contextlib.closing(client(port)) as conn:
-        return conn.info("replication")["role"] == "master"
+        return bool(conn.info("replication")["role"] == "master")
 
 
 def replicate(port: int, key: str = "redis_servers:probe") -> None:

@@ -68,6 +68,7 @@ class SinkHandler:
             await asyncio.sleep(self.delay_s)
         reply = self.data_plan.popleft() if self.data_plan else "250 2.0.0 Ok: queued as SINK1"
         if reply.startswith("250"):
+            assert envelope.mail_from is not None and envelope.original_content is not None
             self.delivered.append(Delivered(
                 envelope.mail_from, list(envelope.rcpt_tos), envelope.original_content,
                 list(envelope.mail_options)))

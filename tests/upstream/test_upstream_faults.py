@@ -92,6 +92,7 @@ async def test_connection_lost_before_the_dot_releases(make_relay: MakeRelay) ->
         assert (result.code, result.text) == (451, replies.UPSTREAM_LOST.text)
         assert peer.data_commands == 1
         assert peer.bytes_after_354 < len(big)
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix, "user@example.net"))
         assert record.state is State.ABSENT
 
@@ -102,6 +103,7 @@ async def test_connection_lost_after_the_dot_is_unknown(make_relay: MakeRelay) -
         relay = await make_relay(upstream=f"127.0.0.1:{peer.port}")
         result = await send(relay.port, ["user@example.net"], message())
         assert (result.code, result.text) == (451, replies.OUTCOME_UNKNOWN.text)
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix, "user@example.net"))
         assert record.state is State.UNKNOWN
         retry = await send(relay.port, ["user@example.net"], message())
@@ -194,6 +196,7 @@ async def test_a_reply_no_rfc_allows_is_never_passed_to_the_client(
         result = await send(relay.port, ["user@example.net"], message())
         assert 400 <= result.code < 500, result
         assert re.match(r"4\.\d+\.\d+ ", result.text)
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix, "user@example.net"))
         assert record.state is state
         samples = relay.registry.get_sample_value(
@@ -241,5 +244,6 @@ async def test_seven_bit_upstream_refuses_what_cannot_be_downgraded(
         assert (local.code, local.text) == (550, replies.UPSTREAM_NO_SMTPUTF8.text)
         assert (headers.code, headers.text) == (550, replies.UPSTREAM_NO_SMTPUTF8.text)
         assert peer.messages == 0
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix, "jörg@example.com"))
         assert record.state is State.ABSENT

@@ -62,7 +62,8 @@ def send_to(port: int, rcpts: list[str], key: str = "K-1") -> tuple[int, bytes]:
         try:
             return client.data(message(key=key))
         except smtplib.SMTPDataError as exc:
-            return exc.smtp_code, exc.smtp_error
+            error = exc.smtp_error
+            return exc.smtp_code, error.encode() if isinstance(error, str) else error
 
 
 def copies(box: Path, rcpt: str) -> int:

@@ -107,10 +107,11 @@ class SlowPeer:
 
 
 @contextlib.asynccontextmanager
-async def slow_peer(tls: ssl.SSLContext | None = None, **pace: float
+async def slow_peer(tls: ssl.SSLContext | None = None, *, pause_s: float = 0.0,
+                    rate_bps: float = 0.0, early_reply: bytes = b""
                     ) -> AsyncIterator[SlowPeer]:
     """Serve a SlowPeer on 127.0.0.1:0 (TLS from the first byte when ``tls`` is given)."""
-    peer = SlowPeer(**pace)
+    peer = SlowPeer(pause_s=pause_s, rate_bps=rate_bps, early_reply=early_reply)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
     sock.bind(("127.0.0.1", 0))
@@ -163,6 +164,7 @@ async def test_a_stalled_transfer_is_given_up_and_its_dot_never_follows(
         relay = await slow_relay(make_relay, peer, tls)
         result = await send(relay.port, ["user@example.net"], big_message(8))
         assert (result.code, result.text) == (451, replies.UPSTREAM_TIMEOUT.text)
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix))
         assert record.state is State.ABSENT
         await peer.finished()
@@ -220,6 +222,7 @@ async def test_a_reply_before_the_whole_message_stops_the_transfer(
         relay = await slow_relay(make_relay, peer, False, upstream_command_timeout=10.0)
         result = await send(relay.port, ["user@example.net"], big_message(8))
         assert result.code == code, result
+        assert relay.store is not None
         record = await relay.store.inspect(key_for(relay.settings.store_prefix))
         assert record.state is state
         await peer.finished()
