@@ -172,15 +172,23 @@ async def test_failed_settles_are_counted_as_settle_errors(prefix: str) -> None:
 
 class RenewIgnoresCancel(RedisStore):
     """A real RedisStore whose renewals hang and shrug off a cancellation (the way a lost
-    cancellation inside a client library looks from outside)."""
+    cancellation inside a client library looks from outside) until ``release`` is set;
+    ``renewals_over`` is set once none is running."""
+
+    release: asyncio.Event
+    renewals_over: asyncio.Event
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
-        for _ in range(50):
-            try:
-                await asyncio.sleep(0.1)
-            except asyncio.CancelledError:
-                continue
-        return await super().renew(keys, token=token, lease_s=lease_s)
+        self.renewals_over.clear()
+        try:
+            while not self.release.is_set():
+                try:
+                    await self.release.wait()
+                except asyncio.CancelledError:
+                    continue
+            return await super().renew(keys, token=token, lease_s=lease_s)
+        finally:
+            self.renewals_over.set()
 
 
 class SlowUpstream(CountingUpstream):
@@ -197,10 +205,14 @@ async def test_an_attempt_never_waits_for_its_lease_renewer(prefix: str) -> None
     """A renewal still hanging when the upstream answered does not hold up the attempt: the
     message is answered and SENT at once (it hung for as long as the renewal on old code)."""
     store = RenewIgnoresCancel.from_url(REDIS_URL)
+    store.release, store.renewals_over = asyncio.Event(), asyncio.Event()
     core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
     try:
         decision = await asyncio.wait_for(core.process(one_message()), 3.0)
+        assert not store.renewals_over.is_set(), "the renewal was still hanging at the answer"
     finally:
+        store.release.set()  # the hung renewal ends before its store closes (no leaked socket)
+        await asyncio.wait_for(store.renewals_over.wait(), 5.0)
         await store.close()
     assert decision.reply.code == 250
 
