@@ -23,11 +23,13 @@ from tests.support.sink import Sink, SinkHandler
 
 @dataclass
 class PoolSinkHandler(SinkHandler):
-    """Records the relay-side (host, port) of every MAIL and RSET, and the QUITs."""
+    """Records the relay-side (host, port) of every MAIL and RSET, the QUITs, and how many
+    sessions have ended."""
 
     mail_peers: list[Any] = field(default_factory=list)
     rsets: int = 0
     quits: int = 0
+    ended: int = 0
 
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, options: list[str]) -> str:
@@ -43,6 +45,15 @@ class PoolSinkHandler(SinkHandler):
         return "221 2.0.0 Bye"
 
 
+class PoolSMTP(SMTP):
+    """aiosmtpd's SMTP that counts ended sessions in its PoolSinkHandler."""
+
+    def connection_lost(self, error: Exception | None) -> None:
+        super().connection_lost(error)
+        if isinstance(self.event_handler, PoolSinkHandler):
+            self.event_handler.ended += 1
+
+
 ServePool = Callable[..., Awaitable[tuple[Sink, PoolSinkHandler]]]
 
 
@@ -55,8 +66,8 @@ async def serve_pool_sink() -> AsyncIterator[ServePool]:
         handler = PoolSinkHandler()
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            lambda: SMTP(handler, hostname="sink.test", decode_data=False,
-                         enable_SMTPUTF8=True, timeout=idle_timeout_s),
+            lambda: PoolSMTP(handler, hostname="sink.test", decode_data=False,
+                             enable_SMTPUTF8=True, timeout=idle_timeout_s),
             host="127.0.0.1", port=0)
         servers.append(server)
         return Sink(handler=handler, port=server.sockets[0].getsockname()[1],
@@ -96,7 +107,7 @@ async def test_a_connection_dropped_while_idle_is_replaced_unseen(
     sink, handler = await serve_pool_sink(idle_timeout_s=0.3)
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
     assert await _send_keys(relay, ["D-1"]) == [250]
-    await asyncio.sleep(0.8)  # the sink said 421 and closed the pooled connection
+    await eventually(lambda: handler.ended == 1)  # the sink said 421 and closed it
     assert await _send_keys(relay, ["D-2"]) == [250]
     assert len(handler.delivered) == 2
     assert len(set(handler.mail_peers)) == 2
