@@ -14,6 +14,8 @@ from tests.support.faultbench_lib import Faults, RelayConfig, RelayProcess, free
 from tests.support.faultbench_traffic import make_messages, read_sink_log, send_once
 from tests.support.relays import REDIS_URL, delete_prefix
 
+pytestmark = pytest.mark.slow  # relay processes under load, real leases: seconds per test
+
 pytestmark = pytest.mark.skipif(shutil.which("faketime") is None,
                                 reason="needs faketime (Debian package faketime)")
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.support.faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
+
+pytestmark = pytest.mark.slow  # relay processes under load, real leases: seconds per test
 
 MESSAGES = 40
 SPREAD_S = 1.5  # the messages arrive evenly over this time; the fault comes at 40 % of it

@@ -21,6 +21,8 @@ from tests.support.faultbench_traffic import (
 )
 from tests.support.relays import REDIS_URL, delete_prefix
 
+pytestmark = pytest.mark.slow  # relay processes under load, real leases: seconds per test
+
 CLIENTS = 20
 KEYS = 10
 DEADLINE_S = 30.0

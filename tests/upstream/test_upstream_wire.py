@@ -155,6 +155,7 @@ async def slow_relay(make_relay: MakeRelay, peer: SlowPeer, tls: bool, **extra: 
     return await make_relay(**settings)
 
 
+@pytest.mark.slow  # a transfer paced over seconds
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_a_stalled_transfer_is_given_up_and_its_dot_never_follows(
     make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
@@ -171,6 +172,7 @@ async def test_a_stalled_transfer_is_given_up_and_its_dot_never_follows(
         assert (peer.dots, peer.cut) == (0, 1)
 
 
+@pytest.mark.slow  # a transfer paced over seconds
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_a_slow_but_moving_transfer_is_not_cut(
     make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
@@ -185,6 +187,7 @@ async def test_a_slow_but_moving_transfer_is_not_cut(
         assert peer.dots == 1
 
 
+@pytest.mark.slow  # a transfer paced over seconds
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_a_shutdown_cutting_the_transfer_resets_it_before_the_dot(
     make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
