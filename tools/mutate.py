@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/mutate.py relay/core/fingerprint.py -t tests/test_fingerprint.py [-t ...]
+    python tools/mutate.py relay/core/fingerprint.py -t tests/core/test_fingerprint.py [-t ...]
         [--only 3,17] [--per-mutant-s 120] [--work /tmp/mutants] [--list] [--lua]
 
 Each mutant changes one thing in the module: a comparison flipped (``==``/``!=``, ``<``/``>=``,

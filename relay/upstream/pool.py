@@ -40,7 +40,7 @@ def has_unread_reply(smtp: aiosmtplib.SMTP) -> bool:
     """True when bytes of a reply nobody asked for wait in the connection's read buffer.
 
     aiosmtplib (5.1.3) keeps what follows a parsed reply in ``SMTPProtocol._buffer`` and would
-    hand it to the next command; tests/test_upstream_pool.py pins this behaviour.
+    hand it to the next command; tests/upstream/test_upstream_pool.py pins this behaviour.
     """
     protocol = smtp.protocol
     return protocol is not None and bool(getattr(protocol, "_buffer", b""))
