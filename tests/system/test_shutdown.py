@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from relay.core import replies
@@ -90,6 +91,14 @@ async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -
     assert (result.code, result.text) == (451, replies.OUTCOME_UNKNOWN.text)
 
 
+async def _until(check: Callable[[], bool], within_s: float = 10.0) -> None:
+    """Wait until ``check()`` holds, failing after ``within_s`` seconds."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "the awaited event never came"
+        await asyncio.sleep(0.01)
+
+
 async def _inspect_after_stop(url: str, key: str) -> State:
     """The key's state, read with a fresh store (the relay's own is closed)."""
     from relay.store.redis.store import RedisStore
@@ -160,7 +169,9 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
                                  shutdown_grace=0.8, store_timeout=4.0, lease=30.0)
         sink.handler.hang_after_dot_s = 1.0  # the 250 comes 1 s after the final dot
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
-        await asyncio.sleep(0.5)  # the dot is out, SENDING is marked: Redis now sleeps 2 s
+        await _until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
+        # marked before it); the 250 comes 1 s later, when Redis sleeps and the grace still runs
+        await asyncio.sleep(0.4)
         pauser = redis.Redis(port=port, socket_timeout=10)
         pause = asyncio.create_task(
             asyncio.to_thread(pauser.execute_command, "DEBUG", "SLEEP", "2"))
@@ -194,7 +205,8 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
         relay = await make_relay(**settings)
         sink.handler.hang_after_dot_s = 1.0
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
-        await asyncio.sleep(0.5)  # the dot is out and SENDING is marked: Redis goes away
+        await _until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
+        # marked before it): Redis goes away
         await asyncio.to_thread(server.stop)
         result = await sending
         await relay.stop()
