@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 from relay.core import replies
@@ -15,6 +14,7 @@ from tests.support.clients import RawClient, message, send
 from tests.support.net import free_port
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
+from tests.support.waiting import until
 
 
 def key_for(prefix: str, rcpt: str = "user@example.net") -> str:
@@ -91,14 +91,6 @@ async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -
     assert (result.code, result.text) == (451, replies.OUTCOME_UNKNOWN.text)
 
 
-async def _until(check: Callable[[], bool], within_s: float = 10.0) -> None:
-    """Wait until ``check()`` holds, failing after ``within_s`` seconds."""
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "the awaited event never came"
-        await asyncio.sleep(0.01)
-
-
 async def _inspect_after_stop(url: str, key: str) -> State:
     """The key's state, read with a fresh store (the relay's own is closed)."""
     from relay.store.redis.store import RedisStore
@@ -169,7 +161,7 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
                                  shutdown_grace=0.8, store_timeout=4.0, lease=30.0)
         sink.handler.hang_after_dot_s = 1.0  # the 250 comes 1 s after the final dot
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
-        await _until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
+        await until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
         # marked before it); the 250 comes 1 s later, when Redis sleeps and the grace still runs
         await asyncio.sleep(0.4)
         pauser = redis.Redis(port=port, socket_timeout=10)
@@ -205,7 +197,7 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
         relay = await make_relay(**settings)
         sink.handler.hang_after_dot_s = 1.0
         sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
-        await _until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
+        await until(lambda: len(sink.handler.delivered) == 1)  # the dot is out (SENDING was
         # marked before it): Redis goes away
         await asyncio.to_thread(server.stop)
         result = await sending

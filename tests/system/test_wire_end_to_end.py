@@ -24,6 +24,7 @@ from relay.core.interfaces import State
 from tests.support.clients import RawClient, send
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink, start_sink
+from tests.support.waiting import until
 from tests.support.wire import (
     RCPT,
     assert_relayed_unchanged,
@@ -708,10 +709,13 @@ async def test_hangup_after_the_dot_still_settles_the_send(
            await client.cmd("DATA")]
     await client.write(PAYSLIP + b".\r\n")
     await client.close()
-    await asyncio.sleep(1.0)
+
+    async def settled() -> bool:
+        return await state_of(relay, RCPT, "payslip", "PAY-2024-09-0042") is State.SENT
+
+    await until(settled, what="the SENT mark of the message whose client hung up")
     assert codes(got) == [250, 250, 354]
     assert len(sink.handler.delivered) == 1
-    assert await state_of(relay, RCPT, "payslip", "PAY-2024-09-0042") is State.SENT
     sink.handler.delay_s = 0.0
     retry = await send(relay.port, [RCPT], PAYSLIP)
     assert retry.code == 250 and "suppressed" in retry.text
