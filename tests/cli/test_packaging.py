@@ -4,6 +4,7 @@ exist, the store is configured as design.md §3 asks."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import tomllib
@@ -159,3 +160,35 @@ def test_prometheus_loads_the_rules_file_compose_mounts() -> None:
     mounts = compose()["services"]["prometheus"]["volumes"]
     targets = {v.split(":")[1] for v in mounts}
     assert set(prom["rule_files"]) <= targets
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run runs the tests with exactly the command the README gives, and nothing else does."""
+    pytest_line = re.compile(r"\.venv/bin/python -m pytest[^`\n\"]*")
+    ci = [m.group(0).strip() for line in (REPO / ".ci/run").read_text().splitlines()
+          if not line.lstrip().startswith(("#", "echo")) for m in [pytest_line.search(line)] if m]
+    readme = {m.group(0).strip() for m in pytest_line.finditer((REPO / "README.md").read_text())}
+    assert len(ci) == 1, ci
+    assert readme == set(ci), (readme, ci)
+
+
+def test_tests_share_parts_through_tests_support_only() -> None:
+    """No test module imports a conftest or another test module, and no test or tool puts a
+    folder on sys.path: shared parts live in tests/support/ and import as a package."""
+    offenders = []
+    for path in sorted([*(REPO / "tests").rglob("*.py"), *(REPO / "tools").glob("*.py")]):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom | ast.Attribute):
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                last = name.rsplit(".", 1)[-1]
+                if last == "conftest" or last.startswith("test_"):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+            if (isinstance(node, ast.Attribute) and node.attr in ("insert", "append")
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "path"
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys"):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} changes sys.path")
+    assert offenders == []
