@@ -53,9 +53,6 @@ def logger_the_alert_names() -> str:
     return found.group(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "0ea2d03 renamed the loggers with their modules (relay.dsn -> relay.core.dsn); "
-    "config/prometheus/alerts.yml still sends the operator to logger relay.dsn"))
 async def test_a_notice_not_delivered_is_logged_on_the_logger_the_alert_names(
         caplog: pytest.LogCaptureFixture) -> None:
     sender = DsnSender(upstream=RefusingUpstream(),

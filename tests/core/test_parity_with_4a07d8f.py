@@ -10,11 +10,10 @@ said for each recipient it was given (§4.2), or where shutdown cut it; the poli
 The old tree is taken from git (``git archive 4a07d8f relay``); the tests are skipped in a clone
 without that commit.
 
-Two differences were found, each pinned by a strict xfail that documents the old behaviour:
-the notice's ``Status`` of an upstream reply whose enhanced code is followed by a tab or a line
-break (5b6b166, SmtpReply.enhanced), and a store that reports SENDING as such to a reserve
-(f84adc0, rules.classify judges it; the shipped stores never report it, they judge it
-themselves).
+The notice's ``Status`` of an upstream reply whose enhanced code is followed by a tab or a line
+break differed (5b6b166) and was restored; a store that reports SENDING as such to a reserve is
+now judged by its heartbeat (rules.classify) where the old code answered it as a duplicate: on
+purpose, and unreachable with the shipped stores, which judge SENDING themselves.
 """
 
 from __future__ import annotations
@@ -381,10 +380,6 @@ def test_upstream_replies_reach_the_client_as_before(old: Path) -> None:
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "5b6b166: dsn.status_code reads SmtpReply.enhanced (an enhanced code followed by a space "
-    "or the end); 4a07d8f's own pattern also took one followed by any blank (tab, line break):"
-    " the notice now says Status 5.0.0 for the upstream's 5.1.1"))
 @pytest.mark.parametrize("text", ["5.1.1\tUser unknown", "5.1.1\n5.1.1 User unknown"],
                          ids=["tab-after-the-code", "multiline-reply-first-line-only-the-code"])
 def test_the_notice_keeps_the_upstreams_status_whatever_blank_follows_it(
@@ -400,25 +395,3 @@ def test_the_notice_keeps_the_upstreams_status_whatever_blank_follows_it(
     before = run(old, [sc, {"reply": [550, text]}], is_old=True)
     assert before[0]["notices"] == [{"b@x.test": [f"550 {text}", True, "5.1.1"]}]
     assert differences(old, [sc, {"reply": [550, text]}]) == []
-
-
-SENDING_AS_SUCH = [
-    pytest.param({"age_s": 5.0}, "suppress", id="in-flight"),
-    pytest.param({"age_s": 5000.0}, "suppress", id="past-its-lease-suppress"),
-    pytest.param({"age_s": 5000.0}, "hold", id="past-its-lease-hold"),
-    pytest.param({}, "suppress", id="without-an-age"),
-]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "f84adc0: rules.classify reads a SENDING record by its heartbeat (in flight: 450; past "
-    "the lease: in doubt), 4a07d8f's _partition answered it as a duplicate (250 'original "
-    "sent'); unreachable with the shipped stores, which report SENDING to a reserve as "
-    "PENDING or UNKNOWN already (FingerprintStore.reserve)"))
-@pytest.mark.parametrize(("age", "unknown_policy"), SENDING_AS_SUCH)
-def test_a_store_that_reports_sending_to_a_reserve_gets_the_old_answer(
-        old: Path, age: dict[str, float], unknown_policy: str) -> None:
-    found = {"state": "sending", "token": "other", "at": AT, **age}
-    sc = {"rcpts": ["a@x.test"], "policy": {"unknown": unknown_policy},
-          "reserve": {"K0": {"reserved": False, "found": found}}}
-    assert differences(old, [sc]) == []
