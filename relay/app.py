@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -73,18 +74,35 @@ def check_settings(settings: Settings) -> None:
     if s.auth_file is not None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
-    if s.store.startswith("redis"):
-        for name, value in parse_qsl(urlsplit(s.store).query):
-            if name in _STORE_FILE_OPTIONS:
-                check(("store",), lambda n=name, v=value: _readable(Path(v), f"{n}={v}"))
-    else:
-        path = Path(sqlite_path_from_url(s.store))
-        check(("store",), lambda: _sqlite_file(path))
+    check(("store",), lambda: _store_files(s.store))
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _store_files(store: str) -> None:
+    """Raise ConfigError unless the files a store URL names are usable: a Redis URL's TLS
+    files readable and its ``ssl_ca_certs`` PEM certificates; a SQLite file's directory."""
+    if not store.startswith("redis"):
+        _sqlite_file(Path(sqlite_path_from_url(store)))
+        return
+    options = parse_qsl(urlsplit(store).query)
+    for name, value in options:
+        if name in _STORE_FILE_OPTIONS:
+            _readable(Path(value), f"{name}={value}")
+    for name, value in options:
+        if name == "ssl_ca_certs":
+            _ca_file(value)
+
+
+def _ca_file(path: str) -> None:
+    """Raise ConfigError unless ``path`` holds PEM CA certificates (``ssl_ca_certs=``)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"ssl_ca_certs={path}: not a PEM CA certificate file ({exc})") from exc
 
 
 def _readable(path: Path, what: str) -> None:

@@ -56,6 +56,8 @@ def redact_url(url: str) -> str:
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
 
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9_.:\-\[\]]+")
+
 ENV_PREFIX = "RELAY_"
 
 
@@ -276,7 +278,7 @@ class Settings(BaseSettings):
     def _check_metrics_listen(cls, value: str | None) -> str | None:
         if value is None or value.lower() in ("", "off", "none"):
             return None
-        split_host_port(value, what="metrics-listen")
+        split_host_port(value, what="metrics_listen")
         return value
 
     @field_validator("allowed_networks", "proxy_networks", "allowed_senders",
@@ -296,6 +298,31 @@ class Settings(BaseSettings):
         check_field_names(value)  # ValueError names the bad one: non-ASCII, blank, colon
         return value
 
+    @field_validator("dedupe_headers")
+    @classmethod
+    def _check_some_dedupe_header(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:  # no header could carry a key: every message would relay undeduplicated
+            raise ValueError("dedupe_headers must name at least one header")
+        return value
+
+    @field_validator("hostname")
+    @classmethod
+    def _check_hostname(cls, value: str) -> str:
+        # a Domain or address-literal (RFC 5321 section 4.1.2): it goes into the greeting and
+        # the Received: header verbatim, where a blank or line break would break the header
+        if not _HOSTNAME.fullmatch(value):
+            raise ValueError(
+                f"hostname {value!r} is not a domain name or [address literal] (ASCII letters, "
+                "digits, '-', '.', '_', ':' and brackets; an IDN in its xn-- form)")
+        return value
+
+    @field_validator("fingerprint_secret")
+    @classmethod
+    def _check_fingerprint_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("fingerprint_secret must not be empty (leave it unset for SHA-256)")
+        return value
+
     @field_validator("allowed_networks", "proxy_networks")
     @classmethod
     def _check_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -307,7 +334,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_tls_listen(cls, value: str | None) -> str | None:
         if value is not None:
-            split_host_port(value, what="tls-listen")
+            split_host_port(value, what="tls_listen")
         return value
 
     @field_validator("upstream")
@@ -368,7 +395,25 @@ class Settings(BaseSettings):
             raise SettingsRuleError("give upstream_password_file or upstream_password, not both",
                                     "upstream_password_file", "upstream_password")
         self._check_security()
+        self._check_listeners_apart()
         return self
+
+    def _check_listeners_apart(self) -> None:
+        """Two listeners of this relay on one address would make the second bind fail."""
+        wildcard = {"0.0.0.0", "::", "*"}  # noqa: S104 (compared, not bound)
+        bound: list[tuple[str, int, str]] = []
+        for field in ("listen", "tls_listen", "metrics_listen"):
+            value = getattr(self, field)
+            if value is None or value == "off":
+                continue
+            host, port = split_host_port(value, what=field)
+            for other_host, other_port, other in bound:
+                if port != 0 and port == other_port and (
+                        host == other_host or host in wildcard or other_host in wildcard):
+                    raise SettingsRuleError(
+                        f"{other} and {field} would listen on one address ({value})",
+                        other, field)
+            bound.append((host, port, field))
 
     def _check_security(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -399,7 +444,7 @@ class Settings(BaseSettings):
         """``(host, port)`` of the metrics HTTP server, or None when disabled."""
         if self.metrics_listen is None:
             return None
-        return split_host_port(self.metrics_listen, what="metrics-listen")
+        return split_host_port(self.metrics_listen, what="metrics_listen")
 
     @property
     def fingerprint_secret_bytes(self) -> bytes | None:

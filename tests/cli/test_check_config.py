@@ -49,6 +49,22 @@ CASES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "a CA file of the store URL that does not exist": (
         ("--store", "rediss://127.0.0.1:6380/0?ssl_ca_certs=/nope/ca.pem"),
         "ssl_ca_certs=/nope/ca.pem: no such file", "--store"),
+    "a CA file of the store URL that holds no certificate": (
+        ("--store", "rediss://127.0.0.1:6380/0?ssl_ca_certs={garbage}"),
+        "not a PEM CA certificate file", "--store"),
+    "an empty fingerprint secret (an unset template variable)": (
+        ("--fingerprint-secret", ""), "must not be empty", "--fingerprint-secret"),
+    "no dedupe header (dedup silently off)": (
+        ("--dedupe-headers", ""), "at least one header", "--dedupe-headers"),
+    "a hostname with a line break (it goes into the Received: header)": (
+        ("--hostname", "evil\r\n250 injected"), "is not a domain name", "--hostname"),
+    "a hostname with a blank": (("--hostname", "mx example"), "is not a domain name", "--hostname"),
+    "the metrics listener on the SMTP listener's address": (
+        ("--listen", "127.0.0.1:2599", "--metrics-listen", "127.0.0.1:2599"),
+        "would listen on one address", "--metrics-listen"),
+    "the implicit-TLS listener on a wildcard of the SMTP port": (
+        ("{tls}", "--listen", "127.0.0.1:2599", "--tls-listen", "0.0.0.0:2599"),
+        "would listen on one address", "--tls-listen"),
     "a SQLite store that is another kind of file": (
         ("--store", "sqlite:///{garbage}"), "is not a SQLite database", "--store"),
     "a SQLite store under a file": (
