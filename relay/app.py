@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import ssl
 from pathlib import Path
 from typing import Any
@@ -477,6 +478,8 @@ async def _bind(factory: Any, host: str, port: int, field: str) -> asyncio.base_
 def _bind_error(host: str, port: int, field: str, exc: OSError) -> StartupError:
     if exc.errno == errno.EADDRINUSE:
         why = "the address is already in use (another process listens there)"
+    elif isinstance(exc, socket.gaierror):
+        why = f"cannot resolve the host ({exc.strerror or exc})"
     else:
         why = os.strerror(exc.errno) if exc.errno else str(exc)
     return StartupError(f"cannot listen on {_host_port(host, port)} for {field} "

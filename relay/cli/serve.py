@@ -73,7 +73,7 @@ def register(main: click.Group) -> None:
     def healthcheck(config_file: Path | None, timeout: float, **flags: Any) -> None:
         """Exit 0 when the relay on this host serves (container HEALTHCHECK), else 1.
 
-        Asks ``/healthz`` on the metrics port; with metrics off, waits for the SMTP greeting.
+        Asks /healthz on the metrics port; with metrics off, waits for the SMTP greeting.
         """
         settings = load(config_file, flags, base=AdminSettings)
         ok = _serving(settings, timeout)

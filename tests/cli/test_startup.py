@@ -105,3 +105,15 @@ def test_a_port_in_use_names_its_setting_and_exits_69(
     assert line.startswith(f"dedup-relay: cannot start: cannot listen on {busy} for {held} "
                            f"({flag}"), line
     assert "already in use" in line and "Traceback" not in result.stderr
+
+
+def test_a_listen_host_that_does_not_resolve_says_so_and_exits_69(tmp_path: Path) -> None:
+    """A name the resolver does not know (``.invalid``, RFC 2606): exit 69 with a line that
+    says the host did not resolve (it said "Unknown error -2")."""
+    result = run_cli("serve", "--upstream", "maildir:md", "--metrics-listen", "off",
+                     "--listen", "nosuchhost.invalid:2544", cwd=tmp_path)
+    assert result.returncode == 69, result
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("dedup-relay: cannot start: cannot listen on nosuchhost.invalid:2544 "
+                           "for listen (--listen, RELAY_LISTEN"), line
+    assert "cannot resolve the host" in line and "Unknown error" not in line, line
