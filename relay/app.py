@@ -89,11 +89,9 @@ def _store_files(store: str) -> None:
     if not store.startswith("redis"):
         _sqlite_file(Path(sqlite_path_from_url(store)))
         return
-    options = parse_qsl(urlsplit(store).query)
-    for name, value in options:
+    for name, value in parse_qsl(urlsplit(store).query):
         if name in _STORE_FILE_OPTIONS:
             _readable(Path(value), f"{name}={value}")
-    for name, value in options:
         if name == "ssl_ca_certs":
             _ca_file(value)
 

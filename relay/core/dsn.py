@@ -139,19 +139,10 @@ def _headers_part(content: bytes, pol: _Policy) -> EmailMessage:
     return part
 
 
-_ENHANCED_BLANK = re.compile(r"([245]\.\d{1,3}\.\d{1,3})(?=\s|$)")
-
-
 def status_code(result: RcptResult) -> str:
-    """The RFC 3463 status of a permanent refusal: the reply's own 5.x.x, else ``5.0.0``.
-
-    An upstream code followed by a tab or a line break (``5.1.1\tUser unknown``, a multi-line
-    reply) is not split off by :meth:`SmtpReply.parse`; it is read from the text here.
-    """
-    enhanced = result.reply.enhanced
-    if enhanced is None:
-        found = _ENHANCED_BLANK.match(result.reply.text)
-        enhanced = found.group(1) if found is not None else None
+    """The RFC 3463 status of a permanent refusal: the reply's own 5.x.x
+    (:attr:`SmtpReply.stated_enhanced`), else ``5.0.0``."""
+    enhanced = result.reply.stated_enhanced
     return enhanced if enhanced is not None and enhanced.startswith("5") else "5.0.0"
 
 

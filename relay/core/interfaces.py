@@ -169,7 +169,8 @@ class FingerprintStore(Protocol):
 
 # RFC 3463 section 2: class "." subject "." detail; in a reply it is followed by SP (RFC 2034)
 _ENHANCED = re.compile(r"[245]\.\d{1,3}\.\d{1,3}")
-_ENHANCED_PREFIX = re.compile(r"([245]\.\d{1,3}\.\d{1,3})(?: |\Z|(?=\n\Z))")
+_ENHANCED_PREFIX = re.compile(f"({_ENHANCED.pattern})" + r"(?: |\Z|(?=\n\Z))")
+_ENHANCED_BEFORE_BLANK = re.compile(f"({_ENHANCED.pattern})" + r"(?=\s|\Z)")
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,16 @@ class SmtpReply:
         if self.enhanced is None:
             return self.detail
         return f"{self.enhanced} {self.detail}" if self.detail else self.enhanced
+
+    @property
+    def stated_enhanced(self) -> str | None:
+        """The enhanced status code the reply states: :attr:`enhanced`, or one leading the
+        text followed by a tab or a line break (an upstream's ``5.1.1<TAB>User unknown`` or
+        multi-line reply, which :meth:`parse` leaves in the text to keep it byte-exact)."""
+        if self.enhanced is not None:
+            return self.enhanced
+        found = _ENHANCED_BEFORE_BLANK.match(self.detail)
+        return found.group(1) if found is not None else None
 
     def __str__(self) -> str:
         return f"{self.code} {self.text}".rstrip()
