@@ -287,6 +287,21 @@ class GuessBudget:
                 charges.remove(stamp)
 
 
+async def _first_response(server: SMTP, args: list[str], challenge: str | bytes, *,
+                          encode_to_b64: bool = True) -> bytes | None:
+    """The client's first SASL response: the AUTH line's initial response (RFC 4954 section
+    4), else its answer to ``challenge``. ``None`` when the exchange is over: '*' or bad
+    base64 to the challenge (aiosmtpd answered 501), or a bad initial response (answered
+    here)."""
+    if len(args) == 1:
+        blob = await server.challenge_auth(challenge, encode_to_b64=encode_to_b64)
+        return blob if isinstance(blob, bytes) else None
+    decoded = _decode_initial_response(args[1])
+    if decoded is None:
+        await server.push(str(replies.AUTH_BAD_BASE64))
+    return decoded
+
+
 def _decode_initial_response(arg: str) -> bytes | None:
     """The initial response of ``AUTH <mech> <arg>``; ``=`` is empty (RFC 4954 section 4)."""
     if arg == "=":
@@ -355,17 +370,9 @@ class SaslMechanisms:
         Without an initial response the challenge is ``334 `` (empty). An authzid other than
         the authcid is refused. Returns aiosmtpd's AuthResult; ``auth_data`` is the username.
         """
-        if len(args) == 1:
-            blob = await server.challenge_auth(b"", encode_to_b64=False)
-            if not isinstance(blob, bytes):  # '*' or bad base64: aiosmtpd answered 501
-                return AuthResult(success=False, handled=True)
-            message: bytes = blob
-        else:
-            decoded = _decode_initial_response(args[1])
-            if decoded is None:
-                await server.push(str(replies.AUTH_BAD_BASE64))
-                return AuthResult(success=False, handled=True)
-            message = decoded
+        message = await _first_response(server, args, b"", encode_to_b64=False)
+        if message is None:
+            return AuthResult(success=False, handled=True)
         parts = _split_plain(message)
         if parts is None:
             return await self._check(server, "PLAIN", None, None)
@@ -381,17 +388,9 @@ class SaslMechanisms:
         ``Password:``, without NUL. Returns aiosmtpd's AuthResult; ``auth_data`` is the
         username.
         """
-        if len(args) == 1:
-            user_blob = await server.challenge_auth(_LOGIN_USERNAME)
-            if not isinstance(user_blob, bytes):
-                return AuthResult(success=False, handled=True)
-            username_bytes: bytes = user_blob
-        else:
-            decoded = _decode_initial_response(args[1])
-            if decoded is None:
-                await server.push(str(replies.AUTH_BAD_BASE64))
-                return AuthResult(success=False, handled=True)
-            username_bytes = decoded
+        username_bytes = await _first_response(server, args, _LOGIN_USERNAME)
+        if username_bytes is None:
+            return AuthResult(success=False, handled=True)
         password_blob = await server.challenge_auth(_LOGIN_PASSWORD)
         if not isinstance(password_blob, bytes):
             return AuthResult(success=False, handled=True)
