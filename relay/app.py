@@ -169,7 +169,8 @@ def build_upstream(settings: Settings) -> Upstream:
         connect_timeout_s=settings.upstream_connect_timeout,
         command_timeout_s=settings.upstream_command_timeout,
         final_timeout_s=settings.upstream_timeout,
-        pool_size=settings.upstream_pool_size, pool_idle_s=settings.upstream_pool_idle,
+        pool_size=4 if settings.upstream_pool_size is None else settings.upstream_pool_size,
+        pool_idle_s=settings.upstream_pool_idle,
         pool_max_messages=settings.upstream_pool_max_messages,
     ))
 

@@ -192,9 +192,9 @@ class Settings(BaseSettings):
         "progress (RFC 5321 section 4.5.3.2.5)"))
     upstream_connect_timeout: float = Field(default=30.0, gt=0, description=(
         "seconds for TCP connect, greeting and EHLO (and TLS, AUTH)"))
-    upstream_pool_size: int = Field(default=4, ge=0, description=(
-        "idle smarthost connections kept for reuse (RSET between messages); 0: one "
-        "connection per message"))
+    upstream_pool_size: int | None = Field(default=None, ge=0, description=(
+        "idle smarthost connections kept for reuse per worker; unset: sized for the "
+        "sessions a worker serves (bounded); 0: one connection per message"))
     upstream_pool_idle: float = Field(default=30.0, gt=0, description=(
         "seconds an idle pooled connection waits before it is closed"))
     upstream_pool_max_messages: int = Field(default=100, ge=1, description=(
@@ -205,6 +205,9 @@ class Settings(BaseSettings):
         "redis://, rediss://, redis+cluster://H:P,..., redis+sentinel://H:P,.../SERVICE or "
         "sqlite:///PATH (relative to the working directory; sqlite:////abs/path.db)"))
     store_prefix: str = Field("email:fp:", description="key prefix of every fingerprint")
+    store_key_format: Literal["hex", "compact"] = Field("hex", description=(
+        "fingerprint form in a store key: hex (64 characters, the seed formula an application "
+        "can compute) or compact (base64url, 43 characters: less store memory)"))
     store_timeout: float = Field(default=2.0, gt=0, description=(
         "seconds per store round trip; a timeout counts as the store being down"))
     dedup_window: float = Field(default=86400.0, gt=0, description=(
@@ -239,6 +242,9 @@ class Settings(BaseSettings):
         "send the sender an RFC 3464 notice for recipients refused permanently after a 250"))
 
     # operations
+    workers: int | None = Field(default=None, ge=1, le=256, description=(
+        "worker processes sharing the listeners, each with its own event loop, store "
+        "client and upstream pool; unset: the number of CPUs; 1: one process, no supervisor"))
     metrics_listen: str | None = Field("127.0.0.1:9725", description=(
         "HOST:PORT of /metrics, /healthz and /readyz; off disables"))
     health_interval: float = Field(default=5.0, gt=0, description=(
