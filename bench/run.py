@@ -205,12 +205,16 @@ class PrivateRedis:
 class Target:
     """A system under test: ``start`` it, send to ``port``, measure ``pid``'s tree, ``stop`` it.
 
-    ``workers`` is the hook for dedup-relay's ``--workers N`` (issue 10): None passes no flag.
+    ``workers``: dedup-relay's ``--workers N`` (None passes no flag: its default, one worker per
+    CPU). ``flags``: more dedup-relay flags. ``memory_only``: measured only for Redis memory
+    per fingerprint, not in the repetitions.
     """
 
     name: str
     kind: str  # sink | postfix | naive | relay-redis | relay-sqlite
     workers: int | None = None
+    flags: tuple[str, ...] = ()
+    memory_only: bool = False
     port: int = 0
     pid: int = 0
     uses_redis: bool = False
@@ -245,6 +249,7 @@ class Target:
                    str(self.tmp / "owed.jsonl")]
             if self.workers is not None:
                 cmd += ["--workers", str(self.workers)]
+            cmd += list(self.flags)
         self.proc = subprocess.Popen(cmd, cwd=self.tmp, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.tmp / "stderr.log", "wb"))  # noqa: SIM115
         self.pid = self.proc.pid
@@ -577,6 +582,50 @@ def memory_table(memory: dict[str, FpMemory]) -> Iterator[str]:
     yield ""
 
 
+NEW_1 = SCENARIOS[0].name
+REUSED = SCENARIOS[2].name
+SEQUENTIAL = SCENARIOS[3].name
+
+
+def verdicts(results: dict[tuple[str, str], list[Cell]],
+             memory: dict[str, FpMemory]) -> Iterator[str]:
+    """Markdown lines: each target of issue 10, the measured ratio of medians, met or not."""
+    def med(target: str, scenario: str, attr: str) -> float:
+        return _med(values(results.get((target, scenario), []), attr))
+
+    rows: list[tuple[str, float, str, bool]] = []  # (what, measured, target, met)
+
+    def ratio(what: str, x: float, ref: float, want: float, *, at_most: bool = False) -> None:
+        r = x / ref if ref == ref and ref and x == x else float("nan")
+        met = r == r and (r <= want if at_most else r >= want)
+        rows.append((what, r, f"{'<=' if at_most else '>='} {want:g}", met))
+
+    redis_, sqlite_ = "dedup-relay, Redis", "dedup-relay, SQLite"
+    ratio(f"{NEW_1}: Redis msgs/s x Postfix", med(redis_, NEW_1, "rate"),
+          med("Postfix", NEW_1, "rate"), 2.5)
+    ratio(f"{NEW_1}: Redis msgs/s x naive", med(redis_, NEW_1, "rate"),
+          med("naive relay", NEW_1, "rate"), 2.0)
+    ratio(f"{NEW_1}: SQLite msgs/s x Postfix", med(sqlite_, NEW_1, "rate"),
+          med("Postfix", NEW_1, "rate"), 1.5)
+    ratio(f"{REUSED}: Redis msgs/s x Postfix", med(redis_, REUSED, "rate"),
+          med("Postfix", REUSED, "rate"), 4.0)
+    for name in (redis_, sqlite_):
+        ratio(f"{SEQUENTIAL}: {name.split(', ')[1]} p50 x Postfix", med(name, SEQUENTIAL, "p50_ms"),
+              med("Postfix", SEQUENTIAL, "p50_ms"), 1.0, at_most=True)
+    ratio(f"{NEW_1}: Redis CPU ms/msg x naive", med(redis_, NEW_1, "cpu_ms"),
+          med("naive relay", NEW_1, "cpu_ms"), 1.0, at_most=True)
+    yield "| target of issue 10 | measured (ratio of medians) | wanted | met |"
+    yield "|---|---|---|---|"
+    for what, r, want, met in rows:
+        yield f"| {what} | {_fmt(r, 2)} | {want} | {'yes' if met else '**no**'} |"
+    for name, m in memory.items():
+        if name.startswith("dedup-relay"):
+            ok = m.used_b_per_fp <= 160
+            yield (f"| Redis `used_memory` per fingerprint, {name} | {m.used_b_per_fp:.0f} B | "
+                   f"<= 160 B | {'yes' if ok else '**no**'} |")
+    yield ""
+
+
 def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
            memory: dict[str, FpMemory], minutes: float) -> str:
     """The generated section of docs/benchmarks.md."""
@@ -585,10 +634,7 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         BEGIN,
         "## Relay throughput against Postfix (`bench/run.py`, issue 10)",
         "",
-        "**This is the baseline before issue 10's optimisations** (no `--workers`, three store",
-        "round trips per message, the pool as it is): the numbers the later changes are measured",
-        "against, with the same command.",
-        "",
+        *(([plan.label, ""]) if plan.label else []),
         f"Command: `{command}`, run {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}, "
         f"{reps} interleaved repetitions (target order shuffled in each), {minutes:.1f} minutes.",
         "",
@@ -621,8 +667,8 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         "(`bench/naive_relay.py`: one aiosmtpd process, one `SET NX PX` per recipient, up to 20",
         "pooled aiosmtplib upstream connections); dedup-relay as committed, its defaults except",
         "`--max-connections-per-ip 200`, `--log-level WARNING`, `--metrics-listen off`, with the",
-        "private Redis or a fresh SQLite file. No `--workers` yet (`--relay-workers N` is the hook",
-        "for it, refused until the option exists).",
+        f"private Redis or a fresh SQLite file: by default one worker per CPU ({os.cpu_count()}),",
+        "and once with `--workers 1` (Redis).",
         "",
         "Postfix runs with its defaults, `in_flow_delay = 1s` included: when its queue manager",
         "falls behind, `smtpd` holds a message up to 1 s before accepting it, which is Postfix's",
@@ -630,7 +676,10 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         "here: with `in_flow_delay = 0s` its p99 was 47 ms and its p50 22 ms for 1500 messages,",
         "20 sessions, a new connection each). Its latency is to its queue, not to the sink.",
         "",
-        *tables(results, plan.targets, plan.scenarios),
+        "### Against the targets of issue 10",
+        "",
+        *verdicts(results, memory),
+        *tables(results, [t for t in plan.targets if not t.memory_only], plan.scenarios),
         "### Redis memory per fingerprint",
         "",
         "After the repetitions, each Redis target once: the private Redis flushed, then",
@@ -671,6 +720,7 @@ class Plan:
     counts: dict[str, int] = field(default_factory=dict)
     reps: int = 3
     fp_keys: int = 20_000
+    label: str = ""
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -681,6 +731,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         Target("naive relay", "naive", uses_redis=True),
         Target("dedup-relay, Redis", "relay-redis", uses_redis=True),
         Target("dedup-relay, SQLite", "relay-sqlite"),
+        Target("dedup-relay, Redis, --workers 1", "relay-redis", workers=1, uses_redis=True),
+        Target("dedup-relay, Redis, compact keys", "relay-redis", uses_redis=True,
+               flags=("--store-key-format", "compact"), memory_only=True),
     ]
     for n in args.relay_workers or []:
         targets.append(Target(f"dedup-relay, Redis, --workers {n}", "relay-redis", workers=n,
@@ -690,7 +743,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     scenarios = SCENARIOS
     counts = {s.name: max(20, int(s.messages * scale)) for s in scenarios}
     fp_keys = 20_000 if args.quick else max(1000, int(FP_KEYS * scale))
-    return Plan(targets, scenarios, counts, args.reps, fp_keys)
+    return Plan(targets, scenarios, counts, args.reps, fp_keys, args.label)
 
 
 @dataclass
@@ -741,7 +794,7 @@ async def run(plan: Plan, seed: int) -> tuple[dict[tuple[str, str], list[Cell]],
     store = PrivateRedis(workdir)
     try:
         for rep in range(plan.reps):
-            order = plan.targets[:]
+            order = [t for t in plan.targets if not t.memory_only]
             rng.shuffle(order)
             print(f"repetition {rep + 1}/{plan.reps}: {', '.join(t.name for t in order)}")
             for target in order:
@@ -767,17 +820,6 @@ async def run(plan: Plan, seed: int) -> tuple[dict[tuple[str, str], list[Cell]],
     return results, memory
 
 
-def check_workers_hook(args: argparse.Namespace) -> None:
-    """Refuse ``--relay-workers`` while dedup-relay has no ``--workers`` (issue 10)."""
-    if not args.relay_workers:
-        return
-    out = subprocess.run([str(VENV_BIN / "dedup-relay"), "serve", "--help"],
-                         capture_output=True, text=True).stdout
-    if "--workers" not in out:
-        sys.exit("bench: dedup-relay serve has no --workers option yet (issue 10); "
-                 "run without --relay-workers")
-
-
 def main() -> int:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -788,7 +830,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 3)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the target order")
     parser.add_argument("--relay-workers", type=int, nargs="*", metavar="N",
-                        help="also run dedup-relay with --workers N (needs issue 10's --workers)")
+                        help="also run dedup-relay with --workers N (beside the default, one "
+                             "worker per CPU, and --workers 1)")
+    parser.add_argument("--label", default="",
+                        help="a paragraph put at the top of the generated section")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     args = parser.parse_args()
     for tool in (SMTP_SINK, SMTP_SOURCE, POSTFIX):
@@ -796,7 +841,6 @@ def main() -> int:
             sys.exit(f"bench: {tool} is missing (apt-get install postfix)")
     if os.geteuid() != 0:
         sys.exit("bench: the private Postfix instance needs root")
-    check_workers_hook(args)
     plan = make_plan(args)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     started = time.monotonic()
