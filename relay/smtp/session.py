@@ -23,6 +23,7 @@ from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, TLSSetupException, s
 from relay.core import replies
 from relay.core.interfaces import Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network
+from relay.smtp.aiosmtpd_init import init_smtp
 from relay.smtp.data import ClientGone, CommandLineGuard, read_message
 from relay.smtp.tls_halfclose import HalfCloseTLSProtocol
 
@@ -152,12 +153,11 @@ class RelaySMTP(SMTP):
                  session_lifetime_s: float = 3600.0, max_idle_commands: int = 100,
                  **kwargs: Any) -> None:
         # aiosmtpd sees TLS only through its own STARTTLS layer, so on the implicit-TLS port
-        # AUTH must not wait for it (auth_require_tls False); given to its constructor with
-        # auth_required, that logs "auth_required == True but auth_require_tls == False" for
-        # every session although the transport is TLS: set after construction instead
-        auth_require_tls = kwargs.pop("auth_require_tls", True)
-        super().__init__(handler, auth_require_tls=True, **kwargs)
-        self._auth_require_tls = auth_require_tls
+        # AUTH must not wait for it (auth_require_tls False); aiosmtpd's constructor would log
+        # "auth_required == True but auth_require_tls == False" for every session although the
+        # transport is TLS. Its constructor is replaced by one that introspects the session
+        # and handler classes once, not per connection (relay.smtp.aiosmtpd_init)
+        init_smtp(self, handler, **kwargs)
         self._data_deadline_s = data_deadline_s
         self._session_lifetime_s = session_lifetime_s
         self._max_idle_commands = max_idle_commands
