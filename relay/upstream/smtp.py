@@ -131,6 +131,11 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
 
+def _log_gone(exc: Exception) -> None:
+    """A reused connection's MAIL found it closed (it is retried on a new one)."""
+    log.info("pooled upstream connection gone (%s): opening a new one", type(exc).__name__)
+
+
 def _lost(exc: Exception) -> RcptResult:
     return _synthetic(
         replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST)
@@ -169,20 +174,31 @@ class SmtpUpstream:
 
     async def deliver(self, message: OutboundMessage,
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
-        """Run one upstream transaction; see :class:`relay.core.interfaces.Upstream`."""
+        """Run one upstream transaction; see :class:`relay.core.interfaces.Upstream`.
+
+        A pooled connection reused without RSET whose MAIL finds it gone (closed, reset, or a
+        ``421`` from a smarthost ending an idle session) is dropped and the transaction runs
+        once more on a new connection: nothing of the message was sent on it.
+        """
         progress = progress if progress is not None else DeliveryProgress()
-        try:
-            smtp, uses = await self._pool.acquire()
-        except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            log.warning("upstream session failed: %s: %s", type(exc).__name__,
-                        replies.client_safe_text(str(exc)))
-            return _all(message.rcpt_tos, _connection_failure(exc))
-        clean = False
-        try:
-            result, clean = await self._transaction(smtp, message, progress)
-            return result
-        finally:
-            self._pool.release(smtp, uses + 1, clean)
+        for attempt in range(2):
+            try:
+                smtp, uses, untested = await self._pool.acquire()
+            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+                log.warning("upstream session failed: %s: %s", type(exc).__name__,
+                            replies.client_safe_text(str(exc)))
+                return _all(message.rcpt_tos, _connection_failure(exc))
+            clean = ended = False
+            try:
+                done = await self._transaction(smtp, message, progress,
+                                               retry_gone=untested and attempt == 0)
+                if done is not None:
+                    result, clean, ended = done
+                    return result
+                self._pool.drop_idle()  # they idled as long: most likely gone too
+            finally:
+                self._pool.release(smtp, uses + 1, clean, ended=ended)
+        raise AssertionError("unreachable: the second attempt never retries")
 
     async def _connect(self) -> aiosmtplib.SMTP:
         """A new connection, greeted (and STARTTLS/AUTH as configured); raises what
@@ -208,29 +224,39 @@ class SmtpUpstream:
             await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
 
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
-                           progress: DeliveryProgress) -> tuple[DeliveryResult, bool]:
-        """The transaction's result, and whether the connection may be reused (every command
-        answered, none with 421: the session is in a known state)."""
+                           progress: DeliveryProgress, *, retry_gone: bool = False
+                           ) -> tuple[DeliveryResult, bool, bool] | None:
+        """The transaction's result, whether the connection may be reused (every command
+        answered, none with 421: the session is in a known state), and whether the
+        transaction is over (no RSET needed before the next MAIL). None when ``retry_gone``
+        and MAIL found the connection gone (see :meth:`deliver`)."""
         wire = negotiate(message, smtp.esmtp_extensions.keys())
         if isinstance(wire, SmtpReply):
-            return _all(message.rcpt_tos, _synthetic(wire)), True
+            return _all(message.rcpt_tos, _synthetic(wire)), True, True
         encoding = "utf-8" if wire.smtputf8 else "ascii"
         try:
             await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
         except aiosmtplib.SMTPResponseException as exc:
-            return _all(message.rcpt_tos, _refusal(exc.code, exc.message)), _clean(exc.code)
+            if retry_gone and exc.code == 421:
+                _log_gone(exc)
+                return None
+            return (_all(message.rcpt_tos, _refusal(exc.code, exc.message)), _clean(exc.code),
+                    True)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            return _all(message.rcpt_tos, _lost(exc)), False
+            if retry_gone and not isinstance(exc, TimeoutError):
+                _log_gone(exc)
+                return None
+            return _all(message.rcpt_tos, _lost(exc)), False, False
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
-            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False
+            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False, False
         results, accepted, clean = await self._recipients(smtp, wire.rcpt_to, encoding)
         if not accepted:
-            return DeliveryResult(recipients=results), clean
+            return DeliveryResult(recipients=results), clean, False
         outcome, clean = await self._data(smtp, message.content, progress, accepted)
         for rcpt in accepted:
             results[rcpt] = outcome
         final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
-        return DeliveryResult(recipients=results, final_reply=final), clean
+        return DeliveryResult(recipients=results, final_reply=final), clean, final is not None
 
     async def _recipients(
         self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str], encoding: str

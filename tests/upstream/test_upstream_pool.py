@@ -1,4 +1,5 @@
-"""The upstream connection pool (design.md §5.3): reuse with RSET, reconnect on error.
+"""The upstream connection pool (design.md §5.3): reuse (RSET after a second idle or an
+unfinished transaction), reconnect on error, sized for the sessions a worker serves.
 
 A real aiosmtpd sink records which relay connection (source port) carried each MAIL and each
 QUIT; a real relay with a real Redis store sends through it.
@@ -16,6 +17,7 @@ import pytest
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from relay.app import Relay
+from relay.upstream.pool import default_pool_size
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink, SinkHandler
@@ -90,14 +92,55 @@ async def _send_keys(relay: Relay, keys: list[str]) -> list[int]:
     return [(await send(relay.port, ["user@example.net"], message(key=k))).code for k in keys]
 
 
-async def test_sequential_messages_share_one_connection_with_rset_between(
+async def test_sequential_messages_share_one_connection_without_rset(
         make_relay: MakeRelay, serve_pool_sink: ServePool) -> None:
-    """Three messages: one upstream connection, RSET before the 2nd and 3rd, three copies."""
+    """Three messages in a row: one upstream connection, no RSET between (each transaction
+    ended with its final dot's 250 less than a second before), three copies."""
     sink, handler = await serve_pool_sink()
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
     assert await _send_keys(relay, ["P-1", "P-2", "P-3"]) == [250, 250, 250]
     assert len(handler.delivered) == 3
-    assert len(set(handler.mail_peers)) == 1 and handler.rsets == 2
+    assert len(set(handler.mail_peers)) == 1 and handler.rsets == 0
+
+
+async def test_a_connection_idle_for_a_second_is_probed_with_rset(
+        make_relay: MakeRelay, serve_pool_sink: ServePool) -> None:
+    """A connection idle for a second or more answers RSET before its next MAIL."""
+    sink, handler = await serve_pool_sink()
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
+    assert await _send_keys(relay, ["W-1"]) == [250]
+    await asyncio.sleep(1.1)
+    assert await _send_keys(relay, ["W-2"]) == [250]
+    assert len(set(handler.mail_peers)) == 1 and handler.rsets == 1
+
+
+def test_the_default_pool_holds_a_connection_per_session_a_worker_serves() -> None:
+    """max_connections / workers, rounded up, at least 1, at most 32."""
+    assert default_pool_size(200, 1) == 32
+    assert default_pool_size(200, 8) == 25
+    assert default_pool_size(10, 4) == 3
+    assert default_pool_size(1, 4) == 1
+
+
+async def test_an_unset_pool_size_keeps_a_connection_per_concurrent_session(
+        make_relay: MakeRelay, serve_pool_sink: ServePool) -> None:
+    """upstream_pool_size unset, max_connections 6, one worker: six concurrent transactions
+    leave six idle connections, and the next six concurrent ones open none."""
+    sink, handler = await serve_pool_sink()
+    handler.delay_s = 0.2  # the six transactions overlap
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_connections=6,
+                             max_connections_per_ip=6, workers=1)
+
+    async def wave(name: str) -> list[int]:
+        replies = await asyncio.gather(*(send(relay.port, ["user@example.net"],
+                                              message(key=f"{name}-{i}")) for i in range(6)))
+        return [r.code for r in replies]
+
+    assert await wave("A") == [250] * 6
+    opened = len(set(handler.mail_peers))
+    assert opened == 6
+    assert await wave("B") == [250] * 6
+    assert len(set(handler.mail_peers)) == opened and handler.quits == 0
 
 
 async def test_a_connection_dropped_while_idle_is_replaced_unseen(
@@ -193,10 +236,14 @@ class RawSmarthost:
 
     ``double_first_dot``: the first final dot of each connection gets two 250 replies in one
     write (the second one nobody asked for). ``silent_rset``: RSET gets no reply at all.
+    ``gone_at_second_mail``: the second MAIL of each connection finds it ending, as when an
+    idle timeout fires just as MAIL arrives: ``"close"`` closes it unanswered, ``"421"``
+    answers ``421 4.4.2`` and closes.
     """
 
     double_first_dot: bool = False
     silent_rset: bool = False
+    gone_at_second_mail: str | None = None
     connections: int = 0
     delivered: list[list[str]] = field(default_factory=list)
     port: int = 0
@@ -209,13 +256,19 @@ class RawSmarthost:
     async def _session(self, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        state: dict[str, Any] = {"dots": 0, "rcpts": []}
+        state: dict[str, Any] = {"dots": 0, "rcpts": [], "mails": 0}
         writer.write(b"220 raw.test ESMTP\r\n")
         try:
             while line := await reader.readline():
                 if line[:4].upper() == b"QUIT":
                     writer.write(b"221 2.0.0 bye\r\n")
                     break
+                if line[:4].upper() == b"MAIL":
+                    state["mails"] += 1
+                    if self.gone_at_second_mail and state["mails"] == 2:
+                        if self.gone_at_second_mail == "421":
+                            writer.write(b"421 4.4.2 raw.test idle timeout\r\n")
+                        break
                 writer.write(await self._answer(line, state, reader, writer))
                 await writer.drain()
         except (ConnectionError, IndexError):
@@ -280,6 +333,18 @@ async def test_an_unasked_reply_keeps_a_connection_out_of_the_pool(
     assert raw_smarthost.connections == 2
 
 
+@pytest.mark.parametrize("gone", ["close", "421"])
+async def test_a_mail_that_finds_the_reused_connection_gone_is_retried_on_a_new_one(
+        make_relay: MakeRelay, raw_smarthost: RawSmarthost, gone: str) -> None:
+    """A connection reused without RSET whose smarthost ends the session as MAIL arrives:
+    the message goes on a new connection and the client sees only its 250."""
+    raw_smarthost.gone_at_second_mail = gone
+    relay = await make_relay(upstream=f"127.0.0.1:{raw_smarthost.port}")
+    assert await _send_keys(relay, ["G-1", "G-2", "G-3"]) == [250, 250, 250]
+    assert raw_smarthost.delivered == [["user@example.net"]] * 3
+    assert raw_smarthost.connections == 3  # each connection ends at its second MAIL
+
+
 async def test_one_silent_probe_drops_every_idle_connection(
         make_relay: MakeRelay, raw_smarthost: RawSmarthost) -> None:
     """Idle connections through a path that went silent (a NAT that forgot them): the first
@@ -293,6 +358,7 @@ async def test_one_silent_probe_drops_every_idle_connection(
     opened = raw_smarthost.connections
     assert opened >= 2  # several idle connections to go silent
     raw_smarthost.silent_rset = True
+    await asyncio.sleep(1.1)  # idle long enough to be probed before reuse
     started = asyncio.get_running_loop().time()
     assert await _send_keys(relay, ["S-9"]) == [250]
     waited = asyncio.get_running_loop().time() - started
