@@ -58,7 +58,8 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
         raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
     rules = KeyRules(key_prefix=settings.store_prefix, secret=settings.fingerprint_secret_bytes,
                      local_part_case_sensitive=settings.local_part_case_sensitive,
-                     scope_by_auth=settings.scope_by_auth)
+                     scope_by_auth=settings.scope_by_auth,
+                     key_format=settings.store_key_format)
     derived = recipient_key(given.rcpt, headers.template, headers.key, rules, given.auth_user)
     problem = mailbox_problem(derived.mailbox, postmaster_alone=True)  # source route dropped
     if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint

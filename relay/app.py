@@ -188,7 +188,7 @@ def build_policy(settings: Settings) -> Policy:
         secret=settings.fingerprint_secret_bytes,
         missing_key=settings.missing_key, unknown=settings.unknown_policy,
         store_down=settings.store_down, strip_headers=settings.strip_dedupe_headers,
-        scope_by_auth=settings.scope_by_auth,
+        scope_by_auth=settings.scope_by_auth, key_format=settings.store_key_format,
     )
 
 

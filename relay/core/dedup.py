@@ -36,7 +36,7 @@ from relay.core.interfaces import (
     SmtpReply,
     Upstream,
 )
-from relay.core.keys import recipient_keys
+from relay.core.keys import KeyFormat, recipient_keys
 from relay.core.rules import (
     Action,
     MissingKeyPolicy,
@@ -66,6 +66,7 @@ class Policy:
     store_down: StoreDownPolicy = "fail_closed"
     strip_headers: bool = False  # remove the key and template fields before relaying
     scope_by_auth: bool = False  # the AUTH identity is part of the fingerprint (tenants)
+    key_format: KeyFormat = "hex"  # the fingerprint in a store key: hex or compact (base64url)
 
 
 @dataclass(frozen=True)

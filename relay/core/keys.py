@@ -8,9 +8,10 @@ into what the relay reads from a message.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from relay.core.fingerprint import (
     DEFAULT_MAX_KEY_CHARS,
@@ -21,6 +22,20 @@ from relay.core.fingerprint import (
     normalize_recipient,
     store_key,
 )
+
+KeyFormat = Literal["hex", "compact"]
+"""How a fingerprint is written in its store key: ``hex`` (64 characters, the seed formula an
+application computes) or ``compact`` (unpadded base64url of the 32-byte digest, RFC 4648
+section 5: 43 characters)."""
+
+
+def key_form(fp: str, key_format: KeyFormat) -> str:
+    """The fingerprint ``fp`` (64 hex) as it appears in a store key under ``key_format``.
+
+    Raises ``ValueError`` when ``fp`` is not hex (compact only)."""
+    if key_format == "hex":
+        return fp
+    return base64.urlsafe_b64encode(bytes.fromhex(fp)).rstrip(b"=").decode("ascii")
 
 
 class KeyPolicy(Protocol):
@@ -46,6 +61,11 @@ class KeyPolicy(Protocol):
         """Whether the AUTH identity is part of the fingerprint (tenants)."""
         ...
 
+    @property
+    def key_format(self) -> KeyFormat:
+        """How the fingerprint is written in the key (:data:`KeyFormat`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class KeyRules:
@@ -55,11 +75,13 @@ class KeyRules:
     secret: bytes | None = None
     local_part_case_sensitive: bool = False
     scope_by_auth: bool = False
+    key_format: KeyFormat = "hex"
 
 
 @dataclass(frozen=True)
 class RecipientKey:
-    """One recipient's normalized ``mailbox``, its ``fingerprint`` (64 hex) and store ``key``."""
+    """One recipient's normalized ``mailbox``, its ``fingerprint`` (64 hex) and store ``key``
+    (the fingerprint in the policy's :data:`KeyFormat`)."""
 
     mailbox: str
     fingerprint: str
@@ -96,7 +118,8 @@ def recipient_key(rcpt: str, template: str, key: str, policy: KeyPolicy,
     mailbox = normalize_recipient(rcpt, local_part_case_sensitive=policy.local_part_case_sensitive)
     scope = auth_user if policy.scope_by_auth else None
     fp = fingerprint(mailbox, template, key, secret=policy.secret, scope=scope)
-    return RecipientKey(mailbox=mailbox, fingerprint=fp, key=store_key(policy.key_prefix, fp))
+    return RecipientKey(mailbox=mailbox, fingerprint=fp,
+                        key=store_key(policy.key_prefix, key_form(fp, policy.key_format)))
 
 
 def recipient_keys(rcpt_tos: Sequence[str], template: str, key: str, policy: KeyPolicy,

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import redis.asyncio as aredis
 
 from relay.admin import FingerprintInput, key_for
 from relay.app import Relay
+from tests.support.cli import run_cli
 from tests.support.clients import send
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
@@ -37,6 +41,7 @@ async def _stored(relay: Relay) -> set[str]:
     pytest.param({}, id="defaults"),
     pytest.param({"fingerprint_secret": "s3cret", "local_part_case_sensitive": True},
                  id="hmac-secret-and-case-sensitive-local-parts"),
+    pytest.param({"store_key_format": "compact"}, id="compact-keys"),
 ])
 async def test_the_admin_key_is_the_key_the_relay_reserved(
         make_relay: MakeRelay, sink: Sink, settings: dict[str, object]) -> None:
@@ -47,3 +52,28 @@ async def test_the_admin_key_is_the_key_the_relay_reserved(
              for r in RCPTS}
     assert len(admin) == 3
     assert await _stored(relay) == admin
+    suffix = len(relay.settings.store_prefix)
+    assert {len(k) - suffix for k in admin} == {
+        43 if relay.settings.store_key_format == "compact" else 64}
+
+
+async def test_the_admin_commands_find_a_compact_key(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path) -> None:
+    """``fingerprint`` prints the compact key the relay wrote; ``inspect`` finds its SENT
+    record by --rcpt/--key (the relay's own derivation) and by --store-key."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store_key_format="compact")
+    result = await send(relay.port, RCPTS[:1], MESSAGE)
+    assert result.code == 250, result
+    [stored] = await _stored(relay)
+    assert len(stored) == len(relay.settings.store_prefix) + 43  # base64url of the digest
+    env = {"RELAY_STORE": relay.settings.store, "RELAY_STORE_PREFIX": relay.settings.store_prefix,
+           "RELAY_STORE_KEY_FORMAT": "compact"}
+    given = ["--rcpt", RCPTS[0], "--key", KEYS[0], "--key", KEYS[1],
+             "--template", TEMPLATES[0]]
+    printed = json.loads(run_cli("fingerprint", *given, cwd=tmp_path, env=env).stdout)
+    assert printed["key"] == stored and len(printed["fingerprint"]) == 64
+    for selection in (given, ["--store-key", stored]):
+        done = run_cli("inspect", *selection, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done
+        seen = json.loads(done.stdout)
+        assert (seen["key"], seen["state"]) == (stored, "sent") and seen["at"] is not None
