@@ -142,7 +142,8 @@ async def build_store(settings: Settings) -> FingerprintStore:
     rediss://), a Redis Cluster (redis+cluster://) or a Sentinel-managed master
     (redis+sentinel://), the last two also as rediss+ (TLS)."""
     if settings.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
-        store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout)
+        store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout,
+                                    window_s=settings.dedup_window)
         try:
             await store.ping()
             for warning in await store.check_server():

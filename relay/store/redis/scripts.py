@@ -6,9 +6,17 @@ Values under a key (the caller builds the key, prefix included)::
     D|<token>|<unix_ms>|<lease_ms>   SENDING: the attempt's final dot is going out; <unix_ms> its
                                      last heartbeat, <lease_ms> its lease (``D|<token>|<unix_ms>``
                                      of earlier versions: the reader's lease), TTL = dedup window
-    S|<unix_ms>|<upstream reply>     SENT at <unix_ms>, TTL = dedup window
+    0                                SENT, TTL = dedup window: the send time is the expiry
+                                     time less the window (:func:`decode_value`); ``0`` is
+                                     one of Redis's shared integers, so the record holds no
+                                     value allocation of its own (the upstream's reply is in
+                                     the relay's log line, not in the store)
+    S|<unix_ms>|<reply text>         SENT at <unix_ms>, TTL = dedup window: written by earlier
+                                     versions, by ``mark-sent`` (the operator's text), and by
+                                     a settle whose window is not the store's (empty text)
     U|<unix_ms>                      UNKNOWN since <unix_ms>, TTL = dedup window
-    anything else (e.g. ``1``)       written by another application: counts as SENT
+    anything else (e.g. ``1``)       written by another application: counts as SENT, time
+                                     unknown
 
 Each script touches ``KEYS[1]`` only, so the store works on Redis Cluster without hash tags.
 """
@@ -85,12 +93,17 @@ end
 
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
-# ARGV[2] - the upstream reply text
-# ARGV[3] - the dedup window in milliseconds (TTL of the SENT value)
-# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT at the server's
-# time, otherwise 0 (nothing changed)
+# ARGV[2] - the dedup window in milliseconds (TTL of the SENT value)
+# ARGV[3] - "1": the readers' window (write "0", dated by its expiry); "0": another window
+#           (write "S|<now ms>|", dated by itself)
+# return 1 if KEYS[1] held PENDING(token) or SENDING(token) and now holds SENT, expiring a
+# window from the server's time, otherwise 0 (nothing changed)
 MARK_SENT_LUA = NOW_MS_LUA + OURS_LUA + """
-redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[2], 'PX', ARGV[3])
+local sent = '0'
+if ARGV[3] ~= '1' then
+    sent = 'S|' .. now_ms() .. '|'
+end
+redis.call('SET', KEYS[1], sent, 'PX', ARGV[2])
 return 1
 """
 
@@ -192,15 +205,24 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
+SENT_VALUE = b"0"
+"""The SENT record the relay writes (see the module docstring)."""
+
+
 def decode_value(value: bytes, pttl_ms: int | None = None, *,
-                 lease_ms: int | None = None, now_ms: int | None = None) -> Record:
+                 lease_ms: int | None = None, now_ms: int | None = None,
+                 window_ms: int | None = None) -> Record:
     """Turn a raw value and its PTTL (milliseconds, negative: none) into a :class:`Record`.
 
     A value that is not one of the relay's encodings counts as SENT with ``at`` and ``reply``
     unknown (design.md §3). With ``lease_ms`` and ``now_ms`` (a reserve), SENDING reads as
-    PENDING while younger than the lease and as UNKNOWN after it. Never raises.
+    PENDING while younger than the lease and as UNKNOWN after it. :data:`SENT_VALUE` is SENT
+    at ``now_ms + pttl_ms - window_ms`` (unix ms, the server's clock; never later than
+    ``now_ms``) when all three are known, else at an unknown time. Never raises.
     """
     ttl_s = pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None
+    if value == SENT_VALUE:
+        return Record(State.SENT, at=_sent_at(pttl_ms, now_ms, window_ms), ttl_s=ttl_s)
     tag, sep, rest = value.partition(b"|")
     if sep and tag == b"P" and rest:
         return Record(State.PENDING, token=_text(rest), ttl_s=ttl_s)
@@ -209,15 +231,23 @@ def decode_value(value: bytes, pttl_ms: int | None = None, *,
         if token and 1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers):
             own_lease_ms = int(numbers[1]) if len(numbers) == 2 else None
             return _sending(_text(token), int(numbers[0]), ttl_s,
-                            own_lease_ms if own_lease_ms is not None else lease_ms, now_ms,
-                            own_lease_ms)
+                            own_lease_ms if own_lease_ms is not None else lease_ms,
+                            now_ms if lease_ms is not None else None, own_lease_ms)
     if sep and tag == b"S":
         at_ms, sep2, reply = rest.partition(b"|")
         if sep2 and at_ms.isdigit():
-            return Record(State.SENT, at=int(at_ms) / 1000, reply=_text(reply), ttl_s=ttl_s)
+            return Record(State.SENT, at=int(at_ms) / 1000, reply=_text(reply) or None,
+                          ttl_s=ttl_s)
     if sep and tag == b"U" and rest.isdigit():
         return Record(State.UNKNOWN, at=int(rest) / 1000, ttl_s=ttl_s)
     return Record(State.SENT, ttl_s=ttl_s)
+
+
+def _sent_at(pttl_ms: int | None, now_ms: int | None, window_ms: int | None) -> float | None:
+    """The send time (unix seconds) of a SENT record written with a TTL of ``window_ms``."""
+    if pttl_ms is None or pttl_ms < 0 or now_ms is None or window_ms is None:
+        return None
+    return min(now_ms, now_ms + pttl_ms - window_ms) / 1000
 
 
 def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,

@@ -56,13 +56,15 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def _reservation(key: str, result: Any, lease_ms: int) -> Reservation:
+def _reservation(key: str, result: Any, lease_ms: int, window_ms: int) -> Reservation:
     """Interpret one reserve script result (see ``RESERVE_LUA``): the age of a SENDING record
-    is judged by the server's time the script returned, never the relay's clock."""
+    and the send time of a SENT one are judged by the server's time the script returned,
+    never the relay's clock."""
     if result == 1:
         return Reservation(key=key, reserved=True)
     value, pttl_ms, took_over, server_ms = result
-    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=int(server_ms))
+    found = decode_value(bytes(value), int(pttl_ms), lease_ms=lease_ms, now_ms=int(server_ms),
+                         window_ms=window_ms)
     return Reservation(key=key, reserved=bool(took_over), found=found)
 
 
@@ -95,6 +97,9 @@ class RedisStore:
     failover is under way (:mod:`relay.store.redis.replicas`, docs/design.md §3). Releases are
     not waited on: a lost one frees its key when the lease ends anyway. A single server is
     never waited on.
+
+    ``window_s`` is the dedup window in seconds: a SENT record's send time is read as its
+    expiry time less the window (:func:`relay.store.redis.scripts.decode_value`).
     """
 
     def __init__(
@@ -103,9 +108,11 @@ class RedisStore:
         client: Client,
         op_timeout_s: float = 2.0,
         sentinel: SentinelService | None = None,
+        window_s: float = 86400.0,
     ) -> None:
         self._client = client
         self._op_timeout_s = op_timeout_s
+        self._window_ms = _ms(window_s)
         self._sentinel = sentinel
         replicated = sentinel is not None or isinstance(client, redis.asyncio.RedisCluster)
         self._acks = ReplicaAcks(client=client, enabled=replicated, op_timeout_s=op_timeout_s)
@@ -120,15 +127,17 @@ class RedisStore:
         self._force_sent_script = client.register_script(FORCE_SENT_LUA)
 
     @classmethod
-    def from_url(cls, url: str, *, op_timeout_s: float = 2.0) -> Self:
+    def from_url(cls, url: str, *, op_timeout_s: float = 2.0, window_s: float = 86400.0) -> Self:
         """Build a store from a ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, or a
         ``redis+cluster://`` or ``redis+sentinel://`` URL (:mod:`relay.store.redis.urls`).
 
-        Socket connect and read timeouts are ``op_timeout_s`` seconds. Nothing is connected yet.
-        Raises :class:`ValueError` for another scheme or a malformed URL.
+        Socket connect and read timeouts are ``op_timeout_s`` seconds; ``window_s`` the dedup
+        window (see the class). Nothing is connected yet. Raises :class:`ValueError` for another
+        scheme or a malformed URL.
         """
         client, sentinel = open_client(url, op_timeout_s=op_timeout_s)
-        return cls(client=client, op_timeout_s=op_timeout_s, sentinel=sentinel)
+        return cls(client=client, op_timeout_s=op_timeout_s, sentinel=sentinel,
+                   window_s=window_s)
 
     async def reserve(
         self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
@@ -147,7 +156,7 @@ class RedisStore:
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
             results = await self._run_scripts(calls, durable=set(keys))
-        return [_reservation(key, result, lease_ms)
+        return [_reservation(key, result, lease_ms, self._window_ms)
                 for key, result in zip(keys, results, strict=True)]
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
@@ -167,8 +176,10 @@ class RedisStore:
         """Apply every settlement in one pipeline, each only if its key holds ``P|token`` (or
         ``D|token|...``).
 
-        SENT and UNKNOWN get a TTL of ``window_s`` seconds and record the Redis server's time.
-        Returns per op whether it was applied. Raises :class:`StoreError` (op ``settle``).
+        SENT and UNKNOWN get a TTL of ``window_s`` seconds from the Redis server's time; SENT
+        keeps no reply text (``op.reply`` is not stored) and is the one-byte ``0`` when
+        ``window_s`` is the store's window. Returns per op whether it was applied.
+        Raises :class:`StoreError` (op ``settle``).
         """
         if not ops:
             return []
@@ -176,8 +187,8 @@ class RedisStore:
         calls: list[_ScriptCall] = []
         for op in ops:
             if op.action is Settle.SENT:
-                sent_args = (token, reply_bytes(op.reply), window_ms)
-                calls.append((self._mark_sent_script, op.key, sent_args))
+                own = "1" if window_ms == self._window_ms else "0"
+                calls.append((self._mark_sent_script, op.key, (token, window_ms, own)))
             elif op.action is Settle.UNKNOWN:
                 calls.append((self._mark_unknown_script, op.key, (token, window_ms)))
             elif op.action is Settle.SENDING:
@@ -200,7 +211,9 @@ class RedisStore:
                 [(self._inspect_script, key, ())], durable=frozenset())
         if value == 0:
             return Record(State.ABSENT)
-        record = dataclasses.replace(decode_value(bytes(value), int(pttl_ms)), raw=bytes(value))
+        record = dataclasses.replace(
+            decode_value(bytes(value), int(pttl_ms), now_ms=int(server_ms),
+                         window_ms=self._window_ms), raw=bytes(value))
         if record.at is None:
             return record
         return dataclasses.replace(record, age_s=int(server_ms) / 1000 - record.at)
