@@ -23,6 +23,14 @@ AUTH_LINE_MAX = 12288  # octets of an AUTH exchange line, CRLF included (RFC 495
 _END = b".\r\n"
 
 
+def has_bare_cr_or_lf(content: bytes) -> bool:
+    """True when ``content`` holds a CR not followed by LF or an LF not preceded by CR (RFC
+    5321 section 2.3.8). Every CRLF holds one CR and one LF, so there is one exactly when the
+    CRs or the LFs outnumber the CRLFs: three counts in C, no regex over the body."""
+    crlf = content.count(b"\r\n")
+    return content.count(b"\r") != crlf or content.count(b"\n") != crlf
+
+
 class ClientGone(Exception):  # an event, not a failure of ours
     """The client's stream ended (EOF) before the final dot."""
 

@@ -30,6 +30,7 @@ from relay.core.errors import InvalidAddressError
 from relay.core.fingerprint import normalize_recipient
 from relay.core.interfaces import Metrics, Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
+from relay.smtp.data import has_bare_cr_or_lf
 from relay.smtp.session import RelaySMTP
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relay.smtp.handler")
 
-_BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 _MAX_LINE = 998  # octets without CRLF, RFC 5321 section 4.5.3.1.6
 _UPSTREAM_QUEUE_ID = re.compile(r"(?:queued as|queue id|id=)\s*([A-Za-z0-9._:-]+)", re.I)
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
@@ -185,11 +185,12 @@ class RelayHandler:
         queue_id = secrets.token_hex(6)
         if len(content) > self._limits.max_message_size:  # RFC 1870 3: unstuffed octets
             return self._refuse(queue_id, replies.MESSAGE_TOO_BIG)
-        if _BARE_CR_OR_LF.search(content):
+        if has_bare_cr_or_lf(content):
             return self._refuse(queue_id, replies.BARE_CR_OR_LF)
         if b"\x00" in content:
             return self._refuse(queue_id, replies.NUL_IN_MESSAGE)
-        if any(len(line) > _MAX_LINE for line in content.split(b"\r\n")):
+        if len(content) > _MAX_LINE and any(
+                len(line) > _MAX_LINE for line in content.split(b"\r\n")):
             return self._refuse(queue_id, replies.LINE_TOO_LONG)
         mail_from = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
         # what the message needs, not what the client declared (RFC 6531 section 3.4):
