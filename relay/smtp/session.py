@@ -195,6 +195,7 @@ class RelaySMTP(SMTP):
         self._processing_timeout_s = processing_timeout_s
         self._client_timeout_s: float = kwargs.get("timeout", 300.0)
         self._in_helo = False
+        self._ehlo_lines: list[str] | None = None  # EHLO's 250- lines, sent with its last
         self._receiving_data = self._in_data = False
         self.draining = False
         self._data_started = self._data_handled = False
@@ -313,6 +314,12 @@ class RelaySMTP(SMTP):
             self._data_started = True
         if not (self._in_helo and status.startswith("250")):
             status = replies.with_enhanced_code(status)
+        if self._ehlo_lines is not None:  # one write for the whole EHLO reply, not one a line
+            if status.startswith("250-"):
+                self._ehlo_lines.append(status)
+                return
+            status = "\r\n".join([*self._ehlo_lines, status])
+            self._ehlo_lines = None
         answering, self._answering = self._answering, None
         await super().push(status)
         if answering in (b"MAIL", b"RCPT", b"DATA") and status[:1] in ("4", "5"):
@@ -492,12 +499,15 @@ class RelaySMTP(SMTP):
         return await super().handle_exception(error)
 
     async def smtp_EHLO(self, hostname: str) -> None:
-        """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3)."""
+        """EHLO; its 250 lines carry no enhanced code (RFC 2034 section 3) and go out in one
+        write (aiosmtpd writes and drains each line)."""
         self._in_helo = True
+        self._ehlo_lines = []
         try:
             await super().smtp_EHLO(hostname)
         finally:
             self._in_helo = False
+            self._ehlo_lines = None
 
     async def smtp_HELO(self, hostname: str) -> None:
         """HELO; its 250 line carries no enhanced code (RFC 2034 section 3)."""
