@@ -269,9 +269,10 @@ class RcptResult:
 class DeliveryProgress:
     """The core's hook into a running transaction, and what the upstream reports back.
 
-    ``before_dot`` (optional) is awaited by the upstream after the upstream accepted DATA and
-    before the message and final dot are written, with the recipients the upstream accepted;
-    it returns False to abort (no dot is sent, every recipient is refused temporarily with
+    ``before_dot`` (optional) is started by the upstream once the recipients are accepted,
+    with the recipients the upstream accepted; it may run while DATA is answered and the
+    message goes out, and the final dot is written only once it returned True; it returns
+    False to abort (no dot is sent, every recipient is refused temporarily with
     ``abort_reply``, set by the hook; the store's-unavailable reply when it is None). The
     core uses it to mark those reservations SENDING, so that a relay killed while waiting for
     the reply leaves them in doubt instead of lapsing into a duplicate.

@@ -37,7 +37,7 @@ from relay.core.interfaces import (
 )
 from relay.upstream.negotiate import negotiate
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
-from relay.upstream.transfer import Outcome, Transfer, write_backlog
+from relay.upstream.transfer import DOT, Outcome, Transfer, abort, write_backlog
 
 log = logging.getLogger("relay.upstream.smtp")
 
@@ -284,17 +284,38 @@ class SmtpUpstream:
                     accepted: list[str]) -> tuple[RcptResult, bool]:
         """DATA, the message, the final dot; tell a failure before the dot from one after it.
 
-        Also says whether the session is in a known state afterwards (reusable).
+        ``progress.before_dot`` (the SENDING mark) starts before DATA and runs while DATA is
+        answered and the message goes out; only the final dot waits for it, and a mark that
+        says no (or fails) resets the connection with the dot unwritten. The mark is always
+        waited for before this returns (cancelled only when this is), so the settle that
+        follows never races it. Also says whether the session is in a known state afterwards
+        (reusable).
         """
+        marking: asyncio.Future[bool] | None = None
+        if progress.before_dot is not None:
+            marking = asyncio.ensure_future(progress.before_dot(accepted))
+        try:
+            outcome = await self._data_gated(smtp, content, progress, marking)
+        except BaseException:
+            if marking is not None:
+                marking.cancel()
+            raise
+        if marking is not None:
+            await asyncio.wait((marking,))  # the hook answers False rather than raise
+            if not marking.cancelled() and marking.exception() is not None:
+                log.error("the before-dot hook failed: %r", marking.exception())
+        return outcome
+
+    async def _data_gated(self, smtp: aiosmtplib.SMTP, content: bytes,
+                          progress: DeliveryProgress, marking: asyncio.Future[bool] | None
+                          ) -> tuple[RcptResult, bool]:
+        """:meth:`_data` once the mark is under way (``marking``, None: no hook)."""
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             return _lost(exc), False
         if start.code != 354:
             return _refusal(start.code, start.message), _clean(start.code)
-        if progress.before_dot is not None and not await progress.before_dot(accepted):
-            discard(smtp)  # no dot: the upstream discards the transaction
-            return _synthetic(progress.abort_reply or replies.STORE_DOWN), False
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
         if protocol is None or not isinstance(transport, asyncio.WriteTransport):
@@ -302,19 +323,21 @@ class SmtpUpstream:
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
             payload += b"\r\n"
-        return await self._transfer(smtp, protocol, transport, payload + b".\r\n", progress)
+        return await self._transfer(smtp, protocol, transport, payload + DOT, progress, marking)
 
     async def _transfer(self, smtp: aiosmtplib.SMTP, protocol: aiosmtplib.protocol.SMTPProtocol,
                         transport: asyncio.WriteTransport, payload: bytes,
-                        progress: DeliveryProgress) -> tuple[RcptResult, bool]:
-        """Write ``payload`` (final dot included) and take the reply: see
-        :mod:`relay.upstream.transfer`. Given up (stalled, lost, answered early, cancelled),
-        the connection is reset while bytes are buffered, so ``progress.dot_written`` stays
-        False only when the final dot cannot reach the upstream any more."""
+                        progress: DeliveryProgress, gate: asyncio.Future[bool] | None
+                        ) -> tuple[RcptResult, bool]:
+        """Write ``payload`` (final dot included, held back until ``gate`` resolves True) and
+        take the reply: see :mod:`relay.upstream.transfer`. Given up (stalled, lost, answered
+        early, withheld, cancelled), the connection is reset while bytes are buffered, so
+        ``progress.dot_written`` stays False only when the final dot cannot reach the upstream
+        any more."""
         transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s)
         reader = asyncio.ensure_future(protocol.read_response(timeout=None))
         try:
-            outcome = await transfer.run(reader)
+            outcome = await transfer.run(reader, gate)
         except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
             reader.cancel()
             progress.dot_written = transfer.complete
@@ -327,6 +350,10 @@ class SmtpUpstream:
             discard(smtp)  # the rest must not follow the reply
             return _early_reply(reader.result()), False
         reader.cancel()
+        if outcome is Outcome.WITHHELD:
+            abort(transport)  # reset: the upstream discards the transaction, no dot went
+            smtp.close()
+            return _synthetic(progress.abort_reply or replies.STORE_DOWN), False
         log.warning("upstream transfer %s with %d bytes unsent: reset, nothing delivered",
                     outcome.value, write_backlog(transport))
         discard(smtp)  # what is still buffered, the final dot included, never leaves

@@ -6,7 +6,10 @@ transport in chunks of :data:`CHUNK_BYTES`, at most :data:`AHEAD_BYTES` ahead of
 took. A transfer is *sent* once every byte, the final dot's included, left the process; it
 *stalls* when no byte left for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
 per send, not for the whole message). One given up while bytes are still buffered is reset with
-:func:`abort`, so the final dot can never follow. :func:`write_backlog` counts the encrypted
+:func:`abort`, so the final dot can never follow. A *gate* (the SENDING mark, started before
+DATA) holds the final dot (the payload's last :data:`DOT` bytes) back until it resolves True;
+the body goes out meanwhile, and a gate that resolves False (or fails) ends the transfer
+*withheld*, the dot never written. :func:`write_backlog` counts the encrypted
 bytes under asyncio's SSL transport too (``_ssl_protocol._transport``, CPython 3.11+; pinned by
 tests/upstream/test_upstream_wire.py).
 """
@@ -23,6 +26,7 @@ from typing import Any
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
 POLL_S = 0.005
+DOT = b".\r\n"  # the end of the payload: the final dot, RFC 5321 section 4.5.2
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
@@ -32,6 +36,7 @@ class Outcome(enum.Enum):
     SENT = "sent"  # every byte, the final dot included, left the process
     ANSWERED = "answered"  # the upstream replied before it had the whole message
     STALLED = "stalled"  # nothing left the process for stall_timeout_s
+    WITHHELD = "withheld"  # the gate said no: the final dot was never written
     LOST = "lost"  # the connection closed or failed
 
 
@@ -76,29 +81,42 @@ class Transfer:
         was dropped by a transport that closed: either way the dot may be on the wire)."""
         return self._offset == len(self._payload) and write_backlog(self._transport) == 0
 
-    async def run(self, reply: asyncio.Future[Any]) -> Outcome:
-        """Write the payload until it is sent, answered early (``reply`` resolved), stalled or
-        lost. Bytes still buffered on any outcome but SENT are the caller's to :func:`abort`."""
+    async def run(self, reply: asyncio.Future[Any],
+                  gate: asyncio.Future[bool] | None = None) -> Outcome:
+        """Write the payload until it is sent, answered early (``reply`` resolved), stalled,
+        lost or withheld (``gate`` resolved to anything but True; the payload must end with
+        :data:`DOT`). Bytes still buffered on any outcome but SENT are the caller's to
+        :func:`abort`. While only the gate is awaited (the body all taken by the kernel) the
+        stall clock does not run: the wait is the store's, bounded by its own timeout."""
         loop = asyncio.get_running_loop()
         taken, progress_at = -1, loop.time()
         while True:
-            self._fill()
+            if gate is not None and gate.done():
+                if gate.cancelled() or gate.exception() is not None or gate.result() is not True:
+                    return Outcome.WITHHELD
+                gate = None
+            self._fill(len(self._payload) - (len(DOT) if gate is not None else 0))
             if self.complete:
                 return Outcome.SENT
             if reply.done() and not reply.cancelled() and reply.exception() is None:
                 return Outcome.ANSWERED
             if self._transport.is_closing() or reply.done():
                 return Outcome.LOST
-            now_taken = self._offset - write_backlog(self._transport)
-            if now_taken > taken:
+            backlog = write_backlog(self._transport)
+            now_taken = self._offset - backlog
+            if now_taken > taken or (gate is not None and backlog == 0):
                 taken, progress_at = now_taken, loop.time()
             elif loop.time() - progress_at > self._stall_timeout_s:
                 return Outcome.STALLED
-            await asyncio.sleep(POLL_S)
+            if gate is not None and backlog == 0:  # wake as soon as the gate or a reply does
+                await asyncio.wait((gate, reply), timeout=POLL_S * 20,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(POLL_S)
 
-    def _fill(self) -> None:
-        """Hand the transport the next chunks while it holds less than AHEAD_BYTES."""
-        end = len(self._payload)
+    def _fill(self, end: int) -> None:
+        """Hand the transport the next chunks, up to offset ``end``, while it holds less than
+        AHEAD_BYTES."""
         while (self._offset < end and not self._transport.is_closing()
                and write_backlog(self._transport) < AHEAD_BYTES):
             stop = min(self._offset + CHUNK_BYTES, end)
