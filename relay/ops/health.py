@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from relay.core.interfaces import FingerprintStore, Metrics, Upstream
 
@@ -26,6 +27,20 @@ class ComponentStatus:
     ok: bool
     error: str | None
     checked_at: float
+
+
+class Readiness(Protocol):
+    """What ``/readyz`` reads: one process's :class:`HealthMonitor`, or the supervisor's view
+    of every worker (:class:`relay.supervisor.WorkersReadiness`)."""
+
+    def status(self) -> dict[str, ComponentStatus]:
+        """The last probe result of every component, by name."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """True when every component is ready."""
+        ...
 
 
 class HealthMonitor:

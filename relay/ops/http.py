@@ -1,26 +1,29 @@
 """The operations HTTP server on ``--metrics-listen``: ``/metrics``, ``/healthz``, ``/readyz``.
 
 Served by aiohttp in the relay's own event loop (readiness reads the live
-:class:`relay.ops.health.HealthMonitor`). ``/healthz`` answers 200 while the process serves;
-``/readyz`` answers 200 when the store and the upstream answered their last probe, else 503, with
-a JSON body naming what failed.
-"""
+:class:`relay.ops.health.HealthMonitor`), or with several workers in the supervisor's (a
+:class:`relay.ops.health.Readiness` over every worker, the metrics of all of them).
+``/healthz`` answers 200 while the process serves; ``/readyz`` answers 200 when the store and
+the upstream answered their last probe, else 503, with a JSON body naming what failed."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import asdict
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from relay.ops.health import HealthMonitor
+from relay.ops.health import Readiness
 
 
 class OpsServer:
     """aiohttp server for metrics and health; ``await start()``, then ``await stop()``."""
 
-    def __init__(self, *, registry: CollectorRegistry, health: HealthMonitor | None,
-                 host: str, port: int) -> None:
+    def __init__(self, *, registry: CollectorRegistry, health: Readiness | None,
+                 host: str, port: int, sock: socket.socket | None = None) -> None:
+        """``sock``: a socket already bound (to host:port), served instead of binding."""
+        self._sock = sock
         self._registry = registry
         self._health = health
         self._host = host
@@ -39,7 +42,8 @@ class OpsServer:
         """Bind and serve; ``port`` is the bound port afterwards (``0`` picks a free one)."""
         self._runner = web.AppRunner(self._app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        site: web.BaseSite = (web.TCPSite(self._runner, self._host, self._port)
+                              if self._sock is None else web.SockSite(self._runner, self._sock))
         await site.start()
         self.port = int(self._runner.addresses[0][1])
 

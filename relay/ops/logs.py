@@ -8,6 +8,7 @@ the text formatter appends them as ``key=value``.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from typing import Any
@@ -36,13 +37,16 @@ class TextFormatter(logging.Formatter):
         return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
 
 
-def setup_logging(level: str, fmt: str = "json") -> None:
+def setup_logging(level: str, fmt: str = "json", *, worker: int | None = None) -> None:
     """Send the relay's logs to stderr, one line per record, at ``level``.
 
     ``fmt`` is ``json`` (one JSON object per line: time, level, logger, message and the
-    structured fields) or ``text``.
+    structured fields) or ``text``. ``worker``: the index of a worker process (``workers`` >
+    1); every line then has the fields ``worker`` (the index) and ``pid``.
     """
     handler = logging.StreamHandler(sys.stderr)
+    if worker is not None:
+        handler.addFilter(_WorkerFields(worker))
     if fmt == "json":
         handler.setFormatter(JsonFormatter(
             "{asctime}{levelname}{name}{message}", style="{", datefmt="%Y-%m-%dT%H:%M:%S%z",
@@ -57,6 +61,20 @@ def setup_logging(level: str, fmt: str = "json") -> None:
     aiosmtpd_log.setLevel(max(logging.WARNING, root.level))
     # ...and warns on every successful AUTH that a field it sets itself is deprecated
     aiosmtpd_log.addFilter(_drop_login_data_warning)
+
+
+class _WorkerFields(logging.Filter):
+    """Adds ``worker`` (the worker's index) and ``pid`` to every record."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self._index = index
+        self._pid = os.getpid()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self._index
+        record.pid = self._pid
+        return True
 
 
 def _drop_login_data_warning(record: logging.LogRecord) -> bool:

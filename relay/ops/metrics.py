@@ -4,6 +4,11 @@ No label ever holds an address, a key or a fingerprint: labels are small closed 
 (``result``, ``outcome``, ``op``, ``code_class``); ``result`` and ``outcome`` take the
 :class:`relay.core.interfaces.Result` / ``Outcome`` / ``DsnResult`` enums only. Base units:
 seconds and bytes.
+
+Worker processes (``workers`` > 1) write their values to ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus-client multiprocess mode): counters and histograms add up, the session and
+in-progress gauges are summed over live workers (``livesum``), ``relay_component_up`` is the
+minimum over live workers (``livemin``: 1 only when every worker's probe answered).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
+    multiprocess,
 )
 
 from relay import __version__
@@ -69,7 +75,8 @@ class PrometheusMetrics:
             "relay_upstream_replies", "Upstream transactions by deciding reply class",
             ["code_class"], registry=registry)
         self._sessions = Gauge(
-            "relay_sessions_active", "Open client SMTP sessions", registry=registry)
+            "relay_sessions_active", "Open client SMTP sessions", registry=registry,
+            multiprocess_mode="livesum")
         self._bytes = Histogram(
             "relay_message_bytes", "Size of received messages in bytes", registry=registry,
             buckets=(1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864))
@@ -84,10 +91,10 @@ class PrometheusMetrics:
         self._in_progress = Gauge(
             "relay_messages_in_progress",
             "Messages past the final dot whose reply is not yet sent (reserved, in flight)",
-            registry=registry)
+            registry=registry, multiprocess_mode="livesum")
         self._up = Gauge(
             "relay_component_up", "1 when the component answered its last readiness probe",
-            ["component"], registry=registry)
+            ["component"], registry=registry, multiprocess_mode="livemin")
         self._auth_failures = Counter(
             "relay_auth_failures", "Failed AUTH attempts (each answered slower)",
             registry=registry)
@@ -101,41 +108,43 @@ class PrometheusMetrics:
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         register_runtime_collectors(registry)
-        # every label value of an enum is shown from the start (at 0), and no other can appear
-        for outcome in Outcome:
-            self._recipients.labels(outcome.value)
-        for result in Result:
-            self._messages.labels(result.value)
-        for op in STORE_OPS:
-            self._store_errors.labels(op)
-        for cls in CODE_CLASSES:
-            self._upstream_replies.labels(cls)
-        for component in ("store", "upstream"):
-            self._up.labels(component)
-        for dsn_result in DsnResult:
-            self._dsn.labels(dsn_result.value)
+        # every label value of an enum is shown from the start (at 0), and no other can appear;
+        # the children are made once here, not per call (.labels() costs a lock and a lookup)
+        self._recipients_by = {o: self._recipients.labels(o.value) for o in Outcome}
+        self._messages_by = {r: self._messages.labels(r.value) for r in Result}
+        self._store_errors_by = {op: self._store_errors.labels(op) for op in STORE_OPS}
+        self._store_seconds_by = {op: self._store_seconds.labels(op) for op in STORE_OPS}
+        self._replies_by = {cls: self._upstream_replies.labels(cls) for cls in CODE_CLASSES}
+        self._up_by = {c: self._up.labels(c) for c in ("store", "upstream")}
+        self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
 
     def message(self, result: Result) -> None:
         """Count one message by ``result``; raises ``ValueError`` for a value not in
         :class:`Result` (no new label from a typo)."""
-        self._messages.labels(Result(result).value).inc()
+        self._messages_by[Result(result)].inc()
 
     def recipients(self, outcome: Outcome, count: int = 1) -> None:
         """Count ``count`` recipients by ``outcome``; raises ``ValueError`` for a value not
         in :class:`Outcome`."""
-        self._recipients.labels(Outcome(outcome).value).inc(count)
+        self._recipients_by[Outcome(outcome)].inc(count)
 
     def store_call(self, op: str, seconds: float, ok: bool) -> None:
         """Observe one store round trip (seconds) and count it as an error when not ``ok``."""
-        self._store_seconds.labels(op).observe(seconds)
+        seconds_child = self._store_seconds_by.get(op)
+        if seconds_child is None:  # an op outside STORE_OPS: made now, as before
+            seconds_child = self._store_seconds_by[op] = self._store_seconds.labels(op)
+        seconds_child.observe(seconds)
         if not ok:
-            self._store_errors.labels(op).inc()
+            errors_child = self._store_errors_by.get(op)
+            if errors_child is None:
+                errors_child = self._store_errors_by[op] = self._store_errors.labels(op)
+            errors_child.inc()
 
     def upstream_call(self, seconds: float, code: int | None) -> None:
         """Observe one upstream transaction (seconds) and its deciding reply class."""
         self._upstream_seconds.observe(seconds)
         label = f"{code // 100}xx" if code is not None and code // 100 in (2, 4, 5) else "none"
-        self._upstream_replies.labels(label).inc()
+        self._replies_by[label].inc()
 
     def message_bytes(self, size: int) -> None:
         """Observe one received message's size in bytes."""
@@ -168,9 +177,41 @@ class PrometheusMetrics:
 
     def component_up(self, component: str, up: bool) -> None:
         """Set ``relay_component_up{component}`` to 1 or 0."""
-        self._up.labels(component).set(1 if up else 0)
+        child = self._up_by.get(component)
+        if child is None:
+            child = self._up_by[component] = self._up.labels(component)
+        child.set(1 if up else 0)
 
     def dsn(self, result: DsnResult) -> None:
         """Count one delivery status notification by ``result``; raises ``ValueError`` for a
         value not in :class:`DsnResult`."""
-        self._dsn.labels(DsnResult(result).value).inc()
+        self._dsn_by[DsnResult(result)].inc()
+
+
+def workers_registry(path: str) -> CollectorRegistry:
+    """The supervisor's registry (``workers`` > 1): every worker's metrics read from the
+    multiprocess directory ``path`` (``PROMETHEUS_MULTIPROC_DIR`` of the workers), with
+    ``relay_build`` and the supervisor's own ``process_*`` / ``python_*`` collectors."""
+    registry = CollectorRegistry()
+    # prometheus_client.multiprocess has no annotations
+    multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    Info("relay_build", "Build information", registry=registry).info({"version": __version__})
+    register_runtime_collectors(registry)
+    return registry
+
+
+def worker_gone(path: str, pid: int) -> None:
+    """Drop the live-only gauge values (``livesum``, ``livemin``) of the exited worker ``pid``
+    from the multiprocess directory ``path``; its counters and histograms stay counted."""
+    multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+
+
+def components_up(path: str) -> dict[str, float]:
+    """``relay_component_up`` by component over the live workers of the multiprocess directory
+    ``path``: 1.0 when every worker's last probe of it answered, 0.0 otherwise; {} before any
+    worker set it."""
+    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+    for metric in collector.collect():  # type: ignore[no-untyped-call]
+        if metric.name == "relay_component_up":
+            return {s.labels["component"]: float(s.value) for s in metric.samples}
+    return {}

@@ -1,0 +1,52 @@
+"""The metric children of PrometheusMetrics are made once (the profile of issue 10 showed a
+``.labels()`` lookup per message), and the values still land on the right series."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from relay.core.interfaces import DsnResult, Outcome, Result
+from relay.ops.metrics import PrometheusMetrics
+
+
+def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After construction no call to ``.labels()`` is made, and every value is counted."""
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry=registry)
+    collectors = [metrics._messages, metrics._recipients, metrics._store_errors,
+                  metrics._store_seconds, metrics._upstream_replies, metrics._up, metrics._dsn]
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError(".labels() called per message")
+
+    for collector in collectors:
+        monkeypatch.setattr(collector, "labels", refuse)
+    metrics.message(Result.RELAYED)
+    metrics.message("relayed")  # type: ignore[arg-type]  # the value spelling counts too
+    metrics.recipients(Outcome.RELAYED, 3)
+    metrics.store_call("reserve", 0.002, ok=False)
+    metrics.upstream_call(0.1, 250)
+    metrics.upstream_call(0.1, None)
+    metrics.component_up("store", True)
+    metrics.dsn(DsnResult.SENT)
+    value = registry.get_sample_value
+    assert value("relay_messages_total", {"result": "relayed"}) == 2
+    assert value("relay_recipients_total", {"outcome": "relayed"}) == 3
+    assert value("relay_store_errors_total", {"op": "reserve"}) == 1
+    assert value("relay_store_seconds_count", {"op": "reserve"}) == 1
+    assert value("relay_upstream_replies_total", {"code_class": "2xx"}) == 1
+    assert value("relay_upstream_replies_total", {"code_class": "none"}) == 1
+    assert value("relay_component_up", {"component": "store"}) == 1
+    assert value("relay_dsn_total", {"result": "sent"}) == 1
+
+
+def test_a_value_outside_the_enums_is_still_refused() -> None:
+    """A typo is a ValueError, not a new series."""
+    metrics = PrometheusMetrics(registry=CollectorRegistry())
+    with pytest.raises(ValueError):
+        metrics.message("relayd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        metrics.recipients("nope")  # type: ignore[arg-type]
