@@ -15,6 +15,8 @@ import os
 import signal
 import socket
 import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -232,15 +234,74 @@ def build_sasl(settings: Settings, metrics: PrometheusMetrics) -> SaslMechanisms
                           failure_window_s=settings.auth_failure_window)
 
 
+@dataclass(frozen=True)
+class Inherited:
+    """What a worker process (``workers`` > 1) gets from its supervisor: the listening sockets
+    the supervisor bound (``listen``, and ``tls_listen`` when set; one socket per address the
+    host resolved to, shared by every worker) and the worker's ``index`` (0 to N-1). Worker 0
+    pays the settle journal at its start; the metrics HTTP server is the supervisor's, on
+    ``metrics_port`` (0: off)."""
+
+    listen: tuple[socket.socket, ...]
+    tls_listen: tuple[socket.socket, ...]
+    index: int
+    metrics_port: int = 0
+
+
+@dataclass
+class Listeners:
+    """The listening sockets :func:`bind_listeners` bound, not serving (asyncio servers with
+    ``start_serving=False`` own them): their file descriptors for the workers to inherit;
+    ``close()`` when done."""
+
+    servers: list[asyncio.base_events.Server]
+    listen: tuple[int, ...]
+    tls_listen: tuple[int, ...]
+    port: int  # the bound SMTP port (the one picked for ``listen`` port 0)
+
+    def close(self) -> None:
+        """Close the sockets."""
+        for server in self.servers:
+            server.close()
+
+
+async def bind_listeners(settings: Settings) -> Listeners:
+    """Bind ``listen`` (and ``tls_listen`` when TLS is configured) as :meth:`Relay.start`
+    would, without serving: the supervisor's sockets its workers inherit (they listen once the
+    first worker serves them, so a port that accepts has a worker behind it). Raises
+    :class:`StartupError` naming the setting (a port in use, an address not on this host)."""
+    s = settings
+    loop = asyncio.get_running_loop()
+
+    async def bind(host: str, port: int, field: str) -> asyncio.base_events.Server:
+        try:
+            return await loop.create_server(asyncio.Protocol, host=host, port=port,
+                                            start_serving=False)
+        except OSError as exc:
+            raise _bind_error(host, port, field, exc) from exc
+
+    servers = [await bind(*s.listen_address, "listen")]
+    if s.tls_listen is not None and s.tls_cert is not None and s.tls_key is not None:
+        servers.append(await bind(*split_host_port(s.tls_listen, what="tls-listen"),
+                                  "tls_listen"))
+    fds = [tuple(sock.fileno() for sock in server.sockets) for server in servers]
+    return Listeners(servers=servers, listen=fds[0], tls_listen=fds[1] if len(fds) > 1 else (),
+                     port=int(servers[0].sockets[0].getsockname()[1]))
+
+
 class Relay:
     """One running relay: ``await start()``, then ``await stop()``.
 
     ``registry`` lets tests inject a fresh prometheus registry. After start, ``port`` is the
-    bound SMTP port (useful with ``listen = 127.0.0.1:0``).
+    bound SMTP port (useful with ``listen = 127.0.0.1:0``). ``inherited``: a worker's sockets
+    (:class:`Inherited`), served instead of binding ``listen`` and ``tls_listen``.
     """
 
-    def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None,
+                 inherited: Inherited | None = None) -> None:
         self.settings = settings
+        self.inherited = inherited
+        self._more_servers: list[asyncio.base_events.Server] = []
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = PrometheusMetrics(registry=self.registry)
         self.store: FingerprintStore | None = None
@@ -276,13 +337,18 @@ class Relay:
         security = build_security(s)
         sasl = build_sasl(s, self.metrics)
         self.core = core
-        await self._pay_journal()
+        if self.inherited is None or self.inherited.index == 0:
+            await self._pay_journal()
         self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits, sasl=sasl)
         processing_s = (s.upstream_connect_timeout + 4 * s.upstream_command_timeout
                         + s.upstream_timeout + 4 * s.store_timeout + s.client_timeout)
         host, port = s.listen_address
-        self._server = await _bind(
-            smtp_factory(self.handler, limits, security, processing_s), host, port, "listen")
+        inherited = self.inherited
+        factory = smtp_factory(self.handler, limits, security, processing_s)
+        if inherited is None:
+            self._server = await _bind(factory, host, port, "listen")
+        else:
+            self._server = await self._serve_inherited(factory, inherited.listen)
         self.port = self._server.sockets[0].getsockname()[1]
         if s.tls_listen is not None and security.tls_context is not None:
             tls_host, tls_port = split_host_port(s.tls_listen, what="tls-listen")
@@ -291,9 +357,21 @@ class Relay:
                 smtp_factory(self.handler, limits, security, processing_s, implicit_tls=True),
                 gate=security.gate, proxy_networks=security.proxy_networks,
                 context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout)
-            self._tls_server = await _bind(self._tls_factory, tls_host, tls_port, "tls_listen")
+            if inherited is None:
+                self._tls_server = await _bind(self._tls_factory, tls_host, tls_port,
+                                               "tls_listen")
+            else:
+                self._tls_server = await self._serve_inherited(self._tls_factory,
+                                                               inherited.tls_listen)
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
-        if s.metrics_address is not None:
+        if s.metrics_address is not None and inherited is not None:
+            # a worker probes its own store client and upstream pool (relay_component_up,
+            # livemin over the workers); the supervisor serves /metrics and /readyz
+            self.health = HealthMonitor(
+                store=self.store, upstream=self.upstream, metrics=self.metrics,
+                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2))
+            await self.health.start()
+        elif s.metrics_address is not None:
             m_host, m_port = s.metrics_address
             self.health = HealthMonitor(
                 store=self.store, upstream=self.upstream, metrics=self.metrics,
@@ -328,8 +406,10 @@ class Relay:
         if not s.upstream.startswith("maildir:"):
             upstream += f" (tls {s.upstream_tls}{'' if s.upstream_verify else ', unverified'})"
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
-        metrics = (_host_port(s.metrics_address[0], self.metrics_port)
-                   if self._ops is not None and s.metrics_address is not None else "off")
+        metrics_port = self.metrics_port if self.inherited is None else \
+            self.inherited.metrics_port
+        metrics = (_host_port(s.metrics_address[0], metrics_port)
+                   if metrics_port and s.metrics_address is not None else "off")
         log.info("listening on %s; upstream %s, store %s (%s), metrics %s",
                  ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics)
         if not s.upstream_verify and s.upstream_tls != "none" \
@@ -352,7 +432,7 @@ class Relay:
         if self._stopped:
             return
         self._stopped = True
-        for server in (self._server, self._tls_server):
+        for server in (self._server, self._tls_server, *self._more_servers):
             if server is not None:
                 server.close()
         if self._tls_factory is not None:  # a handshake finishing now would start a session
@@ -365,6 +445,15 @@ class Relay:
             await self._cut()
         await self._write_journal()
         await self._close_parts()
+
+    async def _serve_inherited(self, factory: Any, socks: tuple[socket.socket, ...]
+                               ) -> asyncio.base_events.Server:
+        """Serve ``factory`` on already bound sockets (a worker's); returns the first server,
+        keeps the others (a host that resolved to several addresses) for :meth:`stop`."""
+        loop = asyncio.get_running_loop()
+        servers = [await loop.create_server(factory, sock=sock) for sock in socks]
+        self._more_servers.extend(servers[1:])
+        return servers[0]
 
     def _store_identity(self) -> str:
         """Which store a journal line is owed to: its URL (password masked) and key prefix."""
@@ -494,15 +583,17 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def run(settings: Settings) -> None:
+async def run(settings: Settings, *, inherited: Inherited | None = None,
+              started: Callable[[Relay], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully.
 
     The signal handlers are installed before start-up, so a signal during a slow start (a
     store that does not answer) stops the relay too. Raises :class:`StartupError` with one
     readable line when the relay cannot start, :class:`ConfigError` when a setting proves
-    wrong only at start (a Redis database number the server does not have).
+    wrong only at start (a Redis database number the server does not have). ``inherited``: a
+    worker's sockets (:class:`Inherited`); ``started`` is called once the relay serves.
     """
-    relay = Relay(settings)
+    relay = Relay(settings, inherited=inherited)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -522,6 +613,8 @@ async def run(settings: Settings) -> None:
             stopping.cancel()
             await relay.stop()
             raise
+        if started is not None:
+            started(relay)
         await stopping
         log.info("signal received: stopping")
     await relay.stop()

@@ -11,6 +11,7 @@ Durations are seconds (floats), sizes bytes.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from collections.abc import Mapping
@@ -444,6 +445,15 @@ class Settings(BaseSettings):
     def listen_address(self) -> tuple[str, int]:
         """``(host, port)`` of the SMTP listener."""
         return split_host_port(self.listen, what="listen")
+
+    @property
+    def effective_workers(self) -> int:
+        """How many worker processes serve: ``workers``, or when unset the number of CPUs this
+        process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+        if self.workers is not None:
+            return self.workers
+        affinity = getattr(os, "sched_getaffinity", None)
+        return max(1, len(affinity(0)) if affinity is not None else (os.cpu_count() or 1))
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:

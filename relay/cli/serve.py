@@ -8,7 +8,6 @@ fail at start for a reason it could have seen.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import urllib.request
@@ -42,15 +41,21 @@ def register(main: click.Group) -> None:
     @main.command(cls=SettingsCommand, epilog=epilog())
     @settings_options
     def serve(config_file: Path | None, **flags: Any) -> None:
-        """Run the relay until SIGTERM/SIGINT.
+        """Run the relay until SIGTERM/SIGINT (with --workers N > 1: N worker processes
+        under a supervisor that forwards SIGTERM, SIGINT and SIGHUP).
 
         Every setting is a flag, an env var RELAY_<NAME> and a key of the --config file;
         flags beat env vars, env vars beat the file.
         """
+        from relay.supervisor import run_loop  # uvloop when it imports, else asyncio's loop
+
         settings = _checked(config_file, flags)
         setup_logging(settings.log_level, settings.log_format)
         try:
-            asyncio.run(_serve(settings))
+            if settings.effective_workers == 1:  # one process, no supervisor
+                run_loop(_serve(settings))
+            else:
+                sys.exit(run_loop(_supervise(settings)))
         except ConfigError as exc:  # found only when the store answered (a Redis db number)
             fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
         except StartupError as exc:
@@ -84,6 +89,12 @@ async def _serve(settings: Settings) -> None:
     from relay.app import run  # imported here: the admin commands need none of it
 
     await run(settings)
+
+
+async def _supervise(settings: Settings) -> int:
+    from relay.supervisor import supervise
+
+    return await supervise(settings)
 
 
 def _serving(settings: Settings, timeout: float) -> bool:

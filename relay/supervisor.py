@@ -1,0 +1,410 @@
+"""Several worker processes on shared listening sockets (``workers`` > 1; design.md §8).
+
+The supervisor binds ``listen`` (and ``tls_listen``) once; every worker inherits the same
+sockets (one accept queue per listener: a worker that dies strands no queued connection) and
+runs its own event loop, store client and upstream pool (:class:`relay.app.Relay` on
+:class:`relay.app.Inherited` sockets). Worker 0 starts first, alone: a start-up error (the
+store, a setting found wrong only then) is reported once, by it, with its exit code (69, 78);
+the others start when it serves. Worker 0 pays the settle journal at each of its starts; every
+worker adds what it still owes at its stop (the journal's lock keeps them from overwriting each
+other).
+
+The supervisor restarts a worker that exits on its own (back-off from 0.5 s doubling to 30 s;
+reset after a minute of serving); a worker that cannot start 5 times in a row, or exits 69/78
+before it served, ends the relay with that code (69 otherwise). SIGTERM and SIGINT are
+forwarded to every worker and the supervisor waits for their graceful shutdown (up to
+``shutdown_grace`` + 4 store timeouts + 10 s, then SIGKILL); SIGHUP is forwarded, and when the
+workers die of it the supervisor does too. The supervisor serves ``/metrics`` (every worker's,
+prometheus-client multiprocess mode, in a private temporary directory it removes at exit),
+``/healthz`` and ``/readyz`` (ready when every worker serves and every worker's last store and
+upstream probe answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay.app import Inherited, Listeners, _bind_error, _host_port, bind_listeners, run
+from relay.config import Settings
+from relay.core.errors import ConfigError, StartupError
+from relay.ops.health import ComponentStatus
+from relay.ops.http import OpsServer
+from relay.ops.logs import setup_logging
+from relay.ops.metrics import components_up, worker_gone, workers_registry
+
+log = logging.getLogger("relay.supervisor")
+
+WORKER_ENV = "DEDUP_RELAY_WORKER"  # JSON: index and the inherited descriptors of one worker
+EX_UNAVAILABLE = 69  # sysexits.h, as relay.cli.exit_codes.ExitCode.UNAVAILABLE
+EX_CONFIG = 78  # as ExitCode.CONFIG
+START_ERRORS = (EX_UNAVAILABLE, EX_CONFIG)
+MAX_START_FAILURES = 5
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_S = 60.0  # a worker that served this long restarts at the first back-off again
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# a stop signal forwarded while the worker still imports is kept, and handled once it serves
+_WORKER_COMMAND = (
+    "import signal; early = []\n"
+    "for sig in (signal.SIGTERM, signal.SIGINT): signal.signal(sig, lambda n, _: early.append(n))\n"
+    "from relay.supervisor import worker_main; worker_main(early)")
+
+
+# uvloop's transports are not asyncio.Transport subclasses, and the upstream transfer and the
+# TLS layers read asyncio's transports (isinstance checks in relay.upstream.smtp, .pool,
+# .transfer, relay.smtp.session, .implicit_tls; the SSL buffers of relay.upstream.transfer):
+# on uvloop every upstream DATA ends "451 4.4.2 Upstream connection lost". Off until they are
+# made loop-neutral (tests/cli/test_event_loop.py pins both).
+USE_UVLOOP = False
+
+
+def loop_factory(*, uvloop_wanted: bool = USE_UVLOOP) -> Any:
+    """The event loop constructor: ``uvloop.new_event_loop`` when ``uvloop_wanted`` and uvloop
+    imports, else None (asyncio's default loop)."""
+    if not uvloop_wanted:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_loop(main: Coroutine[Any, Any, Any], *, uvloop_wanted: bool = USE_UVLOOP) -> Any:
+    """Run ``main`` to its end on a new event loop from :func:`loop_factory`; its result."""
+    with asyncio.Runner(loop_factory=loop_factory(uvloop_wanted=uvloop_wanted)) as runner:
+        return runner.run(main)
+
+
+@dataclass
+class _Worker:
+    """One worker slot: its current process, whether it served, its restart state."""
+
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    serving: bool = False
+    since: float = 0.0  # monotonic time it started serving
+    start_failures: int = 0
+    backoff_s: float = BACKOFF_FIRST_S
+    served: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class WorkersReadiness:
+    """``/readyz`` of the supervisor: every worker serves and the live workers' last probes of
+    the store and the upstream answered (``relay_component_up``, livemin)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def status(self) -> dict[str, ComponentStatus]:
+        """``store``, ``upstream`` and ``workers`` (how many of N serve)."""
+        now = time.time()
+        sup = self._supervisor
+        up = components_up(sup.metrics_dir) if sup.metrics_dir is not None else {}
+        result = {name: ComponentStatus(
+            up.get(name) == 1.0, None if up.get(name) == 1.0
+            else "not answering in at least one worker", now) for name in ("store", "upstream")}
+        missing = [w.index for w in sup.workers if not w.serving]
+        result["workers"] = ComponentStatus(
+            not missing, f"worker(s) {missing} not serving" if missing else None, now)
+        return result
+
+    @property
+    def ready(self) -> bool:
+        """True when every worker serves and every component answered in every worker."""
+        return all(s.ok for s in self.status().values())
+
+
+class Supervisor:
+    """Starts ``count`` workers on shared sockets and keeps them running until a signal;
+    ``await run()`` returns the exit code."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        self.settings = settings
+        self.count = count
+        self.workers = [_Worker(i) for i in range(count)]
+        self.metrics_dir: str | None = None
+        self.metrics_port = 0
+        self._listeners: Listeners | None = None
+        self._ops: OpsServer | None = None
+        self._stopping = asyncio.Event()
+        self._signal: int | None = None
+        self._hangup = False
+        self._give_up: int | None = None
+        self._codes: list[int] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _worker_settings(self) -> Settings:
+        """A worker's settings: its share of ``max_connections`` (rounded up), the rest alike."""
+        share = -(-self.settings.max_connections // self.count)
+        return self.settings.model_copy(update={"max_connections": share})
+
+    async def run(self) -> int:
+        """Bind, start the workers, supervise until SIGTERM/SIGINT (or a SIGHUP the workers die
+        of), stop them; returns the exit code. Raises :class:`StartupError` when a listener
+        cannot be bound."""
+        loop = asyncio.get_running_loop()
+        for sig in FORWARDED:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            self._listeners = await bind_listeners(self.settings)
+            self._bind_ops()
+            self._tasks = [asyncio.create_task(self._keep(w)) for w in self.workers]
+            await self._await_first_start()
+            if not self._stopping.is_set():
+                await self._start_ops()  # serves last, as one process's
+                self._log_started()
+            await self._stopping.wait()
+            await self._stop_workers()
+        finally:
+            await self._cleanup()
+            for sig in FORWARDED:
+                loop.remove_signal_handler(sig)
+        if self._give_up is not None:
+            return self._give_up
+        if self._hangup and self._signal is None:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # end as one process would: by SIGHUP
+            os.kill(os.getpid(), signal.SIGHUP)
+        return next((c for c in self._codes if c > 0), 0)
+
+    async def _await_first_start(self) -> None:
+        """Worker 0 serves (then the others start), or the relay stops."""
+        served = asyncio.create_task(self.workers[0].served.wait())
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait({served, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        served.cancel()
+        stopping.cancel()
+
+    def _log_started(self) -> None:
+        listeners = self._listeners
+        assert listeners is not None
+        metrics = "off"
+        if self._ops is not None and self.settings.metrics_address is not None:
+            metrics = _host_port(self.settings.metrics_address[0], self.metrics_port)
+        log.info("supervisor %d: %d workers on SMTP port %d, metrics %s", os.getpid(),
+                 self.count, listeners.port, metrics)
+
+    def _bind_ops(self) -> None:
+        """Bind the metrics port (not listening yet: :meth:`_start_ops` serves it once worker 0
+        serves) and make the multiprocess directory. Raises :class:`StartupError`."""
+        s = self.settings
+        if s.metrics_address is None:
+            return
+        host, port = s.metrics_address
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError:
+                sock.close()
+                raise
+        except OSError as exc:
+            raise _bind_error(host, port, "metrics_listen", exc) from exc
+        self.metrics_dir = tempfile.mkdtemp(prefix="dedup-relay-metrics-")
+        self._ops = OpsServer(registry=workers_registry(self.metrics_dir),
+                              health=WorkersReadiness(self), host=host, port=port, sock=sock)
+        self.metrics_port = int(sock.getsockname()[1])
+
+    async def _start_ops(self) -> None:
+        """Serve /metrics, /healthz and /readyz on the bound metrics socket."""
+        if self._ops is not None:
+            await self._ops.start()
+
+    def _on_signal(self, sig: int) -> None:
+        if sig == signal.SIGHUP:
+            self._hangup = True
+        else:
+            self._signal = sig
+            self._stopping.set()
+            if self._listeners is not None:  # the workers close theirs: the port is closed
+                self._listeners.close()
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(sig)
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Run ``worker``'s process, restarting it, until the relay stops."""
+        if worker.index > 0:
+            await self._await_first_start()
+        while not self._stopping.is_set():
+            code = await self._run_once(worker)
+            if self._stopping.is_set() or (self._hangup and code == -signal.SIGHUP):
+                self._codes.append(code)
+                break
+            if not self._restart_wanted(worker, code):
+                self._stopping.set()
+                self._on_signal(signal.SIGTERM)
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), worker.backoff_s)
+            worker.backoff_s = min(BACKOFF_MAX_S, worker.backoff_s * 2)
+        worker.ended.set()
+        if self._hangup and all(w.ended.is_set() for w in self.workers):
+            self._stopping.set()
+
+    def _restart_wanted(self, worker: _Worker, code: int) -> bool:
+        """Log the exit of ``worker``; False when the relay must give up (start errors)."""
+        if worker.serving:
+            ran_s = time.monotonic() - worker.since
+            worker.serving = False
+            worker.start_failures = 0
+            if ran_s > BACKOFF_RESET_S:
+                worker.backoff_s = BACKOFF_FIRST_S
+            log.error("worker %d exited (%s) after %.1f s: restarting in %.1f s",
+                      worker.index, _exit_text(code), ran_s, worker.backoff_s)
+            return True
+        worker.start_failures += 1
+        if code in START_ERRORS or worker.start_failures >= MAX_START_FAILURES:
+            self._give_up = code if code in START_ERRORS else EX_UNAVAILABLE
+            if code not in START_ERRORS or worker.index > 0 or worker.start_failures > 1:
+                log.error("worker %d could not start (%s, %d time(s)): giving up",
+                          worker.index, _exit_text(code), worker.start_failures)
+            return False
+        log.error("worker %d exited before serving (%s): restarting in %.1f s",
+                  worker.index, _exit_text(code), worker.backoff_s)
+        return True
+
+    async def _run_once(self, worker: _Worker) -> int:
+        """Start ``worker``'s process, follow it until it exits; its exit code (negative: the
+        signal that ended it)."""
+        listeners = self._listeners
+        assert listeners is not None
+        settings_r, settings_w = os.pipe()
+        status_r, status_w = os.pipe()
+        spec = {"index": worker.index, "listen": listeners.listen,
+                "tls_listen": listeners.tls_listen, "settings": settings_r, "status": status_w,
+                "metrics_port": self.metrics_port}
+        env = dict(os.environ, **{WORKER_ENV: json.dumps(spec)})
+        if self.metrics_dir is not None:
+            env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _WORKER_COMMAND,
+                env=env, stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(*listeners.listen, *listeners.tls_listen, settings_r, status_w))
+        finally:
+            os.close(settings_r)
+            os.close(status_w)
+        worker.proc = proc
+        with os.fdopen(settings_w, "wb") as out:
+            await asyncio.to_thread(out.write, pickle.dumps(self._worker_settings()))
+        reader = asyncio.create_task(self._read_status(worker, status_r))
+        code = await proc.wait()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        if self.metrics_dir is not None:
+            worker_gone(self.metrics_dir, proc.pid)
+        return code
+
+    async def _read_status(self, worker: _Worker, fd: int) -> None:
+        """Mark ``worker`` serving when its process writes ``serving`` on the status pipe."""
+        with os.fdopen(fd, "rb") as pipe:
+            line = await asyncio.to_thread(pipe.readline)
+        if line.strip() == b"serving":
+            worker.serving = True
+            worker.since = time.monotonic()
+            worker.served.set()
+
+    async def _stop_workers(self) -> None:
+        """Wait for every worker's graceful shutdown; SIGKILL what outlives its bound."""
+        s = self.settings
+        bound_s = s.shutdown_grace + 4 * s.store_timeout + 10.0
+        try:
+            await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), bound_s)
+        except TimeoutError:
+            for worker in self.workers:
+                if worker.proc is not None and worker.proc.returncode is None:
+                    log.error("worker %d did not stop within %.0f s: killed", worker.index,
+                              bound_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.kill()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _cleanup(self) -> None:
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+                await worker.proc.wait()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ops is not None:
+            await self._ops.stop()
+        if self._listeners is not None:
+            self._listeners.close()
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit code {code}"
+
+
+async def supervise(settings: Settings) -> int:
+    """Run ``settings.effective_workers`` workers under a :class:`Supervisor`; the exit code.
+    Raises :class:`StartupError` when a listener cannot be bound."""
+    return await Supervisor(settings, settings.effective_workers).run()
+
+
+def worker_main(early: list[int]) -> None:
+    """A worker process's entry (``python -c``): read its settings and sockets from the
+    descriptors :data:`WORKER_ENV` names, serve until SIGTERM/SIGINT; exit 69 or 78 with one
+    ``dedup-relay: ...`` line on stderr when it cannot start. ``early``: the stop signals that
+    arrived before the event loop's handlers were installed (sent again once they are)."""
+    spec = json.loads(os.environ.pop(WORKER_ENV))
+    with os.fdopen(spec["settings"], "rb") as source:
+        settings = pickle.load(source)  # noqa: S301  (a pipe from the parent process only)
+    index = int(spec["index"])
+    setup_logging(settings.log_level, settings.log_format, worker=index)
+    status = os.fdopen(spec["status"], "wb", buffering=0)
+
+    def socks(fds: list[int]) -> tuple[socket.socket, ...]:
+        return tuple(socket.socket(fileno=fd) for fd in fds)
+
+    def serving(_: object) -> None:
+        with contextlib.suppress(OSError):
+            status.write(b"serving\n")
+            status.close()
+
+    inherited = Inherited(listen=socks(spec["listen"]), tls_listen=socks(spec["tls_listen"]),
+                          index=index, metrics_port=int(spec["metrics_port"]))
+    async def main() -> None:
+        serve = asyncio.create_task(run(settings, inherited=inherited, started=serving))
+        await asyncio.sleep(0)  # run() installed its signal handlers: what came early, again
+        for sig in early:
+            os.kill(os.getpid(), sig)
+        await serve
+
+    try:
+        run_loop(main())
+    except ConfigError as exc:
+        sys.stderr.write(f"dedup-relay: invalid configuration:\n{exc}\n")
+        sys.exit(EX_CONFIG)
+    except StartupError as exc:
+        sys.stderr.write(f"dedup-relay: cannot start: {exc}\n")
+        sys.exit(EX_UNAVAILABLE)

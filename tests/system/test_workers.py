@@ -1,0 +1,213 @@
+"""`serve --workers N`: worker processes on the supervisor's listening sockets (real processes,
+the shared test Redis under a random prefix, the sink in the test's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.interfaces import State
+from relay.store.redis.store import RedisStore
+from tests.support.cli import run_cli
+from tests.support.clients import message, send
+from tests.support.metrics import scrape
+from tests.support.relays import REDIS_URL, ServeProcess, delete_prefix, start_serve
+from tests.support.sink import Sink
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.timeout(90)
+
+Serve = Callable[..., Awaitable[ServeProcess]]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, sink: Sink) -> AsyncIterator[Serve]:
+    """Factory: ``await serve(*flags, workers=2)`` -> a `serve` process in front of ``sink`` on
+    the test Redis under a fresh prefix (``.prefix`` on the process); stopped and its keys
+    deleted at the end."""
+    started: list[tuple[ServeProcess, str]] = []
+
+    async def make(*flags: str, workers: int = 2) -> ServeProcess:
+        prefix = f"test:workers:{uuid.uuid4().hex}:"
+        relay = await start_serve(
+            tmp_path, "--upstream", f"127.0.0.1:{sink.port}", "--store", REDIS_URL,
+            "--store-prefix", prefix, "--settle-journal", str(tmp_path / "owed.jsonl"),
+            "--shutdown-grace", "10", "--metrics-listen", "off", *flags, workers=workers)
+        started.append((relay, prefix))
+        relay.prefix = prefix
+        return relay
+
+    yield make
+    for relay, prefix in started:
+        await asyncio.to_thread(relay.stop)
+        delete_prefix(REDIS_URL, prefix)
+
+
+def _messages_by_worker(relay: ServeProcess) -> Counter[int]:
+    return Counter(int(e["worker"]) for e in relay.lines() if e.get("message") == "message")
+
+
+def _value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
+           **labels: str) -> float:
+    return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
+
+
+def _readyz(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as reply:
+            return int(reply.status), json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def _record(prefix: str, rcpt: str, key: str) -> State:
+    store = RedisStore.from_url(REDIS_URL, op_timeout_s=2.0)
+    try:
+        name = store_key(prefix, fingerprint(normalize_recipient(rcpt), "welcome", key))
+        return (await store.inspect(name)).state
+    finally:
+        await store.close()
+
+
+async def test_two_workers_share_the_port_and_their_metrics_add_up(
+        serve: Serve, sink: Sink) -> None:
+    """Listen port 0 with 2 workers: both log the one port the supervisor bound, both accept
+    connections (the ``worker`` field of the message lines), /metrics counts every message of
+    both exactly, /readyz is 200 with every worker serving."""
+    relay = await serve("--metrics-listen", "127.0.0.1:0")
+    port = relay.metrics_port
+    assert relay.port != 0 and port is not None
+    assert {int(e["worker"]) for e in relay.listening()} == {0, 1}
+    assert all(f":{relay.port} " in e["message"] for e in relay.listening())
+    sent = 0
+    while len(_messages_by_worker(relay)) < 2 and sent < 200:  # bounded: 20 rounds
+        batch = range(sent, sent + 10)
+        results = await asyncio.gather(*(
+            send(relay.port, [f"u{n}@example.net"], message(key=f"K-{n}")) for n in batch))
+        assert all(r.code == 250 for r in results), results
+        sent += 10
+        await until(lambda: sum(_messages_by_worker(relay).values()) == sent)  # noqa: B023
+    by_worker = _messages_by_worker(relay)
+    assert set(by_worker) == {0, 1}, by_worker
+    samples = await asyncio.to_thread(scrape, port)
+    assert _value(samples, "relay_messages_total", result="relayed") == sent
+    assert _value(samples, "relay_messages_total") == sent
+    assert _value(samples, "relay_recipients_total", outcome="relayed") == sent
+    assert _value(samples, "relay_upstream_replies_total", code_class="2xx") == sent
+    assert _value(samples, "relay_store_seconds_count", op="reserve") == sent
+    assert _value(samples, "relay_sessions_active") in (0, 1)  # the last QUIT may still run
+
+    async def sessions_closed() -> bool:
+        return _value(await asyncio.to_thread(scrape, port), "relay_sessions_active") == 0
+    await until(sessions_closed, what="relay_sessions_active (livesum) back to 0")
+    assert _value(samples, "relay_component_up", component="store") == 1
+    assert len(sink.handler.delivered) == sent
+    status, body = await asyncio.to_thread(_readyz, port)
+    assert status == 200, body
+    assert body["ready"] is True
+
+
+async def test_readyz_is_503_until_a_killed_worker_serves_again(serve: Serve) -> None:
+    """kill -9 of a worker: /readyz names it as not serving (503) until its replacement
+    serves, then 200 again."""
+    relay = await serve("--metrics-listen", "127.0.0.1:0")
+    metrics_port = relay.metrics_port
+    assert metrics_port is not None
+    pid = relay.worker_pids()[1]
+    os.kill(pid, signal.SIGKILL)
+    await until(lambda: any("worker 1 exited" in str(e.get("message")) for e in relay.lines()),
+                what="the supervisor saw the exit")
+    status, body = await asyncio.to_thread(_readyz, metrics_port)  # its back-off: 0.5 s
+    assert status == 503, body
+    assert "worker(s) [1] not serving" in json.dumps(body), body
+    await until(lambda: relay.worker_pids()[1] != pid, within_s=20, what="worker 1 restarted")
+
+    async def ready() -> bool:
+        return (await asyncio.to_thread(_readyz, metrics_port))[0] == 200
+    await until(ready, within_s=20, what="/readyz 200 again")
+
+
+async def test_sigterm_waits_for_the_message_in_flight_and_its_settle(
+        serve: Serve, sink: Sink) -> None:
+    """SIGTERM to the supervisor while a worker waits on the upstream: the client gets its 250,
+    the SENT mark lands, the supervisor exits 0 after the workers."""
+    relay = await serve()
+    sink.handler.delay_s = 1.5  # holds the transaction after the final dot
+    sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+    await until(lambda: sink.handler.transactions == 1, what="the message reached the sink")
+    relay.proc.send_signal(signal.SIGTERM)
+    result = await sending
+    code = await asyncio.to_thread(relay.proc.wait, 30)
+    assert result.code == 250, result
+    assert code == 0
+    assert len(sink.handler.delivered) == 1
+    assert await _record(relay.prefix, "user@example.net", "K-1") is State.SENT
+    assert not any(relay.alive(pid) for pid in relay.worker_pids().values())
+
+
+async def test_a_killed_worker_is_restarted_and_nothing_is_sent_twice(
+        serve: Serve, sink: Sink) -> None:
+    """kill -9 of a worker: the other keeps serving, the supervisor starts a new one at the
+    same index, and a message sent again is still suppressed (one delivery)."""
+    relay = await serve()
+    first = await send(relay.port, ["user@example.net"], message())
+    assert first.code == 250
+    old = relay.worker_pids()
+    os.kill(old[0], signal.SIGKILL)
+    during = await send(relay.port, ["other@example.net"], message(key="K-2"))
+    assert during.code == 250, during
+    await until(lambda: relay.worker_pids().get(0) not in (None, old[0]), within_s=20,
+                what="worker 0 restarted")
+    assert relay.proc.poll() is None
+    assert relay.worker_pids()[1] == old[1]
+    results = [await send(relay.port, ["user@example.net"], message()) for _ in range(6)]
+    assert all(r.code == 250 for r in results), results
+    assert sink.handler.copies_to("user@example.net") == 1
+    assert sink.handler.copies_to("other@example.net") == 1
+    assert any("worker 0 exited (signal SIGKILL)" in str(e.get("message"))
+               for e in relay.lines())
+
+
+async def test_sighup_is_forwarded_to_every_worker(serve: Serve) -> None:
+    """SIGHUP to the supervisor reaches every worker; they end of it as one process would, and
+    so does the supervisor (no worker left behind, no restart)."""
+    relay = await serve()
+    pids = relay.worker_pids()
+    relay.proc.send_signal(signal.SIGHUP)
+    code = await asyncio.to_thread(relay.proc.wait, 30)
+    assert code == -signal.SIGHUP
+    assert len(relay.listening()) == 2  # not restarted
+    assert not any(relay.alive(pid) for pid in pids.values())
+
+
+async def test_one_worker_runs_in_one_process(serve: Serve, sink: Sink) -> None:
+    """``--workers 1``: the serve process is the relay itself (no child process, no
+    supervisor line, no worker field), and it relays."""
+    relay = await serve(workers=1)
+    assert relay.children() == []
+    assert not any(str(e.get("message", "")).startswith("supervisor") for e in relay.lines())
+    assert all("worker" not in e for e in relay.lines())
+    assert (await send(relay.port, ["user@example.net"], message())).code == 250
+    assert len(sink.handler.delivered) == 1
+
+
+def test_a_start_error_is_reported_once_with_its_exit_code(tmp_path: Path) -> None:
+    """A Redis database number the server does not have (found only when a worker opens the
+    store) with 2 workers: exit 78, the error printed once, no worker restarted."""
+    result = run_cli("serve", "--workers", "2", "--listen", "127.0.0.1:0", "--upstream",
+                     "maildir:md", "--store", "redis://127.0.0.1:6379/99", "--metrics-listen",
+                     "off", "--log-format", "json", cwd=tmp_path)
+    assert result.returncode == 78, result.stderr
+    assert result.stderr.count("the Redis server has no database of that number") == 1, \
+        result.stderr
