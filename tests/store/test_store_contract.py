@@ -23,6 +23,7 @@ from uuid import uuid4
 
 import pytest
 import redis.asyncio
+from redis._parsers import _AsyncRESP3Parser
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
@@ -34,6 +35,9 @@ from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, red
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 LEASE_S = 60.0
 WINDOW_S = 3600.0
+# redis-py's own RESP parser instead of hiredis for the single server (the hiredis package
+# missing or broken on a host); tests/store/test_store_parsers.py sets it
+PURE_PYTHON_PARSER = os.environ.get("RELAY_TEST_REDIS_PARSER") == "python"
 
 
 @pytest.fixture
@@ -82,6 +86,11 @@ async def store(
         await private_store.close()
         return
     redis_store = RedisStore.from_url(REDIS_URL, window_s=WINDOW_S)
+    if PURE_PYTHON_PARSER:  # tests/store/test_store_parsers.py runs the suite so
+        await redis_store.close()
+        redis_store = RedisStore(
+            client=redis.asyncio.from_url(REDIS_URL, parser_class=_AsyncRESP3Parser),
+            window_s=WINDOW_S)
     yield redis_store
     await redis_store.close()
     client = redis.asyncio.from_url(REDIS_URL)

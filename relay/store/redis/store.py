@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from types import TracebackType
 from typing import Any, Self
 
 import redis.asyncio
@@ -68,19 +69,37 @@ def _reservation(key: str, result: Any, lease_ms: int, window_ms: int) -> Reserv
     return Reservation(key=key, reserved=bool(took_over), found=found)
 
 
-@contextlib.asynccontextmanager
-async def _translated(op: str, timeout_s: float) -> AsyncIterator[None]:
-    """Bound the body by ``timeout_s`` seconds; raise every failure as ``StoreError(op, ...)``."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            yield
-    except TimeoutError as exc:
-        raise StoreError(op, f"redis did not answer within {timeout_s:g} s") from exc
-    # RedisClusterException: no slot owner known (mid-failover), not a RedisError in redis-py
-    # UnicodeError: redis-py encodes str arguments strictly (a key holding a lone surrogate)
-    except (RedisError, RedisClusterException, OSError, UnicodeError) as exc:
-        text = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]
-        raise StoreError(op, text) from exc
+# RedisClusterException: no slot owner known (mid-failover), not a RedisError in redis-py
+# UnicodeError: redis-py encodes str arguments strictly (a key holding a lone surrogate)
+_TRANSLATED = (RedisError, RedisClusterException, OSError, UnicodeError)
+
+
+class _translated:  # lower case: used like the function it replaced
+    """Bound the body by ``timeout_s`` seconds; raise every failure as ``StoreError(op, ...)``.
+
+    A plain class, not an ``asynccontextmanager``: it runs on every store call, and a
+    generator-based context manager costs a generator and its frames each time."""
+
+    __slots__ = ("_op", "_timeout", "_timeout_s")
+
+    def __init__(self, op: str, timeout_s: float) -> None:
+        self._op = op
+        self._timeout_s = timeout_s
+        self._timeout = asyncio.timeout(timeout_s)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError as timed_out:
+            raise StoreError(self._op, f"redis did not answer within {self._timeout_s:g} s"
+                             ) from timed_out
+        if isinstance(exc, _TRANSLATED):
+            text = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]
+            raise StoreError(self._op, text) from exc
 
 
 class RedisStore:
@@ -115,6 +134,7 @@ class RedisStore:
         self._window_ms = _ms(window_s)
         self._sentinel = sentinel
         replicated = sentinel is not None or isinstance(client, redis.asyncio.RedisCluster)
+        self._replicated = replicated
         self._acks = ReplicaAcks(client=client, enabled=replicated, op_timeout_s=op_timeout_s)
         self._reserve_script = client.register_script(RESERVE_LUA)
         self._mark_sent_script = client.register_script(MARK_SENT_LUA)
@@ -300,6 +320,8 @@ class RedisStore:
         again as EVAL, which runs the script and caches it on that server: one more round trip,
         on that server only. Any other script error is raised as its redis-py exception.
         """
+        if len(calls) == 1 and not self._replicated:
+            return [await self._run_one(*calls[0])]
         results = await self._pipeline(calls, durable, by_sha=True)
         missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if missing:
@@ -310,6 +332,15 @@ class RedisStore:
             if isinstance(result, Exception):
                 raise result
         return results
+
+    async def _run_one(self, script: AsyncScript, key: str,
+                       args: tuple[str | int | bytes, ...]) -> Any:
+        """One script on a single server (nothing to WAIT for), without a pipeline: a
+        message's reserve, mark and settle are one key each. NOSCRIPT: EVAL, as above."""
+        try:
+            return await self._client.execute_command("EVALSHA", script.sha, 1, key, *args)
+        except NoScriptError:
+            return await self._client.execute_command("EVAL", script.script, 1, key, *args)
 
     async def _pipeline(
         self, calls: Sequence[_ScriptCall], durable: AbstractSet[str], *, by_sha: bool
