@@ -287,11 +287,17 @@ class Settler:
         self._paid(ops, token)
 
     async def _settle_with_retry(self, ops: list[SettleOp], token: str) -> list[bool] | None:
-        """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure."""
+        """Settle in one round trip, retried briefly (3 tries, 0.1-1 s apart); None on failure.
+
+        The first try runs outside the retry loop: a settle that lands (nearly all of them)
+        builds no tenacity machinery."""
+        with contextlib.suppress(StoreError):
+            return await self._timed_settle(ops, token)
         try:
+            await asyncio.sleep(0.1)
             async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(3),
-                wait=wait_exponential(multiplier=0.1, max=1.0),
+                stop=stop_after_attempt(2),
+                wait=wait_exponential(multiplier=0.2, max=1.0),
                 retry=retry_if_exception_type(StoreError),
                 reraise=True,
             ):
