@@ -34,7 +34,9 @@ class SentinelService:
 def open_client(url: str, *, op_timeout_s: float) -> tuple[Client, SentinelService | None]:
     """The client a store URL names, and for Sentinel the sentinels behind it.
 
-    Socket connect and read timeouts are ``op_timeout_s`` seconds unless the URL sets them.
+    The socket connect timeout is ``op_timeout_s`` seconds unless the URL sets it; so is the
+    read timeout of a cluster's or Sentinel's connections (one server: none, the store bounds
+    each call).
     Raises :class:`ValueError` for another scheme or a malformed URL.
     """
     if is_multi_host_url(url):
@@ -48,8 +50,10 @@ def open_client(url: str, *, op_timeout_s: float) -> tuple[Client, SentinelServi
             f"store URL scheme {scheme!r} is not redis://, rediss://, unix://, "
             "redis+cluster:// or redis+sentinel://"
         )
+    # no socket_timeout (unless the URL sets one): every store call runs under the store's own
+    # op timeout already, and redis-py would start a task (asyncio.wait_for) per write for it
     client = redis.asyncio.from_url(url, decode_responses=False, retry=_reconnect_once(),
-                                    **_timeouts(op_timeout_s))
+                                    socket_connect_timeout=op_timeout_s)
     return client, None
 
 

@@ -175,7 +175,8 @@ class RedisStore:
         args = (token, lease_ms, "1" if resend_unknown else "0")
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
-            results = await self._run_scripts(calls, durable=set(keys))
+            results = await self._run_scripts(
+                calls, durable=set(keys) if self._replicated else frozenset())
         return [_reservation(key, result, lease_ms, self._window_ms)
                 for key, result in zip(keys, results, strict=True)]
 
@@ -216,7 +217,9 @@ class RedisStore:
                 calls.append((self._mark_sending_script, op.key, sending_args))
             else:
                 calls.append((self._release_script, op.key, (token,)))
-        marks = {op.key for op in ops if op.action is not Settle.RELEASE}
+        marks: AbstractSet[str] = frozenset()
+        if self._replicated:
+            marks = {op.key for op in ops if op.action is not Settle.RELEASE}
         async with _translated("settle", self._op_timeout_s):
             results = await self._run_scripts(calls, durable=marks)
         return [result == 1 for result in results]
