@@ -19,11 +19,11 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.store.sqlite_writer import BUSY_POLL_MS, Op, Writer, begin_immediate, locked
 
 _T = TypeVar("_T")
 
@@ -103,10 +103,6 @@ def sqlite_path_from_url(url: str) -> str:
     if not path or path.endswith("/") or "?" in path or "#" in path:
         raise ValueError(f"store URL {url!r} does not name a database file")
     return path
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _ms(seconds: float) -> int:
@@ -189,8 +185,9 @@ async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
 class SqliteStore:
     """A :class:`~relay.core.interfaces.FingerprintStore` in SQLite; create it with :meth:`open`.
 
-    ``op_timeout_s`` (seconds) bounds every operation and is also SQLite's busy timeout, the
-    time a writer waits for another process's lock. Every method raises
+    ``op_timeout_s`` (seconds) bounds every operation and is also the time a write waits for
+    another process's write lock (polled about every millisecond). Writes of concurrent calls
+    share one transaction and one fsync (:mod:`relay.store.sqlite_writer`). Every method raises
     :class:`relay.core.errors.StoreError` on any failure.
     """
 
@@ -198,19 +195,20 @@ class SqliteStore:
         """Prepare a store on ``path`` without touching the file; :meth:`open` connects."""
         self._path = path
         self._op_timeout_s = op_timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
-        self._conn: sqlite3.Connection | None = None  # used in the worker thread only
+        # owns the connection, in its own thread
+        self._writer = Writer("sqlite-store", op_timeout_s)
         self._closed = False
 
     @classmethod
     async def open(cls, path: str, *, op_timeout_s: float = 2.0) -> SqliteStore:
         """Open (creating when missing) the database file at ``path`` and its parent directory.
 
-        Raises :class:`StoreError` (op ``open``) when the file cannot be opened or set up.
+        Several processes may open one file at once. Raises :class:`StoreError` (op ``open``)
+        when the file cannot be opened or set up within ``op_timeout_s`` seconds.
         """
         store = cls(path=path, op_timeout_s=op_timeout_s)
         try:
-            await store._call("open", store._connect)
+            await store._call("open", lambda _conn, _now: store._connect(), in_tx=False)
         except StoreError:
             await store.close()
             raise
@@ -229,8 +227,11 @@ class SqliteStore:
         if not keys:
             return []
         lease_ms = _ms(lease_s)
-        return await self._call(
-            "reserve", lambda: self._reserve(keys, token, lease_ms, resend_unknown))
+
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[Reservation]:
+            return _reserve(conn, now_ms, keys, token, lease_ms, resend_unknown)
+
+        return await self._call("reserve", body)
 
     async def settle(
         self, ops: Sequence[SettleOp], *, token: str, window_s: float
@@ -245,7 +246,11 @@ class SqliteStore:
         if not ops:
             return []
         window_ms = _ms(window_s)
-        return await self._call("settle", lambda: self._settle(ops, token, window_ms))
+
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
+            return _settle(conn, now_ms, ops, token, window_ms)
+
+        return await self._call("settle", body)
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
         """Keep this attempt's reservations alive: PENDING(token) expires ``lease_s`` seconds
@@ -255,21 +260,28 @@ class SqliteStore:
         if not keys:
             return []
         lease_ms = _ms(lease_s)
-        return await self._call("renew", lambda: self._renew(keys, token, lease_ms))
+
+        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
+            return _renew(conn, now_ms, keys, token, lease_ms)
+
+        return await self._call("renew", body)
 
     async def inspect(self, key: str) -> Record:
         """Return what ``key`` holds, ``ttl_s`` in seconds (None: no expiry).
 
         Raises :class:`StoreError` (op ``inspect``).
         """
-        return await self._call("inspect", lambda: self._inspect(key))
+        return await self._call("inspect", lambda conn, _now: _inspect(conn, key), in_tx=False)
 
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
         """Delete ``key`` whatever it holds; True when a live row was deleted.
 
         Raises :class:`StoreError` (op ``force_release``).
         """
-        return await self._call("force_release", lambda: self._force_release(key, expected))
+        def body(conn: sqlite3.Connection, now_ms: int) -> bool:
+            return _force_release(conn, now_ms, key, expected)
+
+        return await self._call("force_release", body)
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
         """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
@@ -279,188 +291,192 @@ class SqliteStore:
         def body(conn: sqlite3.Connection, now_ms: int) -> None:
             conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
 
-        await self._call("force_mark_sent", lambda: self._transaction(body))
+        await self._call("force_mark_sent", body)
 
     async def ping(self) -> None:
         """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
-        await self._call("ping", lambda: self._db().execute("SELECT 1").fetchone())
+        await self._call("ping", lambda conn, _now: _db(conn).execute("SELECT 1").fetchone(),
+                         in_tx=False)
 
     async def purge_expired(self) -> int:
         """Delete expired rows; return how many. Raises :class:`StoreError` (op ``purge``)."""
-        return await self._call("purge", self._purge)
+        return await self._call("purge", _purge)
 
     async def close(self) -> None:
-        """Close the connection and stop the worker thread; later calls raise StoreError."""
+        """Close the connection and stop the writer thread once the calls queued before are
+        done; later calls raise StoreError."""
         if self._closed:
             return
         self._closed = True
-        loop = asyncio.get_running_loop()
-        try:
-            with contextlib.suppress(sqlite3.Error, OSError):
-                await loop.run_in_executor(self._executor, self._disconnect)
-        finally:
-            self._executor.shutdown(wait=False)
+        op = Op(lambda _conn, _now: self._disconnect(), False, asyncio.get_running_loop())
+        self._writer.submit(op)
+        self._writer.stop()
+        with contextlib.suppress(sqlite3.Error, OSError):
+            await op.done
 
     # -- event-loop side ---------------------------------------------------------------------
 
-    async def _call(self, op: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` in the worker thread, translating every failure into StoreError.
+    async def _call(self, op_name: str, fn: Callable[[Any, int], _T], *,
+                    in_tx: bool = True) -> _T:
+        """Queue ``fn`` for the writer thread, translating every failure into StoreError.
 
-        The time limit is on the database, not on this process: ``op_timeout_s`` counts from
-        when the worker starts ``fn`` (time queued behind this process's own calls is not an
-        outage; SQLite's busy timeout bounds the wait for another process's lock), and a call
-        that finished is never reported as timed out because the event loop was too busy to
-        notice in time. ``_QUEUE_LIMIT_S`` bounds the wait for the worker.
+        ``fn(conn, now_ms)`` runs inside a shared write transaction when ``in_tx`` (``now_ms``
+        read inside it), else alone with ``now_ms`` 0. The time limit is on the database, not on
+        this process: ``op_timeout_s`` counts from when the writer starts ``fn``'s batch (time
+        queued behind this process's own calls is not an outage; it does cover the wait for
+        another process's write lock), and a call that finished is never reported as timed out
+        because the event loop was too busy to notice in time. ``_QUEUE_LIMIT_S`` bounds the
+        wait for the writer.
         """
         if self._closed:
-            raise StoreError(op, "the SQLite store is closed")
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future[None] = loop.create_future()
-
-        def run() -> _T:
-            loop.call_soon_threadsafe(_set_once, started)
-            return fn()
-
-        work = loop.run_in_executor(self._executor, run)
+            raise StoreError(op_name, "the SQLite store is closed")
+        op = Op(fn, in_tx, asyncio.get_running_loop())
+        self._writer.submit(op)
         try:
-            await _within(started, max(_QUEUE_LIMIT_S, self._op_timeout_s))
-            return await _within(work, self._op_timeout_s)
+            await _within(op.started, max(_QUEUE_LIMIT_S, self._op_timeout_s))
+            result: _T = await _within(op.done, self._op_timeout_s)
         except TimeoutError as exc:
-            raise StoreError(op, f"SQLite did not answer within {self._op_timeout_s:g} s") from exc
+            raise StoreError(op_name,
+                             f"SQLite did not answer within {self._op_timeout_s:g} s") from exc
         # UnicodeError: a key or token that cannot be encoded as UTF-8 is refused by sqlite3
         except (sqlite3.Error, OSError, UnicodeError) as exc:
-            raise StoreError(op, f"{type(exc).__name__}: {exc}") from exc
+            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
+        return result
 
-    # -- worker-thread side ------------------------------------------------------------------
+    # -- writer-thread side ------------------------------------------------------------------
 
     def _connect(self) -> None:
         if self._path != ":memory:":
             parent = os.path.dirname(os.path.abspath(self._path))
             os.makedirs(parent, exist_ok=True)
         # isolation_level=None: no implicit transactions; writes use BEGIN IMMEDIATE explicitly.
-        conn = sqlite3.connect(self._path, isolation_level=None, timeout=self._op_timeout_s)
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_POLL_MS / 1000,
+                               check_same_thread=False)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {_ms(self._op_timeout_s)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss or an
-            # OS crash, and a lost SENT row lets a retried message through twice. FULL costs one
-            # fsync per transaction (one per reserve, one per settle), cheap next to SMTP.
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute(_SCHEMA)
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
-            if "lease_ms" not in columns:
-                conn.execute(_ADD_LEASE)
-            conn.execute(_INDEX)
+            _set_up(conn, time.monotonic() + self._op_timeout_s)
         except BaseException:
             conn.close()
             raise
-        self._conn = conn
+        self._writer.conn = conn
 
     def _disconnect(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._writer.conn is not None:
+            self._writer.conn.close()
+            self._writer.conn = None
 
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise sqlite3.ProgrammingError("the SQLite store is not open")
-        return self._conn
 
-    def _transaction(self, body: Callable[[sqlite3.Connection, int], _T]) -> _T:
-        """Run ``body(conn, now_ms)`` inside BEGIN IMMEDIATE ... COMMIT (rolled back on error).
+def _db(conn: sqlite3.Connection | None) -> sqlite3.Connection:
+    if conn is None:
+        raise sqlite3.ProgrammingError("the SQLite store is not open")
+    return conn
 
-        BEGIN IMMEDIATE takes the write lock before the first read, so a row read by ``body``
-        cannot be changed by another process before ``body`` writes.
-        """
-        conn = self._db()
-        conn.execute("BEGIN IMMEDIATE")
+
+def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
+    """Put the file in WAL mode and create the schema, retrying while another process holds a
+    lock until ``deadline`` (``time.monotonic()``); raises sqlite3.Error after it.
+
+    Switching to WAL takes an exclusive lock and does not wait through the busy timeout, so two
+    processes opening a new file at once can see SQLITE_BUSY here; the schema is created and
+    upgraded in one BEGIN IMMEDIATE so two processes never both add a column.
+    """
+    pause = 0.001
+    while True:
         try:
-            result = body(conn, _now_ms())
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        return result
+            conn.execute("PRAGMA journal_mode = WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if not locked(exc) or time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss or an OS
+    # crash, and a lost SENDING or SENT row lets a retried message through twice. FULL fsyncs
+    # the WAL at every COMMIT; group commit shares that fsync among concurrent calls.
+    conn.execute("PRAGMA synchronous = FULL")
+    begin_immediate(conn, deadline)
+    try:
+        conn.execute(_SCHEMA)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
+        if "lease_ms" not in columns:
+            conn.execute(_ADD_LEASE)
+        conn.execute(_INDEX)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
-    def _reserve(self, keys: Sequence[str], token: str, lease_ms: int,
-                 resend_unknown: bool) -> list[Reservation]:
-        def body(conn: sqlite3.Connection, now_ms: int) -> list[Reservation]:
-            out: list[Reservation] = []
-            mine = (_PENDING, token, None, None, now_ms + lease_ms)
-            for key in keys:
-                row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
-                if row is None:
-                    conn.execute(_UPSERT, (key, *mine))
-                    out.append(Reservation(key=key, reserved=True))
-                elif row[0] == _PENDING and row[1] == token:
-                    out.append(Reservation(key=key, reserved=True))
-                else:
-                    found = _record(row, now_ms, lease_ms)
-                    take_over = resend_unknown and found.state is State.UNKNOWN
-                    if take_over:
-                        conn.execute(_UPSERT, (key, *mine))
-                    out.append(Reservation(key=key, reserved=take_over, found=found))
-            return out
 
-        return self._transaction(body)
+def _reserve(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str], token: str,
+             lease_ms: int, resend_unknown: bool) -> list[Reservation]:
+    out: list[Reservation] = []
+    mine = (_PENDING, token, None, None, now_ms + lease_ms)
+    for key in keys:
+        row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+        if row is None:
+            conn.execute(_UPSERT, (key, *mine))
+            out.append(Reservation(key=key, reserved=True))
+        elif row[0] == _PENDING and row[1] == token:
+            out.append(Reservation(key=key, reserved=True))
+        else:
+            found = _record(row, now_ms, lease_ms)
+            take_over = resend_unknown and found.state is State.UNKNOWN
+            if take_over:
+                conn.execute(_UPSERT, (key, *mine))
+            out.append(Reservation(key=key, reserved=take_over, found=found))
+    return out
 
-    def _settle(self, ops: Sequence[SettleOp], token: str, window_ms: int) -> list[bool]:
-        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
-            done: list[bool] = []
-            at_ms, expires_ms = now_ms, now_ms + window_ms
-            for op in ops:
-                mine = (op.key, token, now_ms)
-                if op.action is Settle.RELEASE:
-                    cursor = conn.execute(_RELEASE, mine)
-                elif op.action is Settle.SENDING:
-                    cursor = conn.execute(_TO_SENDING,
-                                          (at_ms, expires_ms, _lease_ms(op), *mine))
-                else:
-                    state = _SENT if op.action is Settle.SENT else _UNKNOWN
-                    reply = _clean(op.reply) if op.action is Settle.SENT else None
-                    cursor = conn.execute(_SETTLE, (state, at_ms, reply, expires_ms, *mine))
-                done.append(cursor.rowcount == 1)
-            return done
 
-        return self._transaction(body)
+def _settle(conn: sqlite3.Connection, now_ms: int, ops: Sequence[SettleOp], token: str,
+            window_ms: int) -> list[bool]:
+    done: list[bool] = []
+    at_ms, expires_ms = now_ms, now_ms + window_ms
+    for op in ops:
+        mine = (op.key, token, now_ms)
+        if op.action is Settle.RELEASE:
+            cursor = conn.execute(_RELEASE, mine)
+        elif op.action is Settle.SENDING:
+            cursor = conn.execute(_TO_SENDING, (at_ms, expires_ms, _lease_ms(op), *mine))
+        else:
+            state = _SENT if op.action is Settle.SENT else _UNKNOWN
+            reply = _clean(op.reply) if op.action is Settle.SENT else None
+            cursor = conn.execute(_SETTLE, (state, at_ms, reply, expires_ms, *mine))
+        done.append(cursor.rowcount == 1)
+    return done
 
-    def _renew(self, keys: Sequence[str], token: str, lease_ms: int) -> list[bool]:
-        def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
-            done: list[bool] = []
-            for key in keys:
-                mine = (key, token, now_ms)
-                cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
-                if cursor.rowcount != 1:
-                    cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, *mine))
-                done.append(cursor.rowcount == 1)
-            return done
 
-        return self._transaction(body)
+def _renew(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str], token: str,
+           lease_ms: int) -> list[bool]:
+    done: list[bool] = []
+    for key in keys:
+        mine = (key, token, now_ms)
+        cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
+        if cursor.rowcount != 1:
+            cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, *mine))
+        done.append(cursor.rowcount == 1)
+    return done
 
-    def _inspect(self, key: str) -> Record:
-        now_ms = _now_ms()
-        row = _live(self._db().execute(_SELECT, (key,)).fetchone(), now_ms)
-        return Record(State.ABSENT) if row is None else _record(row, now_ms)
 
-    def _force_release(self, key: str, expected: Record | None) -> bool:
-        def body(conn: sqlite3.Connection, now_ms: int) -> bool:
-            if expected is not None:
-                row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
-                if row is None or not _same(_record(row, now_ms), expected):
-                    return False  # absent, or no longer what the operator saw
-            cursor = conn.execute(_DELETE_LIVE, (key, now_ms))
-            conn.execute("DELETE FROM fingerprints WHERE key = ?", (key,))  # an expired leftover
-            return cursor.rowcount == 1
+def _inspect(conn: sqlite3.Connection | None, key: str) -> Record:
+    now_ms = int(time.time() * 1000)
+    row = _live(_db(conn).execute(_SELECT, (key,)).fetchone(), now_ms)
+    return Record(State.ABSENT) if row is None else _record(row, now_ms)
 
-        return self._transaction(body)
 
-    def _purge(self) -> int:
-        def body(conn: sqlite3.Connection, now_ms: int) -> int:
-            cursor = conn.execute(
-                "DELETE FROM fingerprints WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?",
-                (now_ms,),
-            )
-            return cursor.rowcount
+def _force_release(conn: sqlite3.Connection, now_ms: int, key: str,
+                   expected: Record | None) -> bool:
+    if expected is not None:
+        row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+        if row is None or not _same(_record(row, now_ms), expected):
+            return False  # absent, or no longer what the operator saw
+    cursor = conn.execute(_DELETE_LIVE, (key, now_ms))
+    conn.execute("DELETE FROM fingerprints WHERE key = ?", (key,))  # an expired leftover
+    return cursor.rowcount == 1
 
-        return self._transaction(body)
+
+def _purge(conn: sqlite3.Connection, now_ms: int) -> int:
+    cursor = conn.execute(
+        "DELETE FROM fingerprints WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?",
+        (now_ms,),
+    )
+    return cursor.rowcount
