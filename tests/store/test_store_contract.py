@@ -31,6 +31,7 @@ from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
+from tests.support.sqlite_procs import hammering
 
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 LEASE_S = 60.0
@@ -66,16 +67,28 @@ def sentinel() -> Iterator[SentinelSet]:
         yield servers
 
 
-@pytest.fixture(params=["redis", "sqlite", "cluster", "sentinel"])
+@pytest.fixture(scope="module")
+def hammered_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SQLite file that a second process writes (reserve, SENDING, SENT, release of its own
+    keys) for as long as this module's tests use it; it must never see a StoreError."""
+    path = str(tmp_path_factory.mktemp("hammered") / "store.db")
+    with hammering(path):
+        yield path
+
+
+@pytest.fixture(params=["redis", "sqlite", "sqlite-2proc", "cluster", "sentinel"])
 async def store(
     request: pytest.FixtureRequest, prefix: str, db_path: str
 ) -> AsyncIterator[FingerprintStore]:
     """Each store in turn; Redis keys under ``prefix`` are deleted afterwards.
 
     The cluster and sentinel servers are private to this module: their keys go with them.
+    ``sqlite-2proc`` is SQLite on a file another process writes at the same time.
     """
-    if request.param == "sqlite":
-        sqlite_store = await SqliteStore.open(db_path)
+    if request.param.startswith("sqlite"):
+        path = request.getfixturevalue("hammered_db") if request.param == "sqlite-2proc" \
+            else db_path
+        sqlite_store = await SqliteStore.open(path)
         yield sqlite_store
         await sqlite_store.close()
         return
@@ -111,7 +124,8 @@ async def write_foreign(store: FingerprintStore, key: str, db_path: str) -> None
         # the store's own client reaches the right server whether single, cluster or sentinel
         await store._client.set(key, "1")
         return
-    with contextlib.closing(sqlite3.connect(db_path)) as conn, conn:
+    path = store._path if isinstance(store, SqliteStore) else db_path
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         conn.execute(
             "INSERT INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
             "VALUES (?, '1', NULL, NULL, NULL, NULL)",
