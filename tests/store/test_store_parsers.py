@@ -12,6 +12,7 @@ from pathlib import Path
 import redis.asyncio
 from redis._parsers import _AsyncHiredisParser
 
+from relay.store.redis.clients import open_client
 from relay.store.redis.store import RedisStore
 
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -45,3 +46,14 @@ def test_the_store_contract_holds_with_the_pure_python_parser() -> None:
         capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def test_one_server_has_no_socket_read_timeout_unless_the_url_sets_one() -> None:
+    """The store's op timeout bounds every call; redis-py's own 5 s read timeout would cost a
+    task (asyncio.wait_for) per write. A ``socket_timeout`` in the URL still applies."""
+    for url, expected in ((REDIS_URL, None), (REDIS_URL + "?socket_timeout=3", 3.0)):
+        client, _ = open_client(url, op_timeout_s=2.0)
+        assert isinstance(client, redis.asyncio.Redis)
+        kwargs = client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == expected
+        assert kwargs["socket_connect_timeout"] == 2.0

@@ -50,10 +50,11 @@ def open_client(url: str, *, op_timeout_s: float) -> tuple[Client, SentinelServi
             f"store URL scheme {scheme!r} is not redis://, rediss://, unix://, "
             "redis+cluster:// or redis+sentinel://"
         )
-    # no socket_timeout (unless the URL sets one): every store call runs under the store's own
-    # op timeout already, and redis-py would start a task (asyncio.wait_for) per write for it
+    # no socket_timeout (unless the URL sets one; redis-py's default is 5 s): every store call
+    # runs under the store's own op timeout already, and redis-py would start a task
+    # (asyncio.wait_for) per write for it
     client = redis.asyncio.from_url(url, decode_responses=False, retry=_reconnect_once(),
-                                    socket_connect_timeout=op_timeout_s)
+                                    socket_timeout=None, socket_connect_timeout=op_timeout_s)
     return client, None
 
 
