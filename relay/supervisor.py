@@ -57,9 +57,15 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 BACKOFF_RESET_S = 60.0  # a worker that served this long restarts at the first back-off again
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# a stop signal forwarded while the worker still imports is kept, and handled once it serves
+# A worker's first lines, before the relay's imports: it dies with its supervisor (Linux
+# PR_SET_PDEATHSIG: a supervisor killed with SIGKILL takes its workers along, as one process
+# would, instead of leaving them on the port; gone already: exit); a stop signal forwarded
+# while it still imports is kept, and handled once its loop runs.
 _WORKER_COMMAND = (
-    "import signal; early = []\n"
+    "import ctypes, os, signal; early = []\n"
+    "try: ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # 1: PR_SET_PDEATHSIG
+    "except (OSError, AttributeError): pass\n"
+    "if os.getppid() != {supervisor}: os._exit(1)\n"
     "for sig in (signal.SIGTERM, signal.SIGINT): signal.signal(sig, lambda n, _: early.append(n))\n"
     "from relay.supervisor import worker_main; worker_main(early)")
 
@@ -298,7 +304,7 @@ class Supervisor:
             env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _WORKER_COMMAND,
+                sys.executable, "-c", _WORKER_COMMAND.format(supervisor=os.getpid()),
                 env=env, stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=(*listeners.listen, *listeners.tls_listen, settings_r, status_w))
         finally:

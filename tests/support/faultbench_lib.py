@@ -53,12 +53,12 @@ def _kill_leftover_children() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-async def _spawn(*argv: str, env: dict[str, str] | None, log_path: Path
-                 ) -> asyncio.subprocess.Process:
+async def _spawn(*argv: str, env: dict[str, str] | None, log_path: Path,
+                 new_session: bool = False) -> asyncio.subprocess.Process:
     with log_path.open("ab") as log_file:
         proc = await asyncio.create_subprocess_exec(
             *argv, env=env, cwd=log_path.parent, stdin=asyncio.subprocess.DEVNULL,
-            stdout=log_file, stderr=log_file)
+            stdout=log_file, stderr=log_file, start_new_session=new_session)
     _CHILD_PIDS.add(proc.pid)
     return proc
 
@@ -76,6 +76,18 @@ async def _end(proc: asyncio.subprocess.Process, sig: int, wait_s: float) -> int
             await asyncio.wait_for(proc.wait(), 10)
     _CHILD_PIDS.discard(proc.pid)
     return int(proc.returncode if proc.returncode is not None else -1)
+
+
+async def _group_gone(group: int, within_s: float = 10.0) -> None:
+    """Wait until no process of the process group ``group`` is left (workers exit after their
+    supervisor; the next relay binds the same port)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.02)
 
 
 async def wait_for_port(port: int, proc: asyncio.subprocess.Process | None,
@@ -411,6 +423,7 @@ class RelayProcess:
     exit_codes: list[int] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)  # more RELAY_* settings
     clock_offset_s: float = 0.0  # run under faketime with the wall clock this far off
+    workers: int = 2  # worker processes under a supervisor (issue 10); 1: one process
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
@@ -440,7 +453,8 @@ class RelayProcess:
             "--upstream", f"127.0.0.1:{self.upstream_port}", "--store", self.store_url,
             "--metrics-listen", "off", "--lease", str(c.lease_s),
             "--upstream-timeout", str(c.upstream_timeout_s), "--dedup-window", "3600",
-            "--log-format", "json", env=self._env(), log_path=self.log_path)
+            "--log-format", "json", "--workers", str(self.workers), env=self._env(),
+            log_path=self.log_path, new_session=True)
         try:
             await wait_for_port(self.port, self.proc)
         except RuntimeError as exc:
@@ -452,7 +466,12 @@ class RelayProcess:
         """Send ``sig``, wait for the exit (grace + 10 s at most), record the exit code."""
         if self.proc is None:
             return -1
+        group = self.proc.pid  # its own session: the supervisor and its workers
+        if sig == signal.SIGKILL:  # as a service manager kills a unit: every process of it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         code = await _end(self.proc, sig, self.config.shutdown_grace_s + 10)
+        await _group_gone(group)
         self.exit_codes.append(code)
         self.proc = None
         return code

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
-from relay.core.interfaces import State
+from relay.core.interfaces import Settle, SettleOp, State
+from relay.store.journal import add_to_journal
 from relay.store.redis.store import RedisStore
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
@@ -211,3 +212,39 @@ def test_a_start_error_is_reported_once_with_its_exit_code(tmp_path: Path) -> No
     assert result.returncode == 78, result.stderr
     assert result.stderr.count("the Redis server has no database of that number") == 1, \
         result.stderr
+
+
+async def test_a_supervisor_killed_with_sigkill_takes_its_workers_along(serve: Serve) -> None:
+    """kill -9 of the supervisor: the workers die too (as one process would), the port is
+    free for the next start."""
+    relay = await serve()
+    pids = relay.worker_pids()
+    relay.proc.kill()
+    await asyncio.to_thread(relay.proc.wait, 10)
+    await until(lambda: not any(relay.alive(pid) for pid in pids.values()),
+                what="the workers ended with their supervisor")
+
+
+async def test_a_settle_journal_is_paid_once_by_worker_0(
+        serve: Serve, tmp_path: Path) -> None:
+    """A journal left by an earlier run (owing a SENT mark) is paid at the start of 2 workers:
+    by worker 0 alone (one log line), the record is SENT and the file is gone."""
+    prefix = f"test:workers:{uuid.uuid4().hex}:"
+    key = store_key(prefix, fingerprint(normalize_recipient("user@example.net"), "welcome",
+                                        "K-1"))
+    store = RedisStore.from_url(REDIS_URL, op_timeout_s=2.0)
+    try:
+        await store.reserve([key], token="t-1", lease_s=60.0)
+    finally:
+        await store.close()
+    journal = tmp_path / "owed.jsonl"  # the fixture's settle_journal
+    add_to_journal(journal, [("t-1", SettleOp(key=key, action=Settle.SENT, reply="250 ok"))],
+                   f"{REDIS_URL} prefix={prefix}")
+    try:
+        relay = await serve("--store-prefix", prefix)
+        paid = [e for e in relay.lines() if "settle journal" in str(e.get("message"))]
+        assert [e.get("worker") for e in paid] == [0], paid
+        assert await _record(prefix, "user@example.net", "K-1") is State.SENT
+        assert not journal.exists()
+    finally:
+        delete_prefix(REDIS_URL, prefix)

@@ -39,8 +39,10 @@ def maildir_relay(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str], 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env["RELAY_STORE_PREFIX"] = prefix
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--listen", f"127.0.0.1:{port}",
-         "--upstream", f"maildir:{box}", "--metrics-listen", "off", "--store", REDIS_URL],
+        # one process: the tests set a file size limit on the process that writes the Maildir
+        [sys.executable, "-m", "relay", "serve", "--workers", "1",
+         "--listen", f"127.0.0.1:{port}", "--upstream", f"maildir:{box}",
+         "--metrics-listen", "off", "--store", REDIS_URL],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_port(port, proc)
