@@ -32,6 +32,20 @@ class PoolSinkHandler(SinkHandler):
     rsets: int = 0
     quits: int = 0
     ended: int = 0
+    gather: int = 0  # hold each DATA until this many transactions are in DATA at once
+    _in_data: int = 0
+    _gathered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        if self.gather:
+            self._in_data += 1
+            if self._in_data % self.gather == 0:
+                self._gathered.set()
+            await asyncio.wait_for(self._gathered.wait(), 5.0)
+            self._in_data -= 1
+            if self._in_data == 0:
+                self._gathered.clear()
+        return await super().handle_DATA(server, session, envelope)
 
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, options: list[str]) -> str:
@@ -127,7 +141,7 @@ async def test_an_unset_pool_size_keeps_a_connection_per_concurrent_session(
     """upstream_pool_size unset, max_connections 6, one worker: six concurrent transactions
     leave six idle connections, and the next six concurrent ones open none."""
     sink, handler = await serve_pool_sink()
-    handler.delay_s = 0.2  # the six transactions overlap
+    handler.gather = 6  # each wave's six transactions are in DATA at once
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", max_connections=6,
                              max_connections_per_ip=6, workers=1)
 
