@@ -173,8 +173,7 @@ def build_upstream(settings: Settings) -> Upstream:
         connect_timeout_s=settings.upstream_connect_timeout,
         command_timeout_s=settings.upstream_command_timeout,
         final_timeout_s=settings.upstream_timeout,
-        pool_size=(default_pool_size(settings.max_connections,
-                                     settings.workers or os.cpu_count() or 1)
+        pool_size=(default_pool_size(settings.max_connections, settings.effective_workers)
                    if settings.upstream_pool_size is None else settings.upstream_pool_size),
         pool_idle_s=settings.upstream_pool_idle,
         pool_max_messages=settings.upstream_pool_max_messages,
