@@ -311,7 +311,8 @@ class Supervisor:
             os.close(settings_r)
             os.close(status_w)
         worker.proc = proc
-        with os.fdopen(settings_w, "wb") as out:
+        # a worker that died at once (BrokenPipeError): its exit code tells why
+        with contextlib.suppress(BrokenPipeError), os.fdopen(settings_w, "wb") as out:
             await asyncio.to_thread(out.write, pickle.dumps(self._worker_settings()))
         reader = asyncio.create_task(self._read_status(worker, status_r))
         code = await proc.wait()

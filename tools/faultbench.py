@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import shutil
@@ -162,7 +163,8 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
         f"- date: {started:%Y-%m-%d %H:%M} UTC; all runs took {total_s:.0f} s",
         *(f"- {fact}" for fact in machine_facts()), "",
         "## Set-up", "",
-        f"- relay: `python -m relay serve` process, lease {rc.lease_s:g} s, upstream timeout "
+        f"- relay: `python -m relay serve --workers {args.workers}`, lease {rc.lease_s:g} s, "
+        "upstream timeout "
         f"(final dot) {rc.upstream_timeout_s:g} s, upstream connect/command timeouts "
         f"{rc.connect_timeout_s:g}/{rc.command_timeout_s:g} s, store timeout "
         f"{rc.store_timeout_s:g} s, shutdown grace {rc.shutdown_grace_s:g} s, metrics off, "
@@ -195,7 +197,8 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
 
 async def run_all(args: argparse.Namespace, workroot: Path) -> list[RunResult]:
     """Run the chosen scenarios one after the other, printing each run's counts."""
-    chosen = [s for s in scenarios(redis_down_s=args.redis_down)
+    chosen = [dataclasses.replace(s, relay=dataclasses.replace(s.relay, workers=args.workers))
+              for s in scenarios(redis_down_s=args.redis_down)
               if not args.only or s.name in args.only.split(",")]
     results = []
     for scenario in chosen:
@@ -218,6 +221,8 @@ def main() -> None:
                         help="seconds Redis stays stopped")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=RelayConfig().workers,
+                        help="worker processes of each relay (serve --workers)")
     parser.add_argument("--out", type=Path, help="write the Markdown report here")
     parser.add_argument("--keep", type=Path, help="keep the runs' logs under this directory")
     args = parser.parse_args()

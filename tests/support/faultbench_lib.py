@@ -407,6 +407,7 @@ class RelayConfig:
     store_timeout_s: float = 1.0
     shutdown_grace_s: float = 5.0
     unknown_policy: str = "suppress"
+    workers: int = 2  # worker processes under a supervisor (issue 10); 1: one process
 
 
 @dataclass
@@ -423,7 +424,6 @@ class RelayProcess:
     exit_codes: list[int] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)  # more RELAY_* settings
     clock_offset_s: float = 0.0  # run under faketime with the wall clock this far off
-    workers: int = 2  # worker processes under a supervisor (issue 10); 1: one process
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
@@ -453,7 +453,7 @@ class RelayProcess:
             "--upstream", f"127.0.0.1:{self.upstream_port}", "--store", self.store_url,
             "--metrics-listen", "off", "--lease", str(c.lease_s),
             "--upstream-timeout", str(c.upstream_timeout_s), "--dedup-window", "3600",
-            "--log-format", "json", "--workers", str(self.workers), env=self._env(),
+            "--log-format", "json", "--workers", str(c.workers), env=self._env(),
             log_path=self.log_path, new_session=True)
         try:
             await wait_for_port(self.port, self.proc)

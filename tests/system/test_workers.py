@@ -248,3 +248,20 @@ async def test_a_settle_journal_is_paid_once_by_worker_0(
         assert not journal.exists()
     finally:
         delete_prefix(REDIS_URL, prefix)
+
+
+@pytest.mark.slow  # five starts with back-off: 7.5 s of waiting
+def test_a_worker_that_never_starts_is_given_up_on_with_exit_69(tmp_path: Path) -> None:
+    """Every worker process dies before serving (a sitecustomize exits it, status 3): the
+    supervisor retries with back-off, then gives up (exit 69) instead of spinning."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import os\nif 'DEDUP_RELAY_WORKER' in os.environ:\n    os._exit(3)\n")
+    result = run_cli("serve", "--workers", "2", "--listen", "127.0.0.1:0", "--upstream",
+                     "maildir:md", "--store", REDIS_URL, "--metrics-listen", "off",
+                     "--log-format", "json", cwd=tmp_path, env={"PYTHONPATH": str(shim)})
+    assert result.returncode == 69, result.stderr
+    tries = [line for line in result.stderr.splitlines() if "exited before serving" in line]
+    assert len(tries) == 4, result.stderr  # the 5th failure ends it
+    assert "could not start (exit code 3, 5 time(s)): giving up" in result.stderr
