@@ -1,24 +1,52 @@
 """Fixtures shared by every test folder (the parts they use live in tests/support/): a real
 aiosmtpd sink as the upstream, a relay served in the test's loop, a private redis-server for
 tests that must stop Redis. The session fails at once when the shared test Redis does not answer.
+
+Event loop of the async tests: asyncio's, or uvloop's with ``RELAY_TEST_LOOP=uvloop``; a test
+(class, module) marked ``both_loops`` runs once on each (ids ``asyncio`` and ``uvloop``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import uvloop
 
 from relay.app import Relay
 from relay.config import Settings
 from tests.support.net import free_port
 from tests.support.relays import REDIS_URL, MakeRelay, PrivateRedis, delete_prefix
 from tests.support.sink import Sink, start_sink
+
+LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+TEST_LOOP = os.environ.get("RELAY_TEST_LOOP", "asyncio")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register ``both_loops``; refuse an unknown ``RELAY_TEST_LOOP``."""
+    config.addinivalue_line(
+        "markers", "both_loops: the async test runs on asyncio's loop and on uvloop's")
+    if TEST_LOOP not in LOOP_FACTORIES:
+        raise pytest.UsageError(
+            f"RELAY_TEST_LOOP={TEST_LOOP!r}: one of {', '.join(LOOP_FACTORIES)}")
+
+
+def pytest_asyncio_loop_factories(
+        config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """pytest-asyncio's hook: both loops for a ``both_loops`` test, else RELAY_TEST_LOOP's."""
+    if item.get_closest_marker("both_loops") is not None:
+        return LOOP_FACTORIES
+    return {TEST_LOOP: LOOP_FACTORIES[TEST_LOOP]}
 
 
 @pytest.fixture

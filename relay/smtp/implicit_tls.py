@@ -14,6 +14,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
+from typing import cast
 
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.session import RelaySMTP
@@ -39,9 +40,9 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
         self._handshake_timeout_s = handshake_timeout_s
         self._tasks = tasks
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
         """Refuse (close, nothing sent) or count the client, then start the handshake."""
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, base)  # uvloop's is no asyncio.Transport subclass
         transport.pause_reading()  # the ClientHello is for the TLS layer, not for us
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) else ""

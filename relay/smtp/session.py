@@ -457,8 +457,8 @@ class RelaySMTP(SMTP):
         self._say_and_close(replies.BARE_CR_OR_LF_IN_COMMAND)
 
     def _say_and_close(self, reply: SmtpReply) -> None:
-        transport = self.transport
-        if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
+        transport = _writable(self.transport)
+        if transport is not None:
             transport.write(f"{reply}\r\n".encode())
             transport.close()
 
@@ -570,9 +570,16 @@ class RelaySMTP(SMTP):
 
     def _timeout_cb(self) -> None:
         """Say ``421 4.4.2`` before closing an idle client (RFC 5321 section 4.5.3.2.7)."""
-        transport = self.transport
-        if isinstance(transport, asyncio.WriteTransport) and not transport.is_closing():
+        transport = _writable(self.transport)
+        if transport is not None:
             transport.write(f"{replies.CLIENT_TIMEOUT}\r\n".encode())
         super()._timeout_cb()  # type: ignore[no-untyped-call]  # aiosmtpd leaves it untyped
 
 
+def _writable(transport: asyncio.BaseTransport | None) -> asyncio.WriteTransport | None:
+    """``transport`` when it is open and has ``write``, else None; duck-typed, as uvloop's
+    transports are not :class:`asyncio.WriteTransport` subclasses."""
+    if transport is None or transport.is_closing() or not callable(
+            getattr(transport, "write", None)):
+        return None
+    return cast(asyncio.WriteTransport, transport)

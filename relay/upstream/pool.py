@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import aiosmtplib
 
-from relay.upstream.transfer import abort, write_backlog
+from relay.upstream.transfer import abort, is_wire, write_backlog
 
 log = logging.getLogger("relay.upstream.smtp")
 
@@ -183,7 +183,7 @@ def discard(smtp: aiosmtplib.SMTP) -> None:
     the relay decided the message did not go (issue 8).
     """
     transport = smtp.transport
-    if (isinstance(transport, asyncio.WriteTransport) and not transport.is_closing()
+    if (is_wire(transport) and not transport.is_closing()
             and write_backlog(transport) > 0):
         abort(transport)
     smtp.close()

@@ -37,7 +37,15 @@ from relay.core.interfaces import (
 )
 from relay.upstream.negotiate import negotiate
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
-from relay.upstream.transfer import DOT, Outcome, Transfer, abort, write_backlog
+from relay.upstream.transfer import (
+    DOT,
+    Outcome,
+    Transfer,
+    WireTransport,
+    abort,
+    is_wire,
+    write_backlog,
+)
 
 log = logging.getLogger("relay.upstream.smtp")
 
@@ -318,7 +326,7 @@ class SmtpUpstream:
             return _refusal(start.code, start.message), _clean(start.code)
         protocol = smtp.protocol
         transport = protocol.transport if protocol is not None else None
-        if protocol is None or not isinstance(transport, asyncio.WriteTransport):
+        if protocol is None or not is_wire(transport):  # duck-typed: uvloop's too
             return _synthetic(replies.UPSTREAM_LOST), False
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
@@ -326,7 +334,7 @@ class SmtpUpstream:
         return await self._transfer(smtp, protocol, transport, payload + DOT, progress, marking)
 
     async def _transfer(self, smtp: aiosmtplib.SMTP, protocol: aiosmtplib.protocol.SMTPProtocol,
-                        transport: asyncio.WriteTransport, payload: bytes,
+                        transport: WireTransport, payload: bytes,
                         progress: DeliveryProgress, gate: asyncio.Future[bool] | None
                         ) -> tuple[RcptResult, bool]:
         """Write ``payload`` (final dot included, held back until ``gate`` resolves True) and

@@ -10,8 +10,10 @@ per send, not for the whole message). One given up while bytes are still buffere
 DATA) holds the final dot (the payload's last :data:`DOT` bytes) back until it resolves True;
 the body goes out meanwhile, and a gate that resolves False (or fails) ends the transfer
 *withheld*, the dot never written. :func:`write_backlog` counts the encrypted
-bytes under asyncio's SSL transport too (``_ssl_protocol._transport``, CPython 3.11+; pinned by
-tests/upstream/test_upstream_wire.py).
+bytes under the TLS transport too, on asyncio's loop (``_ssl_protocol._transport``, CPython
+3.11+) and on uvloop's (the TCP transport its ``uvloop.sslproto`` holds, uvloop 0.23; both
+pinned by tests/upstream/test_upstream_wire.py). Transports are duck-typed
+(:class:`WireTransport`): uvloop's are not :class:`asyncio.WriteTransport` subclasses.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
 import socket
 import struct
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
@@ -40,22 +43,63 @@ class Outcome(enum.Enum):
     LOST = "lost"  # the connection closed or failed
 
 
-def write_backlog(transport: asyncio.BaseTransport) -> int:
-    """Bytes written to ``transport`` that the kernel has not taken yet (through TLS too)."""
+class WireTransport(Protocol):
+    """What the relay uses of a stream transport, on asyncio's loop and on uvloop's."""
+
+    def write(self, data: bytes) -> None: ...
+    def get_write_buffer_size(self) -> int: ...
+    def is_closing(self) -> bool: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...
+
+
+_WIRE_METHODS = ("write", "get_write_buffer_size", "is_closing", "abort", "close",
+                 "get_extra_info")
+
+
+def is_wire(transport: object) -> TypeGuard[WireTransport]:
+    """Whether ``transport`` has every method of :class:`WireTransport` (asyncio's and
+    uvloop's stream transports, plain and TLS, do)."""
+    return transport is not None and all(
+        callable(getattr(transport, name, None)) for name in _WIRE_METHODS)
+
+
+def write_backlog(transport: object) -> int:
+    """Bytes written to ``transport`` that the kernel has not taken yet (through TLS too:
+    the plaintext and encrypted bytes the TLS layer holds plus the TCP transport's)."""
     size = _buffered(transport)
-    inner = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    inner = _tcp_under_tls(transport)
     if inner is not None and inner is not transport:
         size += _buffered(inner)
     return size
 
 
+def _tcp_under_tls(transport: object) -> object | None:
+    """The TCP transport under a TLS one, None for a plain transport. asyncio's keeps it in
+    ``_ssl_protocol._transport``; uvloop's SSLProtocol (``get_extra_info('uvloop.sslproto')``)
+    is a Cython class with no Python attributes: its TCP transport is the object it refers to
+    whose protocol it is."""
+    inner: object = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    if inner is not None:
+        return inner
+    get_extra_info = getattr(transport, "get_extra_info", None)
+    proto = get_extra_info("uvloop.sslproto") if get_extra_info is not None else None
+    if proto is None:
+        return None
+    for ref in gc.get_referents(proto):
+        if ref is not transport and getattr(ref, "get_protocol", None) is not None \
+                and is_wire(ref) and ref.get_protocol() is proto:  # type: ignore[attr-defined]
+            return ref
+    return None
+
+
 def _buffered(transport: object) -> int:
-    if isinstance(transport, asyncio.WriteTransport):
-        return transport.get_write_buffer_size()
-    return 0
+    size = getattr(transport, "get_write_buffer_size", None)
+    return int(size()) if size is not None else 0
 
 
-def abort(transport: asyncio.WriteTransport) -> None:
+def abort(transport: WireTransport) -> None:
     """Reset the connection (SO_LINGER 0, then ``abort()``): asyncio drops what it buffered
     and the kernel what it had not sent, so none of it can reach the peer. Never raises."""
     sock = transport.get_extra_info("socket")
@@ -68,7 +112,7 @@ def abort(transport: asyncio.WriteTransport) -> None:
 class Transfer:
     """One payload written into ``transport`` with progress tracking; see the module doc."""
 
-    def __init__(self, transport: asyncio.WriteTransport, payload: bytes, *,
+    def __init__(self, transport: WireTransport, payload: bytes, *,
                  stall_timeout_s: float) -> None:
         self._transport = transport
         self._payload = payload

@@ -6,6 +6,8 @@ import asyncio
 import signal
 from pathlib import Path
 
+import pytest
+
 from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
@@ -15,6 +17,8 @@ from tests.support.net import free_port
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
 from tests.support.waiting import until
+
+pytestmark = pytest.mark.both_loops  # asyncio's loop and uvloop's (tests/conftest.py)
 
 
 def key_for(prefix: str, rcpt: str = "user@example.net") -> str:

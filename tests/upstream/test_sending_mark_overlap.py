@@ -31,6 +31,8 @@ from tests.support.redis_servers import free_port, wait_for
 from tests.support.relays import MakeRelay
 from tests.support.waiting import until
 
+pytestmark = pytest.mark.both_loops  # asyncio's loop and uvloop's (tests/conftest.py)
+
 TERMINATOR = b"\r\n.\r\n"
 
 

@@ -25,8 +25,12 @@ from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
 from relay.store.redis.store import RedisStore
+from relay.upstream.transfer import is_wire, write_backlog
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.both_loops  # asyncio's loop and uvloop's (tests/conftest.py)
 
 TERMINATOR = b"\r\n.\r\n"
 RCVBUF_BYTES = 64 * 1024  # fixed, so the kernel does not grow it to tens of MB on loopback
@@ -230,3 +234,46 @@ async def test_a_reply_before_the_whole_message_stops_the_transfer(
         assert record.state is state
         await peer.finished()
         assert (peer.dots, peer.cut) == (0, 1)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_the_write_backlog_counts_every_byte_the_kernel_has_not_taken(
+    server_tls: ssl.SSLContext, tls: bool
+) -> None:
+    """8 MB written to a peer that reads nothing: the backlog is all of it but what the two
+    small socket buffers hold (under TLS: the TLS layer's bytes plus its TCP transport's, on
+    uvloop too, whose TLS transport alone reports 0), and 0 once the peer read everything."""
+    size, window = 8_000_000, 1_000_000  # loopback keeps at most a few 64 KB buffers
+    reading, done = asyncio.Event(), asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reading.wait()
+        await reader.readexactly(size)
+        writer.close()
+        await writer.wait_closed()
+        done.set()
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+    sock.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(handle, sock=sock, ssl=server_tls if tls else None)
+    client_tls = ssl.create_default_context()
+    client_tls.check_hostname, client_tls.verify_mode = False, ssl.CERT_NONE
+    client = socket.create_connection(sock.getsockname())
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RCVBUF_BYTES)
+    client.setblocking(False)
+    transport, _ = await asyncio.get_running_loop().create_connection(
+        asyncio.Protocol, sock=client, ssl=client_tls if tls else None,
+        server_hostname="127.0.0.1" if tls else None)
+    try:
+        assert is_wire(transport)
+        transport.write(b"x" * size)
+        await asyncio.sleep(0.5)
+        backlog = write_backlog(transport)
+        assert size - window < backlog <= size + size // 100, backlog  # + TLS record overhead
+        reading.set()
+        await until(lambda: write_backlog(transport) == 0, 30, "an empty backlog")
+        await asyncio.wait_for(done.wait(), 30)  # the peer read all of it
+    finally:
+        transport.abort()
+        server.close()
