@@ -6,6 +6,11 @@ client gets no byte of TLS and costs no handshake. An admitted one is counted to
 limits while it handshakes, which must end within ``handshake_timeout_s``; then its
 :class:`relay.smtp.session.RelaySMTP` session starts over the TLS transport and owns the
 count. A failed or timed-out handshake is one WARNING line, no traceback.
+
+uvloop starts reading a connection right after its ``connection_made`` (the pause there does
+not hold), so the ClientHello may reach this protocol before the handshake starts: it is kept
+(reading paused) and handed to the TLS layer once ``start_tls`` has set it up, before the loop
+reads anything else.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.session import RelaySMTP
@@ -39,6 +44,7 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
         self._context = context
         self._handshake_timeout_s = handshake_timeout_s
         self._tasks = tasks
+        self._early = bytearray()  # bytes read before the handshake started (uvloop)
 
     def connection_made(self, base: asyncio.BaseTransport) -> None:
         """Refuse (close, nothing sent) or count the client, then start the handshake."""
@@ -55,20 +61,31 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
         task = asyncio.get_running_loop().create_task(self._handshake(transport, host, counted))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        """Keep bytes read before the handshake started (uvloop reads despite the pause in
+        :meth:`connection_made`), and read no more until the TLS layer takes over."""
+        self._early += data
+        self._transport.pause_reading()
 
     async def _handshake(self, transport: asyncio.Transport, host: str,
                          counted: str | None) -> None:
         session = self._make_session()
+        loop = asyncio.get_running_loop()
+        starting = asyncio.ensure_future(loop.start_tls(
+            transport, session, self._context, server_side=True,
+            ssl_handshake_timeout=self._handshake_timeout_s))
         try:
-            tls = await asyncio.get_running_loop().start_tls(
-                transport, session, self._context, server_side=True,
-                ssl_handshake_timeout=self._handshake_timeout_s)
+            await _replay(transport, starting, self._early)
+            tls = await starting
         except (OSError, TimeoutError) as exc:  # ssl.SSLError, ConnectionError included
             log.warning("TLS handshake failed with %s: %s", host, exc or type(exc).__name__)
             self._gate.release(counted)
             transport.abort()
             return
         except asyncio.CancelledError:
+            starting.cancel()
             self._gate.release(counted)
             transport.abort()
             raise
@@ -77,6 +94,31 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
             return
         session.admitted_before(counted)
         session.connection_made(tls)
+
+
+async def _replay(transport: asyncio.Transport, starting: asyncio.Future[Any],
+                  early: bytearray) -> None:
+    """Hand ``early`` (bytes read before the TLS protocol took over; none on asyncio's loop)
+    to the TLS protocol ``start_tls`` sets on ``transport``. ``start_tls`` pauses reading,
+    switches the protocol and schedules its ``connection_made`` and ``resume_reading`` in its
+    first step (asyncio's and uvloop's alike): two yields later both ran, in the same loop
+    pass, so no other read came in between."""
+    await asyncio.sleep(0)  # start_tls's first step runs: nothing reaches us any more
+    await asyncio.sleep(0)  # its connection_made and resume_reading run
+    if starting.done() or not early:
+        return
+    data = bytes(early)
+    protocol: Any = transport.get_protocol()  # uvloop's SSLProtocol: no asyncio class
+    if not hasattr(protocol, "get_buffer"):
+        protocol.data_received(data)
+        return
+    view = memoryview(data)
+    while view:
+        buffer = memoryview(protocol.get_buffer(len(view)))
+        size = min(len(buffer), len(view))
+        buffer[:size] = view[:size]
+        protocol.buffer_updated(size)
+        view = view[size:]
 
 
 class ImplicitTlsFactory:
