@@ -345,6 +345,10 @@ class SmtpUpstream:
         transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s)
         reader = asyncio.ensure_future(protocol.read_response(timeout=None))
         try:
+            # the reader must be waiting before a byte goes: aiosmtplib drops a reply that
+            # comes while no read is pending, and uvloop runs a reply's data_received before
+            # a task step queued earlier (the final dot's 250 was lost, the message hung)
+            await asyncio.sleep(0)
             outcome = await transfer.run(reader, gate)
         except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
             reader.cancel()
