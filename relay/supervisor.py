@@ -70,12 +70,9 @@ _WORKER_COMMAND = (
     "from relay.supervisor import worker_main; worker_main(early)")
 
 
-# uvloop's transports are not asyncio.Transport subclasses, and the upstream transfer and the
-# TLS layers read asyncio's transports (isinstance checks in relay.upstream.smtp, .pool,
-# .transfer, relay.smtp.session, .implicit_tls; the SSL buffers of relay.upstream.transfer):
-# on uvloop every upstream DATA ends "451 4.4.2 Upstream connection lost". Off until they are
-# made loop-neutral (tests/cli/test_event_loop.py pins both).
-USE_UVLOOP = False
+# uvloop when it imports (a dependency); the transports are duck-typed since e8b2dfc (the
+# upstream transfer's checks and write backlog hold on both loops). False: asyncio's loop.
+USE_UVLOOP = True
 
 
 def loop_factory(*, uvloop_wanted: bool = USE_UVLOOP) -> Any:

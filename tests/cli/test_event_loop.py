@@ -1,5 +1,5 @@
-"""The event loop `serve` runs on (relay.supervisor.run_loop): asyncio's when uvloop is not
-importable or not wanted; uvloop only on request (relay.supervisor.USE_UVLOOP says why)."""
+"""The event loop `serve` runs on (relay.supervisor.run_loop): uvloop when it imports,
+asyncio's when it does not (or relay.supervisor.USE_UVLOOP is off)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_uvloop_runs_the_loop_when_wanted() -> None:
     assert run_loop(_loop_module(), uvloop_wanted=True).startswith("uvloop")
 
 
-def test_serve_runs_on_asyncio_until_the_transports_are_loop_neutral() -> None:
-    """The default stays asyncio's: on uvloop every upstream DATA fails (its transports are not
-    asyncio.WriteTransport, which relay.upstream.smtp checks)."""
-    assert USE_UVLOOP is False
-    assert run_loop(_loop_module()).startswith("asyncio")
+def test_serve_runs_on_uvloop_when_it_imports() -> None:
+    """The default: uvloop, it being importable (a dependency)."""
+    pytest.importorskip("uvloop")
+    assert USE_UVLOOP is True
+    assert run_loop(_loop_module()).startswith("uvloop")
