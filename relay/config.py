@@ -246,6 +246,9 @@ class Settings(BaseSettings):
     workers: int | None = Field(default=None, ge=1, le=256, description=(
         "worker processes sharing the listeners, each with its own event loop, store "
         "client and upstream pool; unset: the number of CPUs; 1: one process, no supervisor"))
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description=(
+        "event loop of the relay's processes: auto (uvloop when it imports, else asyncio's), "
+        "uvloop (refuse to start without it) or asyncio"))
     metrics_listen: str | None = Field("127.0.0.1:9725", description=(
         "HOST:PORT of /metrics, /healthz and /readyz; off disables"))
     health_interval: float = Field(default=5.0, gt=0, description=(

@@ -75,22 +75,38 @@ _WORKER_COMMAND = (
 USE_UVLOOP = True
 
 
-def loop_factory(*, uvloop_wanted: bool = USE_UVLOOP) -> Any:
+def loop_factory(*, uvloop_wanted: bool = USE_UVLOOP, required: bool = False) -> Any:
     """The event loop constructor: ``uvloop.new_event_loop`` when ``uvloop_wanted`` and uvloop
-    imports, else None (asyncio's default loop)."""
+    imports, else None (asyncio's default loop). Raises
+    :class:`relay.core.errors.StartupError` when ``required`` and uvloop does not import."""
     if not uvloop_wanted:
         return None
     try:
         import uvloop
-    except ImportError:
+    except ImportError as exc:
+        if required:
+            raise StartupError(f"event_loop = uvloop, but uvloop does not import ({exc})") from exc
         return None
     return uvloop.new_event_loop
 
 
-def run_loop(main: Coroutine[Any, Any, Any], *, uvloop_wanted: bool = USE_UVLOOP) -> Any:
+def run_loop(main: Coroutine[Any, Any, Any], *, uvloop_wanted: bool = USE_UVLOOP,
+             required: bool = False) -> Any:
     """Run ``main`` to its end on a new event loop from :func:`loop_factory`; its result."""
-    with asyncio.Runner(loop_factory=loop_factory(uvloop_wanted=uvloop_wanted)) as runner:
+    try:
+        factory = loop_factory(uvloop_wanted=uvloop_wanted, required=required)
+    except StartupError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+def run_loop_for(settings: Settings, main: Coroutine[Any, Any, Any]) -> Any:
+    """:func:`run_loop` on the loop ``settings.event_loop`` names (auto: uvloop when it
+    imports). Raises StartupError for ``uvloop`` without uvloop."""
+    return run_loop(main, uvloop_wanted=settings.event_loop != "asyncio",
+                    required=settings.event_loop == "uvloop")
 
 
 @dataclass
@@ -405,7 +421,7 @@ def worker_main(early: list[int]) -> None:
         await serve
 
     try:
-        run_loop(main())
+        run_loop_for(settings, main())
     except ConfigError as exc:
         sys.stderr.write(f"dedup-relay: invalid configuration:\n{exc}\n")
         sys.exit(EX_CONFIG)

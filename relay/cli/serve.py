@@ -47,15 +47,15 @@ def register(main: click.Group) -> None:
         Every setting is a flag, an env var RELAY_<NAME> and a key of the --config file;
         flags beat env vars, env vars beat the file.
         """
-        from relay.supervisor import run_loop  # uvloop when it imports, else asyncio's loop
+        from relay.supervisor import run_loop_for  # the loop settings.event_loop names
 
         settings = _checked(config_file, flags)
         setup_logging(settings.log_level, settings.log_format)
         try:
             if settings.effective_workers == 1:  # one process, no supervisor
-                run_loop(_serve(settings))
+                run_loop_for(settings, _serve(settings))
             else:
-                sys.exit(run_loop(_supervise(settings)))
+                sys.exit(run_loop_for(settings, _supervise(settings)))
         except ConfigError as exc:  # found only when the store answered (a Redis db number)
             fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
         except StartupError as exc:

@@ -58,6 +58,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "upstream_connect_timeout": ("31", 31.0),
     "upstream_pool_size": ("0", 0),
     "workers": ("3", 3),
+    "event_loop": ("asyncio", "asyncio"),
     "upstream_pool_idle": ("32", 32.0),
     "upstream_pool_max_messages": ("5", 5),
     "store": ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379/3"),
