@@ -180,11 +180,12 @@ def discard(smtp: aiosmtplib.SMTP) -> None:
 
     While bytes of a message are still buffered it is reset (:func:`relay.upstream.transfer.
     abort`), not closed: a graceful close would go on sending them, final dot included, after
-    the relay decided the message did not go (issue 8).
+    the relay decided the message did not go (issue 8). So too when the transport is closing
+    already (the peer's FIN: aiosmtplib's EOF closes it gracefully, and the buffer still
+    drains to a peer that may still read).
     """
     transport = smtp.transport
-    if (is_wire(transport) and not transport.is_closing()
-            and write_backlog(transport) > 0):
+    if is_wire(transport) and write_backlog(transport) > 0:
         abort(transport)
     smtp.close()
 
