@@ -309,7 +309,8 @@ class SmtpUpstream:
                 marking.cancel()
             raise
         if marking is not None:
-            await asyncio.wait((marking,))  # the hook answers False rather than raise
+            if not marking.done():  # a done mark (the dot went) is no await: a cut here
+                await asyncio.wait((marking,))  # would throw away the reply already read
             if not marking.cancelled() and marking.exception() is not None:
                 log.error("the before-dot hook failed: %r", marking.exception())
         return outcome
