@@ -185,7 +185,7 @@ class Supervisor:
             self._bind_ops()
             self._tasks = [asyncio.create_task(self._keep(w)) for w in self.workers]
             await self._await_first_start()
-            if not self._stopping.is_set():
+            if not self._stopping.is_set() and self.workers[0].served.is_set():
                 await self._start_ops()  # serves last, as one process's
                 self._log_started()
             await self._stopping.wait()
@@ -202,12 +202,14 @@ class Supervisor:
         return next((c for c in self._codes if c > 0), 0)
 
     async def _await_first_start(self) -> None:
-        """Worker 0 serves (then the others start), or the relay stops."""
-        served = asyncio.create_task(self.workers[0].served.wait())
-        stopping = asyncio.create_task(self._stopping.wait())
-        await asyncio.wait({served, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        served.cancel()
-        stopping.cancel()
+        """Worker 0 serves (then the others start), the relay stops, or worker 0 ended (of a
+        SIGHUP before it served)."""
+        waits = {asyncio.create_task(self.workers[0].served.wait()),
+                 asyncio.create_task(self._stopping.wait()),
+                 asyncio.create_task(self.workers[0].ended.wait())}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
 
     def _log_started(self) -> None:
         listeners = self._listeners
@@ -264,7 +266,7 @@ class Supervisor:
         """Run ``worker``'s process, restarting it, until the relay stops."""
         if worker.index > 0:
             await self._await_first_start()
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._hangup:  # hung up: start no process
             code = await self._run_once(worker)
             if self._stopping.is_set() or (self._hangup and code == -signal.SIGHUP):
                 self._codes.append(code)
@@ -324,6 +326,9 @@ class Supervisor:
             os.close(settings_r)
             os.close(status_w)
         worker.proc = proc
+        if self._signal is not None or self._hangup:  # came while it was being spawned
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(self._signal or signal.SIGHUP)
         # a worker that died at once (BrokenPipeError): its exit code tells why
         with contextlib.suppress(BrokenPipeError), os.fdopen(settings_w, "wb") as out:
             await asyncio.to_thread(out.write, pickle.dumps(self._worker_settings()))
