@@ -27,59 +27,40 @@ from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
 from tests.support.clients import message, send
+from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.redis_servers import free_port, wait_for
 from tests.support.relays import MakeRelay
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.both_loops  # asyncio's loop and uvloop's (tests/conftest.py)
 
-TERMINATOR = b"\r\n.\r\n"
 
 
-@dataclass
-class TimelinePeer:
+@dataclass(kw_only=True)
+class TimelinePeer(ScriptedPeer):
     """An SMTP peer that records when it saw DATA, the first body bytes and the final dot
     (``time.monotonic()``), and sends ``DEBUG SLEEP sleep_s`` to the Redis on ``redis_port``
     when it answers RCPT; ``awake`` is when that sleep ended."""
 
+    name = b"timeline.test"
+
     redis_port: int
     sleep_s: float
-    port: int = 0
     seen: dict[str, float] = field(default_factory=dict)
     awake: float | None = None
-    cut: int = 0
-    handlers: set[asyncio.Task[None]] = field(default_factory=set)
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.handlers.add(task)
-        writer.write(b"220 timeline.test ESMTP\r\n")
-        try:
-            while line := await reader.readline():
-                verb = line[:4].upper()
-                if verb == b"EHLO":
-                    writer.write(b"250-timeline.test\r\n250 8BITMIME\r\n")
-                elif verb == b"RCPT":
-                    await self._put_redis_to_sleep()
-                    writer.write(b"250 ok\r\n")
-                elif verb == b"DATA":
-                    self.seen["DATA"] = time.monotonic()
-                    writer.write(b"354 go ahead\r\n")
-                    await writer.drain()
-                    if not await self._message(reader):
-                        return
-                    writer.write(b"250 2.0.0 queued\r\n")
-                elif verb == b"QUIT":
-                    writer.write(b"221 bye\r\n")
-                    return
-                else:
-                    writer.write(b"250 ok\r\n")
-                await writer.drain()
-        except OSError:
-            self.cut += 1
-        finally:
-            writer.close()
+    async def on_rcpt(self, writer: asyncio.StreamWriter) -> None:
+        await self._put_redis_to_sleep()
+        writer.write(b"250 ok\r\n")
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        self.seen["DATA"] = time.monotonic()
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        if not await self._message(reader):
+            return False
+        writer.write(b"250 2.0.0 queued\r\n")
+        return True
 
     async def _put_redis_to_sleep(self) -> None:
         """Send DEBUG SLEEP on a connection of its own; note when the server answers."""
@@ -98,32 +79,22 @@ class TimelinePeer:
         self.handlers.add(task)
 
     async def _message(self, reader: asyncio.StreamReader) -> bool:
-        tail = b""
-        while True:
-            chunk = await reader.read(64 * 1024)
-            if not chunk:
-                self.cut += 1
-                return False
+        async def first(_chunk: bytes) -> None:
             self.seen.setdefault("body", time.monotonic())
-            if TERMINATOR in tail + chunk:
-                self.seen["dot"] = time.monotonic()
-                return True
-            tail = (tail + chunk)[-len(TERMINATOR):]
+
+        if not await self.read_to_dot(reader, first):
+            return False
+        self.seen.setdefault("body", time.monotonic())  # body and dot in one chunk
+        self.seen["dot"] = time.monotonic()
+        return True
 
 
 @contextlib.asynccontextmanager
 async def timeline_peer(redis_port: int, sleep_s: float, tls: ssl.SSLContext | None = None
                         ) -> AsyncIterator[TimelinePeer]:
     """Serve a TimelinePeer on 127.0.0.1:0 (TLS from the first byte with ``tls``)."""
-    peer = TimelinePeer(redis_port=redis_port, sleep_s=sleep_s)
-    server = await asyncio.start_server(peer.handle, "127.0.0.1", 0, ssl=tls)
-    peer.port = server.sockets[0].getsockname()[1]
-    try:
+    async with serve_peer(TimelinePeer(redis_port=redis_port, sleep_s=sleep_s), tls) as peer:
         yield peer
-    finally:
-        server.close()
-        for task in peer.handlers:
-            task.cancel()
 
 
 @dataclass(frozen=True)

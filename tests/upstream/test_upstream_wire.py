@@ -27,17 +27,17 @@ from relay.core.interfaces import State
 from relay.store.redis.store import RedisStore
 from relay.upstream.transfer import is_wire, write_backlog
 from tests.support.clients import message, send
+from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.relays import MakeRelay
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.both_loops  # asyncio's loop and uvloop's (tests/conftest.py)
 
-TERMINATOR = b"\r\n.\r\n"
 RCVBUF_BYTES = 64 * 1024  # fixed, so the kernel does not grow it to tens of MB on loopback
 
 
-@dataclass
-class SlowPeer:
+@dataclass(kw_only=True)
+class SlowPeer(ScriptedPeer):
     """An SMTP peer whose reads after ``354`` pause for ``pause_s`` or run at ``rate_bps``;
     with ``early_reply`` it reads a first chunk and answers it before pausing.
 
@@ -45,62 +45,34 @@ class SlowPeer:
     ``cut`` counts transfers that ended (EOF or reset) before the dot.
     """
 
+    name = b"slow.test"
+    ehlo = (b"8BITMIME", b"SIZE 100000000")
+
     pause_s: float = 0.0
     rate_bps: float = 0.0
     early_reply: bytes = b""
-    port: int = 0
     dots: int = 0
-    cut: int = 0
     data_started: asyncio.Event = field(default_factory=asyncio.Event)
-    handlers: set[asyncio.Task[None]] = field(default_factory=set)
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.handlers.add(task)
-        writer.write(b"220 slow.test ESMTP\r\n")
-        try:
-            while line := await reader.readline():
-                verb = line[:4].upper()
-                if verb == b"EHLO":
-                    writer.write(b"250-slow.test\r\n250-8BITMIME\r\n250 SIZE 100000000\r\n")
-                elif verb == b"DATA":
-                    writer.write(b"354 go ahead\r\n")
-                    await writer.drain()
-                    if self.early_reply:
-                        await reader.read(64 * 1024)
-                        writer.write(self.early_reply + b"\r\n")
-                        await writer.drain()
-                    if not await self._message(reader):
-                        return
-                    writer.write(b"250 2.0.0 queued\r\n")
-                elif verb == b"QUIT":
-                    writer.write(b"221 bye\r\n")
-                    return
-                else:
-                    writer.write(b"250 ok\r\n")
-                await writer.drain()
-        except OSError:
-            self.cut += 1  # a reset from the relay
-        finally:
-            writer.close()
-
-    async def _message(self, reader: asyncio.StreamReader) -> bool:
-        """Read up to the final dot at the configured pace; False when the relay hung up."""
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        if self.early_reply:
+            await reader.read(64 * 1024)
+            writer.write(self.early_reply + b"\r\n")
+            await writer.drain()
         self.data_started.set()
         await asyncio.sleep(self.pause_s)
-        tail = b""
-        while True:
-            chunk = await reader.read(64 * 1024)
-            if not chunk:
-                self.cut += 1
-                return False
-            if TERMINATOR in tail + chunk:
-                self.dots += 1
-                return True
-            tail = (tail + chunk)[-len(TERMINATOR):]
+
+        async def paced(chunk: bytes) -> None:
             if self.rate_bps:
                 await asyncio.sleep(len(chunk) / self.rate_bps)
+
+        if not await self.read_to_dot(reader, paced):
+            return False
+        self.dots += 1
+        writer.write(b"250 2.0.0 queued\r\n")
+        return True
 
     async def finished(self, timeout_s: float = 30.0) -> None:
         """Wait until every connection the peer served has ended."""
@@ -116,17 +88,8 @@ async def slow_peer(tls: ssl.SSLContext | None = None, *, pause_s: float = 0.0,
                     ) -> AsyncIterator[SlowPeer]:
     """Serve a SlowPeer on 127.0.0.1:0 (TLS from the first byte when ``tls`` is given)."""
     peer = SlowPeer(pause_s=pause_s, rate_bps=rate_bps, early_reply=early_reply)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
-    sock.bind(("127.0.0.1", 0))
-    server = await asyncio.start_server(peer.handle, sock=sock, ssl=tls)
-    peer.port = sock.getsockname()[1]
-    try:
+    async with serve_peer(peer, tls, rcvbuf=RCVBUF_BYTES):
         yield peer
-    finally:
-        server.close()
-        for task in peer.handlers:
-            task.cancel()
 
 
 @pytest.fixture(scope="module")
