@@ -68,7 +68,13 @@ def register(main: click.Group) -> None:
         name (TLS certificate and key, credentials, password file, CA files of the store URL,
         the settle journal's directory). Exit 0 when serve would start, 78 with one line per
         problem when not. Opens no store and binds no port."""
+        from relay.supervisor import loop_factory
+
         settings = _checked(config_file, flags)
+        try:  # serve refuses to start (69) without the loop it must run on
+            loop_factory(uvloop_wanted=settings.event_loop == "uvloop", required=True)
+        except StartupError as exc:
+            fail(ExitCode.CONFIG, f"invalid configuration:\nevent_loop: {exc}")
         click.echo(f"configuration ok: listen {settings.listen}, upstream {settings.upstream}, "
                    f"store {redact_url(settings.store)}")
 

@@ -107,3 +107,25 @@ def test_check_config_accepts_a_complete_tls_and_auth_setup(
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "configuration ok" in result.stdout
+
+
+def test_check_config_refuses_event_loop_uvloop_when_uvloop_does_not_import(
+        tmp_path: Path) -> None:
+    """event_loop = uvloop without uvloop (a sitecustomize blocks its import): serve refuses to
+    start (69), so check-config does not say "configuration ok" but exits 78 naming
+    event_loop; auto and asyncio still pass."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['uvloop'] = None\n")
+    env = {"PYTHONPATH": str(shim)}
+    args = ("--upstream", "maildir:md", "--store", "sqlite:///dedup.db")
+    result = run_cli("check-config", *args, "--event-loop", "uvloop", cwd=tmp_path, env=env)
+    assert result.returncode == 78, result
+    assert "event_loop" in result.stderr and "uvloop does not import" in result.stderr
+    served = run_cli("serve", *args, "--event-loop", "uvloop", "--workers", "1",
+                     "--listen", "127.0.0.1:0", "--metrics-listen", "off", cwd=tmp_path,
+                     env=env)
+    assert served.returncode == 69, served
+    for loop in ("auto", "asyncio"):
+        ok = run_cli("check-config", *args, "--event-loop", loop, cwd=tmp_path, env=env)
+        assert ok.returncode == 0, ok
