@@ -69,12 +69,13 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
 
 def store_label(settings: Settings) -> str:
     """Which store the admin commands read, for the operator: the URL (passwords masked, a
-    relative SQLite path made absolute), its kind and the key prefix, e.g.
-    ``sqlite:////srv/relay/data/dedup-relay.db (embedded sqlite), prefix email:fp:``.
-    A relay on Redis answers nothing about keys in the quick start's SQLite file: this line
-    tells the two apart."""
+    relative SQLite path made absolute), its kind, the key prefix and the key format, e.g.
+    ``sqlite:////srv/relay/data/dedup-relay.db (embedded sqlite), prefix email:fp:, hex keys``.
+    A relay on Redis answers nothing about keys in the quick start's SQLite file, nor a relay
+    with compact keys about hex ones: this line tells them apart."""
     kind = "redis" if settings.store.startswith("redis") else "embedded sqlite"
-    return f"{redact_url(settings.store)} ({kind}), prefix {settings.store_prefix}"
+    return (f"{redact_url(settings.store)} ({kind}), prefix {settings.store_prefix}, "
+            f"{settings.store_key_format} keys")
 
 
 class InFlightError(Exception):
