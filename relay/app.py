@@ -386,8 +386,9 @@ class Relay:
         self._log_started()
 
     def _log_started(self) -> None:
-        """The start-up line: every listener with its TLS and AUTH, the upstream, the store and
-        the metrics address; a WARNING when the smarthost's certificate is not verified."""
+        """The start-up line: every listener with its TLS and AUTH, the upstream, the store, the
+        metrics address and the event loop; a WARNING when the smarthost's certificate is not
+        verified."""
         s = self.settings
         host, _ = s.listen_address
         auth = s.auth_file is not None
@@ -409,8 +410,10 @@ class Relay:
             self.inherited.metrics_port
         metrics = (_host_port(s.metrics_address[0], metrics_port)
                    if metrics_port and s.metrics_address is not None else "off")
-        log.info("listening on %s; upstream %s, store %s (%s), metrics %s",
-                 ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics)
+        loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        log.info("listening on %s; upstream %s, store %s (%s), metrics %s, event loop %s",
+                 ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics,
+                 "uvloop" if loop == "uvloop" else "asyncio")
         if not s.upstream_verify and s.upstream_tls != "none" \
                 and not s.upstream.startswith("maildir:"):
             log.warning("upstream certificate verification is off (upstream_verify = false): "

@@ -57,7 +57,7 @@ def test_the_start_up_line_names_every_listener_and_no_session_warns(tmp_path: P
     assert (f"listening on SMTP 127.0.0.1:{port} (STARTTLS offered, AUTH required after "
             f"STARTTLS), implicit TLS 127.0.0.1:{tls_port} (AUTH required); upstream "
             "maildir:md, store sqlite:///") in started
-    assert f"(embedded sqlite), metrics 127.0.0.1:{metrics_port}" in started
+    assert f"(embedded sqlite), metrics 127.0.0.1:{metrics_port}, event loop uvloop" in started
     assert log.count("auth succeeded") == 3
     assert "auth_require_tls" not in log and "Requiring AUTH" not in log, log
     assert "WARNING" not in log, log
@@ -68,14 +68,14 @@ def test_a_plain_listener_and_an_unverified_smarthost_are_said(tmp_path: Path) -
     port = free_port()
     proc = _serve(tmp_path, "--upstream", "127.0.0.1:1", "--upstream-tls", "starttls",
                   "--no-upstream-verify", "--listen", f"127.0.0.1:{port}", "--metrics-listen",
-                  "off")
+                  "off", "--event-loop", "asyncio")
     try:
         wait_for_port(port, proc)
     finally:
         log = _stopped(proc)
     assert (f"listening on SMTP 127.0.0.1:{port} (plain, no TLS); upstream 127.0.0.1:1 (tls "
             "starttls, unverified)") in log
-    assert "metrics off" in log
+    assert "metrics off, event loop asyncio" in log
     warning = next(line for line in log.splitlines() if "WARNING" in line)
     assert "upstream certificate verification is off" in warning
 
