@@ -72,6 +72,7 @@ def check_settings(settings: Settings) -> None:
 
     s = settings
     check(("upstream_password_file",), s.upstream_password_value)
+    check(("fingerprint_secret_file",), lambda: s.fingerprint_secret_bytes)
     if s.tls_cert is not None and s.tls_key is not None:
         cert, key = s.tls_cert, s.tls_key
         check(("tls_cert", "tls_key"), lambda: server_context(cert, key, s.tls_min_version))

@@ -225,8 +225,11 @@ class Settings(BaseSettings):
     local_part_case_sensitive: bool = Field(False, description=(
         "John@x and john@x are different recipients"))
     fingerprint_secret: SecretStr | None = Field(None, description=(
-        "HMAC-SHA-256 key of the fingerprint instead of plain SHA-256; prefer the env var: a "
-        "flag is visible in the process list"))
+        "HMAC-SHA-256 key of the fingerprint instead of plain SHA-256; prefer "
+        "fingerprint_secret_file or the env var: a flag is visible in the process list"))
+    fingerprint_secret_file: Path | None = Field(None, description=(
+        "file holding fingerprint_secret (a Docker or systemd secret; surrounding whitespace "
+        "and the final newline are not part of it)"))
     missing_key: MissingKeyPolicy = Field("relay", description=(
         "a message without a dedupe key: relay (without dedup) or reject (554 5.6.0)"))
     strip_dedupe_headers: bool = Field(False, description=(
@@ -401,6 +404,9 @@ class Settings(BaseSettings):
             raise SettingsRuleError(
                 f"dedup_window ({self.dedup_window:g} s) must not be shorter than the lease "
                 f"({self.lease:g} s)", "dedup_window", "lease")
+        if self.fingerprint_secret_file is not None and self.fingerprint_secret is not None:
+            raise SettingsRuleError("give fingerprint_secret_file or fingerprint_secret, not both",
+                                    "fingerprint_secret_file", "fingerprint_secret")
         if self.upstream_password_file is not None and self.upstream_password is not None:
             raise SettingsRuleError("give upstream_password_file or upstream_password, not both",
                                     "upstream_password_file", "upstream_password")
@@ -467,7 +473,13 @@ class Settings(BaseSettings):
 
     @property
     def fingerprint_secret_bytes(self) -> bytes | None:
-        """The HMAC key of the fingerprint (UTF-8 of ``fingerprint_secret``), or None."""
+        """The HMAC key of the fingerprint (UTF-8 of ``fingerprint_secret``, or of the
+        ``fingerprint_secret_file``'s text without surrounding whitespace), or None.
+
+        Raises ConfigError when the file cannot be read or holds nothing.
+        """
+        if self.fingerprint_secret_file is not None:
+            return _secret_file(self.fingerprint_secret_file, "fingerprint_secret_file").encode()
         secret = self.fingerprint_secret
         return secret.get_secret_value().encode() if secret is not None else None
 
@@ -480,16 +492,22 @@ class Settings(BaseSettings):
             return self.upstream_password.get_secret_value()
         if self.upstream_password_file is None:
             return None
-        try:
-            password = self.upstream_password_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"upstream_password_file: {exc.strerror}: {self.upstream_password_file} "
-                f"({setting_names('upstream_password_file')})") from exc
-        if not password:
-            raise ConfigError(f"upstream_password_file: {self.upstream_password_file} is empty "
-                              f"({setting_names('upstream_password_file')})")
-        return password
+        return _secret_file(self.upstream_password_file, "upstream_password_file")
+
+
+def _secret_file(path: Path, field: str) -> str:
+    """The text of the secret file ``path`` (setting ``field``) without surrounding whitespace.
+
+    Raises ConfigError naming the setting when it cannot be read or holds nothing.
+    """
+    try:
+        secret = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+        raise ConfigError(f"{field}: {reason}: {path} ({setting_names(field)})") from exc
+    if not secret:
+        raise ConfigError(f"{field}: {path} is empty ({setting_names(field)})")
+    return secret
 
 
 def _describe(exc: ValidationError, flagged: AbstractSet[str] | None = None) -> str:

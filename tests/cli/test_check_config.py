@@ -71,6 +71,14 @@ CASES: dict[str, tuple[tuple[str, ...], str, str]] = {
         ("--store", "sqlite:///{garbage}/dedup.db"), "cannot be made", "--store"),
     "a settle journal under a file": (
         ("--settle-journal", "{garbage}/owed.jsonl"), "cannot be made", "--settle-journal"),
+    "a fingerprint secret file that does not exist": (
+        ("--fingerprint-secret-file", "{garbage}.missing"), "No such file",
+        "--fingerprint-secret-file"),
+    "an empty fingerprint secret file (a secret not mounted yet)": (
+        ("--fingerprint-secret-file", "{empty}"), "is empty", "--fingerprint-secret-file"),
+    "a fingerprint secret both inline and in a file": (
+        ("--fingerprint-secret", "s3cret", "--fingerprint-secret-file", "{garbage}"),
+        "not both", "--fingerprint-secret-file"),
 }
 
 
@@ -82,9 +90,11 @@ def test_check_config_and_serve_refuse_the_same_unusable_files(
     other = make_pki(tmp_path)  # a second key pair: its key does not match pki.cert
     (tmp_path / "garbage.txt").write_text("neither PEM nor SQLite\n" * 40)
     (tmp_path / "bad-users").write_text("app@example.com\n")
+    (tmp_path / "empty-secret").write_text(" \n")
     args, says, flag = CASES[case]
     values = {"garbage": str(tmp_path / "garbage.txt"), "cert": str(pki.cert),
-              "other_key": str(other.key), "bad_users": str(tmp_path / "bad-users")}
+              "other_key": str(other.key), "bad_users": str(tmp_path / "bad-users"),
+              "empty": str(tmp_path / "empty-secret")}
     argv: list[str] = []
     for arg in args:
         argv += list(_tls(pki)) if arg == "{tls}" else [arg.format(**values)]

@@ -72,6 +72,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "max_key_chars": ("64", 64),
     "local_part_case_sensitive": (None, True),
     "fingerprint_secret": ("s3cret", "s3cret"),
+    "fingerprint_secret_file": ("secret.txt", Path("secret.txt")),
     "missing_key": ("reject", "reject"),
     "strip_dedupe_headers": (None, True),
     "scope_by_auth": (None, True),
@@ -86,7 +87,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "shutdown_grace": ("5", 5.0),
     "settle_journal": ("", ""),
 }
-SECOND_RUN = {"upstream_password"}  # excludes upstream_password_file (a rule between them)
+SECOND_RUN = {"upstream_password", "fingerprint_secret_file"}  # each excludes another setting
 
 
 def _argv(names: set[str]) -> list[str]:

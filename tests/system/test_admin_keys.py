@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aredis
+from pydantic import SecretStr
 
 from relay.admin import FingerprintInput, key_for
 from relay.app import Relay
@@ -55,6 +56,27 @@ async def test_the_admin_key_is_the_key_the_relay_reserved(
     suffix = len(relay.settings.store_prefix)
     assert {len(k) - suffix for k in admin} == {
         43 if relay.settings.store_key_format == "compact" else 64}
+
+
+async def test_a_secret_file_keys_as_the_secret_it_holds(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path) -> None:
+    """fingerprint_secret_file (a Docker/systemd secret, final newline included) gives the
+    keys fingerprint_secret with its text gives, not the plain SHA-256 ones."""
+    secret_file = tmp_path / "fp-secret"
+    secret_file.write_text("s3cret\n")
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}",
+                             fingerprint_secret_file=secret_file)
+    result = await send(relay.port, RCPTS, MESSAGE, mail_options=["SMTPUTF8"])
+    assert result.code == 250 and "relayed 3" in result.text, result
+
+    def keys(**settings: object) -> set[str]:
+        chosen = relay.settings.model_copy(update={"fingerprint_secret_file": None, **settings})
+        return {key_for(chosen, FingerprintInput(rcpt=r, templates=TEMPLATES, keys=KEYS))[1]
+                for r in RCPTS}
+
+    stored = await _stored(relay)
+    assert stored == keys(fingerprint_secret=SecretStr("s3cret"))
+    assert stored.isdisjoint(keys())
 
 
 async def test_the_admin_commands_find_a_compact_key(
