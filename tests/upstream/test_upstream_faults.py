@@ -16,65 +16,46 @@ from relay.core import replies
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import State
 from tests.support.clients import message, send
+from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.relays import MakeRelay
 
 
-@dataclass
-class RawUpstream:
-    """A scripted SMTP peer: ``mode`` is ``close_mid_data`` or ``close_after_dot``."""
+@dataclass(kw_only=True)
+class RawUpstream(ScriptedPeer):
+    """A scripted SMTP peer: ``mode`` is ``close_mid_data`` or ``close_after_dot``.
+
+    ``bytes_after_354``: what it read of the message (``close_after_dot``: without the chunk
+    that held the final dot)."""
+
+    name = b"raw.test"
+    ehlo = (b"8BITMIME", b"SMTPUTF8")
 
     mode: str
-    port: int = 0
     data_commands: int = 0
     bytes_after_354: int = 0
-    server: asyncio.base_events.Server | None = field(default=None, repr=False)
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"220 raw.test ESMTP\r\n")
-        try:
-            while line := await reader.readline():
-                verb = line[:4].upper()
-                if verb == b"EHLO":
-                    writer.write(b"250-raw.test\r\n250-8BITMIME\r\n250 SMTPUTF8\r\n")
-                elif verb == b"DATA":
-                    self.data_commands += 1
-                    writer.write(b"354 go ahead\r\n")
-                    await writer.drain()
-                    await self._data(reader)
-                    return
-                elif verb == b"QUIT":
-                    writer.write(b"221 bye\r\n")
-                    return
-                else:
-                    writer.write(b"250 ok\r\n")
-                await writer.drain()
-        finally:
-            writer.close()
-
-    async def _data(self, reader: asyncio.StreamReader) -> None:
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Hang up in the middle of the message, or after its dot without a reply."""
+        self.data_commands += 1
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
         if self.mode == "close_mid_data":
             chunk = await reader.read(65536)  # take a little, then hang up
             self.bytes_after_354 += len(chunk)
-            return
-        buffer = b""
-        while not buffer.endswith(b"\r\n.\r\n"):
-            chunk = await reader.read(65536)
-            if not chunk:
-                return
-            buffer += chunk
-        self.bytes_after_354 += len(buffer)  # the whole message and the dot: hang up unanswered
+            return False
+
+        async def count(chunk: bytes) -> None:
+            self.bytes_after_354 += len(chunk)
+
+        await self.read_to_dot(reader, count)  # the whole message and the dot: hang up unanswered
+        return False
 
 
 @contextlib.asynccontextmanager
 async def raw_upstream(mode: str) -> AsyncIterator[RawUpstream]:
     """Serve a RawUpstream on 127.0.0.1:0 for the duration of the block."""
-    peer = RawUpstream(mode=mode)
-    peer.server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
-    peer.port = peer.server.sockets[0].getsockname()[1]
-    try:
+    async with serve_peer(RawUpstream(mode=mode)) as peer:
         yield peer
-    finally:
-        peer.server.close()
 
 
 def key_for(prefix: str, rcpt: str) -> str:
