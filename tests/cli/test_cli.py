@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -212,15 +211,19 @@ def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
              "--store", f"redis://127.0.0.1:{silent.getsockname()[1]}/0"],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(2.0)  # python started, the start-up store check is waiting
+            # the start-up store check is waiting once the relay connected to the store (a
+            # fixed sleep was shorter than the imports on a loaded runner: SIGINT came first)
+            silent.settimeout(60)
+            store_conn, _ = silent.accept()
             assert proc.poll() is None
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=10) == 0
+            code = proc.wait(timeout=10)
+            store_conn.close()
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-    log = proc.communicate()[1]  # the rest of stderr; closes the pipes
+            log = proc.communicate()[1]  # the rest of stderr; closes the pipes
+    assert code == 0, log
     assert "signal received during start-up" in log
     assert "listening on" not in log
 
