@@ -16,7 +16,7 @@ import shutil
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -55,12 +55,7 @@ class TimelinePeer(ScriptedPeer):
 
     async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         self.seen["DATA"] = time.monotonic()
-        writer.write(b"354 go ahead\r\n")
-        await writer.drain()
-        if not await self._message(reader):
-            return False
-        writer.write(b"250 2.0.0 queued\r\n")
-        return True
+        return await super().on_data(reader, writer)
 
     async def _put_redis_to_sleep(self) -> None:
         """Send DEBUG SLEEP on a connection of its own; note when the server answers."""
@@ -78,11 +73,16 @@ class TimelinePeer(ScriptedPeer):
         task = asyncio.ensure_future(wake())
         self.handlers.add(task)
 
-    async def _message(self, reader: asyncio.StreamReader) -> bool:
-        async def first(_chunk: bytes) -> None:
+    async def read_to_dot(self, reader: asyncio.StreamReader,
+                          each: Callable[[bytes], Awaitable[None]] | None = None) -> bool:
+        """The message up to its dot (``ScriptedPeer.read_to_dot``), noting when its first
+        bytes and its dot arrived in ``seen``."""
+        async def first(chunk: bytes) -> None:
             self.seen.setdefault("body", time.monotonic())
+            if each is not None:
+                await each(chunk)
 
-        if not await self.read_to_dot(reader, first):
+        if not await super().read_to_dot(reader, first):
             return False
         self.seen.setdefault("body", time.monotonic())  # body and dot in one chunk
         self.seen["dot"] = time.monotonic()
