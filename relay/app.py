@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlsplit
 from prometheus_client import CollectorRegistry
 
 from relay.config import Settings, redact_url, setting_names, split_host_port
-from relay.core.dedup import DedupCore, Policy
+from relay.core.dedup import DedupCore, Policy, TemplateRule
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
 from relay.core.interfaces import FingerprintStore, Upstream
@@ -192,6 +192,12 @@ def build_policy(settings: Settings) -> Policy:
         missing_key=settings.missing_key, unknown=settings.unknown_policy,
         store_down=settings.store_down, strip_headers=settings.strip_dedupe_headers,
         scope_by_auth=settings.scope_by_auth, key_format=settings.store_key_format,
+        duplicate_reply=settings.duplicate_reply, mode=settings.mode,
+        templates=tuple(
+            TemplateRule(match=t.match, dedup=t.dedup, window_s=t.dedup_window,
+                         missing_key=t.missing_key, unknown=t.unknown_policy,
+                         duplicate_reply=t.duplicate_reply, mode=t.mode)
+            for t in settings.template_policy),
     )
 
 

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -30,7 +38,7 @@ from pydantic_settings import (
 )
 
 from relay.core.errors import ConfigError
-from relay.core.rules import MissingKeyPolicy, StoreDownPolicy, UnknownPolicy
+from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
 
@@ -103,6 +111,30 @@ def split_host_port(value: str, *, what: str) -> tuple[str, int]:
         host = host[1:-1]
         ipaddress.IPv6Address(host)
     return host, int(port_text)
+
+
+class TemplatePolicy(BaseModel):
+    """One ``[[template_policy]]`` entry of the config file: the dedup rules for the messages
+    whose template matches ``match`` (a shell glob, case-sensitive, on the normalized template
+    value; ``*`` for the default entry). A key left out takes the global setting of that name.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    match: str = Field(min_length=0, description="shell glob on the template value")
+    dedup: bool | None = Field(None, description=(
+        "false: relay these messages without dedup (one-time codes, password resets)"))
+    dedup_window: float | None = Field(None, gt=0, description=(
+        "seconds a sent fingerprint of this template suppresses copies"))
+    missing_key: MissingKeyPolicy | None = None
+    unknown_policy: UnknownPolicy | None = None
+    duplicate_reply: DuplicateReply | None = Field(None, description=(
+        '"250" (accepted, not relayed again) or "550" (550 5.7.1, the caller is told)'))
+    mode: Mode | None = None
+
+
+# settings that only the config file sets (a table or an array of tables): no flag
+FILE_ONLY_SETTINGS = frozenset({"template_policy"})
 
 
 class Settings(BaseSettings):
@@ -242,6 +274,15 @@ class Settings(BaseSettings):
     store_down: StoreDownPolicy = Field("fail_closed", description=(
         "the store does not answer: fail_closed (451 4.3.0) or fail_open (relay without "
         "dedup)"))
+    duplicate_reply: DuplicateReply = Field("250", description=(
+        'a message whose every recipient is a duplicate: "250" (accepted, not relayed again) '
+        'or "550" (550 5.7.1: the caller is told it was a duplicate)'))
+    mode: Mode = Field("enforce", description=(
+        "enforce (suppress duplicates) or shadow (decide, reserve and settle as enforce does, "
+        "but deliver duplicates anyway, counted as would_suppress)"))
+    template_policy: tuple[TemplatePolicy, ...] = Field((), description=(
+        "[[template_policy]] tables of the config file: per-template dedup, dedup_window, "
+        "missing_key, unknown_policy, duplicate_reply and mode; first match wins"))
     dsn_on_partial_failure: bool = Field(True, description=(
         "send the sender an RFC 3464 notice for recipients refused permanently after a 250"))
 
@@ -264,6 +305,9 @@ class Settings(BaseSettings):
         "log recipients in full (they are masked as j***@example.com otherwise)"))
     shutdown_grace: float = Field(default=30.0, ge=0, description=(
         "seconds in-flight messages get to finish on SIGTERM"))
+    pid_file: str = Field("", description=(
+        "file the relay writes its process id to (for `dedup-relay reload`, which sends it "
+        "SIGHUP); empty: none"))
     settle_journal: str = Field("data/owed-settles.jsonl", description=(
         "file for the settles the store did not take before the relay stopped, applied at the "
         "next start (relative to the working directory); empty: kept in memory only"))
@@ -404,6 +448,12 @@ class Settings(BaseSettings):
             raise SettingsRuleError(
                 f"dedup_window ({self.dedup_window:g} s) must not be shorter than the lease "
                 f"({self.lease:g} s)", "dedup_window", "lease")
+        for index, entry in enumerate(self.template_policy):
+            if entry.dedup_window is not None and entry.dedup_window < self.lease:
+                raise SettingsRuleError(
+                    f"template_policy {index + 1} (match {entry.match!r}): dedup_window "
+                    f"({entry.dedup_window:g} s) must not be shorter than the lease "
+                    f"({self.lease:g} s)", "template_policy", "lease")
         if self.fingerprint_secret_file is not None and self.fingerprint_secret is not None:
             raise SettingsRuleError("give fingerprint_secret_file or fingerprint_secret, not both",
                                     "fingerprint_secret_file", "fingerprint_secret")

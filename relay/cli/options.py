@@ -21,7 +21,14 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from relay.cli.exit_codes import ExitCode
-from relay.config import Settings, env_name, flag_name, load_settings, unknown_env_vars
+from relay.config import (
+    FILE_ONLY_SETTINGS,
+    Settings,
+    env_name,
+    flag_name,
+    load_settings,
+    unknown_env_vars,
+)
 from relay.core.errors import ConfigError
 
 # the fields that open each part of `serve --help` (the order of relay.config.Settings)
@@ -71,7 +78,8 @@ def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add ``--config`` and one flag per settings field to a command; the command receives
     ``config_file`` and each field by its name (None when the flag is not given)."""
     for name, field in reversed(list(Settings.model_fields.items())):
-        func = _option(name, field)(func)
+        if name not in FILE_ONLY_SETTINGS:  # a table: the config file (or JSON in its env var)
+            func = _option(name, field)(func)
     return config_option(func)
 
 

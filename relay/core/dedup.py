@@ -36,37 +36,14 @@ from relay.core.interfaces import (
     SmtpReply,
     Upstream,
 )
-from relay.core.keys import KeyFormat, recipient_keys
-from relay.core.rules import (
-    Action,
-    MissingKeyPolicy,
-    StoreDownPolicy,
-    UnknownPolicy,
-    Verdict,
-)
+from relay.core.keys import recipient_keys
+from relay.core.policy import Policy, TemplateRule
+from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
 
+__all__ = ["Decision", "DedupCore", "InboundMessage", "Policy", "TemplateRule"]
+
 log = logging.getLogger("relay.core.dedup")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The dedup rules of one relay (durations in seconds); built from Settings by the app."""
-
-    lease_s: float = 900.0
-    window_s: float = 86400.0
-    key_prefix: str = "email:fp:"
-    key_names: tuple[str, ...] = ("X-Dedupe-Key", "Idempotency-Key")
-    template_names: tuple[str, ...] = ("X-Template",)
-    max_key_chars: int = 256
-    local_part_case_sensitive: bool = False
-    secret: bytes | None = None
-    missing_key: MissingKeyPolicy = "relay"
-    unknown: UnknownPolicy = "suppress"
-    store_down: StoreDownPolicy = "fail_closed"
-    strip_headers: bool = False  # remove the key and template fields before relaying
-    scope_by_auth: bool = False  # the AUTH identity is part of the fingerprint (tenants)
-    key_format: KeyFormat = "hex"  # the fingerprint in a store key: hex or compact (base64url)
 
 
 @dataclass(frozen=True)
@@ -124,6 +101,16 @@ class DedupCore:
         self._notifier = notifier  # RFC 3464 notices for refusals after a 250
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)
+
+    @property
+    def policy(self) -> Policy:
+        """The relay's dedup policy; setting it (a configuration reload) applies to the next
+        message: a message being handled keeps the policy it started with."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
 
     @property
     def background(self) -> set[asyncio.Task[None]]:

@@ -41,6 +41,8 @@ from relay.core.interfaces import (
 MissingKeyPolicy = Literal["relay", "reject"]
 UnknownPolicy = Literal["suppress", "hold", "send"]
 StoreDownPolicy = Literal["fail_closed", "fail_open"]
+Mode = Literal["enforce", "shadow"]  # shadow: decide as enforce does, deliver duplicates anyway
+DuplicateReply = Literal["250", "550"]  # the reply to a message whose recipients are all copies
 
 
 class Action(enum.Enum):

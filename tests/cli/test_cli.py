@@ -70,7 +70,8 @@ def test_example_config_names_every_setting() -> None:
     from relay.config import Settings
 
     text = EXAMPLE_CONFIG.read_text()
-    named = set(tomllib.loads(text)) | set(re.findall(r"^#\s*([a-z_]+)\s*=", text, re.M))
+    named = (set(tomllib.loads(text)) | set(re.findall(r"^#\s*([a-z_]+)\s*=", text, re.M))
+             | set(re.findall(r"^#\s*\[\[([a-z_]+)\]\]", text, re.M)))
     assert set(Settings.model_fields) - named == set()
 
 
