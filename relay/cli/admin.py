@@ -1,5 +1,6 @@
 """Admin commands: ``dedup-relay fingerprint``, ``inspect``, ``release`` and ``mark-sent``
-(design.md §6.5), and ``hash-password`` for the credentials file.
+(design.md §6.5), ``stats`` (records by state), and ``hash-password`` for the credentials
+file.
 
 They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``), so the
 key they compute is the one the relay uses; the upstream is not needed. Those that read the
@@ -25,10 +26,13 @@ import click
 from relay.admin import (
     FingerprintInput,
     InFlightError,
+    count_states,
     describe,
     key_for,
     mark_sent,
     release,
+    stats_report,
+    stats_table,
     store_label,
 )
 from relay.cli.exit_codes import ExitCode, epilog
@@ -164,8 +168,60 @@ def register(main: click.Group) -> None:
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
 
-
+    _register_stats(main)
     _register_hash_password(main)
+
+
+PROGRESS_EVERY = 100_000
+"""Keys between two progress lines of ``stats`` on stderr."""
+
+
+def _register_stats(main: click.Group) -> None:
+    @main.command("stats", epilog=epilog())
+    @_store_options
+    @click.option("--json", "as_json", is_flag=True,
+                  help="print one JSON object (for scripts) instead of a table")
+    @click.option("--older-than", "older_than_h", type=click.FloatRange(min=0), default=24,
+                  show_default=True, metavar="HOURS",
+                  help="count the in-doubt records at least this many hours old")
+    @click.option("--max-keys", type=click.IntRange(min=1), default=1_000_000,
+                  show_default=True,
+                  help="Redis: stop the scan after this many keys (the answer then says "
+                       "complete: false)")
+    @click.option("--progress/--no-progress", default=None,
+                  help=f"a line on stderr every {PROGRESS_EVERY} keys scanned [default: when "
+                       "stderr is a terminal]")
+    def stats_command(config_file: Path | None, store: str | None, as_json: bool,
+                      older_than_h: float, max_keys: int, progress: bool | None) -> None:
+        """Count the store's fingerprint records by state (pending, sending, sent, unknown),
+        the records in doubt and the oldest of them. Redis: a bounded SCAN of the relay's
+        key prefix; SQLite: one query."""
+        settings = _settings(config_file, store)
+        _quiet_logging("text")
+        shown = sys.stderr.isatty() if progress is None else progress
+        counts = _run_on_store(settings, lambda store: count_states(
+            store, settings, older_than_h=older_than_h, max_keys=max_keys,
+            progress=_ProgressLine() if shown else None))
+        if not counts.complete:
+            click.echo(f"dedup-relay: stopped after {counts.scanned} keys (--max-keys): the "
+                       "counts are partial", err=True)
+        if as_json:
+            click.echo(json.dumps(stats_report(settings, counts, older_than_h)))
+        else:
+            click.echo(stats_table(counts, older_than_h))
+
+
+class _ProgressLine:
+    """``progress`` of a count: a line on stderr each time another PROGRESS_EVERY keys were
+    scanned."""
+
+    def __init__(self) -> None:
+        self._shown = 0
+
+    def __call__(self, scanned: int) -> None:
+        if scanned // PROGRESS_EVERY > self._shown:
+            self._shown = scanned // PROGRESS_EVERY
+            click.echo(f"dedup-relay: scanned {scanned} keys ...", err=True)
 
 
 def _register_hash_password(main: click.Group) -> None:

@@ -12,7 +12,7 @@ import enum
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 # --------------------------------------------------------------------------------------------
 # Store
@@ -159,6 +159,62 @@ class FingerprintStore(Protocol):
 
     async def close(self) -> None:
         """Release connections and file handles."""
+        ...
+
+
+@dataclass(frozen=True)
+class StateCounts:
+    """How many fingerprint records one key prefix holds, by state (``dedup-relay stats``).
+
+    ``pending``, ``sending``, ``sent`` and ``unknown`` count the records as stored (a SENDING
+    record is counted as ``sending`` whatever its age). ``sent`` includes ``foreign``: keys
+    under the prefix holding a value the relay did not write (another application's value, or
+    another Redis type), which the store reads as SENT (design.md §3), as every reserve does.
+    ``sending_past_lease`` is the part of ``sending`` whose last heartbeat is older than its
+    attempt's lease (the reader's lease for a record that names none): a reserve reads it as
+    UNKNOWN, so it is in doubt (:attr:`in_doubt`). ``oldest_in_doubt_at`` is the unix time in
+    seconds of the oldest in-doubt record (UNKNOWN: since when; SENDING: its last heartbeat),
+    ``oldest_in_doubt_age_s`` its age by the store's clock; both ``None`` when none is in doubt
+    or its time is unknown. ``in_doubt_older`` counts the in-doubt records at least the
+    ``older_than_s`` asked for old. ``scanned`` is how many keys were looked at (a Redis key
+    that expired between SCAN and GET counts here and in no state); ``complete`` is False when
+    the count stopped at its ``max_keys`` cap before the end of the keyspace.
+    """
+
+    pending: int = 0
+    sending: int = 0
+    sent: int = 0
+    unknown: int = 0
+    foreign: int = 0
+    sending_past_lease: int = 0
+    scanned: int = 0
+    complete: bool = True
+    oldest_in_doubt_at: float | None = None
+    oldest_in_doubt_age_s: float | None = None
+    in_doubt_older: int = 0
+
+    @property
+    def in_doubt(self) -> int:
+        """Records in doubt: UNKNOWN, plus SENDING past its lease (read as UNKNOWN)."""
+        return self.unknown + self.sending_past_lease
+
+
+@runtime_checkable
+class StateCounter(Protocol):
+    """A store that can count its records by state (an admin command's, not the relay's hot
+    path: a Redis store scans its keyspace)."""
+
+    async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
+                           max_keys: int | None = None,
+                           progress: Callable[[int], None] | None = None) -> StateCounts:
+        """Count the records whose key starts with ``prefix``.
+
+        ``lease_s`` (seconds) judges a SENDING record that names no lease of its own;
+        ``older_than_s`` (seconds) is the age from which an in-doubt record counts in
+        ``in_doubt_older``. ``max_keys`` caps the keys looked at (None: no cap; a store that
+        counts in one query ignores it). ``progress(scanned)`` is called after each batch of
+        keys, with the number looked at so far. Raises :class:`relay.core.errors.StoreError`.
+        """
         ...
 
 

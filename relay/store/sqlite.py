@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from relay.core.errors import StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
 from relay.store.sqlite_writer import BUSY_POLL_MS, Op, Writer, begin_immediate, locked
 
 _T = TypeVar("_T")
@@ -82,6 +82,35 @@ _RENEW_SENDING = (
 _DELETE_LIVE = (
     "DELETE FROM fingerprints WHERE key = ? AND (expires_at_ms IS NULL OR expires_at_ms > ?)"
 )
+
+# Parameters (named): prefix, prefix_chars, now_ms, lease_ms, cutoff_ms. One row per state a
+# live record under the prefix reads as (as _record reads it; "foreign": a state the relay did
+# not write, read as SENT): the count, how many are in doubt (UNKNOWN, or SENDING whose last
+# heartbeat is a lease old: its own, else lease_ms), the oldest in-doubt time and how many
+# in-doubt records are dated at or before cutoff_ms.
+_COUNT_STATES = """
+SELECT reads, count(*), sum(doubt), min(CASE WHEN doubt THEN at_ms END),
+       sum(doubt AND at_ms <= :cutoff_ms)
+FROM (
+    SELECT reads, at_ms,
+           reads = 'unknown' OR (reads = 'sending' AND :now_ms - at_ms >= lease) AS doubt
+    FROM (
+        SELECT CASE
+                   WHEN state = 'pending' AND token IS NOT NULL AND token != '' THEN 'pending'
+                   WHEN state = 'sending' AND token IS NOT NULL AND token != ''
+                        AND at_ms IS NOT NULL THEN 'sending'
+                   WHEN state = 'sent' THEN 'sent'
+                   WHEN state = 'unknown' THEN 'unknown'
+                   ELSE 'foreign'
+               END AS reads,
+               at_ms, coalesce(lease_ms, :lease_ms) AS lease
+        FROM fingerprints
+        WHERE substr(key, 1, :prefix_chars) = :prefix
+          AND (expires_at_ms IS NULL OR expires_at_ms > :now_ms)
+    )
+)
+GROUP BY reads
+"""
 
 _Row = tuple[str, str | None, int | None, str | None, int | None, int | None]
 
@@ -293,6 +322,23 @@ class SqliteStore:
 
         await self._call("force_mark_sent", body)
 
+    async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
+                           max_keys: int | None = None,
+                           progress: Callable[[int], None] | None = None) -> StateCounts:
+        """Count the live rows whose key starts with ``prefix`` by state, in one query
+        (:class:`relay.core.interfaces.StateCounter`): a SENDING row is in doubt once its last
+        heartbeat is its own lease old (``lease_s`` seconds for a row that names none); a
+        state the relay did not write counts as SENT and ``foreign``. Times are this host's
+        wall clock, as the store's. ``max_keys`` and ``progress`` are not used: the count is
+        one query, always complete, bounded by ``op_timeout_s``. Raises :class:`StoreError`
+        (op ``count_states``)."""
+        del max_keys, progress  # one query: nothing to cap or to report on the way
+
+        def body(conn: sqlite3.Connection | None, _now: int) -> StateCounts:
+            return _count_states(conn, prefix, _ms(lease_s), int(older_than_s * 1000))
+
+        return await self._call("count_states", body, in_tx=False)
+
     async def ping(self) -> None:
         """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
         await self._call("ping", lambda conn, _now: _db(conn).execute("SELECT 1").fetchone(),
@@ -461,6 +507,27 @@ def _inspect(conn: sqlite3.Connection | None, key: str) -> Record:
     now_ms = int(time.time() * 1000)
     row = _live(_db(conn).execute(_SELECT, (key,)).fetchone(), now_ms)
     return Record(State.ABSENT) if row is None else _record(row, now_ms)
+
+
+def _count_states(conn: sqlite3.Connection | None, prefix: str, lease_ms: int,
+                  older_than_ms: int) -> StateCounts:
+    now_ms = int(time.time() * 1000)
+    rows = _db(conn).execute(_COUNT_STATES, {
+        "prefix": prefix, "prefix_chars": len(prefix), "now_ms": now_ms, "lease_ms": lease_ms,
+        "cutoff_ms": now_ms - older_than_ms}).fetchall()
+    by_state = {reads: (count, doubt, oldest, older)
+                for reads, count, doubt, oldest, older in rows}
+    none = (0, 0, None, 0)
+    foreign = by_state.get("foreign", none)[0]
+    oldest_ms = min((row[2] for row in by_state.values() if row[2] is not None), default=None)
+    return StateCounts(
+        pending=by_state.get(_PENDING, none)[0], sending=by_state.get(_SENDING, none)[0],
+        sent=by_state.get(_SENT, none)[0] + foreign, unknown=by_state.get(_UNKNOWN, none)[0],
+        foreign=foreign, sending_past_lease=by_state.get(_SENDING, none)[1],
+        scanned=sum(row[0] for row in by_state.values()), complete=True,
+        oldest_in_doubt_at=None if oldest_ms is None else oldest_ms / 1000,
+        oldest_in_doubt_age_s=None if oldest_ms is None else (now_ms - oldest_ms) / 1000,
+        in_doubt_older=sum(row[3] or 0 for row in by_state.values()))
 
 
 def _force_release(conn: sqlite3.Connection, now_ms: int, key: str,

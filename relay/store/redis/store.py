@@ -18,20 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import redis.asyncio
 from redis.asyncio.cluster import ClusterNode
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from relay.core.errors import StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
 from relay.store.redis.checks import ConfigGet, server_warnings
 from relay.store.redis.clients import Client, SentinelService, open_client
+from relay.store.redis.counting import StateTally, match_pattern
 from relay.store.redis.replicas import ReplicaAcks
 from relay.store.redis.scripts import (
     FORCE_SENT_LUA,
@@ -50,6 +52,8 @@ from relay.store.redis.scripts import (
 _ERROR_TEXT_MAX = 300  # characters of a redis error kept in StoreError (pipeline errors are long)
 
 _ScriptCall = tuple[AsyncScript, str, tuple[str | int | bytes, ...]]
+
+_SCAN_COUNT = 1000  # the COUNT hint of each SCAN of count_states: keys per round trip
 
 
 def _ms(seconds: float) -> int:
@@ -262,6 +266,90 @@ class RedisStore:
         call = (self._force_sent_script, key, (reply_bytes(reply), _ms(window_s)))
         async with _translated("force_mark_sent", self._op_timeout_s):
             await self._run_scripts([call], durable={key})
+
+    async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
+                           max_keys: int | None = None,
+                           progress: Callable[[int], None] | None = None) -> StateCounts:
+        """Count the records under ``prefix`` by state
+        (:class:`relay.core.interfaces.StateCounter`).
+
+        ``SCAN MATCH prefix* COUNT 1000`` on the one server, the Sentinel-managed master or
+        each primary of a cluster in turn; each batch of keys is read with GET in one pipeline
+        (no figure needs a TTL): one round trip per batch (on a cluster, one per node the
+        batch's keys live on). Ages are by the server's clock (TIME once per server, then this
+        host's monotonic clock). Stops once ``max_keys`` keys were looked at (``complete``
+        False when the scan had not ended). SCAN may return a key twice while Redis rehashes,
+        so a count can be off by the keys that moved. ``op_timeout_s`` bounds each round trip,
+        not the whole count. Raises :class:`StoreError` (op ``count_states``).
+        """
+        tally = StateTally(lease_ms=_ms(lease_s), older_than_ms=int(older_than_s * 1000))
+        match = match_pattern(prefix)
+        prefix_bytes = prefix.encode("utf-8", "surrogateescape")
+        complete = True
+        for node in await self._scan_targets():
+            async with _translated("count_states", self._op_timeout_s):
+                seconds, micros = await (self._client.time() if node is None
+                                         else self._client.time(target_nodes=node))
+            clock = (int(seconds) * 1000 + int(micros) // 1000, time.monotonic())
+            cursor: int | None = None
+            while cursor != 0:
+                left = None if max_keys is None else max_keys - tally.scanned
+                if left is not None and left <= 0:
+                    complete = False
+                    break
+                async with _translated("count_states", self._op_timeout_s):
+                    cursor, keys = await self._scan(node, cursor or 0, match)
+                keys = [key for key in keys if key.startswith(prefix_bytes)]
+                if left is not None and len(keys) > left:
+                    keys, complete = keys[:left], False
+                if keys:
+                    await self._tally(keys, tally, clock)
+                    if progress is not None:
+                        progress(tally.scanned)
+            if not complete:
+                break
+        return tally.counts(complete=complete)
+
+    async def _scan_targets(self) -> list[ClusterNode | None]:
+        """The servers a scan covers: every primary of a cluster, else the one client (None)."""
+        client = self._client
+        if not isinstance(client, redis.asyncio.RedisCluster):
+            return [None]
+        async with _translated("count_states", self._op_timeout_s):
+            await client.initialize()
+        return list(client.get_primaries())
+
+    async def _scan(self, node: ClusterNode | None, cursor: int,
+                    match: str) -> tuple[int, list[bytes]]:
+        """One SCAN call on ``node`` (None: the one server): the next cursor and its keys."""
+        client = self._client
+        if node is None or not isinstance(client, redis.asyncio.RedisCluster):
+            found, keys = await client.scan(cursor=cursor, match=match, count=_SCAN_COUNT)
+            return int(found), cast(list[bytes], keys)  # decode_responses=False
+        # a cluster answers {node name: cursor} (redis-py's parse_scan_result)
+        cursors, keys = await client.scan(cursor=cursor, match=match, count=_SCAN_COUNT,
+                                          target_nodes=node)
+        return int(cast(dict[str, int], cursors)[node.name]), cast(list[bytes], keys)
+
+    async def _tally(self, keys: list[bytes], tally: StateTally,
+                     clock: tuple[int, float]) -> None:
+        """GET every key in one pipeline and count its value (``clock``: the server's unix ms
+        and this host's monotonic time when it was read); a key of another type (WRONGTYPE)
+        counts as what a reserve reads it as (SENT)."""
+        async with _translated("count_states", self._op_timeout_s):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.get(key)
+                values: list[Any] = await pipe.execute(raise_on_error=False)
+            server_ms, at_monotonic = clock
+            now_ms = server_ms + int((time.monotonic() - at_monotonic) * 1000)
+            for value in values:
+                tally.add_key()
+                if isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE"):
+                    value = b""
+                elif isinstance(value, Exception):
+                    raise value  # translated into StoreError by the block
+                tally.add(value, now_ms)
 
     async def ping(self) -> None:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""
