@@ -8,12 +8,24 @@
 # RELAY_ALLOWED_NETWORKS every client is told 421 4.7.0; name only the networks of your apps.
 # --stop-timeout: a little more than shutdown_grace, 30 s, so in-flight mail can finish.)
 
+# OCI labels: docker build --build-arg REVISION=$(git rev-parse HEAD) \
+#   --build-arg CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ) --build-arg SOURCE=<the repository's URL> \
+#   -t dedup-relay .   (VERSION defaults to pyproject.toml's version; a test keeps them equal)
+
 FROM python:3.11.10-slim-bookworm AS build
 WORKDIR /src
+# the dependencies first, from the lock (every distribution pinned by hash): a layer that a
+# change under relay/ leaves cached; only requirements.lock changing rebuilds it
+COPY requirements.lock ./
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check --require-hashes \
+      -r requirements.lock
+# then the project alone, built by the locked setuptools (no download, no dependency resolved)
 COPY pyproject.toml README.md ./
 COPY relay ./relay
-RUN python -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check .
+RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps \
+      --no-build-isolation . \
+ && /opt/venv/bin/pip check
 
 FROM python:3.11.10-slim-bookworm
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/dedup-relay --create-home relay
@@ -34,3 +46,15 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
   CMD ["dedup-relay", "healthcheck", "--timeout", "3"]
 ENTRYPOINT ["dedup-relay"]
 CMD ["serve"]
+# last: CREATED and REVISION change on every build, and no layer above depends on them
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG SOURCE=unknown
+LABEL org.opencontainers.image.title="dedup-relay" \
+      org.opencontainers.image.description="SMTP relay proxy that stops duplicate outbound email (per-recipient fingerprints reserved in Redis or SQLite)" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}"

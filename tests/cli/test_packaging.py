@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from relay.cli.group import main as cli_main
 from relay.config import Settings, split_host_port
@@ -192,3 +194,206 @@ def test_tests_share_parts_through_tests_support_only() -> None:
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys"):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} changes sys.path")
     assert offenders == []
+
+
+# --- the lock files (tools/relock.sh writes them from pyproject.toml) -------------------------
+
+LOCKS = {"requirements.lock": (), "requirements-dev.lock": ("dev",)}  # lock: extras it covers
+LOCK_LINE = re.compile(r"^(?P<req>[A-Za-z0-9][A-Za-z0-9._-]*==[^\s\\]+(?: ; [^\\]+?)?) *\\?$")
+
+
+def lock_pins(text: str) -> dict[str, Requirement]:
+    """The ``name==version ; marker`` lines of a lock file by canonical name; raises
+    AssertionError for a pin without a sha256 hash or a name pinned twice."""
+    pins: dict[str, Requirement] = {}
+    current: str | None = None
+    hashed: set[str] = set()
+    for line in text.splitlines():
+        found = LOCK_LINE.match(line)
+        if found:
+            req = Requirement(found.group("req"))
+            current = canonicalize_name(req.name)
+            assert current not in pins, f"{current} pinned twice"
+            pins[current] = req
+        elif line.strip().startswith("--hash=sha256:") and current is not None:
+            hashed.add(current)
+    assert pins and hashed == set(pins), f"pins without a hash: {set(pins) - hashed}"
+    return pins
+
+
+def pinned_version(req: Requirement) -> str:
+    """The version of a lock line's ``==`` pin."""
+    (spec,) = req.specifier
+    assert spec.operator == "==", req
+    return spec.version
+
+
+def lock_problems(project: dict[str, Any], extras: tuple[str, ...], lock_text: str) -> list[str]:
+    """What the lock misses of pyproject.toml (parsed): every runtime dependency, every
+    dependency of ``extras`` and of [build-system] requires pinned at a version its specifier
+    admits and with the same environment marker (uvloop: not on Windows)."""
+    pins = lock_pins(lock_text)
+    wanted = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+    for extra in extras:
+        wanted += project["project"]["optional-dependencies"][extra]
+    problems = []
+    for line in wanted:
+        req = Requirement(line)
+        pin = pins.get(canonicalize_name(req.name))
+        if pin is None:
+            problems.append(f"{req.name}: not in the lock")
+        elif not req.specifier.contains(pinned_version(pin), prereleases=True):
+            problems.append(f"{req.name}: locked {pinned_version(pin)}, pyproject {req.specifier}")
+        elif str(pin.marker or "") != str(req.marker or ""):
+            problems.append(f"{req.name}: lock marker {pin.marker}, pyproject {req.marker}")
+    return problems
+
+
+def pyproject() -> dict[str, Any]:
+    """pyproject.toml parsed."""
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_locks_pin_every_dependency_of_pyproject() -> None:
+    """requirements.lock holds the runtime dependencies and the build backend, and
+    requirements-dev.lock those and the dev extra, each at pyproject.toml's version with its
+    marker and a hash: a dependency added or bumped without tools/relock.sh fails here."""
+    for name, extras in LOCKS.items():
+        assert lock_problems(pyproject(), extras, (REPO / name).read_text()) == [], name
+
+
+def test_lock_check_catches_a_dependency_added_without_relocking() -> None:
+    """The check above reports a new dependency, a bumped pin and a changed marker."""
+    project = pyproject()
+    deps = project["project"]["dependencies"]
+    uvloop = next(d for d in deps if d.startswith("uvloop"))
+    bumped = [d.replace("click==", "click==0.") for d in deps if d != uvloop]
+    project["project"]["dependencies"] = [*bumped, "rich==14.0.0", uvloop.split(";")[0]]
+    problems = lock_problems(project, (), (REPO / "requirements.lock").read_text())
+    assert [p.split(":")[0] for p in problems] == ["click", "rich", "uvloop"], problems
+
+
+def test_runtime_lock_is_the_dev_lock_less_the_dev_tools() -> None:
+    """Both locks agree on every version they share (the image runs what CI tested), and the
+    runtime lock holds none of the dev extra's tools."""
+    runtime = lock_pins((REPO / "requirements.lock").read_text())
+    dev = lock_pins((REPO / "requirements-dev.lock").read_text())
+    assert set(runtime) <= set(dev)
+    assert {n: str(r) for n, r in runtime.items()} == {n: str(dev[n]) for n in runtime}
+    dev_tools = {canonicalize_name(Requirement(d).name)
+                 for d in pyproject()["project"]["optional-dependencies"]["dev"]}
+    assert not dev_tools & set(runtime)
+
+
+def test_ci_installs_from_the_dev_lock_with_hashes() -> None:
+    """.ci/run installs requirements-dev.lock with --require-hashes, then the project itself
+    with --no-deps (nothing resolved outside the lock), and runs pip check."""
+    lines = [line for line in (REPO / ".ci/run").read_text().splitlines()
+             if ".venv/bin/pip " in line and not line.lstrip().startswith(("#", "echo"))]
+    assert len(lines) == 3, lines
+    assert "--require-hashes" in lines[0] and "-r requirements-dev.lock" in lines[0]
+    assert "--no-deps" in lines[1] and lines[1].rstrip().endswith("-e .")
+    assert lines[2].split() == [".venv/bin/pip", "check"]
+
+
+# --- the image: dependency layer, labels ----------------------------------------------------
+
+def test_image_installs_the_lock_before_the_source() -> None:
+    """The build stage copies and installs requirements.lock (hashes required) before any COPY
+    of relay/, then installs the project with --no-deps: a change under relay/ rebuilds only
+    the last layers, never the dependencies."""
+    steps = dockerfile()
+    build = steps[:max(i for i, (w, _) in enumerate(steps) if w == "FROM")]
+    copies = [i for i, (w, a) in enumerate(build) if w == "COPY"]
+    lock_copy = next(i for i in copies if build[i][1].split()[:-1] == ["requirements.lock"])
+    source_copy = next(i for i in copies if "relay" in build[i][1].split()[:-1])
+    runs = [(i, a) for i, (w, a) in enumerate(build) if w == "RUN"]
+    deps_run = next(i for i, a in runs if "-r requirements.lock" in a)
+    assert "--require-hashes" in build[deps_run][1]
+    assert lock_copy < deps_run < source_copy
+    assert all(w != "COPY" for w, _ in build[lock_copy + 1:deps_run])
+    project_runs = [a for i, a in runs if i > source_copy and "pip install" in a]
+    assert project_runs and all("--no-deps" in a for a in project_runs)
+
+
+def test_image_has_the_oci_labels() -> None:
+    """The final stage's OCI labels: title, description and licenses as pyproject.toml says,
+    version from a build ARG that defaults to pyproject's version, revision, created and
+    source from build ARGs."""
+    steps = dockerfile()
+    final = steps[max(i for i, (w, _) in enumerate(steps) if w == "FROM"):]
+    labels = dict(item.split("=", 1) for w, a in final if w == "LABEL" for item in shlex.split(a))
+    args = dict(a.split("=", 1) for w, a in final if w == "ARG")
+    meta = pyproject()["project"]
+    oci = "org.opencontainers.image."
+    assert labels[oci + "title"] == meta["name"]
+    assert labels[oci + "description"] == meta["description"]
+    assert labels[oci + "licenses"] == meta["license"]["text"]
+    assert labels[oci + "version"] == "${VERSION}" and args["VERSION"] == meta["version"]
+    for key, arg in (("revision", "REVISION"), ("created", "CREATED"), ("source", "SOURCE")):
+        assert labels[oci + key] == f"${{{arg}}}" and arg in args
+
+
+# --- docs/kubernetes.md ---------------------------------------------------------------------
+
+def kubernetes_objects() -> dict[str, dict[str, Any]]:
+    """The objects of docs/kubernetes.md's ```yaml blocks by kind (one of each)."""
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", text, re.S | re.M)
+    objects = [o for block in blocks for o in yaml.safe_load_all(block) if o]
+    by_kind = {o["kind"]: o for o in objects}
+    assert len(by_kind) == len(objects) and {"Deployment", "Secret", "Service"} <= set(by_kind)
+    return by_kind
+
+
+def test_kubernetes_relays_share_one_redis_and_one_secret() -> None:
+    """The Deployment runs several replicas on one Redis store, its RELAY_* variables are
+    settings valid together, the secrets are files of the Secret's volume, RELAY_WORKERS is
+    the CPU limit, and the allowed networks are not only loopback."""
+    objects = kubernetes_objects()
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    assert objects["Deployment"]["spec"]["replicas"] >= 2
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert relay_env_names(env) <= FIELDS
+    settings = Settings.model_validate({k[len("RELAY_"):].lower(): v for k, v in env.items()})
+    assert settings.store.startswith("redis://")
+    assert settings.effective_workers == int(container["resources"]["limits"]["cpu"])
+    assert "127.0.0.0/8" not in settings.allowed_networks
+    secret_volume = next(v for v in pod["volumes"] if "secret" in v)
+    secret = objects["Secret"]
+    assert secret_volume["secret"]["secretName"] == secret["metadata"]["name"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == secret_volume["name"])
+    for field in ("upstream_password_file", "fingerprint_secret_file"):
+        path = Path(getattr(settings, field))
+        assert path.parent == Path(mount["mountPath"]) and path.name in secret["stringData"]
+    assert Path(settings.settle_journal).is_absolute()
+
+
+def test_kubernetes_probes_grace_and_service_match_the_settings() -> None:
+    """Readiness on /readyz and liveness on /healthz of the metrics port, a grace period above
+    the supervisor's own bound on a worker's shutdown, a Service on the SMTP port, and the
+    scrape annotations on the metrics port."""
+    objects = kubernetes_objects()
+    template = objects["Deployment"]["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    _, listen_port = split_host_port(env["RELAY_LISTEN"], what="listen")
+    _, metrics_port = split_host_port(env["RELAY_METRICS_LISTEN"], what="metrics")
+    assert ports == {"smtp": listen_port, "metrics": metrics_port}
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path and ports[get["port"]] == metrics_port
+    defaults = {n: f.default for n, f in Settings.model_fields.items()}
+    bound = defaults["shutdown_grace"] + 4 * defaults["store_timeout"] + 10.0
+    assert pod["terminationGracePeriodSeconds"] > bound
+    service = objects["Service"]["spec"]
+    assert service["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
+    (port,) = service["ports"]
+    assert port["port"] == listen_port and ports[port["targetPort"]] == listen_port
+    notes = template["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == metrics_port
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user (Dockerfile)
