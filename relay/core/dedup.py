@@ -132,102 +132,134 @@ class DedupCore:
         Never raises for store or upstream failures: they become 4yz replies (design.md
         §1: nothing answered 250 is lost, nothing is sent twice by a retry).
         """
-        p = self._policy
+        relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
         try:
             headers = extract_dedup_headers(
                 msg.content,
-                key_names=p.key_names,
-                template_names=p.template_names,
-                max_key_chars=p.max_key_chars,
+                key_names=relay_policy.key_names,
+                template_names=relay_policy.template_names,
+                max_key_chars=relay_policy.max_key_chars,
             )
         except InvalidDedupKeyError as exc:
             return self._finish(replies.invalid_key(str(exc)), Result.INVALID, {})
+        p = relay_policy.for_templates(headers.templates)  # design.md §4.6
+        if not p.dedup:  # an exempt template: relayed every time, without a reservation
+            return await self._relay_plain(msg, p, relayed=Outcome.EXEMPT)
         if headers.key is None:
             if p.missing_key == "reject":
                 return self._finish(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
-            return await self._relay_plain(msg, relayed=Outcome.NO_KEY)
+            return await self._relay_plain(msg, p, relayed=Outcome.NO_KEY)
         try:
-            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user)
+            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user, p)
         except InvalidAddressError:
             return self._finish(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
-        decision = await self._relay_dedup(msg, keys)
+        decision = await self._relay_dedup(msg, keys, p)
         return dataclasses.replace(decision, keys=keys)
 
-    def _keys(self, rcpt_tos: Sequence[str], template: str, key: str,
-              auth_user: str | None) -> dict[str, str]:
+    @staticmethod
+    def _keys(rcpt_tos: Sequence[str], template: str, key: str, auth_user: str | None,
+              policy: Policy) -> dict[str, str]:
         """Map each recipient to its store key (:func:`relay.core.keys.recipient_keys`, the
         derivation the admin commands use too); raises InvalidAddressError."""
-        return recipient_keys(rcpt_tos, template, key, self._policy, auth_user)
+        return recipient_keys(rcpt_tos, template, key, policy, auth_user)
 
-    async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str]) -> Decision:
+    async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str],
+                           p: Policy) -> Decision:
         token = secrets.token_hex(16)  # 128-bit random token per attempt (design.md §3)
         unique_keys = list(dict.fromkeys(keys.values()))
         try:
             await self._settler.flush(unique_keys)
-            reservations = await self._reserve_uncut(unique_keys, token)
+            reservations = await self._reserve_uncut(unique_keys, token, p)
         except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
             absorb_cancel()
-            return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None)
+            return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None,
+                                  p=p)
         except StoreError as exc:
-            log.error("store reserve failed (%s); policy store_down=%s",
-                      exc, self._policy.store_down)
+            log.error("store reserve failed (%s); policy store_down=%s", exc, p.store_down)
             await self._settler.release_quietly(unique_keys, token)
-            failed = rules.reserve_failed(self._policy.store_down)
+            failed = rules.reserve_failed(p.store_down)
             if failed.verdict is None:  # fail_open
-                return await self._relay_plain(msg, relayed=Outcome.STORE_DOWN)
-            return self._conclude(msg, self._for_all(msg, failed.verdict), None)
+                return await self._relay_plain(msg, p, relayed=Outcome.STORE_DOWN)
+            return self._conclude(msg, self._for_all(msg, failed.verdict), None, p=p)
         by_key = {r.key: r for r in reservations}
         verdicts: dict[str, Verdict] = {}
-        to_send = self._partition(keys, by_key, verdicts, msg.queue_id)
-        if not to_send:
-            return self._conclude(msg, verdicts, None)
+        to_send = self._partition(keys, by_key, verdicts, msg.queue_id, p)
         # one upstream recipient per fingerprint: the first spelling the client used
         first_rcpt: dict[str, str] = {}
         for rcpt, key in keys.items():
             if key in to_send:
                 first_rcpt.setdefault(key, rcpt)
-        return await self._send_reserved(msg, keys, first_rcpt, token, verdicts)
+        shadow = self._shadowed(keys, verdicts, msg.queue_id) if p.mode == "shadow" else {}
+        if not first_rcpt and not shadow:
+            return self._conclude(msg, verdicts, None, p=p)
+        return await self._send_reserved(msg, keys, first_rcpt, token, verdicts, p, shadow)
+
+    @staticmethod
+    def _shadowed(keys: Mapping[str, str], verdicts: dict[str, Verdict],
+                  queue_id: str) -> dict[str, str]:
+        """Shadow mode (design.md §4.6): take out of ``verdicts`` every recipient that enforce
+        would answer without relaying (a duplicate, in doubt, in flight, held) and return them
+        as store key -> the first spelling to relay anyway; nothing is reserved for them."""
+        shadow: dict[str, str] = {}
+        for rcpt, key in keys.items():
+            verdict = verdicts.get(rcpt)
+            if verdict is None or verdict.outcome not in rules.SHADOWED:
+                continue
+            del verdicts[rcpt]
+            if key not in shadow:
+                shadow[key] = rcpt
+                log.info("shadow mode: would have answered %s without relaying; relaying",
+                         verdict.outcome.value, extra={"queue_id": queue_id, "key": key})
+        return shadow
 
     async def _send_reserved(self, msg: InboundMessage, keys: Mapping[str, str],
                              first_rcpt: dict[str, str], token: str,
-                             verdicts: dict[str, Verdict]) -> Decision:
-        """Relay the fingerprints this attempt reserved, keeping their lease alive while the
-        upstream works, then settle them; the settle after a definite reply always completes
-        (a shutdown past its grace waits for it) and the client gets that reply."""
+                             verdicts: dict[str, Verdict], p: Policy,
+                             shadow: Mapping[str, str]) -> Decision:
+        """Relay the fingerprints this attempt reserved (``first_rcpt``: key -> recipient) and,
+        in shadow mode, the copies enforce would keep back (``shadow``, not reserved), keeping
+        the reservations' lease alive while the upstream works, then settle them; the settle
+        after a definite reply always completes (a shutdown past its grace waits for it) and
+        the client gets that reply."""
         progress = DeliveryProgress()
-        progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress)
+        progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress,
+                                                           p.window_s)
+        sent_for = {**first_rcpt, **shadow}  # store key -> the recipient relayed for it
         try:
             async with self._settler.kept_alive(list(first_rcpt), token):
-                result = await self._deliver(msg, list(first_rcpt.values()), progress)
+                result = await self._deliver(msg, list(sent_for.values()), progress, p)
         except asyncio.CancelledError:  # shutdown past its grace cut the transaction
             absorb_cancel()
             cut = rules.after_cut(progress.dot_written)
-            await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
-                                           time.monotonic() + self._policy.lease_s)
+            if first_rcpt:
+                await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
+                                               time.monotonic() + p.lease_s, p.window_s)
             for rcpt, key in keys.items():
-                if key in first_rcpt:
+                if key in sent_for:
                     verdicts[rcpt] = cut.verdict
-            return self._conclude(msg, verdicts, None)
+            return self._conclude(msg, verdicts, None, p=p)
         # the lease was renewed while the upstream worked, last at most a third of it ago
-        lease_ends = time.monotonic() + self._policy.lease_s * 2 / 3
-        ops: list[SettleOp] = []
-        for key, rcpt in first_rcpt.items():
-            sent = result.recipients[rcpt]
-            ops.append(SettleOp(key=key, action=rules.after_upstream(sent).settle,
-                                reply=str(sent.reply)))
-        await self._settler.settle(ops, token, lease_ends)
+        lease_ends = time.monotonic() + p.lease_s * 2 / 3
+        ops = [SettleOp(key=key, action=rules.after_upstream(result.recipients[rcpt]).settle,
+                        reply=str(result.recipients[rcpt].reply), window_s=p.window_s)
+               for key, rcpt in first_rcpt.items()]
+        if ops:
+            await self._settler.settle(ops, token, lease_ends)
         for rcpt, key in keys.items():
-            if key in first_rcpt:  # a second spelling of a mailbox shares its one copy
+            if key in sent_for:  # a second spelling of a mailbox shares its one copy
+                first = sent_for[key]
                 verdicts[rcpt] = rules.after_upstream(
-                    result.recipients[first_rcpt[key]],
-                    second_spelling=first_rcpt[key] != rcpt).verdict
-        return self._conclude(msg, verdicts, result)
+                    result.recipients[first], second_spelling=first != rcpt,
+                    relayed=Outcome.RELAYED if key in first_rcpt else Outcome.WOULD_SUPPRESS,
+                ).verdict
+        return self._conclude(msg, verdicts, result, p=p)
 
-    async def _reserve_uncut(self, keys: list[str], token: str) -> list[Reservation]:
+    async def _reserve_uncut(self, keys: list[str], token: str,
+                             p: Policy) -> list[Reservation]:
         """Reserve ``keys``; when shutdown cuts the wait, let the reserve finish, undo what of
         it landed (compare-token), then raise the cancellation: a PENDING record left behind
         would answer the client's retry with 450 until its lease ends."""
-        reserving = asyncio.ensure_future(self._reserve(keys, token))
+        reserving = asyncio.ensure_future(self._reserve(keys, token, p))
         try:
             return await asyncio.shield(reserving)
         except asyncio.CancelledError:
@@ -243,7 +275,7 @@ class DedupCore:
 
     def _partition(
         self, keys: Mapping[str, str], by_key: Mapping[str, Reservation],
-        verdicts: dict[str, Verdict], queue_id: str,
+        verdicts: dict[str, Verdict], queue_id: str, p: Policy,
     ) -> set[str]:
         """Classify each recipient by what the store held (:func:`relay.core.rules.classify`):
         the verdict of those answered without sending goes into ``verdicts``; returns the keys
@@ -251,8 +283,7 @@ class DedupCore:
         to_send: set[str] = set()
         for rcpt, key in keys.items():
             found = by_key[key].found
-            decided = rules.classify(by_key[key], unknown_policy=self._policy.unknown,
-                                     lease_s=self._policy.lease_s)
+            decided = rules.classify(by_key[key], unknown_policy=p.unknown, lease_s=p.lease_s)
             if decided.action is Action.RESEND_IN_DOUBT and key not in to_send:
                 # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
                 log.warning("relaying again although an earlier attempt is in doubt "
@@ -267,11 +298,10 @@ class DedupCore:
         return to_send
 
     async def _deliver(self, msg: InboundMessage, rcpts: list[str],
-                       progress: DeliveryProgress | None = None) -> DeliveryResult:
+                       progress: DeliveryProgress | None, p: Policy) -> DeliveryResult:
         content = msg.content
-        if self._policy.strip_headers:  # design.md §5.2: the headers are the relay's
-            content = strip_fields(content, (*self._policy.key_names,
-                                             *self._policy.template_names))
+        if p.strip_headers:  # design.md §5.2: the headers are the relay's
+            content = strip_fields(content, (*p.key_names, *p.template_names))
         outbound = OutboundMessage(
             mail_from=msg.mail_from,
             rcpt_tos=rcpts,
@@ -287,14 +317,15 @@ class DedupCore:
         self._metrics.upstream_call(time.perf_counter() - started, code)
         return result
 
-    async def _relay_plain(self, msg: InboundMessage, *, relayed: Outcome) -> Decision:
+    async def _relay_plain(self, msg: InboundMessage, p: Policy, *,
+                           relayed: Outcome) -> Decision:
         """Relay without dedup (no key, or store down with fail_open): all recipients at once;
         an accepted recipient's outcome is ``relayed`` (``no_key`` or ``store_down``).
 
         Cut by shutdown: the client is told so (4yz), in doubt when the final dot was out."""
         progress = DeliveryProgress()
         try:
-            result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress)
+            result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress, p)
         except asyncio.CancelledError:
             absorb_cancel()
             cut = rules.after_cut(progress.dot_written).verdict
@@ -304,11 +335,14 @@ class DedupCore:
         return self._conclude(msg, verdicts, result, relayed=relayed)
 
     def _conclude(self, msg: InboundMessage, verdicts: Mapping[str, Verdict],
-                  result: DeliveryResult | None, *,
-                  relayed: Outcome = Outcome.RELAYED) -> Decision:
-        """Fold the recipients' verdicts into one reply (:func:`relay.core.rules.aggregate`),
-        and owe the sender a notice of permanent refusals the client is answered 250 for."""
-        reply, res = rules.aggregate(verdicts.values(), queue_id=msg.queue_id, relayed=relayed)
+                  result: DeliveryResult | None, *, relayed: Outcome = Outcome.RELAYED,
+                  p: Policy | None = None) -> Decision:
+        """Fold the recipients' verdicts into one reply (:func:`relay.core.rules.aggregate`,
+        with the message policy ``p``'s duplicate reply), and owe the sender a notice of
+        permanent refusals the client is answered 250 for."""
+        reply, res = rules.aggregate(
+            verdicts.values(), queue_id=msg.queue_id, relayed=relayed,
+            duplicate_reply=p.duplicate_reply if p is not None else "250")
         failures = {rcpt: v.refusal for rcpt, v in verdicts.items() if v.refusal is not None}
         if self._notifier is not None and reply.code == 250 and failures:
             # RFC 5321 4.2.5, 6.1: a 250 makes the relay owe notice of the refused recipients
@@ -327,11 +361,11 @@ class DedupCore:
         return Decision(reply=reply, result=result, outcomes=dict(outcomes),
                         upstream_reply=upstream_reply)
 
-    async def _reserve(self, keys: list[str], token: str) -> list[Reservation]:
+    async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
         started = time.perf_counter()
         try:
-            out = await self._store.reserve(keys, token=token, lease_s=self._policy.lease_s,
-                                            resend_unknown=self._policy.unknown == "send")
+            out = await self._store.reserve(keys, token=token, lease_s=p.lease_s,
+                                            resend_unknown=p.unknown == "send")
         except StoreError:
             self._metrics.store_call("reserve", time.perf_counter() - started, False)
             raise

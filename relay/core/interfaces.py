@@ -90,6 +90,8 @@ class SettleOp:
     reply: str = ""
     lease_s: float = 0.0  # SENDING only: the attempt's lease, kept in the record (see Record);
     # 0: none kept, readers judge the record by their own lease
+    window_s: float = 0.0  # the dedup window of its message's policy (seconds; the TTL of SENT,
+    # SENDING and UNKNOWN); 0: the relay's dedup_window
 
 
 class FingerprintStore(Protocol):
@@ -429,6 +431,9 @@ class Outcome(enum.StrEnum):
     UNKNOWN = "unknown"  # the final dot was written and no reply came (RFC 1047)
     NO_KEY = "no_key"  # relayed without dedup: the message has no dedupe key
     STORE_DOWN = "store_down"  # the store failed: 451 (fail_closed), or relayed (fail_open)
+    EXEMPT = "exempt"  # relayed without dedup: its template's policy says dedup = false
+    WOULD_SUPPRESS = "would_suppress"  # shadow mode: enforce would not have relayed it (a
+    # duplicate, in doubt, in flight or held), relayed anyway and accepted
 
 
 class Result(enum.StrEnum):
@@ -436,7 +441,9 @@ class Result(enum.StrEnum):
     ``relay_messages_total`` (the strings are kept: dashboards and alert rules use them)."""
 
     RELAYED = "relayed"  # 250, at least one recipient relayed
-    SUPPRESSED = "suppressed"  # 250, every recipient a duplicate (or in doubt, suppressed)
+    SUPPRESSED = "suppressed"  # 250 (or 550 5.7.1 with duplicate_reply = "550"), every
+    # recipient a duplicate (or in doubt, suppressed)
+    EXEMPT = "exempt"  # 250, relayed without dedup: its template's policy says dedup = false
     NO_KEY = "no_key"  # 250, relayed without dedup: the message has no dedupe key
     STORE_DOWN = "store_down"  # 250, relayed without dedup: store down, store_down = fail_open
     TEMPFAIL = "tempfail"  # 4yz

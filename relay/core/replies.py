@@ -204,6 +204,22 @@ def all_suppressed(count: int, first_sent_iso: str | None, queue_id: str,
     )
 
 
+def duplicate_refused(count: int, first_sent_iso: str | None, queue_id: str,
+                      in_doubt: int = 0) -> SmtpReply:
+    """The ``550 5.7.1`` for a message whose every recipient is a duplicate, when its policy's
+    ``duplicate_reply`` is ``"550"``: a refusal for policy reasons at the final dot (RFC 5321
+    section 4.3.2 lists 550 after DATA; RFC 3463 X.7.1, "message refused"). The client's MTA
+    then bounces it or its caller sees the error; nothing was relayed by this transaction.
+    """
+    if in_doubt:
+        since = f" since {first_sent_iso}" if first_sent_iso else ""
+        return SmtpReply(550, "5.7.1", f"Duplicate not sent again for {count} recipient(s): "
+                                       f"{in_doubt} in doubt{since}; id={queue_id}")
+    when = f"; original sent {first_sent_iso}" if first_sent_iso else ""
+    return SmtpReply(550, "5.7.1", f"Duplicate not sent again for {count} recipient(s){when}; "
+                                   f"id={queue_id}")
+
+
 def invalid_key(reason: str) -> SmtpReply:
     """The ``554 5.6.0`` for a dedupe key or template that breaks design.md §2."""
     return SmtpReply(554, "5.6.0", f"Invalid dedupe header: {client_safe_text(reason, limit=120)}")

@@ -199,16 +199,23 @@ def after_cut(dot_written: bool) -> Ruling:
 WORST_FIRST = (Outcome.STORE_DOWN, Outcome.UNKNOWN, Outcome.REFUSED_TEMP, Outcome.HELD,
                Outcome.INFLIGHT)
 _RELAYED_RESULT = {Outcome.RELAYED: Result.RELAYED, Outcome.NO_KEY: Result.NO_KEY,
-                   Outcome.STORE_DOWN: Result.STORE_DOWN}
+                   Outcome.STORE_DOWN: Result.STORE_DOWN, Outcome.EXEMPT: Result.EXEMPT}
+# what enforce answers without relaying and shadow mode relays anyway (counted would_suppress)
+SHADOWED = frozenset({Outcome.SUPPRESSED, Outcome.SUPPRESSED_UNKNOWN, Outcome.INFLIGHT,
+                      Outcome.HELD})
 
 
 def aggregate(verdicts: Iterable[Verdict], *, queue_id: str,
-              relayed: Outcome = Outcome.RELAYED) -> tuple[SmtpReply, Result]:
+              relayed: Outcome = Outcome.RELAYED,
+              duplicate_reply: DuplicateReply = "250") -> tuple[SmtpReply, Result]:
     """Fold the recipients' verdicts (in recipient order) into the reply to the final dot
     and the message's result (§4.3).
 
-    ``relayed`` names the outcome of a relayed recipient: ``no_key`` / ``store_down`` for a
-    message relayed without dedup (then ``store_down`` is not a temporary outcome). Raises
+    ``relayed`` names the outcome of a relayed recipient: ``no_key`` / ``store_down`` /
+    ``exempt`` for a message relayed without dedup (then ``store_down`` is not a temporary
+    outcome); a ``would_suppress`` recipient (shadow mode) was relayed too. A message whose
+    every recipient is a duplicate is answered ``250``, or ``550 5.7.1`` when
+    ``duplicate_reply`` is ``"550"`` (§4.6). Raises
     ``KeyError`` for a ``relayed`` outcome that is not a way to relay, ``ValueError`` for a
     temporary or refused verdict without its reply.
     """
@@ -222,13 +229,17 @@ def aggregate(verdicts: Iterable[Verdict], *, queue_id: str,
     in_doubt = counts[Outcome.SUPPRESSED_UNKNOWN]
     suppressed = counts[Outcome.SUPPRESSED] + in_doubt
     refused = [v for v in verdicts if v.outcome is Outcome.REFUSED_PERM]
-    if refused and not counts[relayed]:
+    sent = counts[relayed] + counts[Outcome.WOULD_SUPPRESS]  # a shadow copy went upstream too
+    if refused and not sent:
         return _reply_of(refused[0]), Result.PERMFAIL
-    if counts[relayed]:
-        return (replies.accepted(counts[relayed], suppressed, len(refused), queue_id, in_doubt),
+    if sent:
+        return (replies.accepted(sent, suppressed, len(refused), queue_id, in_doubt),
                 result_if_relayed)
     sent_at = [v.at for v in verdicts if v.at is not None]
     first = iso_utc(min(sent_at)) if sent_at else None
+    if duplicate_reply == "550":
+        return (replies.duplicate_refused(suppressed, first, queue_id, in_doubt),
+                Result.SUPPRESSED)
     return replies.all_suppressed(suppressed, first, queue_id, in_doubt), Result.SUPPRESSED
 
 

@@ -84,6 +84,11 @@ class Settler:
                 self._settle_later(ops, token, time.monotonic())
         return left
 
+    def _window(self, ops: Sequence[SettleOp]) -> float:
+        """The dedup window (seconds) of ``ops``: their message policy's (the ops of one
+        attempt share it), else the relay's."""
+        return max((op.window_s for op in ops), default=0.0) or self._window_s
+
     def _paid(self, ops: Sequence[SettleOp], token: str) -> None:
         for op in ops:
             self._owed.pop((op.key, token), None)
@@ -112,17 +117,20 @@ class Settler:
                             "already)", op.action.value)
 
     def sending_marker(self, first_rcpt: Mapping[str, str], token: str,
-                       progress: DeliveryProgress) -> Callable[[Sequence[str]], Awaitable[bool]]:
+                       progress: DeliveryProgress, window_s: float = 0.0,
+                       ) -> Callable[[Sequence[str]], Awaitable[bool]]:
         """The ``before_dot`` hook: mark the keys of the accepted recipients SENDING.
 
-        ``first_rcpt`` maps store key -> the recipient sent upstream for it. The hook returns
-        False (abort, send no dot) when the store fails, or when a key is no longer this
-        attempt's; it then sets ``progress.abort_reply`` to the reply that says which.
+        ``first_rcpt`` maps store key -> the recipient sent upstream for it; ``window_s`` is
+        the message policy's dedup window (0: the relay's), the SENDING record's TTL. The hook
+        returns False (abort, send no dot) when the store fails, or when a key is no longer
+        this attempt's; it then sets ``progress.abort_reply`` to the reply that says which.
         """
 
         async def mark(accepted: Sequence[str]) -> bool:
             wanted = set(accepted)
-            ops = [SettleOp(key=k, action=Settle.SENDING, lease_s=self._lease_s)
+            ops = [SettleOp(key=k, action=Settle.SENDING, lease_s=self._lease_s,
+                            window_s=window_s)
                    for k, rcpt in first_rcpt.items() if rcpt in wanted]
             try:
                 applied = await self._timed_settle(ops, token)
@@ -188,7 +196,7 @@ class Settler:
         """One settle round trip, its latency and outcome recorded; raises StoreError."""
         started = time.perf_counter()
         try:
-            applied = await self._store.settle(ops, token=token, window_s=self._window_s)
+            applied = await self._store.settle(ops, token=token, window_s=self._window(ops))
         except StoreError:
             self._metrics.store_call("settle", time.perf_counter() - started, False)
             raise
@@ -204,10 +212,10 @@ class Settler:
         ops = [SettleOp(key=k, action=Settle.RELEASE) for k in keys]
         with contextlib.suppress(StoreError):  # the store is down: the lease will free them
             await run_to_end(asyncio.ensure_future(
-                self._store.settle(ops, token=token, window_s=self._window_s)))
+                self._store.settle(ops, token=token, window_s=self._window(ops))))
 
     async def settle_cut(self, keys: list[str], token: str, dot_written: bool,
-                         lease_ends: float) -> None:
+                         lease_ends: float, window_s: float = 0.0) -> None:
         """Settle a transaction that was cancelled (shutdown past its grace).
 
         Before the final dot went out nothing can have been delivered: release, so the
@@ -215,7 +223,7 @@ class Settler:
         end whatever cancels the caller, and what does not land is owed like any settle.
         """
         action = rules.after_cut(dot_written).settle
-        ops = [SettleOp(key=k, action=action) for k in keys]
+        ops = [SettleOp(key=k, action=action, window_s=window_s) for k in keys]
         log.warning("transaction cut by shutdown %s the final dot: %s", "after" if dot_written
                     else "before", "marked UNKNOWN" if dot_written else "released")
         await self.settle(ops, token, lease_ends)
@@ -261,7 +269,7 @@ class Settler:
 
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_delay(self._window_s),
+                stop=stop_after_delay(self._window(ops)),
                 wait=wait_exponential(multiplier=0.2, max=2.0),
                 retry=retry_if_exception_type(StoreError),
                 reraise=True,
@@ -273,7 +281,7 @@ class Settler:
                     if not left:
                         return
                     attempts += 1
-                    await self._store.settle(left, token=token, window_s=self._window_s)
+                    await self._store.settle(left, token=token, window_s=self._window(left))
                     self._paid(left, token)
         except StoreError:
             count_lost_mark()

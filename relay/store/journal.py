@@ -1,7 +1,8 @@
 """The journal of settles still owed when the relay stops (docs/design.md §3, "The settle
 journal"; README "Graceful shutdown").
 
-One JSON object per line: ``{"store", "token", "key", "action", "reply"}``, ``store`` naming
+One JSON object per line: ``{"store", "token", "key", "action", "reply"}`` (and ``window_s``,
+seconds, when the settle's message had a dedup window of its own), ``store`` naming
 the store the settle is owed to (URL with the password masked, and key prefix); a relay reads
 only its own store's lines. The next start applies them (compare-token writes: applying one
 late, or twice, is safe) and keeps in the file only what still did not land. Every change is a
@@ -60,7 +61,8 @@ def _read_all(path: Path) -> list[_Entry]:
             entry = json.loads(line)
             entries.append((str(entry["store"]), str(entry["token"]), SettleOp(
                 key=str(entry["key"]), action=Settle(entry["action"]),
-                reply=str(entry.get("reply", "")))))
+                reply=str(entry.get("reply", "")),
+                window_s=float(entry.get("window_s", 0.0)))))
         except (ValueError, KeyError, TypeError):
             log.error("settle journal %s line %d is not an owed settle: skipped", path, number)
     return entries
@@ -98,8 +100,11 @@ def _write(path: Path, entries: Sequence[_Entry]) -> None:
     partial = path.with_name(path.name + ".partial")
     with partial.open("w", encoding="utf-8") as out:
         for store, token, op in entries:
-            out.write(json.dumps({"store": store, "token": token, "key": op.key,
-                                  "action": op.action.value, "reply": op.reply}) + "\n")
+            line: dict[str, object] = {"store": store, "token": token, "key": op.key,
+                                       "action": op.action.value, "reply": op.reply}
+            if op.window_s:
+                line["window_s"] = op.window_s
+            out.write(json.dumps(line) + "\n")
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, path)

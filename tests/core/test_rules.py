@@ -27,6 +27,7 @@ from relay.core.interfaces import (
 from relay.core.rules import (
     Action,
     Classification,
+    DuplicateReply,
     Ruling,
     StoreDownPolicy,
     UnknownPolicy,
@@ -273,3 +274,38 @@ def test_the_reply_is_the_worst_outcome_first(
         verdicts: Sequence[Verdict], relayed: Outcome,
         expected: tuple[SmtpReply, Result]) -> None:
     assert aggregate(verdicts, queue_id=Q, relayed=relayed) == expected
+
+
+SHADOW_COPY = Verdict(Outcome.WOULD_SUPPRESS)
+
+DESIGN_4_6 = [
+    pytest.param([SHADOW_COPY], "250", (replies.accepted(1, 0, 0, Q), Result.RELAYED),
+                 id="a-shadow-copy-was-relayed"),
+    pytest.param([SHADOW_COPY, REFUSED_PERM], "250",
+                 (replies.accepted(1, 0, 1, Q), Result.RELAYED),
+                 id="a-shadow-copy-beside-a-refusal-is-250-and-owes-a-notice"),
+    pytest.param([DUPLICATE, EARLIER_DUPLICATE], "550",
+                 (replies.duplicate_refused(2, iso_utc(AT), Q), Result.SUPPRESSED),
+                 id="all-duplicates-with-duplicate-reply-550"),
+    pytest.param([DUPLICATE, IN_DOUBT], "550",
+                 (replies.duplicate_refused(2, iso_utc(AT), Q, in_doubt=1), Result.SUPPRESSED),
+                 id="duplicates-in-doubt-with-550-say-in-doubt"),
+    pytest.param([RELAYED, DUPLICATE], "550",
+                 (replies.accepted(1, 1, 0, Q), Result.RELAYED),
+                 id="a-relayed-recipient-makes-it-250-whatever-duplicate-reply-says"),
+    pytest.param([INFLIGHT, DUPLICATE], "550", (replies.INFLIGHT, Result.TEMPFAIL),
+                 id="a-temporary-outcome-beats-the-550"),
+]
+
+
+@pytest.mark.parametrize(("verdicts", "duplicate_reply", "expected"), DESIGN_4_6)
+def test_shadow_copies_and_the_duplicate_reply(
+        verdicts: Sequence[Verdict], duplicate_reply: DuplicateReply,
+        expected: tuple[SmtpReply, Result]) -> None:
+    assert aggregate(verdicts, queue_id=Q, duplicate_reply=duplicate_reply) == expected
+
+
+def test_the_550_is_a_policy_refusal_after_data() -> None:
+    """RFC 5321 section 4.3.2 (550 after DATA for policy reasons), RFC 3463 X.7.1."""
+    reply = replies.duplicate_refused(1, None, Q)
+    assert (reply.code, reply.enhanced) == (550, "5.7.1")

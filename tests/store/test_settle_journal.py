@@ -52,3 +52,14 @@ def test_a_relay_on_another_store_neither_reads_nor_removes_the_lines(tmp_path: 
     assert read_journal(path, other) == []
     remove_from_journal(path, [a], other)
     assert read_journal(path, STORE) == [a]
+
+
+def test_a_settle_with_its_own_dedup_window_keeps_it(tmp_path: Path) -> None:
+    """A settle owed for a template with its own window is applied with that window at the next
+    start; one with the relay's window (0) is written as before, without the field."""
+    path = tmp_path / "owed.jsonl"
+    own = SettleOp(key="k1", action=Settle.SENT, window_s=7200.0)
+    relay_window = SettleOp(key="k2", action=Settle.SENT)
+    add_to_journal(path, [("t1", own), ("t2", relay_window)], "store-a")
+    assert read_journal(path, "store-a") == [("t1", own), ("t2", relay_window)]
+    assert path.read_text().count("window_s") == 1
