@@ -14,7 +14,7 @@ import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -38,6 +38,7 @@ from pydantic_settings import (
 )
 
 from relay.core.errors import ConfigError
+from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
@@ -499,6 +500,20 @@ class Settings(BaseSettings):
                 "auth_file needs TLS (tls_cert, tls_key): AUTH is offered only over TLS, so "
                 "credentials never cross the network in clear", "auth_file", "tls_cert",
                 "tls_key")
+
+    def template_rules(self) -> tuple[TemplateRule, ...]:
+        """The ``[[template_policy]]`` entries as the core's rules (design.md §4.6)."""
+        return tuple(
+            TemplateRule(match=t.match, dedup=t.dedup, window_s=t.dedup_window,
+                         missing_key=t.missing_key, unknown=t.unknown_policy,
+                         duplicate_reply=t.duplicate_reply, mode=t.mode)
+            for t in self.template_policy)
+
+    def window_for(self, templates: Sequence[str]) -> float:
+        """The dedup window (seconds) of a message whose normalized template values are
+        ``templates``: its ``[[template_policy]]`` entry's, else ``dedup_window``."""
+        return Policy(window_s=self.dedup_window, templates=self.template_rules()
+                      ).for_templates(templates).window_s
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -40,6 +40,7 @@ from relay.cli.options import config_option, fail, load
 from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, setting_names
 from relay.core.errors import ConfigError, InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.interfaces import FingerprintStore, State
+from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
 from relay.store.sqlite import sqlite_path_from_url
 
@@ -95,6 +96,13 @@ def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
         return key_for(settings, given)
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
         fail(ExitCode.USAGE, str(exc))
+
+
+def _window(settings: Settings, templates: tuple[str, ...]) -> float:
+    """The dedup window (seconds) the relay gives a message with ``templates``: its
+    ``[[template_policy]]`` entry's, else ``dedup_window``."""
+    normalized = header_values((), templates, max_chars=settings.max_key_chars).templates
+    return settings.window_for(normalized)
 
 
 def register(main: click.Group) -> None:
@@ -162,9 +170,9 @@ def register(main: click.Group) -> None:
         retries are duplicates (audited)."""
         settings, key = _decision_setup(config_file, store, rcpt, templates, keys, auth_user,
                                         store_key, reason, log_format)
+        window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
         before = _run_on_store(settings, lambda store: mark_sent(
-            store, key, reason=reason, lease_s=settings.lease, window_s=settings.dedup_window,
-            force=force))
+            store, key, reason=reason, lease_s=settings.lease, window_s=window_s, force=force))
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
 

@@ -197,3 +197,20 @@ def test_keys_outside_the_prefix_and_empty_reasons_are_refused(
     """A key of the application sharing the Redis is never touched; a reason is required."""
     done = run_cli(*args, cwd=tmp_path, env={"RELAY_STORE": REDIS_URL})
     assert done.returncode == 2 and done.stderr.startswith("dedup-relay: "), done
+
+
+def test_mark_sent_gives_a_template_its_own_dedup_window(
+        tmp_path: Path, redis_prefix: str) -> None:
+    """mark-sent --template for a template with a [[template_policy]] window writes the
+    record with that window (what the relay would have written), not dedup_window."""
+    config = tmp_path / "relay.toml"
+    config.write_text('[[template_policy]]\nmatch = "receipt-*"\ndedup_window = 600000\n')
+    env = _env(redis_prefix, RELAY_DEDUP_WINDOW="7200", RELAY_CONFIG=str(config))
+    ttls = []
+    for template in ("receipt-order", "welcome"):
+        args = ("--rcpt", "user@example.net", "--template", template, "--key", "K-1")
+        done = run_cli("mark-sent", *args, "--reason", "smarthost log", cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(run_cli("inspect", *args, cwd=tmp_path, env=env).stdout)
+        ttls.append(seen["ttl_s"])
+    assert 599_000 < ttls[0] <= 600_000 and 7000 < ttls[1] <= 7200, ttls
