@@ -16,10 +16,11 @@ import redis
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, StateCounter, StateCounts
+from relay.store.redis.counting import match_pattern
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
 from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
-from tests.support.relays import REDIS_URL, delete_prefix
+from tests.support.relays import REDIS_URL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,6 +51,19 @@ def sentinel() -> Iterator[SentinelSet]:
         yield servers
 
 
+def _delete(prefix: str) -> None:
+    """Delete the keys under ``prefix`` (its glob characters escaped, unlike delete_prefix)."""
+    with redis.Redis.from_url(REDIS_URL) as client:
+        keys = list(client.scan_iter(match=match_pattern(prefix), count=1000))
+        if keys:
+            client.delete(*keys)
+
+
+def _other(prefix: str) -> str:
+    """Another prefix, which starts like ``prefix`` but is not under it."""
+    return prefix.rstrip(":") + "-other:"
+
+
 def _url(request: pytest.FixtureRequest, kind: str) -> str:
     if kind in ("cluster", "sentinel"):
         servers: Cluster | SentinelSet = request.getfixturevalue(kind)
@@ -69,7 +83,8 @@ async def store(request: pytest.FixtureRequest, prefix: str, tmp_path: Path
     redis_store = RedisStore.from_url(REDIS_URL, window_s=WINDOW_S)
     yield redis_store
     await redis_store.close()
-    delete_prefix(REDIS_URL, prefix)
+    _delete(prefix)
+    _delete(_other(prefix))
 
 
 async def _write(store: Store, key: str, action: Settle | None, *,
@@ -112,7 +127,7 @@ async def test_every_state_is_counted_as_stored(store: Store, prefix: str) -> No
     await _write(store, prefix + "s", Settle.SENT)
     before = time.time()
     await _write(store, prefix + "u", Settle.UNKNOWN)
-    await _write(store, prefix.rstrip(":") + "-other:x", Settle.SENT)  # another prefix
+    await _write(store, _other(prefix) + "x", Settle.SENT)
     counts = await store.count_states(prefix, lease_s=LEASE_S, older_than_s=3600)
     assert (counts.pending, counts.sending, counts.sent, counts.unknown) == (1, 1, 1, 1)
     assert (counts.scanned, counts.complete, counts.foreign) == (4, True, 0)
@@ -207,7 +222,7 @@ async def test_the_redis_scan_stops_at_max_keys(prefix: str) -> None:
         assert (full.scanned, full.sent, full.complete) == (2500, 2500, True)
     finally:
         await store.close()
-        delete_prefix(REDIS_URL, prefix)
+        _delete(prefix)
 
 
 async def test_a_redis_that_does_not_answer_raises_store_error() -> None:
