@@ -192,6 +192,7 @@ def _live(row: _Row | None, now_ms: int) -> _Row | None:
 
 
 _QUEUE_LIMIT_S = 30.0  # how long a call may wait behind this process's other calls
+_COUNT_TIMEOUT_S = 120.0  # bound of count_states, a read of every row (an admin command's)
 
 
 def _set_once(future: asyncio.Future[None]) -> None:
@@ -330,14 +331,16 @@ class SqliteStore:
         heartbeat is its own lease old (``lease_s`` seconds for a row that names none); a
         state the relay did not write counts as SENT and ``foreign``. Times are this host's
         wall clock, as the store's. ``max_keys`` and ``progress`` are not used: the count is
-        one query, always complete, bounded by ``op_timeout_s``. Raises :class:`StoreError`
-        (op ``count_states``)."""
+        one query, always complete, reading every row (about a second per million), so it is
+        bounded by ``_COUNT_TIMEOUT_S`` rather than ``op_timeout_s``. Raises
+        :class:`StoreError` (op ``count_states``)."""
         del max_keys, progress  # one query: nothing to cap or to report on the way
 
         def body(conn: sqlite3.Connection | None, _now: int) -> StateCounts:
             return _count_states(conn, prefix, _ms(lease_s), int(older_than_s * 1000))
 
-        return await self._call("count_states", body, in_tx=False)
+        return await self._call("count_states", body, in_tx=False,
+                                timeout_s=max(self._op_timeout_s, _COUNT_TIMEOUT_S))
 
     async def ping(self) -> None:
         """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
@@ -363,7 +366,7 @@ class SqliteStore:
     # -- event-loop side ---------------------------------------------------------------------
 
     async def _call(self, op_name: str, fn: Callable[[Any, int], _T], *,
-                    in_tx: bool = True) -> _T:
+                    in_tx: bool = True, timeout_s: float | None = None) -> _T:
         """Queue ``fn`` for the writer thread, translating every failure into StoreError.
 
         ``fn(conn, now_ms)`` runs inside a shared write transaction when ``in_tx`` (``now_ms``
@@ -372,18 +375,18 @@ class SqliteStore:
         queued behind this process's own calls is not an outage; it does cover the wait for
         another process's write lock), and a call that finished is never reported as timed out
         because the event loop was too busy to notice in time. ``_QUEUE_LIMIT_S`` bounds the
-        wait for the writer.
+        wait for the writer. ``timeout_s`` replaces ``op_timeout_s`` for one call.
         """
         if self._closed:
             raise StoreError(op_name, "the SQLite store is closed")
         op = Op(fn, in_tx, asyncio.get_running_loop())
         self._writer.submit(op)
+        limit_s = self._op_timeout_s if timeout_s is None else timeout_s
         try:
             await _within(op.started, max(_QUEUE_LIMIT_S, self._op_timeout_s))
-            result: _T = await _within(op.done, self._op_timeout_s)
+            result: _T = await _within(op.done, limit_s)
         except TimeoutError as exc:
-            raise StoreError(op_name,
-                             f"SQLite did not answer within {self._op_timeout_s:g} s") from exc
+            raise StoreError(op_name, f"SQLite did not answer within {limit_s:g} s") from exc
         # UnicodeError: a key or token that cannot be encoded as UTF-8 is refused by sqlite3
         except (sqlite3.Error, OSError, UnicodeError) as exc:
             raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc

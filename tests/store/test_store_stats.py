@@ -261,3 +261,21 @@ def test_state_counts_in_doubt_is_unknown_plus_sending_past_its_lease() -> None:
     """The figure the JSON's ``in_doubt`` reports."""
     assert StateCounts(unknown=2, sending=5, sending_past_lease=3).in_doubt == 5
 
+
+
+async def test_a_large_sqlite_count_is_not_cut_by_the_store_timeout(tmp_path: Path) -> None:
+    """200000 rows, counted by a store whose op timeout (0.05 s) is far shorter than a read of
+    every row: the count is bounded apart (an admin command's query, not a relay's call)."""
+    path = str(tmp_path / "store.db")
+    await (await SqliteStore.open(path)).close()
+    expires = int(time.time() * 1000) + HOUR_MS
+    with sqlite3.connect(path) as conn:
+        conn.executemany(
+            "INSERT INTO fingerprints (key, state, at_ms, expires_at_ms) VALUES (?, ?, ?, ?)",
+            ((f"p:{n:064x}", "sent", expires - HOUR_MS, expires) for n in range(200_000)))
+    store = await SqliteStore.open(path, op_timeout_s=0.05)
+    try:
+        counts = await store.count_states("p:", lease_s=LEASE_S, older_than_s=0)
+        assert (counts.sent, counts.scanned) == (200_000, 200_000)
+    finally:
+        await store.close()
