@@ -3,10 +3,11 @@
 # Run:   docker run -e RELAY_UPSTREAM=smtp.example.com:587 -e RELAY_UPSTREAM_TLS=starttls \
 #          -e RELAY_STORE=redis://redis:6379/0 -p 2525:2525 -p 9725:9725 \
 #          -e RELAY_ALLOWED_NETWORKS=10.0.0.0/8,172.16.0.0/12,192.168.0.0/16 \
-#          --stop-timeout 35 dedup-relay
+#          --stop-timeout 60 dedup-relay
 # (clients reach a container through Docker's bridge, never from its loopback: without
 # RELAY_ALLOWED_NETWORKS every client is told 421 4.7.0; name only the networks of your apps.
-# --stop-timeout: a little more than shutdown_grace, 30 s, so in-flight mail can finish.)
+# --stop-timeout: more than shutdown_grace + 4 x store_timeout + 10 s, 48 s, the relay's own bound
+# on a graceful stop, so in-flight mail finishes and owed settles reach the journal.)
 
 # OCI labels: docker build --build-arg REVISION=$(git rev-parse HEAD) \
 #   --build-arg CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ) --build-arg SOURCE=<the repository's URL> \
