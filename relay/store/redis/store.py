@@ -274,9 +274,9 @@ class RedisStore:
         (:class:`relay.core.interfaces.StateCounter`).
 
         ``SCAN MATCH prefix* COUNT 1000`` on the one server, the Sentinel-managed master or
-        each primary of a cluster in turn; each batch of keys is read with GET in one pipeline
-        (no figure needs a TTL): one round trip per batch (on a cluster, one per node the
-        batch's keys live on). Ages are by the server's clock (TIME once per server, then this
+        each primary of a cluster in turn; each batch of keys is read in one round trip (one
+        MGET; on a cluster a pipeline of GETs, one round trip per node its keys live on; no
+        figure needs a TTL). Ages are by the server's clock (TIME once per server, then this
         host's monotonic clock). Stops once ``max_keys`` keys were looked at (``complete``
         False when the scan had not ended). SCAN may return a key twice while Redis rehashes,
         so a count can be off by the keys that moved. ``op_timeout_s`` bounds each round trip,
@@ -333,23 +333,44 @@ class RedisStore:
 
     async def _tally(self, keys: list[bytes], tally: StateTally,
                      clock: tuple[int, float]) -> None:
-        """GET every key in one pipeline and count its value (``clock``: the server's unix ms
-        and this host's monotonic time when it was read); a key of another type (WRONGTYPE)
-        counts as what a reserve reads it as (SENT)."""
+        """Read every key's value in one round trip and count it (``clock``: the server's unix
+        ms and this host's monotonic time when it was read). A key MGET or GET found no string
+        under is asked its TYPE (another round trip, only then): gone (expired since SCAN), or
+        of another type, which counts as what a reserve reads it as (SENT)."""
         async with _translated("count_states", self._op_timeout_s):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.get(key)
-                values: list[Any] = await pipe.execute(raise_on_error=False)
-            server_ms, at_monotonic = clock
-            now_ms = server_ms + int((time.monotonic() - at_monotonic) * 1000)
-            for value in values:
-                tally.add_key()
-                if isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE"):
-                    value = b""
-                elif isinstance(value, Exception):
-                    raise value  # translated into StoreError by the block
-                tally.add(value, now_ms)
+            values = await self._values(keys)
+            missing = [i for i, value in enumerate(values) if value is None]
+            if missing:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for i in missing:
+                        pipe.type(keys[i])
+                    types: list[Any] = await pipe.execute()
+                for i, kind in zip(missing, types, strict=True):
+                    values[i] = None if kind in (b"none", "none") else b""
+        server_ms, at_monotonic = clock
+        now_ms = server_ms + int((time.monotonic() - at_monotonic) * 1000)
+        for value in values:
+            tally.add_key()
+            tally.add(value, now_ms)
+
+    async def _values(self, keys: list[bytes]) -> list[bytes | None]:
+        """The string under each key, None where there is none (gone, or another type): one
+        MGET on one server; on a cluster (keys of many slots) one pipeline of GETs."""
+        if not isinstance(self._client, redis.asyncio.RedisCluster):
+            return cast(list[bytes | None], await self._client.mget(keys))
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        values: list[bytes | None] = []
+        for result in results:
+            if isinstance(result, ResponseError) and str(result).startswith("WRONGTYPE"):
+                values.append(None)  # its TYPE is asked next
+            elif isinstance(result, Exception):
+                raise result
+            else:
+                values.append(result)
+        return values
 
     async def ping(self) -> None:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""
