@@ -240,15 +240,24 @@ async def test_a_redis_that_does_not_answer_raises_store_error() -> None:
 async def test_a_cluster_is_counted_on_every_primary_and_sentinel_on_its_master(
         request: pytest.FixtureRequest, kind: str, prefix: str) -> None:
     """60 records in every state over a cluster's three primaries (keys spread by slot), or
-    on a Sentinel-managed master: all of them counted."""
+    on a Sentinel-managed master, and a list (another type, read as SENT): all counted."""
     store = RedisStore.from_url(_url(request, kind), window_s=WINDOW_S)
     try:
         actions = [None, Settle.SENDING, Settle.SENT, Settle.UNKNOWN]
         for n in range(60):
             await _write(store, f"{prefix}{n}", actions[n % 4])
+        if kind == "cluster":
+            port = request.getfixturevalue("cluster").nodes[0].port
+            with redis.RedisCluster(host="127.0.0.1", port=port) as client:
+                client.rpush(prefix + "list", b"x")
+        else:
+            port = request.getfixturevalue("sentinel").master_port()
+            with redis.Redis(port=port) as plain:
+                plain.rpush(prefix + "list", b"x")
         counts = await store.count_states(prefix, lease_s=LEASE_S, older_than_s=3600)
-        assert (counts.pending, counts.sending, counts.sent, counts.unknown) == (15,) * 4
-        assert (counts.scanned, counts.complete, counts.in_doubt) == (60, True, 15)
+        assert (counts.pending, counts.sending, counts.sent, counts.unknown) == (15, 15, 16, 15)
+        assert (counts.scanned, counts.complete, counts.in_doubt, counts.foreign) == (
+            61, True, 15, 1)
         if kind == "cluster":  # the keys did spread over the three primaries
             cluster: Cluster = request.getfixturevalue("cluster")
             masters = cluster.masters()
