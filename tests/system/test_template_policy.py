@@ -18,7 +18,7 @@ from tests.support.clients import message, send
 from tests.support.metrics import scrape
 from tests.support.relays import REDIS_URL, MakeRelay, start_serve
 from tests.support.sink import Sink
-from tests.system.test_dedup_rules import wait_for_transactions
+from tests.support.waiting import until
 
 A, B = "a@example.net", "b@example.net"
 
@@ -121,7 +121,7 @@ async def test_shadow_mode_relays_a_copy_that_enforce_would_tell_to_wait(
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", mode="shadow")
     sink.handler.delay_s = 1.0
     first = asyncio.create_task(send(relay.port, [A], message()))
-    await wait_for_transactions(sink, 1)
+    await until(lambda: sink.handler.transactions >= 1)
     copy = await send(relay.port, [A], message())
     assert copy.code == 250 and (await first).code == 250
     assert sink.handler.copies_to(A) == 2
