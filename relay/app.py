@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from relay.core.errors import ConfigError, StartupError, StoreError
 from relay.core.interfaces import FingerprintStore, Upstream
 from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
-from relay.ops.metrics import PrometheusMetrics
+from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
 from relay.smtp.access import ConnectionGate, parse_networks
 from relay.smtp.auth import CredentialFile, SaslMechanisms
 from relay.smtp.handler import ListenerLimits, ListenerSecurity, RelayHandler, smtp_factory
@@ -83,6 +83,9 @@ def check_settings(settings: Settings) -> None:
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
+    if s.pid_file:
+        pid_file = Path(s.pid_file)
+        check(("pid_file",), lambda: _writable_file(pid_file, "the pid file"))
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -310,6 +313,10 @@ class Relay:
         self._more_servers: list[asyncio.base_events.Server] = []
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = PrometheusMetrics(registry=self.registry)
+        # a worker's reloads are counted by its supervisor (one per reload of the relay)
+        self.reloads = ConfigReloadMetrics(registry=self.registry) if inherited is None else None
+        self.security: ListenerSecurity | None = None  # kept for a configuration reload
+        self.sasl: SaslMechanisms | None = None
         self.store: FingerprintStore | None = None
         self.upstream: Upstream | None = None
         self.handler: RelayHandler | None = None
@@ -342,7 +349,7 @@ class Relay:
             log_recipients=s.log_recipients, allowed_senders=s.allowed_senders)
         security = build_security(s)
         sasl = build_sasl(s, self.metrics)
-        self.core = core
+        self.core, self.security, self.sasl = core, security, sasl
         if self.inherited is None or self.inherited.index == 0:
             await self._pay_journal()
         self.handler = RelayHandler(core=core, metrics=self.metrics, limits=limits, sasl=sasl)
@@ -593,7 +600,8 @@ def _host_port(host: str, port: int) -> str:
 
 
 async def run(settings: Settings, *, inherited: Inherited | None = None,
-              started: Callable[[Relay], None] | None = None) -> None:
+              started: Callable[[Relay], None] | None = None,
+              hangup: Callable[[Relay], Awaitable[None]] | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully.
 
     The signal handlers are installed before start-up, so a signal during a slow start (a
@@ -601,12 +609,17 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
     readable line when the relay cannot start, :class:`ConfigError` when a setting proves
     wrong only at start (a Redis database number the server does not have). ``inherited``: a
     worker's sockets (:class:`Inherited`); ``started`` is called once the relay serves.
+    ``hangup``: the configuration reload (:mod:`relay.reload`), run for each SIGHUP once the
+    relay serves (one received during start-up waits for it), one at a time.
     """
     relay = Relay(settings, inherited=inherited)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    hangups: asyncio.Queue[None] = asyncio.Queue()
+    if hangup is not None:
+        loop.add_signal_handler(signal.SIGHUP, hangups.put_nowait, None)
     starting = asyncio.create_task(_start(relay))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -624,9 +637,27 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
             raise
         if started is not None:
             started(relay)
+        reloads = None if hangup is None else asyncio.create_task(
+            _reloads(relay, hangups, hangup))
         await stopping
         log.info("signal received: stopping")
+        if reloads is not None:
+            reloads.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reloads
     await relay.stop()
+
+
+async def _reloads(relay: Relay, hangups: asyncio.Queue[None],
+                   hangup: Callable[[Relay], Awaitable[None]]) -> None:
+    """Run ``hangup`` once per SIGHUP queued in ``hangups``, each to its end before the next;
+    an unexpected error is logged, never ends the relay."""
+    while True:
+        await hangups.get()
+        try:
+            await hangup(relay)
+        except Exception:
+            log.exception("configuration reload failed")
 
 
 async def _start(relay: Relay) -> None:

@@ -13,11 +13,15 @@ The supervisor restarts a worker that exits on its own (back-off from 0.5 s doub
 reset after a minute of serving); a worker that cannot start 5 times in a row, or exits 69/78
 before it served, ends the relay with that code (69 otherwise). SIGTERM and SIGINT are
 forwarded to every worker and the supervisor waits for their graceful shutdown (up to
-``shutdown_grace`` + 4 store timeouts + 10 s, then SIGKILL); SIGHUP is forwarded, and when the
-workers die of it the supervisor does too. The supervisor serves ``/metrics`` (every worker's,
-prometheus-client multiprocess mode, in a private temporary directory it removes at exit),
-``/healthz`` and ``/readyz`` (ready when every worker serves and every worker's last store and
-upstream probe answered).
+``shutdown_grace`` + 4 store timeouts + 10 s, then SIGKILL). SIGHUP reloads the configuration
+(:mod:`relay.reload`): the supervisor reads and checks the file, and refuses it (one ERROR line,
+nothing changed) or forwards SIGHUP to every worker, which applies the same file and confirms
+on its status pipe; the supervisor then logs one INFO line for the whole relay and counts the
+reload (``relay_config_reloads_total``, in its own registry). Reloads run one at a time; one
+asked for during start-up runs once the relay serves. The supervisor serves ``/metrics``
+(every worker's, prometheus-client multiprocess mode, in a private temporary directory it
+removes at exit), ``/healthz`` and ``/readyz`` (ready when every worker serves and every
+worker's last store and upstream probe answered).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from relay.app import Inherited, Listeners, _bind_error, _host_port, bind_listeners, run
@@ -43,8 +48,10 @@ from relay.config import Settings
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.health import ComponentStatus
 from relay.ops.http import OpsServer
-from relay.ops.logs import setup_logging
-from relay.ops.metrics import components_up, worker_gone, workers_registry
+from relay.ops.logs import set_level, setup_logging
+from relay.ops.metrics import ConfigReloadMetrics, components_up, worker_gone, workers_registry
+from relay.ops.pidfile import remove_pid_file, write_pid_file
+from relay.reload import Reloader, SettingsSource, one_line, worker_hangup
 
 log = logging.getLogger("relay.supervisor")
 
@@ -56,17 +63,19 @@ MAX_START_FAILURES = 5
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 BACKOFF_RESET_S = 60.0  # a worker that served this long restarts at the first back-off again
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+RELOAD_CONFIRM_S = 10.0  # how long the supervisor waits for its workers to apply a reload
 # A worker's first lines, before the relay's imports: it dies with its supervisor (Linux
 # PR_SET_PDEATHSIG: a supervisor killed with SIGKILL takes its workers along, as one process
-# would, instead of leaving them on the port; gone already: exit); a stop signal forwarded
-# while it still imports is kept, and handled once its loop runs.
+# would, instead of leaving them on the port; gone already: exit); a stop signal or a SIGHUP
+# forwarded while it still imports is kept, and handled once its loop runs.
 _WORKER_COMMAND = (
     "import ctypes, os, signal; early = []\n"
     "try: ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # 1: PR_SET_PDEATHSIG
     "except (OSError, AttributeError): pass\n"
     "if os.getppid() != {supervisor}: os._exit(1)\n"
-    "for sig in (signal.SIGTERM, signal.SIGINT): signal.signal(sig, lambda n, _: early.append(n))\n"
+    "for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+    "    signal.signal(sig, lambda n, _: early.append(n))\n"
     "from relay.supervisor import worker_main; worker_main(early)")
 
 
@@ -121,6 +130,8 @@ class _Worker:
     backoff_s: float = BACKOFF_FIRST_S
     served: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    reloads: int = 0  # reloads its processes confirmed on the status pipe (applied or not)
+    reload_ok: bool = True  # whether the last one was applied
 
 
 class WorkersReadiness:
@@ -153,9 +164,15 @@ class Supervisor:
     """Starts ``count`` workers on shared sockets and keeps them running until a signal;
     ``await run()`` returns the exit code."""
 
-    def __init__(self, settings: Settings, count: int) -> None:
+    def __init__(self, settings: Settings, count: int, source: SettingsSource | None = None
+                 ) -> None:
         self.settings = settings
         self.count = count
+        self.source = source
+        self._reloader = Reloader(source, settings) if source is not None else None
+        self.reloads = ConfigReloadMetrics(registry=None)  # metrics on: _bind_ops's registry
+        self._hangups: asyncio.Queue[None] = asyncio.Queue()
+        self._confirmed = asyncio.Condition()
         self.workers = [_Worker(i) for i in range(count)]
         self.metrics_dir: str | None = None
         self.metrics_port = 0
@@ -163,7 +180,6 @@ class Supervisor:
         self._ops: OpsServer | None = None
         self._stopping = asyncio.Event()
         self._signal: int | None = None
-        self._hangup = False
         self._give_up: int | None = None
         self._codes: list[int] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -171,15 +187,19 @@ class Supervisor:
     def _worker_settings(self) -> Settings:
         """A worker's settings: its share of ``max_connections`` (rounded up), the rest alike."""
         share = -(-self.settings.max_connections // self.count)
-        return self.settings.model_copy(update={"max_connections": share})
+        # as plain Settings: those read with --config are of a class made for the file, which
+        # pickle cannot name (the worker got no settings: `serve --config F --workers 2` hung)
+        return Settings.model_construct(**{**dict(self.settings), "max_connections": share})
 
     async def run(self) -> int:
-        """Bind, start the workers, supervise until SIGTERM/SIGINT (or a SIGHUP the workers die
-        of), stop them; returns the exit code. Raises :class:`StartupError` when a listener
-        cannot be bound."""
+        """Bind, start the workers, supervise until SIGTERM/SIGINT, stop them; returns the exit
+        code. Raises :class:`StartupError` when a listener cannot be bound."""
         loop = asyncio.get_running_loop()
         for sig in FORWARDED:
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._hangups.put_nowait, None)
+        pid_file = Path(self.settings.pid_file) if self.settings.pid_file else None
+        reloads: asyncio.Task[None] | None = None
         try:
             self._listeners = await bind_listeners(self.settings)
             self._bind_ops()
@@ -188,22 +208,84 @@ class Supervisor:
             if not self._stopping.is_set() and self.workers[0].served.is_set():
                 await self._start_ops()  # serves last, as one process's
                 self._log_started()
+                _write_pid(pid_file)
+                reloads = asyncio.create_task(self._serve_hangups())
             await self._stopping.wait()
+            if reloads is not None:
+                reloads.cancel()
             await self._stop_workers()
         finally:
+            if reloads is not None:
+                reloads.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reloads
             await self._cleanup()
-            for sig in FORWARDED:
+            for sig in (*FORWARDED, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            if pid_file is not None:
+                remove_pid_file(pid_file)
         if self._give_up is not None:
             return self._give_up
-        if self._hangup and self._signal is None:
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # end as one process would: by SIGHUP
-            os.kill(os.getpid(), signal.SIGHUP)
         return next((c for c in self._codes if c > 0), 0)
 
+    async def _serve_hangups(self) -> None:
+        """One configuration reload per SIGHUP (those of the start-up too), one at a time."""
+        while True:
+            await self._hangups.get()
+            try:
+                await self._reload()
+            except Exception:
+                log.exception("configuration reload failed")
+
+    async def _reload(self) -> None:
+        """Read and check the configuration again; refused: one ERROR line, nothing changed;
+        else forward SIGHUP to every worker, wait for them to confirm (up to
+        :data:`RELOAD_CONFIRM_S`), log one INFO line and count it."""
+        if self._reloader is None:
+            log.error("configuration reload refused: this relay was not started by "
+                      "`dedup-relay serve` (no configuration to read again)")
+            self.reloads.reloaded(applied=False, now=time.time())
+            return
+        log.debug("SIGHUP: reading the settings again from %s",
+                  self._reloader.source.describe())
+        try:
+            changes = await asyncio.to_thread(self._reloader.prepare)
+        except ConfigError as exc:
+            log.error("configuration reload refused: %s", one_line(exc))
+            self.reloads.reloaded(applied=False, now=time.time())
+            return
+        self._reloader.commit(changes)
+        self.settings = changes.merged  # a worker started from now on gets these
+        set_level(changes.merged.log_level)
+        missing = await self._forward_reload()
+        note = (f"; worker(s) {', '.join(map(str, missing))} did not apply it (see their log)"
+                if missing else "")
+        log.info("configuration reloaded: %s%s", changes.describe(), note)
+        self.reloads.reloaded(applied=True, now=time.time())
+
+    async def _forward_reload(self) -> list[int]:
+        """SIGHUP every live worker process; wait until each serving one confirmed it. The
+        indexes of the serving workers that did not apply it (failed, or silent too long)."""
+        before = {w.index: w.reloads for w in self.workers}
+        waiting = []
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGHUP)
+                if worker.serving:  # one still starting applies it once it serves
+                    waiting.append(worker)
+
+        def done() -> bool:
+            return all(w.reloads > before[w.index] or not w.serving for w in waiting)
+
+        async with self._confirmed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._confirmed.wait_for(done), RELOAD_CONFIRM_S)
+        return [w.index for w in waiting
+                if w.serving and (w.reloads <= before[w.index] or not w.reload_ok)]
+
     async def _await_first_start(self) -> None:
-        """Worker 0 serves (then the others start), the relay stops, or worker 0 ended (of a
-        SIGHUP before it served)."""
+        """Worker 0 serves (then the others start), the relay stops, or worker 0 ended."""
         waits = {asyncio.create_task(self.workers[0].served.wait()),
                  asyncio.create_task(self._stopping.wait()),
                  asyncio.create_task(self.workers[0].ended.wait())}
@@ -240,8 +322,10 @@ class Supervisor:
         except OSError as exc:
             raise _bind_error(host, port, "metrics_listen", exc) from exc
         self.metrics_dir = tempfile.mkdtemp(prefix="dedup-relay-metrics-")
-        self._ops = OpsServer(registry=workers_registry(self.metrics_dir),
-                              health=WorkersReadiness(self), host=host, port=port, sock=sock)
+        registry = workers_registry(self.metrics_dir)
+        self.reloads = ConfigReloadMetrics(registry=registry)  # once per reload, not per worker
+        self._ops = OpsServer(registry=registry, health=WorkersReadiness(self), host=host,
+                              port=port, sock=sock)
         self.metrics_port = int(sock.getsockname()[1])
 
     async def _start_ops(self) -> None:
@@ -250,13 +334,10 @@ class Supervisor:
             await self._ops.start()
 
     def _on_signal(self, sig: int) -> None:
-        if sig == signal.SIGHUP:
-            self._hangup = True
-        else:
-            self._signal = sig
-            self._stopping.set()
-            if self._listeners is not None:  # the workers close theirs: the port is closed
-                self._listeners.close()
+        self._signal = sig
+        self._stopping.set()
+        if self._listeners is not None:  # the workers close theirs: the port is closed
+            self._listeners.close()
         for worker in self.workers:
             if worker.proc is not None and worker.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -266,9 +347,9 @@ class Supervisor:
         """Run ``worker``'s process, restarting it, until the relay stops."""
         if worker.index > 0:
             await self._await_first_start()
-        while not self._stopping.is_set() and not self._hangup:  # hung up: start no process
+        while not self._stopping.is_set():
             code = await self._run_once(worker)
-            if self._stopping.is_set() or (self._hangup and code == -signal.SIGHUP):
+            if self._stopping.is_set():
                 self._codes.append(code)
                 break
             if not self._restart_wanted(worker, code):
@@ -279,8 +360,6 @@ class Supervisor:
                 await asyncio.wait_for(self._stopping.wait(), worker.backoff_s)
             worker.backoff_s = min(BACKOFF_MAX_S, worker.backoff_s * 2)
         worker.ended.set()
-        if self._hangup and all(w.ended.is_set() for w in self.workers):
-            self._stopping.set()
 
     def _restart_wanted(self, worker: _Worker, code: int) -> bool:
         """Log the exit of ``worker``; False when the relay must give up (start errors)."""
@@ -326,12 +405,13 @@ class Supervisor:
             os.close(settings_r)
             os.close(status_w)
         worker.proc = proc
-        if self._signal is not None or self._hangup:  # came while it was being spawned
+        if self._signal is not None:  # came while it was being spawned
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(self._signal or signal.SIGHUP)
+                proc.send_signal(self._signal)
         # a worker that died at once (BrokenPipeError): its exit code tells why
         with contextlib.suppress(BrokenPipeError), os.fdopen(settings_w, "wb") as out:
-            await asyncio.to_thread(out.write, pickle.dumps(self._worker_settings()))
+            payload = pickle.dumps((self._worker_settings(), self.source))
+            await asyncio.to_thread(out.write, payload)
         reader = asyncio.create_task(self._read_status(worker, status_r))
         code = await proc.wait()
         with contextlib.suppress(asyncio.CancelledError):
@@ -341,13 +421,25 @@ class Supervisor:
         return code
 
     async def _read_status(self, worker: _Worker, fd: int) -> None:
-        """Mark ``worker`` serving when its process writes ``serving`` on the status pipe."""
-        with os.fdopen(fd, "rb") as pipe:
-            line = await asyncio.to_thread(pipe.readline)
-        if line.strip() == b"serving":
-            worker.serving = True
-            worker.since = time.monotonic()
-            worker.served.set()
+        """Follow ``worker``'s status pipe until its process exits: ``serving`` marks it
+        serving; ``reloaded`` / ``reload failed`` confirm a configuration reload."""
+        reader = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+        try:
+            while line := await reader.readline():
+                status = line.strip()
+                if status == b"serving":
+                    worker.serving = True
+                    worker.since = time.monotonic()
+                    worker.served.set()
+                elif status in (b"reloaded", b"reload failed"):
+                    async with self._confirmed:
+                        worker.reloads += 1
+                        worker.reload_ok = status == b"reloaded"
+                        self._confirmed.notify_all()
+        finally:
+            transport.close()
 
     async def _stop_workers(self) -> None:
         """Wait for every worker's graceful shutdown; SIGKILL what outlives its bound."""
@@ -390,20 +482,34 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-async def supervise(settings: Settings) -> int:
+def _write_pid(path: Path | None) -> None:
+    """Write this process's id to the pid file ``path`` (None: none); an error is logged."""
+    if path is None:
+        return
+    try:
+        write_pid_file(path)
+    except OSError as exc:
+        log.error("cannot write the pid file %s: %s (`dedup-relay reload` needs --pid)",
+                  path, exc)
+
+
+async def supervise(settings: Settings, source: SettingsSource | None = None) -> int:
     """Run ``settings.effective_workers`` workers under a :class:`Supervisor`; the exit code.
-    Raises :class:`StartupError` when a listener cannot be bound."""
-    return await Supervisor(settings, settings.effective_workers).run()
+    ``source``: where the settings came from, read again on SIGHUP. Raises
+    :class:`StartupError` when a listener cannot be bound."""
+    return await Supervisor(settings, settings.effective_workers, source).run()
 
 
 def worker_main(early: list[int]) -> None:
     """A worker process's entry (``python -c``): read its settings and sockets from the
-    descriptors :data:`WORKER_ENV` names, serve until SIGTERM/SIGINT; exit 69 or 78 with one
-    ``dedup-relay: ...`` line on stderr when it cannot start. ``early``: the stop signals that
+    descriptors :data:`WORKER_ENV` names, serve until SIGTERM/SIGINT (SIGHUP: apply the
+    reloadable settings, confirmed on the status pipe); exit 69 or 78 with one
+    ``dedup-relay: ...`` line on stderr when it cannot start. ``early``: the signals that
     arrived before the event loop's handlers were installed (sent again once they are)."""
     spec = json.loads(os.environ.pop(WORKER_ENV))
-    with os.fdopen(spec["settings"], "rb") as source:
-        settings = pickle.load(source)  # noqa: S301  (a pipe from the parent process only)
+    with os.fdopen(spec["settings"], "rb") as pipe:
+        # a pipe from the parent process only
+        settings, source = pickle.load(pipe)  # noqa: S301
     index = int(spec["index"])
     setup_logging(settings.log_level, settings.log_format, worker=index)
     status = os.fdopen(spec["status"], "wb", buffering=0)
@@ -414,12 +520,18 @@ def worker_main(early: list[int]) -> None:
     def serving(_: object) -> None:
         with contextlib.suppress(OSError):
             status.write(b"serving\n")
-            status.close()
+
+    def confirm(applied: bool) -> None:
+        with contextlib.suppress(OSError):
+            status.write(b"reloaded\n" if applied else b"reload failed\n")
+
+    hangup = None if source is None else worker_hangup(Reloader(source, settings), confirm)
 
     inherited = Inherited(listen=socks(spec["listen"]), tls_listen=socks(spec["tls_listen"]),
                           index=index, metrics_port=int(spec["metrics_port"]))
     async def main() -> None:
-        serve = asyncio.create_task(run(settings, inherited=inherited, started=serving))
+        serve = asyncio.create_task(run(settings, inherited=inherited, started=serving,
+                                        hangup=hangup))
         await asyncio.sleep(0)  # run() installed its signal handlers: what came early, again
         for sig in early:
             os.kill(os.getpid(), sig)

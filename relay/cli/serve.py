@@ -8,11 +8,15 @@ fail at start for a reason it could have seen.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import signal
 import socket
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +25,9 @@ from relay.cli.options import SettingsCommand, fail, load, settings_options
 from relay.config import AdminSettings, Settings, redact_url
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.logs import setup_logging
+
+if TYPE_CHECKING:
+    from relay.reload import SettingsSource
 
 
 def _checked(config_file: Path | None, flags: dict[str, Any]) -> Settings:
@@ -42,20 +49,25 @@ def register(main: click.Group) -> None:
     @settings_options
     def serve(config_file: Path | None, **flags: Any) -> None:
         """Run the relay until SIGTERM/SIGINT (with --workers N > 1: N worker processes
-        under a supervisor that forwards SIGTERM, SIGINT and SIGHUP).
+        under a supervisor that forwards SIGTERM and SIGINT). SIGHUP reloads the
+        configuration (see `dedup-relay reload`).
 
         Every setting is a flag, an env var RELAY_<NAME> and a key of the --config file;
         flags beat env vars, env vars beat the file.
         """
+        early: list[int] = []  # a SIGHUP before the event loop's handler: reloaded once served
+        signal.signal(signal.SIGHUP, lambda sig, _: early.append(sig))
+        from relay.reload import SettingsSource
         from relay.supervisor import run_loop_for  # the loop settings.event_loop names
 
         settings = _checked(config_file, flags)
         setup_logging(settings.log_level, settings.log_format)
+        source = SettingsSource(config_file, dict(flags))
         try:
             if settings.effective_workers == 1:  # one process, no supervisor
-                run_loop_for(settings, _serve(settings))
+                run_loop_for(settings, _serve(settings, source, early))
             else:
-                sys.exit(run_loop_for(settings, _supervise(settings)))
+                sys.exit(run_loop_for(settings, _supervise(settings, source, early)))
         except ConfigError as exc:  # found only when the store answered (a Redis db number)
             fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
         except StartupError as exc:
@@ -91,16 +103,47 @@ def register(main: click.Group) -> None:
         sys.exit(int(ExitCode.OK if ok else ExitCode.NOT_FOUND))
 
 
-async def _serve(settings: Settings) -> None:
-    from relay.app import run  # imported here: the admin commands need none of it
+async def _serve(settings: Settings, source: SettingsSource, early: list[int]) -> None:
+    """Serve in this process; SIGHUP reloads the configuration from ``source``; the pid file
+    holds this process's id while it serves. ``early``: SIGHUPs that came before the event
+    loop's handler (sent again once it is installed)."""
+    from relay.app import Relay, run  # imported here: the admin commands need none of it
+    from relay.ops.pidfile import remove_pid_file, write_pid_file
+    from relay.reload import Reloader, relay_hangup
 
-    await run(settings)
+    pid_file = Path(settings.pid_file) if settings.pid_file else None
+
+    def started(relay: Relay) -> None:
+        if pid_file is None:
+            return
+        try:
+            write_pid_file(pid_file)
+        except OSError as exc:
+            logging.getLogger("relay.cli").error(
+                "cannot write the pid file %s: %s (`dedup-relay reload` needs --pid)",
+                pid_file, exc)
+
+    hangup = relay_hangup(Reloader(source, settings))  # the files as they are at start
+
+    serving = asyncio.create_task(run(settings, started=started, hangup=hangup))
+    await asyncio.sleep(0)  # run() installed its signal handlers: what came early, again
+    for sig in early:
+        os.kill(os.getpid(), sig)
+    try:
+        await serving
+    finally:
+        if pid_file is not None:
+            remove_pid_file(pid_file)
 
 
-async def _supervise(settings: Settings) -> int:
+async def _supervise(settings: Settings, source: SettingsSource, early: list[int]) -> int:
     from relay.supervisor import supervise
 
-    return await supervise(settings)
+    supervising = asyncio.create_task(supervise(settings, source))
+    await asyncio.sleep(0)  # its signal handlers are installed: what came early, again
+    for sig in early:
+        os.kill(os.getpid(), sig)
+    return await supervising
 
 
 def _serving(settings: Settings, timeout: float) -> bool:

@@ -63,6 +63,14 @@ def setup_logging(level: str, fmt: str = "json", *, worker: int | None = None) -
     aiosmtpd_log.addFilter(_drop_login_data_warning)
 
 
+def set_level(level: str) -> None:
+    """Log at ``level`` from now on (a configuration reload): the root logger, and aiosmtpd's
+    kept at WARNING or above as :func:`setup_logging` does."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    logging.getLogger("mail.log").setLevel(max(logging.WARNING, root.level))
+
+
 class _WorkerFields(logging.Filter):
     """Adds ``worker`` (the worker's index) and ``pid`` to every record."""
 

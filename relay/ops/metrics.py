@@ -188,6 +188,34 @@ class PrometheusMetrics:
         self._dsn_by[DsnResult(result)].inc()
 
 
+RELOAD_RESULTS = ("applied", "refused")
+
+
+class ConfigReloadMetrics:
+    """``relay_config_reloads_total{result}`` (``applied`` | ``refused``) and
+    ``relay_config_last_reload_timestamp_seconds`` (Unix time of the last applied reload; 0
+    before one), registered on ``registry``: the single process's, or the supervisor's own
+    (``workers`` > 1: counted once per reload of the whole relay, not once per worker); None:
+    a private one (metrics off)."""
+
+    def __init__(self, *, registry: CollectorRegistry | None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        reloads = Counter(
+            "relay_config_reloads", "Configuration reloads (SIGHUP) by result",
+            ["result"], registry=registry)
+        self._last = Gauge(
+            "relay_config_last_reload_timestamp_seconds",
+            "Unix time of the last configuration reload that was applied", registry=registry,
+            multiprocess_mode="max")
+        self._by = {r: reloads.labels(r) for r in RELOAD_RESULTS}
+
+    def reloaded(self, *, applied: bool, now: float) -> None:
+        """Count one reload; when ``applied``, set the timestamp to ``now`` (Unix seconds)."""
+        self._by["applied" if applied else "refused"].inc()
+        if applied:
+            self._last.set(now)
+
+
 def workers_registry(path: str) -> CollectorRegistry:
     """The supervisor's registry (``workers`` > 1): every worker's metrics read from the
     multiprocess directory ``path`` (``PROMETHEUS_MULTIPROC_DIR`` of the workers), with

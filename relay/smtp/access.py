@@ -50,6 +50,11 @@ class ConnectionGate:
         self._total = 0
         self._open: Counter[str] = Counter()
 
+    def set_allowed(self, allowed: Sequence[Network]) -> None:
+        """Admit clients of ``allowed`` from now on (a configuration reload): new connections
+        are checked against them; open ones stay."""
+        self._allowed = tuple(allowed)
+
     def allows(self, host: str) -> bool:
         """True when ``host`` is in an allowed network."""
         return address_in(host, self._allowed)

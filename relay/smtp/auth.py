@@ -179,6 +179,13 @@ class CredentialFile:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def replace_with(self, other: CredentialFile) -> None:
+        """Take the users of ``other`` (a configuration reload read the file again): the next
+        AUTH is checked against them; an exchange already checking keeps the entry it read."""
+        self.source = other.source
+        self._entries = other._entries
+        self._dummy = other._dummy
+
     @classmethod
     def load(cls, path: Path) -> CredentialFile:
         """Read the credentials file at ``path`` (UTF-8).
@@ -363,6 +370,11 @@ class SaslMechanisms:
         self._on_failure = on_failure
         self._on_refused = on_refused
         self._failure_delay_s = failure_delay_s
+
+    @property
+    def credentials(self) -> CredentialFile:
+        """The users AUTH is checked against (:meth:`CredentialFile.replace_with` on reload)."""
+        return self._credentials
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         """``AUTH PLAIN [initial-response]`` (RFC 4616); ``args`` is the AUTH line split.

@@ -15,7 +15,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import TYPE_CHECKING
@@ -91,6 +91,11 @@ class RelayHandler:
         self._sasl = sasl
         self.tasks: set[asyncio.Task[Decision]] = set()
         self.sessions: set[RelaySMTP] = set()  # open client sessions, for graceful shutdown
+
+    def set_allowed_senders(self, patterns: tuple[str, ...]) -> None:
+        """Check the next MAIL FROM of every session against ``patterns`` (a configuration
+        reload; :func:`relay.smtp.access.sender_allowed`)."""
+        self._limits = replace(self._limits, allowed_senders=patterns)
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         """AUTH PLAIN (RFC 4616) against the credentials file."""

@@ -26,7 +26,6 @@ from tests.support.metrics import scrape
 from tests.support.relays import (
     REDIS_URL,
     ServeProcess,
-    _spawn_serve,
     delete_prefix,
     start_serve,
 )
@@ -184,40 +183,6 @@ async def test_a_killed_worker_is_restarted_and_nothing_is_sent_twice(
     assert sink.handler.copies_to("other@example.net") == 1
     assert any("worker 0 exited (signal SIGKILL)" in str(e.get("message"))
                for e in relay.lines())
-
-
-async def test_sighup_is_forwarded_to_every_worker(serve: Serve) -> None:
-    """SIGHUP to the supervisor reaches every worker; they end of it as one process would, and
-    so does the supervisor (no worker left behind, no restart)."""
-    relay = await serve()
-    pids = relay.worker_pids()
-    relay.proc.send_signal(signal.SIGHUP)
-    code = await asyncio.to_thread(relay.proc.wait, 30)
-    assert code == -signal.SIGHUP
-    assert len(relay.listening()) == 2  # not restarted
-    assert not any(relay.alive(pid) for pid in pids.values())
-
-
-async def test_sighup_during_start_up_ends_the_supervisor(tmp_path: Path) -> None:
-    """SIGHUP while worker 0 starts (a sitecustomize holds it 3 s before the relay's imports):
-    worker 0 dies of it, worker 1 is never started, and the supervisor ends of SIGHUP too
-    instead of waiting forever for a worker 0 that serves."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(
-        "import os, time\nif 'DEDUP_RELAY_WORKER' in os.environ:\n    time.sleep(3)\n")
-    relay = _spawn_serve(tmp_path, [
-        "--workers", "2", "--listen", "127.0.0.1:0", "--upstream", "maildir:md", "--store",
-        "sqlite:///dedup.db", "--metrics-listen", "off", "--log-format", "json"],
-        {"PYTHONPATH": str(shim)}, 2)
-    try:
-        await until(lambda: relay.proc.poll() is not None or bool(relay.children()), 30)
-        relay.proc.send_signal(signal.SIGHUP)
-        code = await asyncio.to_thread(relay.proc.wait, 20)
-    finally:
-        relay.stop(signal.SIGKILL)
-    assert code == -signal.SIGHUP, relay.log_path.read_text()
-    assert relay.listening() == []
 
 
 async def test_one_worker_runs_in_one_process(serve: Serve, sink: Sink) -> None:
