@@ -23,6 +23,8 @@ from typing import Any
 import bcrypt
 import pytest
 
+from relay.config import Settings
+from relay.reload import compare, file_digests
 from relay.smtp.auth import format_entry
 from tests.support.cli import run_cli
 from tests.support.clients import RawClient, message, send
@@ -512,3 +514,51 @@ def test_dedup_relay_reload_refuses_what_is_no_relay(tmp_path: Path) -> None:
     stale = run_cli("reload", "--pid", str(other.pid), cwd=tmp_path)
     assert stale.returncode == 1
     assert "no such process" in stale.stderr
+
+
+@WORKERS
+async def test_allowed_networks_apply_to_the_next_connection(configured: Start,
+                                                             workers: int) -> None:
+    """allowed_networks without loopback: a new connection is refused (421); after SIGHUP
+    with loopback added, new connections are greeted."""
+    run = await configured(workers, allowed_networks=["192.0.2.0/24"])
+    reader, writer = await asyncio.open_connection("127.0.0.1", run.relay.port)
+    try:
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"421 4.7.0")
+    finally:
+        writer.close()
+    run.rewrite(allowed_networks=["192.0.2.0/24", "127.0.0.0/8"])
+    run.hangup()
+    line = await run.reloaded()
+    assert line["message"] == ("configuration reloaded: applied allowed_networks; needs a "
+                               "restart: none"), line
+    for _ in range(4):
+        result = await send(run.relay.port, ["user@example.net"], message(key="N-1"))
+        assert result.code == 250
+
+
+def _settings(**values: Any) -> Settings:
+    return Settings(upstream="maildir:md", **values)
+
+
+def test_what_cannot_change_live(tmp_path: Path) -> None:
+    """TLS or AUTH switched on or off needs a restart (the listeners offer STARTTLS and AUTH
+    as they started); a certificate replaced at the same path is applied; a secret file with
+    a new content is named, never applied."""
+    pki = make_pki(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("one")
+    plain = _settings(fingerprint_secret_file=secret)
+    with_tls = _settings(fingerprint_secret_file=secret, tls_cert=pki.cert, tls_key=pki.key)
+    before = file_digests(plain)
+    switched = compare(plain, with_tls, before, file_digests(with_tls))
+    assert (switched.applied, switched.restart) == ((), ("tls_cert", "tls_key"))
+    assert switched.merged.tls_cert is None
+    tls_digests = file_digests(with_tls)
+    pki.cert.write_text(pki.cert.read_text() + "\n")  # the same path, a new content
+    secret.write_text("two")
+    rotated = compare(with_tls, with_tls, tls_digests, file_digests(with_tls))
+    assert rotated.applied == ("tls_cert",)
+    assert rotated.restart == ("fingerprint_secret_file",)
+    assert rotated.describe() == ("applied tls_cert; needs a restart: "
+                                  "fingerprint_secret_file")
