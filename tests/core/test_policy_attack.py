@@ -42,6 +42,7 @@ from relay.store.journal import add_to_journal, read_journal
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
 from tests.support.clients import message
+from tests.support.net import free_port
 from tests.support.relays import REDIS_URL
 from tests.support.waiting import until
 
@@ -662,5 +663,43 @@ async def test_a_shadow_copy_cut_after_its_dot_leaves_the_originals_record(prefi
         assert after[0] == before[0] == b"0" and after[1] <= before[1]
         other = await raw(store_key(plain, OTHER))
         assert other[0] is not None and other[0].startswith(b"U|")
+    finally:
+        await store.close()
+
+
+async def test_an_exempt_template_needs_no_store(prefix: str) -> None:
+    """dedup = false writes and reads nothing: with the store down (nothing listens on its
+    port) an otp-* message is relayed (exempt), another template's is 451 (store_down)."""
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", op_timeout_s=0.5)
+    upstream = ScriptedUpstream()
+    policy = Policy(key_prefix=prefix, templates=(TemplateRule(match="otp-*", dedup=False),))
+    core = core_over(store, upstream, policy)
+    try:
+        exempt = await core.process(msg(template="otp-login"))
+        assert exempt.reply.code == 250 and exempt.outcomes == {USER: "exempt"}
+        kept = await core.process(msg(template="welcome"))
+        assert kept.reply.code == 451 and kept.outcomes == {USER: "store_down"}
+        assert upstream.copies_to(USER) == 1
+    finally:
+        await store.close()
+
+
+async def test_a_template_matches_by_its_normalized_value(prefix: str) -> None:
+    """The glob sees the value the fingerprint hashes: an RFC 2047 encoded-word, folded and
+    padded, is receipt-1 and gets receipt-*'s 7200 s window; a copy spelled plainly is the
+    same fingerprint and is suppressed."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = ScriptedUpstream()
+    policy = Policy(key_prefix=prefix, templates=(
+        TemplateRule(match="receipt-*", window_s=7200.0),))
+    core = core_over(store, upstream, policy)
+    encoded = InboundMessage(
+        mail_from="app@example.com", rcpt_tos=[USER], queue_id="q",
+        content=message(template=None, extra="X-Template:\r\n  =?utf-8?q?receipt-1?=  \r\n"))
+    try:
+        assert (await core.process(encoded)).outcomes == {USER: "relayed"}
+        _, ttl_ms = await raw(store_key(policy, template="receipt-1"))
+        assert 7_000_000 < ttl_ms <= 7_200_000
+        assert (await core.process(msg(template="receipt-1"))).outcomes == {USER: "suppressed"}
     finally:
         await store.close()
