@@ -433,20 +433,24 @@ async def test_two_quick_sighups_reload_one_after_the_other(configured: Start,
     first = await run.reloaded(1)
     assert first["message"] == ("configuration reloaded: applied allowed_senders; needs a "
                                 "restart: none")
-    await asyncio.sleep(0.5)  # a second reload would have been logged by now
-    later = run.reloads()[1:]
+    run.rewrite(allowed_senders=["*@c.example"])  # a marker: logged after the reloads before
+    run.hangup()
+    await until(lambda: len(run.reloads()) > 1 and "applied allowed_senders" in
+                run.reloads()[-1]["message"], 15,
+                "the marker reload")
+    between = run.reloads()[1:-1]
     # the kernel may merge two pending SIGHUPs into one; a second reload found nothing new
     assert all(e["message"].startswith("configuration reloaded: applied nothing changed")
-               for e in later), later
+               for e in between), between
 
 
 async def test_sighup_during_start_up_is_applied_once_the_relay_serves(tmp_path: Path) -> None:
-    """SIGHUP while worker 0 starts (a sitecustomize holds it 3 s before the relay's imports):
+    """SIGHUP while worker 0 starts (a sitecustomize holds it 1.5 s before the relay's imports):
     nothing ends; the relay serves with both workers, then reloads the file once."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
-        "import os, time\nif 'DEDUP_RELAY_WORKER' in os.environ:\n    time.sleep(3)\n")
+        "import os, time\nif 'DEDUP_RELAY_WORKER' in os.environ:\n    time.sleep(1.5)\n")
     path = tmp_path / "relay.toml"
     path.write_text(_toml({"upstream": "maildir:md", "store": "sqlite:///dedup.db",
                            "metrics_listen": "off", "allowed_senders": ["*@a.example"]}))
