@@ -116,14 +116,22 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
 
 
 async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
-                    window_s: float, force: bool = False,
-                    operator: str | None = None) -> Record:
+                    window_s: float, force: bool = False, operator: str | None = None,
+                    keep_expiry: bool = False) -> Record:
     """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
     found the message delivered, so its retries are duplicates. Returns what it held.
+
+    ``keep_expiry``: the key was given as a store key, so the template and its window are not
+    known; a SENDING, SENT or UNKNOWN record (written with its message's window, counted from
+    about the send) then keeps its own expiry when that is later than ``window_s`` from now: a
+    template's longer window is never cut short.
 
     Raises :class:`InFlightError` as :func:`release`, and :class:`relay.core.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force)
+    if keep_expiry and before.ttl_s is not None and before.state in (
+            State.SENDING, State.SENT, State.UNKNOWN):
+        window_s = max(window_s, before.ttl_s)
     await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
                                 window_s=window_s)
     _audit("fingerprint marked sent by an operator", "admin_mark_sent", key, before, lease_s,

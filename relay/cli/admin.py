@@ -172,7 +172,8 @@ def register(main: click.Group) -> None:
                                         store_key, reason, log_format)
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
         before = _run_on_store(settings, lambda store: mark_sent(
-            store, key, reason=reason, lease_s=settings.lease, window_s=window_s, force=force))
+            store, key, reason=reason, lease_s=settings.lease, window_s=window_s, force=force,
+            keep_expiry=store_key is not None))
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
 

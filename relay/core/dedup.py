@@ -198,7 +198,7 @@ class DedupCore:
     def _shadowed(keys: Mapping[str, str], verdicts: dict[str, Verdict],
                   queue_id: str) -> dict[str, str]:
         """Shadow mode (design.md §4.6): take out of ``verdicts`` every recipient that enforce
-        would answer without relaying (a duplicate, in doubt, in flight, held) and return them
+        would keep back (:data:`relay.core.rules.SHADOWED`: a duplicate, in doubt) and return them
         as store key -> the first spelling to relay anyway; nothing is reserved for them."""
         shadow: dict[str, str] = {}
         for rcpt, key in keys.items():
@@ -226,7 +226,7 @@ class DedupCore:
                                                            p.window_s)
         sent_for = {**first_rcpt, **shadow}  # store key -> the recipient relayed for it
         try:
-            async with self._settler.kept_alive(list(first_rcpt), token):
+            async with self._settler.kept_alive(list(first_rcpt), token, p.window_s):
                 result = await self._deliver(msg, list(sent_for.values()), progress, p)
         except asyncio.CancelledError:  # shutdown past its grace cut the transaction
             absorb_cancel()

@@ -128,11 +128,14 @@ class FingerprintStore(Protocol):
         """
         ...
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         """Keep an attempt that is still working alive, in one round trip: ``PENDING(token)``
         lives ``lease_s`` seconds from now again; ``SENDING(token)`` gets the store's now as
-        its heartbeat (a SENDING record not renewed for a lease reads as in doubt). Returns,
-        per key, whether it was still this attempt's. Raises :class:`relay.core.errors.StoreError`.
+        its heartbeat (a SENDING record not renewed for a lease reads as in doubt) and, when
+        ``window_s`` > 0, lives at least ``window_s`` seconds from it (a transfer longer than
+        the dedup window must not outlive its record). Returns, per key, whether it was still
+        this attempt's. Raises :class:`relay.core.errors.StoreError`.
         """
         ...
 

@@ -200,9 +200,11 @@ WORST_FIRST = (Outcome.STORE_DOWN, Outcome.UNKNOWN, Outcome.REFUSED_TEMP, Outcom
                Outcome.INFLIGHT)
 _RELAYED_RESULT = {Outcome.RELAYED: Result.RELAYED, Outcome.NO_KEY: Result.NO_KEY,
                    Outcome.STORE_DOWN: Result.STORE_DOWN, Outcome.EXEMPT: Result.EXEMPT}
-# what enforce answers without relaying and shadow mode relays anyway (counted would_suppress)
-SHADOWED = frozenset({Outcome.SUPPRESSED, Outcome.SUPPRESSED_UNKNOWN, Outcome.INFLIGHT,
-                      Outcome.HELD})
+# what enforce keeps back for good and shadow mode relays anyway (counted would_suppress): a
+# duplicate, and a copy of a message in doubt (suppressed or held). Not a copy in flight: that
+# one's 450 holds nothing back (the client retries once the first attempt settled), and relaying
+# it unreserved would leave no record of it if the first attempt then failed (design.md §4.6)
+SHADOWED = frozenset({Outcome.SUPPRESSED, Outcome.SUPPRESSED_UNKNOWN, Outcome.HELD})
 
 
 def aggregate(verdicts: Iterable[Verdict], *, queue_id: str,

@@ -132,6 +132,8 @@ class Settler:
             ops = [SettleOp(key=k, action=Settle.SENDING, lease_s=self._lease_s,
                             window_s=window_s)
                    for k, rcpt in first_rcpt.items() if rcpt in wanted]
+            if not ops:  # only unreserved shadow copies were accepted: nothing to mark
+                return True
             try:
                 applied = await self._timed_settle(ops, token)
             except StoreError as exc:
@@ -147,12 +149,15 @@ class Settler:
         return mark
 
     @contextlib.asynccontextmanager
-    async def kept_alive(self, keys: Sequence[str], token: str) -> AsyncIterator[None]:
+    async def kept_alive(self, keys: Sequence[str], token: str,
+                         window_s: float = 0.0) -> AsyncIterator[None]:
         """Renew this attempt's reservations on ``keys`` every third of the lease while the
         body runs (compare-token, in the store's clock), so a transaction longer than the lease
         keeps its keys: PENDING does not expire under it and SENDING never reads as in doubt
-        while its relay still waits for the upstream's reply. A failed renewal is logged and
-        tried again at the next tick.
+        while its relay still waits for the upstream's reply; SENDING also lives at least
+        ``window_s`` (the message's dedup window; 0: the relay's) past each heartbeat, so a
+        transfer longer than the window never outlives its record. A failed renewal is logged
+        and tried again at the next tick.
 
         On exit the renewer is told to stop and cancelled, and not waited for: a renewal still
         under way when the attempt settles changes nothing (it is compare-token, and the settle
@@ -160,7 +165,8 @@ class Settler:
         """
         stop = asyncio.Event()
         task = asyncio.create_task(
-            self._renew_every(list(keys), token, self._lease_s / 3, stop))
+            self._renew_every(list(keys), token, self._lease_s / 3, stop,
+                              window_s or self._window_s))
         self._renewers.add(task)
         task.add_done_callback(self._renewers.discard)
         try:
@@ -170,7 +176,7 @@ class Settler:
             task.cancel()
 
     async def _renew_every(self, keys: list[str], token: str, interval_s: float,
-                           stop: asyncio.Event) -> None:
+                           stop: asyncio.Event, window_s: float) -> None:
         """Renew ``keys`` every ``interval_s`` seconds until ``stop`` is set (checked after
         every await, so the loop ends even if its cancellation was lost)."""
         while keys:
@@ -179,7 +185,8 @@ class Settler:
                 return
             started = time.perf_counter()
             try:
-                held = await self._store.renew(keys, token=token, lease_s=self._lease_s)
+                held = await self._store.renew(keys, token=token, lease_s=self._lease_s,
+                                               window_s=window_s)
             except StoreError as exc:
                 self._metrics.store_call("renew", time.perf_counter() - started, False)
                 if not stop.is_set():

@@ -73,9 +73,10 @@ _RENEW_PENDING = (
     "UPDATE fingerprints SET expires_at_ms = ? "
     "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms (the heartbeat), lease_ms, then key, token, now_ms. Renews SENDING(token).
+# Parameters: at_ms (the heartbeat), lease_ms, the earliest expiry (0: keep it), then key, token,
+# now_ms. Renews SENDING(token).
 _RENEW_SENDING = (
-    "UPDATE fingerprints SET at_ms = ?, lease_ms = ? "
+    "UPDATE fingerprints SET at_ms = ?, lease_ms = ?, expires_at_ms = max(expires_at_ms, ?) "
     "WHERE key = ? AND state = 'sending' AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: key, now_ms. Deletes the row only while it is live (not expired).
@@ -282,17 +283,20 @@ class SqliteStore:
 
         return await self._call("settle", body)
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         """Keep this attempt's reservations alive: PENDING(token) expires ``lease_s`` seconds
-        from now again, SENDING(token) gets now as its heartbeat (its expiry kept). One
+        from now again, SENDING(token) gets now as its heartbeat and, with ``window_s`` > 0,
+        expires no sooner than ``window_s`` seconds from now (else its expiry is kept). One
         transaction; per key, whether it was still this attempt's. Raises :class:`StoreError`
         (op ``renew``)."""
         if not keys:
             return []
         lease_ms = _ms(lease_s)
+        window_ms = _ms(window_s) if window_s > 0 else 0
 
         def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
-            return _renew(conn, now_ms, keys, token, lease_ms)
+            return _renew(conn, now_ms, keys, token, lease_ms, window_ms)
 
         return await self._call("renew", body)
 
@@ -495,13 +499,14 @@ def _settle(conn: sqlite3.Connection, now_ms: int, ops: Sequence[SettleOp], toke
 
 
 def _renew(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str], token: str,
-           lease_ms: int) -> list[bool]:
+           lease_ms: int, window_ms: int = 0) -> list[bool]:
     done: list[bool] = []
+    expires_ms = now_ms + window_ms if window_ms else 0
     for key in keys:
         mine = (key, token, now_ms)
         cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
         if cursor.rowcount != 1:
-            cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, *mine))
+            cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, expires_ms, *mine))
         done.append(cursor.rowcount == 1)
     return done
 

@@ -119,7 +119,7 @@ class Store:
         self.ops.append(["settle", [[self.names[o.key], o.action.value, o.reply] for o in ops]])
         return [True] * len(ops)
 
-    async def renew(self, keys, *, token, lease_s):
+    async def renew(self, keys, *, token, lease_s, window_s=0.0):
         return [True] * len(keys)
 
 

@@ -5,8 +5,10 @@ exempt templates, windows of their own through settles owed, flushed and journal
 recipient counts. An upstream scripted per transaction stands in for the smarthost where a
 test must hold or refuse one transaction and not the next.
 
-Tests marked ``xfail(strict=True)`` prove a defect (the reason names it); the others probe
-a rule that held."""
+The review found five defects, each proved here first as a strict xfail and fixed since: a SENDING
+record outliving neither a long transfer nor a dot without reply under a short window (the
+renewal now extends it), a shadow copy of a message in flight left without a record (such a copy
+now gets 450 as in enforce), and a shadow-only message timed as a settle round trip."""
 
 from __future__ import annotations
 
@@ -152,19 +154,12 @@ def counted(registry: CollectorRegistry) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shadow mode relays the copy of a fingerprint in flight unreserved and records nothing "
-    "(dedup.py _shadowed/_send_reserved: 'its record belongs to the earlier attempt'); when "
-    "that earlier attempt then fails and releases the key, the delivered shadow copy has no "
-    "record, so after the switch to enforce the original's retry is relayed again within the "
-    "window, against design.md §4.6 'switching to enforce then suppresses from the first copy "
-    "on, because the records were written all along' (and §7 item 27)"))
-async def test_a_shadow_copy_of_a_message_in_flight_is_remembered_after_the_switch(
+async def test_a_shadow_copy_of_a_message_in_flight_is_told_to_wait_as_in_enforce(
         prefix: str) -> None:
-    """Shadow mode. M1 holds K at the upstream; its copy M2 arrives, is shadowed (enforce:
-    450 in flight) and delivered. M1 is then refused temporarily at DATA (nothing of it
-    delivered) and releases K. The operator switches to enforce; M1's client retries: the
-    recipient already has M2's copy, so the retry must be suppressed, not delivered again."""
+    """Shadow mode. M1 holds K at the upstream; its copy M2 arrives: 450 in flight as in
+    enforce (relaying it unreserved would leave no record of it once M1 failed, and the switch
+    to enforce would then let M1's retry out as a second copy). M1 is refused temporarily at
+    DATA and releases K; after the switch, M1's retry is the one copy delivered."""
     store = RedisStore.from_url(REDIS_URL)
     shadow = Policy(key_prefix=prefix, mode="shadow")
     held = Plan(gate=asyncio.Event(), refuse=TEMP)
@@ -174,23 +169,20 @@ async def test_a_shadow_copy_of_a_message_in_flight_is_remembered_after_the_swit
         first = asyncio.create_task(core.process(msg(queue_id="m1")))
         await held.entered.wait()
         copy = await core.process(msg(queue_id="m2"))
-        assert copy.outcomes == {USER: "would_suppress"} and upstream.copies_to(USER) == 1
+        assert copy.outcomes == {USER: "inflight"} and copy.reply.code == 450
+        assert upstream.copies_to(USER) == 0
         assert held.gate is not None
         held.gate.set()
         assert (await first).reply.code == 451  # M1 refused before its dot: released
         core.policy = Policy(key_prefix=prefix)  # the switch to enforce
         retry = await core.process(msg(queue_id="m1-retry"))
-        assert upstream.copies_to(USER) == 1, "a second copy within the window"
-        assert retry.outcomes == {USER: "suppressed"}
+        assert retry.outcomes == {USER: "relayed"} and upstream.copies_to(USER) == 1
+        again = await core.process(msg(queue_id="m1-again"))
+        assert again.outcomes == {USER: "suppressed"} and upstream.copies_to(USER) == 1
     finally:
         await store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a shadow-only transaction (every recipient a copy enforce keeps back, nothing reserved) "
-    "still runs the SENDING mark with no keys (settlement.py sending_marker -> _timed_settle "
-    "of []), which is counted as a store settle round trip in relay_store_seconds{op=settle} "
-    "although the store was never asked"))
 async def test_a_shadow_only_message_counts_no_settle_round_trip(prefix: str) -> None:
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
@@ -214,12 +206,6 @@ async def open_store(kind: str, tmp_path: Path) -> FingerprintStore:
 
 
 @pytest.mark.parametrize("kind", ["redis", "sqlite"])
-@pytest.mark.xfail(strict=True, reason=(
-    "a SENDING record lives the message's dedup window from the mark and the heartbeat keeps "
-    "that expiry (Redis RENEW_LUA KEEPTTL, SQLite _RENEW_SENDING): with a template window of "
-    "'at least the lease' (the only check, config.py) the record of an attempt still waiting "
-    "for the upstream's reply to the final dot lapses, its copy is reserved afresh and relayed "
-    "(a duplicate within the window), and the first attempt's SENT mark finds nothing"))
 async def test_a_template_window_of_one_lease_outlives_its_attempt(
         kind: str, prefix: str, tmp_path: Path) -> None:
     """reset-* has a window of one lease (1 s, accepted at load). M1's final dot is out and its
@@ -246,11 +232,6 @@ async def test_a_template_window_of_one_lease_outlives_its_attempt(
 
 
 @pytest.mark.parametrize("kind", ["redis", "sqlite"])
-@pytest.mark.xfail(strict=True, reason=(
-    "same cause as above: the SENDING record of a window of one lease lapses while the "
-    "attempt waits for its reply, so when no reply comes the UNKNOWN mark finds nothing "
-    "('settle unknown not applied') and the retry of a message in doubt is relayed again "
-    "although unknown_policy = suppress promises at most once (design.md §4.4)"))
 async def test_a_message_in_doubt_under_a_window_of_one_lease_stays_in_doubt(
         kind: str, prefix: str, tmp_path: Path) -> None:
     store = await open_store(kind, tmp_path)
@@ -492,10 +473,10 @@ async def test_shadow_relays_a_held_copy_and_leaves_the_record_in_doubt(prefix: 
         await store.close()
 
 
-async def test_shadow_relays_a_copy_in_flight_and_the_original_still_settles(
+async def test_shadow_leaves_a_copy_in_flight_waiting_and_the_original_settles(
         prefix: str) -> None:
-    """M1 holds K at the upstream; its shadow copy goes out unreserved; M1 then settles SENT
-    with its own token (the copy took nothing from it); enforce then suppresses."""
+    """M1 holds K at the upstream; its copy in shadow mode gets 450 and takes nothing from M1's
+    record; M1 then settles SENT with its own token; the copy's retry is a shadow copy."""
     store = RedisStore.from_url(REDIS_URL)
     gate = Plan(gate=asyncio.Event())
     upstream = ScriptedUpstream(gate)
@@ -507,12 +488,13 @@ async def test_shadow_relays_a_copy_in_flight_and_the_original_still_settles(
         pending = await raw(key)
         assert pending[0] is not None and pending[0].startswith(b"P|")
         copy = await shadow.process(msg(queue_id="m2"))
-        assert copy.outcomes == {USER: "would_suppress"}
+        assert copy.outcomes == {USER: "inflight"}
         assert (await raw(key))[0] == pending[0]
         assert gate.gate is not None
         gate.gate.set()
         assert (await first).outcomes == {USER: "relayed"}
         assert (await raw(key))[0] == b"0"
+        assert (await shadow.process(msg(queue_id="m2"))).outcomes == {USER: "would_suppress"}
         enforce = core_over(store, upstream, Policy(key_prefix=prefix))
         assert (await enforce.process(msg())).outcomes == {USER: "suppressed"}
         assert upstream.copies_to(USER) == 2

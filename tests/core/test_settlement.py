@@ -178,7 +178,8 @@ class RenewIgnoresCancel(RedisStore):
     release: asyncio.Event
     renewals_over: asyncio.Event
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         self.renewals_over.clear()
         try:
             while not self.release.is_set():
@@ -385,7 +386,8 @@ class RenewFindsKeysGone(RedisStore):
     """A real RedisStore on which the keys are gone when a renewal comes (another attempt took
     them over after a lapse and released them)."""
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         await self._client.delete(*keys)
         return await super().renew(keys, token=token, lease_s=lease_s)
 
@@ -455,7 +457,8 @@ async def test_a_settle_still_owed_at_shutdown_is_logged_for_the_journal(
 class RenewDown(RedisStore):
     """A real RedisStore whose renewals fail (Redis unreachable for them)."""
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         raise StoreError("renew", "ConnectionError: connection refused")
 
 

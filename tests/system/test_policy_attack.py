@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis.asyncio as aredis
 
 from relay.config import TemplatePolicy
@@ -26,12 +25,6 @@ def policies(*entries: dict[str, Any]) -> tuple[TemplatePolicy, ...]:
     return tuple(TemplatePolicy(**entry) for entry in entries)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the SENDING record's TTL is the message's dedup window counted from the mark, and the "
-    "heartbeat keeps that TTL (RENEW_LUA KEEPTTL, SQLite _RENEW_SENDING): a template window "
-    "that is only 'at least the lease' (config.py template_policy check) expires while the "
-    "attempt still waits for the upstream's reply to the final dot, and a copy sent then is "
-    "relayed again: a duplicate within the window"))
 async def test_a_short_template_window_does_not_expire_a_message_still_in_flight(
         make_relay: MakeRelay, sink: Sink) -> None:
     """reset-* has a 2 s window (>= the 1.5 s lease, accepted at load); the upstream takes
@@ -64,12 +57,6 @@ async def test_a_short_template_window_does_not_expire_a_message_still_in_flight
     assert sink.handler.copies_to(A) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mark-sent --store-key (the way README 'in doubt' gives to resolve a message from its log "
-    "line's keys) writes SENT for the relay's dedup_window (cli/admin.py: window_s = "
-    "settings.dedup_window if store_key is not None), not the window of the message's "
-    "template: a receipt-* record in doubt for 7 days becomes a 1 h SENT record and its copies "
-    "go out again after an hour"))
 async def test_mark_sent_by_store_key_keeps_the_template_window(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path) -> None:
     """receipt-* has a 600000 s window (the relay's: 3600 s). Its message ends in doubt (the

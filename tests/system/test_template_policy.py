@@ -114,18 +114,22 @@ async def test_shadow_mode_of_one_template_leaves_the_others_enforced(
     assert (counted(relay, "would_suppress"), counted(relay, "suppressed")) == (1, 1)
 
 
-async def test_shadow_mode_relays_a_copy_that_enforce_would_tell_to_wait(
+async def test_shadow_mode_tells_a_copy_in_flight_to_wait_as_enforce_does(
         make_relay: MakeRelay, sink: Sink) -> None:
-    """A copy sent while the first is still at the upstream: enforce answers 450 (in flight);
-    shadow relays it, and the first attempt's reservation is settled as usual."""
+    """A copy sent while the first is still at the upstream: 450 (in flight) in shadow mode
+    too, nothing relayed for it (unreserved, it would leave no record if the first then
+    failed); its retry after the first settled is a shadow copy, relayed and counted."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", mode="shadow")
     sink.handler.delay_s = 1.0
     first = asyncio.create_task(send(relay.port, [A], message()))
     await until(lambda: sink.handler.transactions >= 1)
     copy = await send(relay.port, [A], message())
-    assert copy.code == 250 and (await first).code == 250
+    assert copy.code == 450 and (await first).code == 250
+    assert sink.handler.copies_to(A) == 1
+    sink.handler.delay_s = 0.0
+    assert (await send(relay.port, [A], message())).code == 250
     assert sink.handler.copies_to(A) == 2
-    assert counted(relay, "would_suppress") == 1
+    assert (counted(relay, "inflight"), counted(relay, "would_suppress")) == (1, 1)
 
 
 async def test_duplicate_reply_550_tells_the_caller(make_relay: MakeRelay, sink: Sink) -> None:

@@ -148,15 +148,23 @@ return 1
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the lease in milliseconds
+# ARGV[3] - the dedup window in milliseconds ("0": keep a SENDING record's TTL)
 # return 1 if the attempt still holds KEYS[1] and its lease was renewed: PENDING(token) gets a
 # TTL of the lease again; SENDING(token) gets the server's time as its heartbeat (a SENDING record
-# not renewed for its lease is in doubt) and the lease, its TTL kept; otherwise 0 (nothing
-# changed: the key is no longer this attempt's)
+# not renewed for its lease is in doubt) and the lease, and a TTL of at least the window (a
+# transfer longer than the window keeps its record); otherwise 0 (nothing changed: the key is
+# no longer this attempt's)
 RENEW_LUA = NOW_MS_LUA + OURS_LUA + """
 if pending then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
 else
-    redis.call('SET', KEYS[1], 'D|' .. ARGV[1] .. '|' .. now_ms() .. '|' .. ARGV[2], 'KEEPTTL')
+    local value = 'D|' .. ARGV[1] .. '|' .. now_ms() .. '|' .. ARGV[2]
+    local window = tonumber(ARGV[3] or '0')
+    if window > 0 and redis.call('PTTL', KEYS[1]) < window then
+        redis.call('SET', KEYS[1], value, 'PX', window)
+    else
+        redis.call('SET', KEYS[1], value, 'KEEPTTL')
+    end
 end
 return 1
 """

@@ -184,13 +184,16 @@ class RedisStore:
         return [_reservation(key, result, lease_ms, self._window_ms)
                 for key, result in zip(keys, results, strict=True)]
 
-    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float) -> list[bool]:
+    async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
+                    window_s: float = 0.0) -> list[bool]:
         """Keep this attempt's reservations alive: PENDING(token) gets a TTL of ``lease_s``
-        seconds again, SENDING(token) the server's time as its heartbeat. One pipeline; per key,
-        whether it was still this attempt's. Raises :class:`StoreError` (op ``renew``)."""
+        seconds again, SENDING(token) the server's time as its heartbeat and, with ``window_s``
+        > 0, a TTL of at least ``window_s`` seconds. One pipeline; per key, whether it was
+        still this attempt's. Raises :class:`StoreError` (op ``renew``)."""
         if not keys:
             return []
-        calls = [(self._renew_script, key, (token, _ms(lease_s))) for key in keys]
+        window_ms = _ms(window_s) if window_s > 0 else 0
+        calls = [(self._renew_script, key, (token, _ms(lease_s), window_ms)) for key in keys]
         async with _translated("renew", self._op_timeout_s):
             results = await self._run_scripts(calls, durable=frozenset())
         return [result == 1 for result in results]
