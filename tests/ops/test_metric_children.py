@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from relay.core.interfaces import DsnResult, Outcome, Result
-from relay.ops.metrics import PrometheusMetrics
+from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
 
 
 def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,3 +50,27 @@ def test_a_value_outside_the_enums_is_still_refused() -> None:
         metrics.message("relayd")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         metrics.recipients("nope")  # type: ignore[arg-type]
+
+
+def test_the_reload_metrics_exist_at_start_and_count_without_a_lookup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """relay_config_reloads_total has both results at 0 from the start, the timestamp is 0;
+    a reload is counted without a ``.labels()`` call; only an applied one sets the time."""
+    registry = CollectorRegistry()
+    reloads = ConfigReloadMetrics(registry=registry)
+    value = registry.get_sample_value
+    assert value("relay_config_reloads_total", {"result": "applied"}) == 0
+    assert value("relay_config_reloads_total", {"result": "refused"}) == 0
+    assert value("relay_config_last_reload_timestamp_seconds") == 0
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError(".labels() called per reload")
+
+    monkeypatch.setattr(Counter, "labels", refuse)
+    monkeypatch.setattr(Gauge, "labels", refuse)
+    reloads.reloaded(applied=False, now=100.0)
+    reloads.reloaded(applied=True, now=200.0)
+    reloads.reloaded(applied=False, now=300.0)
+    assert value("relay_config_reloads_total", {"result": "applied"}) == 1
+    assert value("relay_config_reloads_total", {"result": "refused"}) == 2
+    assert value("relay_config_last_reload_timestamp_seconds") == 200.0
