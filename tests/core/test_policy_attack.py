@@ -8,7 +8,8 @@ test must hold or refuse one transaction and not the next.
 The review found five defects, each proved here first as a strict xfail and fixed since: a SENDING
 record outliving neither a long transfer nor a dot without reply under a short window (the
 renewal now extends it), a shadow copy of a message in flight left without a record (such a copy
-now gets 450 as in enforce), and a shadow-only message timed as a settle round trip."""
+now gets 450 as in enforce), a shadow-only message timed as a settle round trip, and mark-sent
+--store-key cutting a template's longer window short."""
 
 from __future__ import annotations
 
