@@ -134,8 +134,40 @@ class TemplatePolicy(BaseModel):
     mode: Mode | None = None
 
 
+class RateLimit(BaseModel):
+    """One ``[[rate_limit]]`` entry of the config file (issue 12): at most ``messages``
+    messages (and ``recipients`` envelope recipients) per ``per`` seconds for each value of
+    ``scope`` (each upstream, AUTH user, sender domain or template), shared by every relay on
+    the store. ``match`` (a shell glob on the scope's value) limits the entry to some values;
+    ``name`` is its ``limit`` label in ``relay_rate_limited_total`` (default
+    ``<scope>-<messages>-per-<per>s``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scope: Literal["upstream", "auth_user", "sender_domain", "template"]
+    messages: int | None = Field(None, ge=1)
+    recipients: int | None = Field(None, ge=1)
+    per: float = Field(gt=0, description="seconds")
+    match: str = "*"
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> RateLimit:
+        if self.messages is None and self.recipients is None:
+            raise ValueError("a rate_limit needs messages or recipients (or both)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The ``limit`` label value: ``name``, or ``<scope>-<count>-per-<per>s``."""
+        if self.name is not None:
+            return self.name
+        count = f"{self.messages}" if self.messages is not None else f"{self.recipients}r"
+        return f"{self.scope}-{count}-per-{self.per:g}s"
+
+
 # settings that only the config file sets (a table or an array of tables): no flag
-FILE_ONLY_SETTINGS = frozenset({"template_policy"})
+FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit"})
 
 
 class Settings(BaseSettings):
@@ -233,6 +265,36 @@ class Settings(BaseSettings):
         "seconds an idle pooled connection waits before it is closed"))
     upstream_pool_max_messages: int = Field(default=100, ge=1, description=(
         "transactions per pooled connection before a fresh one"))
+    upstream_cooldown: float = Field(default=30.0, gt=0, description=(
+        "seconds a failed upstream is skipped before it is probed again (doubling on each "
+        "failed probe, up to upstream_cooldown_max)"))
+    upstream_cooldown_max: float = Field(default=600.0, gt=0, description=(
+        "the longest cool-down of a failed upstream, seconds"))
+    upstream_ca_file: Path | None = Field(None, description=(
+        "PEM CA certificates that sign the smarthost's certificate (a private or corporate CA) "
+        "instead of the system's"))
+    upstream_client_cert: Path | None = Field(None, description=(
+        "PEM client certificate chain for smarthosts that require one; needs "
+        "upstream_client_key"))
+    upstream_client_key: Path | None = Field(None, description=(
+        "PEM private key of upstream_client_cert"))
+    upstream_auth: Literal["password", "xoauth2", "oauthbearer"] = Field("password", description=(
+        "smarthost AUTH: password (upstream_user and its password), xoauth2 or oauthbearer "
+        "(RFC 7628) with an OAuth2 access token fetched from oauth_token_url"))
+    oauth_token_url: str | None = Field(None, description=(
+        "OAuth2 token endpoint (https://login.microsoftonline.com/TENANT/oauth2/v2.0/token, "
+        "https://oauth2.googleapis.com/token)"))
+    oauth_client_id: str | None = Field(None, description="OAuth2 client (application) id")
+    oauth_client_secret_file: Path | None = Field(None, description=(
+        "file holding the OAuth2 client secret"))
+    oauth_refresh_token_file: Path | None = Field(None, description=(
+        "file holding an OAuth2 refresh token: the refresh-token grant (Google style); "
+        "without it, the client-credentials grant (Microsoft 365 style)"))
+    oauth_scope: str | None = Field(None, description=(
+        "OAuth2 scope (https://outlook.office365.com/.default, https://mail.google.com/)"))
+    oauth_ca_file: Path | None = Field(None, description=(
+        "PEM CA certificates that sign the token endpoint's certificate (private endpoints, "
+        "tests); default: the system's"))
 
     # store and dedup
     store: str = Field(DEFAULT_STORE_URL, description=(
@@ -281,6 +343,9 @@ class Settings(BaseSettings):
     mode: Mode = Field("enforce", description=(
         "enforce (suppress duplicates) or shadow (decide, reserve and settle as enforce does, "
         "but deliver duplicates anyway, counted as would_suppress)"))
+    rate_limit: tuple[RateLimit, ...] = Field((), description=(
+        "[[rate_limit]] tables of the config file: scope (upstream, auth_user, sender_domain, "
+        "template), messages and/or recipients per `per` seconds, shared through the store"))
     template_policy: tuple[TemplatePolicy, ...] = Field((), description=(
         "[[template_policy]] tables of the config file: per-template dedup, dedup_window, "
         "missing_key, unknown_policy, duplicate_reply and mode; first match wins"))
