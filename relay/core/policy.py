@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from relay.core.keys import KeyFormat
@@ -22,6 +22,7 @@ _UNKNOWN_ORDER: tuple[UnknownPolicy, ...] = ("send", "suppress", "hold")
 _MISSING_ORDER: tuple[MissingKeyPolicy, ...] = ("relay", "reject")
 _MODE_ORDER: tuple[Mode, ...] = ("shadow", "enforce")
 _REPLY_ORDER: tuple[DuplicateReply, ...] = ("250", "550")
+_CACHE_SIZE = 1024  # resolved template sets kept per policy (a message's templates repeat)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Policy:
     duplicate_reply: DuplicateReply = "250"
     mode: Mode = "enforce"
     templates: tuple[TemplateRule, ...] = ()
+    _resolved: dict[tuple[str, ...], Policy] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def for_templates(self, templates: Sequence[str]) -> Policy:
         """The rules of a message whose normalized template values are ``templates`` (none:
@@ -75,6 +78,16 @@ class Policy:
         Returns ``self`` when no entry is configured."""
         if not self.templates:
             return self
+        key = tuple(templates)
+        found = self._resolved.get(key)
+        if found is None:
+            if len(self._resolved) >= _CACHE_SIZE:
+                self._resolved.clear()
+            found = self._resolved[key] = self._resolve(key)
+        return found
+
+    def _resolve(self, templates: tuple[str, ...]) -> Policy:
+        """:meth:`for_templates` without the cache."""
         resolved = [self._one(value) for value in (templates or ("",))]
         if len(resolved) == 1:
             return resolved[0]

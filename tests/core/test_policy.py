@@ -83,3 +83,15 @@ def test_a_bad_entry_is_refused_with_its_name(tmp_path: Path, table: str, named:
     config.write_text('upstream = "maildir:md"\n[[template_policy]]\n' + table)
     with pytest.raises(ConfigError, match=named):
         load_settings({}, config)
+
+
+def test_resolved_rules_are_cached_per_template_set_and_bounded() -> None:
+    """A message's template set repeats: its rules are resolved once (the same object comes
+    back), and at most 1024 sets are kept (a client inventing templates grows nothing)."""
+    policy = Policy(templates=(TemplateRule(match="r-*", window_s=7200.0),))
+    first = policy.for_templates(("r-1",))
+    assert policy.for_templates(("r-1",)) is first and first.window_s == 7200.0
+    for n in range(3000):
+        assert policy.for_templates((f"x-{n}",)).window_s == policy.window_s
+    assert len(policy._resolved) <= 1024
+    assert policy.for_templates(("r-1",)).window_s == 7200.0
