@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -27,7 +27,8 @@ from relay.config import Settings, redact_url, setting_names, split_host_port
 from relay.core.dedup import DedupCore, Policy, TemplateRule
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
-from relay.core.interfaces import FingerprintStore, Upstream
+from relay.core.interfaces import FingerprintStore, RateLimiter, Upstream
+from relay.core.limits import RateRule
 from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
 from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
@@ -204,6 +205,27 @@ def build_policy(settings: Settings) -> Policy:
     )
 
 
+def build_rate_limits(settings: Settings) -> tuple[RateRule, ...]:
+    """The ``[[rate_limit]]`` tables as the core's rules (:mod:`relay.core.limits`)."""
+    return tuple(RateRule(label=r.label, scope=r.scope, per_s=r.per, messages=r.messages,
+                          recipients=r.recipients, match=r.match) for r in settings.rate_limit)
+
+
+def build_rate_limiter(store: FingerprintStore, prefix: str) -> RateLimiter | None:
+    """The store's rate limiter (its counters under ``prefix``), built even with no limit
+    configured (a reload may add some); None for a store that has none."""
+    if isinstance(store, RedisStore | SqliteStore):
+        return store.rate_limiter(prefix)
+    return None
+
+
+def _preferred_name(upstream: Upstream) -> Callable[[], str] | None:
+    """The name of the upstream the relay tries first now (a failover upstream's
+    ``preferred_name``), the rate limits' ``upstream`` scope; None: one unnamed upstream."""
+    preferred = getattr(upstream, "preferred_name", None)
+    return cast(Callable[[], str], preferred) if callable(preferred) else None
+
+
 def build_dsn_sender(settings: Settings, upstream: Upstream,
                      metrics: PrometheusMetrics) -> DsnSender | None:
     """The RFC 3464 notifier for recipients refused after a 250, unless
@@ -338,8 +360,12 @@ class Relay:
         self.store = await build_store(s)
         self.upstream = build_upstream(s)
         self.dsn = build_dsn_sender(s, self.upstream, self.metrics)
+        self.metrics.declare_rate_limits(r.label for r in s.rate_limit)
         core = DedupCore(store=self.store, upstream=self.upstream, metrics=self.metrics,
-                         policy=build_policy(s), notifier=self.dsn)
+                         policy=build_policy(s), notifier=self.dsn,
+                         limiter=build_rate_limiter(self.store, s.store_prefix),
+                         rate_limits=build_rate_limits(s),
+                         upstream_name=_preferred_name(self.upstream))
         limits = ListenerLimits(
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,

@@ -145,11 +145,11 @@ class RateLimit(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     scope: Literal["upstream", "auth_user", "sender_domain", "template"]
-    messages: int | None = Field(None, ge=1)
-    recipients: int | None = Field(None, ge=1)
+    messages: int | None = Field(default=None, ge=1)
+    recipients: int | None = Field(default=None, ge=1)
     per: float = Field(gt=0, description="seconds")
     match: str = "*"
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
 
     @model_validator(mode="after")
     def _some_limit(self) -> RateLimit:
@@ -451,6 +451,18 @@ class Settings(BaseSettings):
     def _check_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for net in value:
             ipaddress.ip_network(net, strict=False)  # ValueError names the bad one
+        return value
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _check_rate_limit_labels(cls, value: tuple[RateLimit, ...]) -> tuple[RateLimit, ...]:
+        """Each limit's label names its counters in the store and its metric: two entries
+        with one label would share (and double-count) their buckets."""
+        labels = [r.label for r in value]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(f"[[rate_limit]] entries share the label {', '.join(twice)}: "
+                             "give each a distinct name")
         return value
 
     @field_validator("tls_listen")

@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from relay.app import Relay, build_policy, check_settings
+from relay.app import Relay, build_policy, build_rate_limits, check_settings
 from relay.config import Settings, load_settings
 from relay.core.errors import ConfigError
 from relay.core.policy import Policy
@@ -50,7 +50,7 @@ log = logging.getLogger("relay.reload")
 POLICY_SETTINGS = ("template_policy", "mode", "dedup_window", "missing_key", "unknown_policy",
                    "duplicate_reply", "store_down")
 RELOADABLE = (*POLICY_SETTINGS, "allowed_networks", "allowed_senders", "auth_file", "tls_cert",
-              "tls_key", "log_level")
+              "tls_key", "log_level", "rate_limit")
 # settings naming a file whose content may change in place (a rotated certificate): compared
 # by a digest of the content as well as by the path
 FILE_SETTINGS = ("tls_cert", "tls_key", "auth_file", "fingerprint_secret_file",
@@ -222,8 +222,8 @@ async def apply_changes(relay: Relay, changes: Changes) -> None:
     (a message in flight keeps its policy), ``allowed_networks`` from the next connection,
     ``allowed_senders`` from the next MAIL, the AUTH users from the next AUTH, the TLS
     certificate (read again every time: a file replaced in place) from the next handshake,
-    the log level at once. Raises :class:`ConfigError` when a file does not load; then
-    nothing was applied."""
+    the log level at once, the ``[[rate_limit]]`` rules from the next message. Raises
+    :class:`ConfigError` when a file does not load; then nothing was applied."""
     merged = changes.merged
     credentials = None
     if relay.sasl is not None and merged.auth_file is not None \
@@ -238,6 +238,9 @@ async def apply_changes(relay: Relay, changes: Changes) -> None:
         relay.sasl.credentials.replace_with(credentials)
     if relay.core is not None and any(n in changes.applied for n in POLICY_SETTINGS):
         relay.core.policy = dedup_rules(relay.core.policy, merged)
+    if relay.core is not None and "rate_limit" in changes.applied:
+        relay.metrics.declare_rate_limits(r.label for r in merged.rate_limit)
+        relay.core.rate_limits = build_rate_limits(merged)  # the store's counters stay
     if security is not None and "allowed_networks" in changes.applied:
         security.gate.set_allowed(parse_networks(merged.allowed_networks))
     if relay.handler is not None and "allowed_senders" in changes.applied:

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from relay.core import replies, rules
@@ -25,11 +25,13 @@ from relay.core.interfaces import (
     DeliveryProgress,
     DeliveryResult,
     FingerprintStore,
+    LimitCheck,
     Metrics,
     NonDelivery,
     Notifier,
     OutboundMessage,
     Outcome,
+    RateLimiter,
     Reservation,
     Result,
     SettleOp,
@@ -37,6 +39,7 @@ from relay.core.interfaces import (
     Upstream,
 )
 from relay.core.keys import recipient_keys
+from relay.core.limits import LimitSubject, RateRule, checks_for
 from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
@@ -44,6 +47,11 @@ from relay.core.settlement import Settler
 __all__ = ["Decision", "DedupCore", "InboundMessage", "Policy", "TemplateRule"]
 
 log = logging.getLogger("relay.core.dedup")
+
+
+def _upstream_name() -> str:
+    """The ``upstream`` scope's value when the relay names no upstream: one bucket."""
+    return "upstream"
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,19 @@ class DedupCore:
         metrics: Metrics,
         policy: Policy,
         notifier: Notifier | None = None,
+        limiter: RateLimiter | None = None,
+        rate_limits: Sequence[RateRule] = (),
+        upstream_name: Callable[[], str] | None = None,
     ) -> None:
         self._store = store
         self._upstream = upstream
         self._metrics = metrics
         self._policy = policy
         self._notifier = notifier  # RFC 3464 notices for refusals after a 250
+        self._limiter = limiter  # the store's shared counters; None: no rate limits
+        self._rate_limits = tuple(rate_limits)
+        # the upstream the relay would try first now: the scope ``upstream`` of a rate limit
+        self._upstream_name = upstream_name if upstream_name is not None else _upstream_name
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)
 
@@ -111,6 +126,17 @@ class DedupCore:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self._policy = policy
+
+    @property
+    def rate_limits(self) -> tuple[RateRule, ...]:
+        """The ``[[rate_limit]]`` rules (:mod:`relay.core.limits`); setting them (a
+        configuration reload) applies from the next message; the counters in the store
+        stay (a rule keeps its buckets while its label stays)."""
+        return self._rate_limits
+
+    @rate_limits.setter
+    def rate_limits(self, rules: Sequence[RateRule]) -> None:
+        self._rate_limits = tuple(rules)
 
     @property
     def background(self) -> set[asyncio.Task[None]]:
@@ -143,18 +169,70 @@ class DedupCore:
         except InvalidDedupKeyError as exc:
             return self._finish(replies.invalid_key(str(exc)), Result.INVALID, {})
         p = relay_policy.for_templates(headers.templates)  # design.md §4.6
+        keys: dict[str, str] | None = None
+        if p.dedup and headers.key is None and p.missing_key == "reject":
+            return self._finish(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
+        if p.dedup and headers.key is not None:
+            try:
+                keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user, p)
+            except InvalidAddressError:
+                return self._finish(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
+        # rate limits: after what refuses the message anyway, before anything is reserved
+        limited = await self._rate_limited(msg, headers.templates, p)
+        if limited is not None:
+            return limited
         if not p.dedup:  # an exempt template: relayed every time, without a reservation
             return await self._relay_plain(msg, p, relayed=Outcome.EXEMPT)
-        if headers.key is None:
-            if p.missing_key == "reject":
-                return self._finish(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
+        if keys is None:
             return await self._relay_plain(msg, p, relayed=Outcome.NO_KEY)
-        try:
-            keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user, p)
-        except InvalidAddressError:
-            return self._finish(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
         decision = await self._relay_dedup(msg, keys, p)
         return dataclasses.replace(decision, keys=keys)
+
+    async def _rate_limited(self, msg: InboundMessage, templates: Sequence[str],
+                            p: Policy) -> Decision | None:
+        """Take this message's share of every rate limit that applies (one store round trip,
+        all or nothing: :class:`relay.core.interfaces.RateLimiter`); None when it may go on.
+        Over a limit: ``451 4.7.0`` (messages) or ``452 4.5.3`` (recipients) for every
+        recipient, counted in ``relay_rate_limited_total{limit}``. The store down: as for the
+        reserve (``store_down``: fail_closed answers ``451 4.3.0``; fail_open lets it go on)."""
+        limits = self._rate_limits
+        if not limits or self._limiter is None:
+            return None
+        subject = LimitSubject(upstream=self._upstream_name(), auth_user=msg.auth_user,
+                               mail_from=msg.mail_from, templates=templates,
+                               recipients=len(set(msg.rcpt_tos)))
+        checks = checks_for(limits, subject)
+        if not checks:
+            return None
+        started = time.perf_counter()
+        try:
+            verdict = await self._limiter.acquire(checks)
+        except StoreError as exc:
+            self._metrics.store_call("rate_limit", time.perf_counter() - started, False)
+            log.error("rate limit check failed (%s); policy store_down=%s", exc, p.store_down,
+                      extra={"queue_id": msg.queue_id})
+            failed = rules.reserve_failed(p.store_down)
+            if failed.verdict is None:  # fail_open: not limited while the store is down
+                return None
+            return self._conclude(msg, self._for_all(msg, failed.verdict), None, p=p)
+        self._metrics.store_call("rate_limit", time.perf_counter() - started, True)
+        if verdict.allowed or verdict.refused is None:
+            return None
+        return self._over_limit(msg, verdict.refused, verdict.retry_after_s)
+
+    def _over_limit(self, msg: InboundMessage, check: LimitCheck,
+                    retry_after_s: float | None) -> Decision:
+        """The reply for a message refused by ``check``; nothing was reserved or relayed."""
+        if check.kind == "recipients":
+            reply = replies.rate_limited_recipients(check.label, retry_after_s, check.cost,
+                                                    check.limit, check.per_s)
+        else:
+            reply = replies.rate_limited(check.label, retry_after_s or 0.0)
+        log.info("rate limit %s reached (%s): answered %s", check.label, check.kind, reply.code,
+                 extra={"queue_id": msg.queue_id})
+        self._metrics.rate_limited(check.label)
+        return self._finish(reply, Result.TEMPFAIL, dict.fromkeys(msg.rcpt_tos,
+                                                                  Outcome.REFUSED_TEMP))
 
     @staticmethod
     def _keys(rcpt_tos: Sequence[str], template: str, key: str, auth_user: str | None,

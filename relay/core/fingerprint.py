@@ -467,6 +467,12 @@ def _normalize_local_part(local: str, *, case_sensitive: bool) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def normalize_domain(domain: str) -> str:
+    """The lower-case A-label of ``domain`` (an address literal in its canonical spelling), as
+    a recipient's domain is normalized. Raises :class:`InvalidAddressError`."""
+    return _normalize_domain(domain)
+
+
 def _normalize_domain(domain: str) -> str:
     """Lower-case A-label of ``domain``, or the address literal in its canonical spelling."""
     if domain.startswith("["):

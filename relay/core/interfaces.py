@@ -224,6 +224,56 @@ class StateCounter(Protocol):
 
 
 # --------------------------------------------------------------------------------------------
+# Rate limits
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LimitCheck:
+    """One limit that applies to a message: at most ``limit`` units per ``per_s`` seconds
+    (a sliding window) in the bucket ``bucket``, of which the message takes ``cost`` (1 for a
+    ``messages`` limit, its recipient count for a ``recipients`` one).
+
+    ``label`` names the configured limit (the ``limit`` label of
+    ``relay_rate_limited_total``, and the reply's text); ``kind`` is ``messages`` or
+    ``recipients``; ``bucket`` names the counter (``<label>:<m|r>:<scope>:<value>``; the store
+    hashes it into a key, so a domain or user name never appears in the keyspace).
+    """
+
+    label: str
+    kind: str  # "messages" | "recipients"
+    bucket: str
+    limit: int
+    per_s: float
+    cost: int = 1
+
+
+@dataclass(frozen=True)
+class LimitVerdict:
+    """What :meth:`RateLimiter.acquire` decided: ``allowed`` (every check took its cost), or
+    the first check that refused (``refused``) and in how many seconds its window has room
+    again (``retry_after_s``; ``None`` when the cost exceeds the limit itself: never)."""
+
+    allowed: bool
+    refused: LimitCheck | None = None
+    retry_after_s: float | None = None
+
+
+class RateLimiter(Protocol):
+    """Sliding-window limits shared by every relay on one store (issue 12).
+
+    Raises :class:`relay.core.errors.StoreError` on any failure or timeout.
+    """
+
+    async def acquire(self, checks: Sequence[LimitCheck]) -> LimitVerdict:
+        """Take every check's cost at once, or none: when one check has no room (the units
+        taken in its bucket over the last ``per_s`` seconds plus ``cost`` exceed ``limit``),
+        nothing is taken from any bucket and the verdict names it. Times are the store's
+        clock, never the relay's. One round trip (one transaction)."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
 # Upstream
 # --------------------------------------------------------------------------------------------
 
@@ -506,4 +556,8 @@ class Metrics(Protocol):
 
     def dsn(self, result: DsnResult) -> None:
         """Count one delivery status notification by ``result`` (``sent`` or ``failed``)."""
+        ...
+
+    def rate_limited(self, label: str) -> None:
+        """Count one message refused by the rate limit ``label`` (a configured limit's)."""
         ...

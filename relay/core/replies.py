@@ -10,6 +10,7 @@ RFC 6531 (SMTPUTF8: 5.6.7), RFC 1870 (SIZE: 5.3.4), RFC 6152 (8BITMIME: 5.6.3).
 
 from __future__ import annotations
 
+import math
 import re
 
 from relay.core.interfaces import SmtpReply
@@ -223,6 +224,27 @@ def duplicate_refused(count: int, first_sent_iso: str | None, queue_id: str,
 def invalid_key(reason: str) -> SmtpReply:
     """The ``554 5.6.0`` for a dedupe key or template that breaks design.md §2."""
     return SmtpReply(554, "5.6.0", f"Invalid dedupe header: {client_safe_text(reason, limit=120)}")
+
+
+def rate_limited(label: str, retry_after_s: float) -> SmtpReply:
+    """The ``451 4.7.0`` for a message over the ``messages`` limit ``label`` (issue 12):
+    nothing was reserved or relayed; the window has room again in ``retry_after_s``
+    seconds (rounded up, at least 1)."""
+    seconds = max(1, math.ceil(retry_after_s))
+    return SmtpReply(451, "4.7.0", f"rate limit {label} reached: try again in {seconds} s")
+
+
+def rate_limited_recipients(label: str, retry_after_s: float | None, count: int,
+                            limit: int, per_s: float) -> SmtpReply:
+    """The ``452 4.5.3`` for a message of ``count`` recipients over the ``recipients`` limit
+    ``label`` (``limit`` per ``per_s`` seconds); ``retry_after_s`` None: the message alone has
+    more recipients than the limit allows in a window (send fewer per message)."""
+    if retry_after_s is None:
+        return SmtpReply(452, "4.5.3", f"rate limit {label}: too many recipients ({count}, at "
+                                       f"most {limit} per {per_s:g} s): send fewer per message")
+    seconds = max(1, math.ceil(retry_after_s))
+    return SmtpReply(452, "4.5.3", f"rate limit {label}: too many recipients ({count}) for "
+                                   f"its window: try again in {seconds} s")
 
 
 # --- auth (RFC 4954 section 6; the 501s are aiosmtpd's wording, kept identical) ---------------

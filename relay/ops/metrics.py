@@ -13,6 +13,8 @@ minimum over live workers (``livemin``: 1 only when every worker's probe answere
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -105,6 +107,9 @@ class PrometheusMetrics:
         self._dsn = Counter(
             "relay_dsn", "Delivery status notifications to senders (RFC 3464), by result",
             ["result"], registry=registry)
+        self._rate_limited = Counter(
+            "relay_rate_limited", "Messages refused by a rate limit, by the limit's label",
+            ["limit"], registry=registry)
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         register_runtime_collectors(registry)
@@ -117,6 +122,23 @@ class PrometheusMetrics:
         self._replies_by = {cls: self._upstream_replies.labels(cls) for cls in CODE_CLASSES}
         self._up_by = {c: self._up.labels(c) for c in ("store", "upstream")}
         self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
+        self._rate_limited_by: dict[str, Counter] = {}
+
+    def declare_rate_limits(self, labels: Iterable[str]) -> None:
+        """Make ``relay_rate_limited_total{limit}`` children (at 0) for the configured limits'
+        ``labels`` (at start and after a reload; a label no longer configured keeps its
+        count)."""
+        for label in labels:
+            if label not in self._rate_limited_by:
+                self._rate_limited_by[label] = self._rate_limited.labels(label)
+
+    def rate_limited(self, label: str) -> None:
+        """Count one message refused by the rate limit ``label`` (a configured limit's, so
+        the label set stays bounded)."""
+        child = self._rate_limited_by.get(label)
+        if child is None:
+            child = self._rate_limited_by[label] = self._rate_limited.labels(label)
+        child.inc()
 
     def message(self, result: Result) -> None:
         """Count one message by ``result``; raises ``ValueError`` for a value not in

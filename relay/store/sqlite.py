@@ -22,7 +22,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from relay.core.errors import StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
+from relay.core.interfaces import (
+    LimitCheck,
+    LimitVerdict,
+    Record,
+    Reservation,
+    Settle,
+    SettleOp,
+    State,
+    StateCounts,
+)
+from relay.store import sqlite_limits
 from relay.store.sqlite_writer import BUSY_POLL_MS, Op, Writer, begin_immediate, locked
 
 _T = TypeVar("_T")
@@ -346,6 +356,20 @@ class SqliteStore:
         return await self._call("count_states", body, in_tx=False,
                                 timeout_s=max(self._op_timeout_s, _COUNT_TIMEOUT_S))
 
+    def rate_limiter(self, prefix: str) -> SqliteRateLimiter:
+        """The rate limiter in this store's file (:mod:`relay.store.sqlite_limits`), its
+        buckets under ``prefix``."""
+        return SqliteRateLimiter(self, prefix)
+
+    async def acquire_limits(self, prefix: str, checks: Sequence[LimitCheck]) -> LimitVerdict:
+        """Take every check's cost or none, in one transaction
+        (:func:`relay.store.sqlite_limits.acquire_in`). Raises :class:`StoreError` (op
+        ``rate_limit``)."""
+        def body(conn: sqlite3.Connection, now_ms: int) -> LimitVerdict:
+            return sqlite_limits.acquire_in(conn, now_ms, prefix, checks)
+
+        return await self._call("rate_limit", body)
+
     async def ping(self) -> None:
         """Check that the database answers a query; raises :class:`StoreError` (op ``ping``)."""
         await self._call("ping", lambda conn, _now: _db(conn).execute("SELECT 1").fetchone(),
@@ -418,6 +442,21 @@ class SqliteStore:
             self._writer.conn = None
 
 
+class SqliteRateLimiter:
+    """:class:`relay.core.interfaces.RateLimiter` in a :class:`SqliteStore`'s file, its buckets
+    under ``prefix``. Raises :class:`StoreError` (op ``rate_limit``)."""
+
+    def __init__(self, store: SqliteStore, prefix: str) -> None:
+        self._store = store
+        self._prefix = prefix
+
+    async def acquire(self, checks: Sequence[LimitCheck]) -> LimitVerdict:
+        """Take every check's cost or none (one transaction)."""
+        if not checks:
+            return LimitVerdict(allowed=True)
+        return await self._store.acquire_limits(self._prefix, checks)
+
+
 def _db(conn: sqlite3.Connection | None) -> sqlite3.Connection:
     if conn is None:
         raise sqlite3.ProgrammingError("the SQLite store is not open")
@@ -453,6 +492,8 @@ def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
         if "lease_ms" not in columns:
             conn.execute(_ADD_LEASE)
         conn.execute(_INDEX)
+        for statement in sqlite_limits.SCHEMA:
+            conn.execute(statement)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
+from relay.config import RateLimit
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.ops.logs import TextFormatter
 from tests.support.clients import message, send
@@ -69,7 +70,8 @@ async def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
 async def observed(make_relay: MakeRelay, sink: Sink) -> Relay:
     """A relay with metrics and health on a free port, probing every 0.3 s."""
     return await make_relay(upstream=f"127.0.0.1:{sink.port}", metrics_listen="127.0.0.1:0",
-                            health_interval=0.3)
+                            health_interval=0.3, rate_limit=(RateLimit.model_validate(
+                                {"scope": "upstream", "messages": 100000, "per": 1}),))
 
 
 async def test_counters_follow_a_short_load(observed: Relay, sink: Sink) -> None:

@@ -34,6 +34,7 @@ from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, 
 from relay.store.redis.checks import ConfigGet, server_warnings
 from relay.store.redis.clients import Client, SentinelService, open_client
 from relay.store.redis.counting import StateTally, match_pattern
+from relay.store.redis.limits import RedisRateLimiter
 from relay.store.redis.replicas import ReplicaAcks
 from relay.store.redis.scripts import (
     FORCE_SENT_LUA,
@@ -374,6 +375,12 @@ class RedisStore:
             else:
                 values.append(result)
         return values
+
+    def rate_limiter(self, prefix: str) -> RedisRateLimiter:
+        """The rate limiter on this store's client, its keys under ``prefix``
+        (:mod:`relay.store.redis.limits`)."""
+        return RedisRateLimiter(client=self._client, prefix=prefix,
+                                op_timeout_s=self._op_timeout_s)
 
     async def ping(self) -> None:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""

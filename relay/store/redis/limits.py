@@ -1,0 +1,133 @@
+"""Rate limits on Redis (issue 12): :class:`RedisRateLimiter` implements
+:class:`relay.core.interfaces.RateLimiter` with one Lua script per message.
+
+Each bucket is a sliding-window log: a sorted set under
+``<prefix>rl:{rl}:<label>:<sha256 of the bucket, 32 hex>`` whose members are the units taken
+(``<cost>|<call token>|<n>``, scored by the Redis server's time in ms). A call trims what is
+older than the window, sums what is left and, only when every bucket has room, adds its
+members to all of them; the key expires one window after its last write, so nothing outlives
+its window. At most ``limit`` units are taken in any ``per`` seconds, whatever the relays'
+clocks say (the script reads TIME; Redis >= 5 replicates scripts by their effects).
+
+Redis Cluster: one message's buckets must be in one slot for one atomic script, so every
+limit key carries the hash tag ``{rl}``: all the relay's limit keys live on one node (a few
+small sorted sets; the cost is that this node takes every message's limit call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import LimitCheck, LimitVerdict
+from relay.store.redis.clients import Client
+
+_ERROR_TEXT_MAX = 300
+
+# KEYS[i] - the sorted set of the i-th check's bucket
+# ARGV[1] - a token unique to the call (members of one call differ from every other's)
+# ARGV[3i-1], ARGV[3i], ARGV[3i+1] - the i-th check's window (ms), limit and cost
+# return {0, 0} when every check had room and took its cost; otherwise {i, ms}: the i-th
+# check refused (nothing was taken from any bucket) and has room again in ms milliseconds
+# (-1: its cost alone is over its limit)
+ACQUIRE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function cost_of(member)
+    return tonumber(string.match(member, '^(%d+)|')) or 1
+end
+for i = 1, #KEYS do
+    local window = tonumber(ARGV[3 * i - 1])
+    local limit = tonumber(ARGV[3 * i])
+    local cost = tonumber(ARGV[3 * i + 1])
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
+    if cost > limit then
+        return {i, -1}
+    end
+    local entries = redis.call('ZRANGE', KEYS[i], 0, -1, 'WITHSCORES')
+    local used = 0
+    for j = 1, #entries, 2 do
+        used = used + cost_of(entries[j])
+    end
+    if used + cost > limit then
+        local need = used + cost - limit
+        local freed = 0
+        for j = 1, #entries, 2 do
+            freed = freed + cost_of(entries[j])
+            if freed >= need then
+                return {i, math.max(1, tonumber(entries[j + 1]) + window - now)}
+            end
+        end
+        return {i, window}
+    end
+end
+for i = 1, #KEYS do
+    redis.call('ZADD', KEYS[i], now, ARGV[3 * i + 1] .. '|' .. ARGV[1] .. '|' .. i)
+    redis.call('PEXPIRE', KEYS[i], ARGV[3 * i - 1])
+end
+return {0, 0}
+"""
+
+_TRANSLATED = (RedisError, RedisClusterException, OSError, UnicodeError)
+
+
+def limit_key(prefix: str, check: LimitCheck) -> str:
+    """The sorted set of ``check``'s bucket: ``<prefix>rl:{rl}:<label>:<32 hex>`` (the hash
+    tag keeps one message's buckets in one cluster slot; the bucket's value is hashed)."""
+    digest = hashlib.sha256(check.bucket.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return f"{prefix}rl:{{rl}}:{check.label}:{digest}"
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisRateLimiter:
+    """:class:`relay.core.interfaces.RateLimiter` on the store's Redis ``client`` (one server,
+    Sentinel's master or a cluster), keys under ``prefix``; ``op_timeout_s`` bounds a call.
+    Raises :class:`relay.core.errors.StoreError` (op ``rate_limit``)."""
+
+    def __init__(self, *, client: Client, prefix: str, op_timeout_s: float = 2.0) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._op_timeout_s = op_timeout_s
+        self._script = client.register_script(ACQUIRE_LUA)
+
+    async def acquire(self, checks: Sequence[LimitCheck]) -> LimitVerdict:
+        """Take every check's cost or none, in one script (see the module docstring)."""
+        if not checks:
+            return LimitVerdict(allowed=True)
+        keys = [limit_key(self._prefix, check) for check in checks]
+        args: list[str | int] = [secrets.token_hex(8)]
+        for check in checks:
+            args += [_ms(check.per_s), check.limit, check.cost]
+        try:
+            async with asyncio.timeout(self._op_timeout_s):
+                result = await self._run(keys, args)
+        except TimeoutError as exc:
+            raise StoreError("rate_limit", f"redis did not answer within "
+                                           f"{self._op_timeout_s:g} s") from exc
+        except _TRANSLATED as exc:
+            raise StoreError("rate_limit",
+                             f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]) from exc
+        index, wait_ms = int(result[0]), int(result[1])
+        if index == 0:
+            return LimitVerdict(allowed=True)
+        return LimitVerdict(allowed=False, refused=checks[index - 1],
+                            retry_after_s=None if wait_ms < 0 else wait_ms / 1000)
+
+    async def _run(self, keys: list[str], args: list[str | int]) -> Any:
+        """EVALSHA, or EVAL when the server does not know the script (restarted, flushed,
+        a node never used before)."""
+        try:
+            return await self._client.execute_command(
+                "EVALSHA", self._script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._client.execute_command(
+                "EVAL", self._script.script, len(keys), *keys, *args)

@@ -1,0 +1,202 @@
+"""The rate limiters of both stores (issue 12), on a real Redis and a real SQLite file: the
+sliding window (a burst of ``limit``, then room again as the oldest units leave the window),
+all or nothing across the limits of one call, a recipients limit's cost, keys and rows that
+expire, and times taken from the store's clock only. On the cluster fixture: one message's
+buckets in one slot (the ``{rl}`` hash tag)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis
+
+from relay.core.interfaces import LimitCheck, LimitVerdict, RateLimiter
+from relay.store.redis.limits import limit_key
+from relay.store.redis.store import RedisStore
+from relay.store.sqlite import SqliteStore
+from tests.support.redis_servers import Cluster, redis_cluster
+from tests.support.relays import REDIS_URL, delete_prefix
+from tests.support.waiting import until
+
+
+def check(bucket: str, limit: int, per_s: float, cost: int = 1,
+          kind: str = "messages") -> LimitCheck:
+    return LimitCheck(label=bucket, kind=kind, bucket=f"{bucket}:m:upstream:x", limit=limit,
+                      per_s=per_s, cost=cost)
+
+
+@dataclass
+class Limiter:
+    """A limiter under test: ``kind`` (redis, sqlite), its key ``prefix``, the SQLite file."""
+
+    kind: str
+    limiter: RateLimiter
+    prefix: str
+    path: Path | None = None
+
+
+@pytest.fixture(params=["redis", "sqlite"])
+async def limiter(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Limiter]:
+    """A limiter on the shared Redis (a fresh prefix) or on a fresh SQLite file."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    if request.param == "redis":
+        store = RedisStore.from_url(REDIS_URL)
+        yield Limiter("redis", store.rate_limiter(prefix), prefix)
+        await store.close()
+        delete_prefix(REDIS_URL, prefix)
+    else:
+        path = tmp_path / "relay.db"
+        sqlite = await SqliteStore.open(str(path))
+        yield Limiter("sqlite", sqlite.rate_limiter(prefix), prefix, path)
+        await sqlite.close()
+
+
+def sqlite_buckets(path: Path) -> list[str]:
+    """The ``bucket`` of every row of ``rate_events`` in the file ``path``."""
+    conn = sqlite3.connect(path)
+    try:
+        return [row[0] for row in conn.execute("SELECT bucket FROM rate_events")]
+    finally:
+        conn.close()
+
+
+async def take(limiter: RateLimiter, *checks: LimitCheck) -> LimitVerdict:
+    return await limiter.acquire(checks)
+
+
+async def test_a_burst_of_the_limit_then_a_refusal_naming_the_wait(
+        limiter: Limiter) -> None:
+    lim = limiter.limiter
+    five = check("burst", 5, 10.0)
+    for _ in range(5):
+        assert (await take(lim, five)).allowed
+    refused = await take(lim, five)
+    assert not refused.allowed and refused.refused == five
+    assert refused.retry_after_s is not None and 9.0 < refused.retry_after_s <= 10.0
+
+
+async def test_room_again_once_the_oldest_unit_left_the_window(
+        limiter: Limiter) -> None:
+    lim = limiter.limiter
+    two = check("refill", 2, 0.6)
+    started = time.monotonic()
+    assert (await take(lim, two)).allowed
+    assert (await take(lim, two)).allowed
+    assert not (await take(lim, two)).allowed  # a refusal takes nothing
+
+    async def room() -> bool:
+        return (await take(lim, two)).allowed
+
+    await until(room, within_s=3.0, what="room in the window")
+    assert time.monotonic() - started >= 0.5  # not before the window passed
+
+
+async def test_all_or_nothing_across_the_limits_of_one_call(
+        limiter: Limiter) -> None:
+    lim = limiter.limiter
+    wide, narrow = check("wide", 3, 10.0), check("narrow", 1, 10.0)
+    assert (await take(lim, wide, narrow)).allowed
+    refused = await take(lim, wide, narrow)
+    assert refused.refused == narrow
+    refused = await take(lim, narrow, wide)  # the order does not matter
+    assert refused.refused == narrow
+    # the two refusals took nothing from ``wide``: it still has 2 of 3
+    assert (await take(lim, wide)).allowed
+    assert (await take(lim, wide)).allowed
+    assert (await take(lim, wide)).refused == wide
+
+
+async def test_a_recipients_limit_costs_the_recipient_count(
+        limiter: Limiter) -> None:
+    lim = limiter.limiter
+
+    def rcpts(cost: int) -> LimitCheck:
+        return check("rcpts", 10, 10.0, cost=cost, kind="recipients")
+
+    assert (await take(lim, rcpts(4))).allowed
+    assert (await take(lim, rcpts(4))).allowed
+    over = await take(lim, rcpts(4))  # 12 > 10
+    assert not over.allowed and over.retry_after_s is not None
+    assert (await take(lim, rcpts(2))).allowed  # exactly 10
+    never = await take(lim, rcpts(11))  # more than the limit alone: no wait helps
+    assert not never.allowed and never.retry_after_s is None
+
+
+async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> None:
+    lim, prefix = limiter.limiter, limiter.prefix
+    short = check("short", 5, 0.3)
+    assert (await take(lim, short)).allowed
+    if limiter.path is None:
+        client = redis.Redis.from_url(REDIS_URL)
+        key = limit_key(prefix, short)
+        ttl = client.pttl(key)
+        assert 0 < ttl <= 300
+        assert key.startswith(f"{prefix}rl:{{rl}}:short:")
+        assert "upstream:x" not in key  # the bucket's value is hashed
+        await until(lambda: not client.exists(key), within_s=3.0, what="the key's expiry")
+        client.close()
+        return
+    path = limiter.path
+    assert sqlite_buckets(path) == [f"{prefix}rl:short:m:upstream:x"]
+    other = check("other", 50, 10.0)
+
+    async def purged() -> bool:  # any later call deletes the rows past their window
+        assert (await take(lim, other)).allowed
+        return all(":short:" not in bucket for bucket in sqlite_buckets(path))
+
+    await until(purged, within_s=3.0, what="the expired row's purge")
+
+
+async def test_redis_uses_the_server_clock_not_the_relays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay whose clock is a day off counts in the same window as the others: the scores
+    are the Redis server's TIME."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    store = RedisStore.from_url(REDIS_URL)
+    try:
+        lim = store.rate_limiter(prefix)
+        one = check("clock", 1, 10.0)
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() - 86400)
+        assert (await take(lim, one)).allowed
+        monkeypatch.setattr(time, "time", lambda: real_time() + 86400)
+        assert not (await take(lim, one)).allowed
+        monkeypatch.undo()
+        client = redis.Redis.from_url(REDIS_URL)
+        entries = cast(list[tuple[bytes, float]],
+                       client.zrange(limit_key(prefix, one), 0, -1, withscores=True))
+        [(_, score)] = entries
+        server_s, micros = client.time()
+        assert abs(score / 1000 - (server_s + micros / 1e6)) < 5
+        client.close()
+    finally:
+        await store.close()
+        delete_prefix(REDIS_URL, prefix)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with redis_cluster() as servers:
+        yield servers
+
+
+async def test_one_messages_buckets_share_a_slot_on_a_cluster(cluster: Cluster) -> None:
+    """Two buckets whose names hash to different slots are taken in one script (no CROSSSLOT),
+    all or nothing as on one server."""
+    store = RedisStore.from_url(cluster.url)
+    try:
+        lim = store.rate_limiter("test:rl:")
+        a, b = check("alpha", 2, 10.0), check("beta", 1, 10.0)
+        assert (await take(lim, a, b)).allowed
+        assert (await take(lim, a, b)).refused == b
+        assert (await take(lim, a)).allowed
+        assert (await take(lim, a)).refused == a
+    finally:
+        await store.close()
