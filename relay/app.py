@@ -41,6 +41,8 @@ from relay.store.journal import add_to_journal, read_journal, remove_from_journa
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 from relay.upstream.maildir import MaildirUpstream
+from relay.upstream.oauth import OAuthConfig, TokenProvider
+from relay.upstream.oauth import tls_context as oauth_tls_context
 from relay.upstream.pool import default_pool_size
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 
@@ -74,6 +76,8 @@ def check_settings(settings: Settings) -> None:
     s = settings
     check(("upstream_password_file",), s.upstream_password_value)
     check(("fingerprint_secret_file",), lambda: s.fingerprint_secret_bytes)
+    check(("oauth_client_secret_file", "oauth_refresh_token_file"), s.oauth_secret_values)
+    _check_tls_files(s, check)
     if s.tls_cert is not None and s.tls_key is not None:
         cert, key = s.tls_cert, s.tls_key
         check(("tls_cert", "tls_key"), lambda: server_context(cert, key, s.tls_min_version))
@@ -89,6 +93,32 @@ def check_settings(settings: Settings) -> None:
         check(("pid_file",), lambda: _writable_file(pid_file, "the pid file"))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _check_tls_files(s: Settings, check: Callable[[tuple[str, ...], Any], None]) -> None:
+    """The upstream's CA bundle and client certificate (loaded as a pair), the token
+    endpoint's CA bundle: each must load into an SSLContext as the relay will load it."""
+    def verify_with(path: Path) -> Callable[[], None]:
+        return lambda: _load_tls(lambda: oauth_tls_context(path), f"{path}: no PEM CA file")
+
+    if s.upstream_ca_file is not None:
+        check(("upstream_ca_file",), verify_with(s.upstream_ca_file))
+    if s.oauth_ca_file is not None:
+        check(("oauth_ca_file",), verify_with(s.oauth_ca_file))
+    cert, key = s.upstream_client_cert, s.upstream_client_key
+    if cert is not None:
+        context = ssl.create_default_context()
+        check(("upstream_client_cert", "upstream_client_key"), lambda: _load_tls(
+            lambda: context.load_cert_chain(cert, key, password=lambda: b""),
+            f"{cert} and {key}: no PEM certificate chain and its private key"))
+
+
+def _load_tls(load: Callable[[], object], what: str) -> None:
+    """Run ``load``; raise ConfigError saying ``what`` when it fails with an SSL/OS error."""
+    try:
+        load()
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{what} ({exc})") from exc
 
 
 def _store_files(store: str) -> None:
@@ -182,7 +212,25 @@ def build_upstream(settings: Settings) -> Upstream:
                    if settings.upstream_pool_size is None else settings.upstream_pool_size),
         pool_idle_s=settings.upstream_pool_idle,
         pool_max_messages=settings.upstream_pool_max_messages,
+        auth=settings.upstream_auth, token_provider=build_token_provider(settings),
+        ca_file=settings.upstream_ca_file, client_cert=settings.upstream_client_cert,
+        client_key=settings.upstream_client_key,
     ))
+
+
+def build_token_provider(settings: Settings) -> TokenProvider | None:
+    """The OAuth2 token provider of smarthost AUTH XOAUTH2 / OAUTHBEARER (one per process,
+    shared by every upstream that uses it), None without ``oauth_token_url``. Reads the
+    secret files once (a new secret needs a restart); raises ConfigError when one is bad."""
+    if settings.oauth_token_url is None or settings.oauth_client_id is None:
+        return None
+    secret, refresh = settings.oauth_secret_values()
+    if secret is None and refresh is None:
+        return None
+    return TokenProvider(OAuthConfig(
+        token_url=settings.oauth_token_url, client_id=settings.oauth_client_id,
+        client_secret=secret, refresh_token=refresh, scope=settings.oauth_scope,
+        ca_file=settings.oauth_ca_file, timeout_s=settings.upstream_connect_timeout))
 
 
 def build_policy(settings: Settings) -> Policy:

@@ -539,8 +539,33 @@ class Settings(BaseSettings):
             raise SettingsRuleError("give upstream_password_file or upstream_password, not both",
                                     "upstream_password_file", "upstream_password")
         self._check_security()
+        self._check_upstream_auth()
         self._check_listeners_apart()
         return self
+
+    def _check_upstream_auth(self) -> None:
+        """OAuth2 AUTH needs the mailbox, the token endpoint (HTTPS: a secret goes to it), the
+        client and a grant; a client key needs its certificate."""
+        if (self.upstream_client_cert is None) != (self.upstream_client_key is None):
+            raise SettingsRuleError("upstream_client_cert and upstream_client_key go together",
+                                    "upstream_client_cert", "upstream_client_key")
+        if self.oauth_token_url is not None and not self.oauth_token_url.startswith("https://"):
+            raise SettingsRuleError("oauth_token_url must be an https:// URL: the client "
+                                    "secret and the tokens cross it", "oauth_token_url")
+        if self.upstream_auth == "password":
+            return
+        needed = ("upstream_user", "oauth_token_url", "oauth_client_id")
+        missing = [name for name in needed if not getattr(self, name)]
+        if missing:
+            raise SettingsRuleError(
+                f"upstream_auth {self.upstream_auth} needs {', '.join(missing)} (upstream_user "
+                "is the mailbox the token is for)", "upstream_auth", *missing)
+        if self.oauth_refresh_token_file is None and self.oauth_client_secret_file is None:
+            raise SettingsRuleError(
+                f"upstream_auth {self.upstream_auth} needs oauth_client_secret_file (the "
+                "client-credentials grant) or oauth_refresh_token_file (the refresh-token "
+                "grant)", "upstream_auth", "oauth_client_secret_file",
+                "oauth_refresh_token_file")
 
     def _check_listeners_apart(self) -> None:
         """Two listeners of this relay on one address would make the second bind fail."""
@@ -635,6 +660,16 @@ class Settings(BaseSettings):
         if self.upstream_password_file is None:
             return None
         return _secret_file(self.upstream_password_file, "upstream_password_file")
+
+    def oauth_secret_values(self) -> tuple[str | None, str | None]:
+        """The OAuth2 client secret and refresh token, read from their files (None where no
+        file is set). Raises ConfigError when a file cannot be read or holds nothing."""
+        secret = refresh = None
+        if self.oauth_client_secret_file is not None:
+            secret = _secret_file(self.oauth_client_secret_file, "oauth_client_secret_file")
+        if self.oauth_refresh_token_file is not None:
+            refresh = _secret_file(self.oauth_refresh_token_file, "oauth_refresh_token_file")
+        return secret, refresh
 
 
 def _secret_file(path: Path, field: str) -> str:

@@ -247,6 +247,13 @@ def rate_limited_recipients(label: str, retry_after_s: float | None, count: int,
                                    f"its window: try again in {seconds} s")
 
 
+def upstream_token_unavailable(reason: str) -> SmtpReply:
+    """``451 4.7.0``: no OAuth2 access token for the smarthost AUTH (``reason``: client-safe
+    words such as "token endpoint unreachable"); nothing was sent, the retry is safe."""
+    return SmtpReply(451, "4.7.0", f"Relay cannot get an OAuth2 token for its upstream "
+                     f"({client_safe_text(reason)}), try again later")
+
+
 # --- auth (RFC 4954 section 6; the 501s are aiosmtpd's wording, kept identical) ---------------
 AUTH_SUCCEEDED = SmtpReply(235, "2.7.0", "Authentication successful")
 AUTH_FAILED = SmtpReply(535, "5.7.8", "Authentication credentials invalid")

@@ -17,11 +17,13 @@ the moment the whole message is out. Design: docs/design.md §5.3.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import re
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiosmtplib
 
@@ -36,6 +38,7 @@ from relay.core.interfaces import (
     SmtpReply,
 )
 from relay.upstream.negotiate import negotiate
+from relay.upstream.oauth import TokenError, TokenProvider
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
 from relay.upstream.transfer import (
     DOT,
@@ -57,9 +60,14 @@ _PROBE_TIMEOUT_S = 2.0  # an idle connection's RSET: a live smarthost answers at
 class SmtpUpstreamConfig:
     """Where and how to reach the smarthost.
 
-    ``tls``: ``none`` (plain), ``starttls`` (required upgrade) or ``tls`` (implicit TLS).
-    Timeouts are seconds: ``connect_timeout_s`` for TCP+greeting+EHLO(+TLS+AUTH),
-    ``command_timeout_s`` per command, ``final_timeout_s`` for the reply to the final dot.
+    ``tls``: ``none`` (plain), ``starttls`` (required upgrade) or ``tls`` (implicit TLS);
+    ``ca_file``: PEM CAs that verify the smarthost instead of the system's (with ``verify``);
+    ``client_cert`` / ``client_key``: a PEM client certificate chain and its key, presented
+    when the smarthost asks. ``auth``: ``password`` (``username`` + ``password``, any
+    mechanism aiosmtplib offers), ``xoauth2`` or ``oauthbearer`` (``username`` the mailbox,
+    the access token from ``token_provider``). Timeouts are seconds: ``connect_timeout_s``
+    for TCP+greeting+EHLO(+TLS+AUTH), ``command_timeout_s`` per command, ``final_timeout_s``
+    for the reply to the final dot.
     """
 
     host: str
@@ -75,6 +83,65 @@ class SmtpUpstreamConfig:
     pool_size: int = 4  # idle connections kept; 0: one connection per transaction
     pool_idle_s: float = 30.0  # an idle connection older than this is closed, not reused
     pool_max_messages: int = 100  # transactions per connection before it is closed
+    auth: str = "password"  # password | xoauth2 | oauthbearer
+    token_provider: TokenProvider | None = None  # with xoauth2 / oauthbearer
+    ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.auth not in ("password", "xoauth2", "oauthbearer"):
+            raise ValueError(f"unknown upstream auth {self.auth!r}")
+        if self.auth != "password" and (self.token_provider is None or not self.username):
+            raise ValueError(f"upstream auth {self.auth} needs a token provider and a user")
+
+
+def client_tls_context(config: SmtpUpstreamConfig) -> ssl.SSLContext | None:
+    """The TLS context of connections to the smarthost, None for plain SMTP: verifying
+    against ``ca_file`` (else the system's CAs) unless ``verify`` is off, with the client
+    certificate loaded when configured.
+
+    Raises ``ssl.SSLError`` / ``OSError`` when a file is no readable PEM of its kind.
+    """
+    if config.tls == "none":
+        return None
+    context = ssl.create_default_context(
+        cafile=str(config.ca_file) if config.ca_file is not None and config.verify else None)
+    if not config.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if config.client_cert is not None:  # an encrypted key fails: no passphrase prompt
+        context.load_cert_chain(config.client_cert, config.client_key, password=_no_passphrase)
+    return context
+
+
+def _no_passphrase() -> bytes:
+    return b""
+
+
+def xoauth2_string(user: str, token: str) -> bytes:
+    """The XOAUTH2 initial response, base64: ``user=U^Aauth=Bearer T^A^A`` (Google's and
+    Microsoft's SASL XOAUTH2)."""
+    return base64.b64encode(f"user={user}\x01auth=Bearer {token}\x01\x01".encode())
+
+
+def oauthbearer_string(user: str, host: str, port: int, token: str) -> bytes:
+    """The OAUTHBEARER initial response, base64 (RFC 7628 section 3.1): the GS2 header
+    ``n,a=USER,`` (``,`` and ``=`` in the user escaped as ``=2C`` / ``=3D``, RFC 5801), then
+    ``^Ahost=H^Aport=P^Aauth=Bearer T^A^A``."""
+    authzid = user.replace("=", "=3D").replace(",", "=2C")
+    return base64.b64encode(
+        f"n,a={authzid},\x01host={host}\x01port={port}\x01auth=Bearer {token}\x01\x01"
+        .encode())
+
+
+class _TokenRefused(aiosmtplib.SMTPAuthenticationError):
+    """The smarthost refused an OAuth2 access token (535, or an error challenge): ``token``
+    is the refused one, invalidated before the one retry."""
+
+    def __init__(self, code: int, message: str, token: str) -> None:
+        super().__init__(code, message)
+        self.token = token
 
 
 def _refusal(code: int, text: str) -> RcptResult:
@@ -119,6 +186,8 @@ def _connection_failure(exc: Exception) -> RcptResult:
 
     A refusing greeting or EHLO says nothing about the message: the retry is safe (4yz).
     """
+    if isinstance(exc, TokenError):
+        return _synthetic(replies.upstream_token_unavailable(exc.reason))
     if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
         return _synthetic(replies.UPSTREAM_AUTH_FAILED)
     if isinstance(exc, aiosmtplib.SMTPResponseException):
@@ -154,6 +223,7 @@ class SmtpUpstream:
 
     def __init__(self, *, config: SmtpUpstreamConfig) -> None:
         self._cfg = config
+        self._tls = client_tls_context(config)
         self._pool = ConnectionPool(
             size=config.pool_size, idle_s=config.pool_idle_s,
             max_messages=config.pool_max_messages,
@@ -162,11 +232,7 @@ class SmtpUpstream:
 
     def _client(self) -> aiosmtplib.SMTP:
         cfg = self._cfg
-        tls_context = None
-        if cfg.tls != "none" and not cfg.verify:
-            tls_context = ssl.create_default_context()
-            tls_context.check_hostname = False
-            tls_context.verify_mode = ssl.CERT_NONE
+        password_auth = cfg.auth == "password"
         return aiosmtplib.SMTP(
             hostname=cfg.host,
             port=cfg.port,
@@ -175,9 +241,9 @@ class SmtpUpstream:
             use_tls=cfg.tls == "tls",
             start_tls=cfg.tls == "starttls",
             validate_certs=cfg.verify,
-            tls_context=tls_context,
-            username=cfg.username,
-            password=cfg.password,
+            tls_context=self._tls,
+            username=cfg.username if password_auth else None,  # OAuth2: AUTH in _open
+            password=cfg.password if password_auth else None,
         )
 
     async def deliver(self, message: OutboundMessage,
@@ -192,7 +258,7 @@ class SmtpUpstream:
         for attempt in range(2):
             try:
                 smtp, uses, untested = await self._pool.acquire()
-            except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            except (aiosmtplib.SMTPException, OSError, TimeoutError, TokenError) as exc:
                 log.warning("upstream session failed: %s: %s", type(exc).__name__,
                             replies.client_safe_text(str(exc)))
                 return _all(message.rcpt_tos, _connection_failure(exc))
@@ -210,14 +276,28 @@ class SmtpUpstream:
 
     async def _connect(self) -> aiosmtplib.SMTP:
         """A new connection, greeted (and STARTTLS/AUTH as configured); raises what
-        connecting raises, after closing the socket."""
-        smtp = self._client()
-        try:
-            await self._open(smtp)
-        except BaseException:
-            smtp.close()
-            raise
-        return smtp
+        connecting raises (:class:`TokenError` when no OAuth2 token can be had), after
+        closing the socket. An OAuth2 token the smarthost refuses is invalidated and AUTH
+        runs once more, with a fresh token, on a new connection (nothing of a transaction
+        went on the first)."""
+        for attempt in range(2):
+            smtp = self._client()
+            try:
+                await self._open(smtp)
+            except _TokenRefused as exc:
+                smtp.close()
+                assert self._cfg.token_provider is not None
+                self._cfg.token_provider.invalidate(exc.token)
+                if attempt == 1:
+                    raise
+                log.warning("upstream refused the OAuth2 token (%d %s): fetching a new one",
+                            exc.code, replies.client_safe_text(exc.message))
+            except BaseException:
+                smtp.close()
+                raise
+            else:
+                return smtp
+        raise AssertionError("unreachable: the second attempt raises or returns")
 
     async def _open(self, smtp: aiosmtplib.SMTP) -> None:
         """Connect (TLS, AUTH as configured) and greet: EHLO, or HELO when EHLO is refused."""
@@ -230,6 +310,40 @@ class SmtpUpstream:
             if not 500 <= exc.code < 600:
                 raise
             await smtp.helo(timeout=self._cfg.command_timeout_s)  # RFC 5321 section 3.2
+        if self._cfg.auth != "password":
+            await self._oauth(smtp)
+
+    async def _oauth(self, smtp: aiosmtplib.SMTP) -> None:
+        """AUTH XOAUTH2 or OAUTHBEARER with the provider's token (RFC 4954, RFC 7628).
+
+        An error challenge (``334`` with a base64 JSON status) is answered with an empty
+        line, as RFC 7628 section 3.2.3 asks (the XOAUTH2 servers do the same), and the final
+        reply is taken. Raises :class:`_TokenRefused` for a 535 or an error challenge,
+        ``SMTPAuthenticationError`` for any other refusal or a mechanism not offered,
+        :class:`TokenError` when there is no token.
+        """
+        cfg = self._cfg
+        assert cfg.token_provider is not None and cfg.username is not None
+        mechanism = cfg.auth.upper()
+        if cfg.auth not in smtp.server_auth_methods:
+            raise aiosmtplib.SMTPAuthenticationError(
+                504, f"5.5.4 the upstream does not offer AUTH {mechanism}")
+        token = await cfg.token_provider.token()
+        if cfg.auth == "xoauth2":
+            initial = xoauth2_string(cfg.username, token)
+        else:
+            initial = oauthbearer_string(cfg.username, cfg.host, cfg.port, token)
+        timeout = cfg.command_timeout_s
+        response = await smtp.execute_command(
+            b"AUTH", mechanism.encode(), initial, timeout=timeout)
+        challenged = response.code == 334
+        if challenged:
+            response = await smtp.execute_command(b"", timeout=timeout)
+        if response.code == 235:
+            return
+        if challenged or response.code == 535:
+            raise _TokenRefused(response.code, response.message, token)
+        raise aiosmtplib.SMTPAuthenticationError(response.code, response.message)
 
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
                            progress: DeliveryProgress, *, retry_gone: bool = False

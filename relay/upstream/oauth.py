@@ -1,0 +1,200 @@
+"""OAuth2 access tokens for smarthost AUTH XOAUTH2 / OAUTHBEARER (RFC 6749, RFC 7628).
+
+:class:`TokenProvider` gets an access token from the token endpoint with the
+client-credentials grant (RFC 6749 section 4.4: ``client_id`` + ``client_secret`` + ``scope``,
+Microsoft 365 / Entra ID) or the refresh-token grant (section 6: ``refresh_token`` +
+``client_id`` [+ ``client_secret``], Google Workspace), POSTed as
+``application/x-www-form-urlencoded`` over HTTPS, the endpoint's certificate verified against
+``ca_file`` when given, else the system's CAs. A token is cached until ``expires_in`` less a
+margin (a tenth of its life, at most 60 s); one fetch runs at a time and concurrent callers
+wait for it. :meth:`TokenProvider.invalidate` drops a token the smarthost refused (535), so
+the next caller fetches a fresh one.
+
+Failures raise :class:`TokenError` with a client-safe reason (no secret, no token): the
+endpoint unreachable or timed out, an HTTP error status, a reply that is no token. The
+secrets come from files read once, when the provider is built (a new secret needs a restart).
+A certificate credential (an Entra client assertion JWT) is not supported: it needs a JWT
+signing library the relay does not carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger("relay.upstream.oauth")
+
+_MAX_MARGIN_S = 60.0  # a token is renewed this long (or a tenth of its life) before it expires
+_DEFAULT_LIFETIME_S = 300.0  # a reply without expires_in (RFC 6749 5.1: only RECOMMENDED)
+_MAX_ERROR_TEXT = 200
+
+
+class TokenError(Exception):
+    """No access token: ``reason`` says why in words safe to show a client (no secret)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, repr=False)
+class OAuthConfig:
+    """Where and how to get a token. ``refresh_token`` set: the refresh-token grant; else the
+    client-credentials grant (``client_secret`` then required). ``timeout_s``: seconds for the
+    whole token request (connect, TLS, reply). ``repr`` hides the secrets."""
+
+    token_url: str
+    client_id: str
+    client_secret: str | None = None
+    refresh_token: str | None = None
+    scope: str | None = None
+    ca_file: Path | None = None
+    timeout_s: float = 30.0
+
+    @property
+    def grant(self) -> str:
+        """``refresh_token`` or ``client_credentials`` (the ``grant_type`` form field)."""
+        return "refresh_token" if self.refresh_token is not None else "client_credentials"
+
+    def form(self) -> dict[str, str]:
+        """The token request's form fields (RFC 6749 sections 4.4.2 and 6)."""
+        fields = {"grant_type": self.grant, "client_id": self.client_id}
+        if self.client_secret is not None:
+            fields["client_secret"] = self.client_secret
+        if self.refresh_token is not None:
+            fields["refresh_token"] = self.refresh_token
+        if self.scope:
+            fields["scope"] = self.scope
+        return fields
+
+    def __repr__(self) -> str:
+        return (f"OAuthConfig(token_url={self.token_url!r}, client_id={self.client_id!r}, "
+                f"grant={self.grant!r}, scope={self.scope!r})")
+
+
+def tls_context(ca_file: Path | None) -> ssl.SSLContext:
+    """A verifying client context: the CAs of ``ca_file`` (PEM), else the system's.
+
+    Raises ``ssl.SSLError`` or ``OSError`` when the file is no readable PEM CA bundle.
+    """
+    return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+
+
+class TokenProvider:
+    """Access tokens for one OAuth2 client; see the module docstring.
+
+    ``clock`` (seconds, monotonic) is injectable for tests; ``fetches`` counts token requests
+    sent (successful or not).
+    """
+
+    def __init__(self, config: OAuthConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if config.refresh_token is None and config.client_secret is None:
+            raise ValueError("the client-credentials grant needs a client secret")
+        self._cfg = config
+        self._clock = clock
+        self._ssl = tls_context(config.ca_file)
+        self._token: str | None = None
+        self._valid_until = 0.0
+        self._lock = asyncio.Lock()
+        self.fetches = 0
+
+    async def token(self) -> str:
+        """A valid access token: the cached one, else a fresh one (one fetch at a time).
+
+        Raises :class:`TokenError` when the endpoint gives none.
+        """
+        cached = self._cached()
+        if cached is not None:
+            return cached
+        async with self._lock:
+            cached = self._cached()  # fetched by the caller that held the lock before us
+            if cached is not None:
+                return cached
+            token, lifetime = await self._fetch()
+            margin = min(_MAX_MARGIN_S, lifetime / 10)
+            self._token, self._valid_until = token, self._clock() + lifetime - margin
+            return token
+
+    def invalidate(self, token: str) -> None:
+        """Forget ``token`` (the smarthost refused it) unless a newer one replaced it already:
+        many connections refused with one stale token cause one fetch, not many."""
+        if self._token == token:
+            self._token = None
+
+    def _cached(self) -> str | None:
+        if self._token is not None and self._clock() < self._valid_until:
+            return self._token
+        return None
+
+    async def _fetch(self) -> tuple[str, float]:
+        """POST the grant; the token and its lifetime in seconds. Raises TokenError."""
+        self.fetches += 1
+        url = self._cfg.token_url
+        timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                    url, data=self._cfg.form(), ssl=self._ssl,
+                    headers={"Accept": "application/json"}) as response:
+                status = response.status
+                body = await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.error("OAuth2 token endpoint %s unreachable (%s: %s)", url,
+                      type(exc).__name__, exc)
+            raise TokenError("token endpoint unreachable") from exc
+        if status != 200:
+            log.error("OAuth2 token endpoint %s answered HTTP %d (%s grant, client_id %s): %s",
+                      url, status, self._cfg.grant, self._cfg.client_id, _error_text(body))
+            raise TokenError(f"token endpoint refused, HTTP {status}")
+        try:
+            return _parse(body)
+        except ValueError as exc:
+            log.error("OAuth2 token endpoint %s gave no usable token: %s", url, exc)
+            raise TokenError("token endpoint reply malformed") from exc
+
+
+def _parse(body: bytes) -> tuple[str, float]:
+    """``access_token`` and ``expires_in`` of a token response (RFC 6749 section 5.1).
+
+    Raises ValueError (its text names the fault, never the token) for anything else.
+    """
+    try:
+        reply = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("not JSON") from None
+    if not isinstance(reply, dict):
+        raise ValueError("not a JSON object")
+    token = reply.get("access_token")
+    if not isinstance(token, str) or not token or not token.isprintable():
+        raise ValueError("no access_token string")
+    token_type = reply.get("token_type", "Bearer")
+    if not isinstance(token_type, str) or token_type.lower() != "bearer":
+        raise ValueError(f"token_type is {str(token_type)[:20]!r}, not Bearer")
+    lifetime = reply.get("expires_in", _DEFAULT_LIFETIME_S)
+    if isinstance(lifetime, str) and lifetime.isdigit():  # some endpoints quote it
+        lifetime = int(lifetime)
+    if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) or lifetime <= 0:
+        raise ValueError("expires_in is not a positive number")
+    return token, float(lifetime)
+
+
+def _error_text(body: bytes) -> str:
+    """The ``error`` and ``error_description`` of an error reply (RFC 6749 section 5.2), or
+    its first bytes; shortened, for the log."""
+    try:
+        reply = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = None
+    if isinstance(reply, dict) and "error" in reply:
+        text = f"{reply.get('error')}: {reply.get('error_description', '')}"
+    else:
+        text = body[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
+    return text[:_MAX_ERROR_TEXT].replace("\n", " ")
