@@ -24,12 +24,15 @@ SCHEMA = (
         cost INTEGER NOT NULL,
         expires_ms INTEGER NOT NULL
     )""",
-    "CREATE INDEX IF NOT EXISTS rate_events_bucket ON rate_events (bucket, at_ms)",
+    "CREATE INDEX IF NOT EXISTS rate_events_bucket ON rate_events (bucket, at_ms, cost)",
     "CREATE INDEX IF NOT EXISTS rate_events_expiry ON rate_events (expires_ms)",
 )
 
 _PURGE = "DELETE FROM rate_events WHERE expires_ms <= ?"
-_WINDOW = "SELECT at_ms, cost FROM rate_events WHERE bucket = ? AND at_ms > ? ORDER BY at_ms"
+# the covering index answers both from the index alone
+_USED = "SELECT coalesce(sum(cost), 0) FROM rate_events WHERE bucket = ? AND at_ms > ?"
+_OLDEST = ("SELECT at_ms, cost FROM rate_events WHERE bucket = ? AND at_ms > ? ORDER BY at_ms "
+           "LIMIT ?")
 _INSERT = "INSERT INTO rate_events (bucket, at_ms, cost, expires_ms) VALUES (?, ?, ?, ?)"
 
 
@@ -51,14 +54,14 @@ def acquire_in(conn: sqlite3.Connection, now_ms: int, prefix: str,
         window_ms = _ms(check.per_s)
         if check.cost > check.limit:
             return LimitVerdict(allowed=False, refused=check, retry_after_s=None)
-        rows = conn.execute(_WINDOW, (bucket_name(prefix, check), now_ms - window_ms)
-                            ).fetchall()
-        used = sum(cost for _, cost in rows)
+        bucket, since_ms = bucket_name(prefix, check), now_ms - window_ms
+        used = int(conn.execute(_USED, (bucket, since_ms)).fetchone()[0])
         if used + check.cost <= check.limit:
             continue
+        # room once the oldest rows holding ``need`` units left (each holds at least 1)
         need, freed = used + check.cost - check.limit, 0
         wait_ms = window_ms
-        for at_ms, cost in rows:
+        for at_ms, cost in conn.execute(_OLDEST, (bucket, since_ms, need)):
             freed += cost
             if freed >= need:
                 wait_ms = max(1, at_ms + window_ms - now_ms)

@@ -129,6 +129,24 @@ async def test_a_recipients_limit_costs_the_recipient_count(
     assert not never.allowed and never.retry_after_s is None
 
 
+async def test_units_that_left_the_window_are_given_back_whole(limiter: Limiter) -> None:
+    """A bucket's total loses exactly what leaves the window: after 6 + 3 of 10 left, a call
+    of 10 fits, and one more unit does not."""
+    lim = limiter.limiter
+
+    def rcpts(cost: int) -> LimitCheck:
+        return check("giveback", 10, 0.4, cost=cost, kind="recipients")
+
+    assert (await take(lim, rcpts(6))).allowed
+    assert (await take(lim, rcpts(3))).allowed
+
+    async def all_room() -> bool:
+        return (await take(lim, rcpts(10))).allowed
+
+    await until(all_room, within_s=3.0, what="the whole window's room")
+    assert not (await take(lim, rcpts(1))).allowed
+
+
 async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> None:
     lim, prefix = limiter.limiter, limiter.prefix
     short = check("short", 5, 0.3)
@@ -136,11 +154,12 @@ async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> No
     if limiter.path is None:
         client = redis.Redis.from_url(REDIS_URL)
         key = limit_key(prefix, short)
-        ttl = client.pttl(key)
-        assert 0 < ttl <= 300
+        assert 0 < client.pttl(key) <= 300
+        assert 0 < client.pttl(f"{key}:n") <= 300  # the bucket's total
         assert key.startswith(f"{prefix}rl:{{rl}}:short:")
         assert "upstream:x" not in key  # the bucket's value is hashed
-        await until(lambda: not client.exists(key), within_s=3.0, what="the key's expiry")
+        await until(lambda: not client.exists(key, f"{key}:n"), within_s=3.0,
+                    what="the keys' expiry")
         client.close()
         return
     path = limiter.path

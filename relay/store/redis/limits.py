@@ -2,16 +2,21 @@
 :class:`relay.core.interfaces.RateLimiter` with one Lua script per message.
 
 Each bucket is a sliding-window log: a sorted set under
-``<prefix>rl:{rl}:<label>:<sha256 of the bucket, 32 hex>`` whose members are the units taken
-(``<cost>|<call token>|<n>``, scored by the Redis server's time in ms). A call trims what is
-older than the window, sums what is left and, only when every bucket has room, adds its
-members to all of them; the key expires one window after its last write, so nothing outlives
-its window. At most ``limit`` units are taken in any ``per`` seconds, whatever the relays'
-clocks say (the script reads TIME; Redis >= 5 replicates scripts by their effects).
+``<prefix>rl:{rl}:<label>:<sha256 of the bucket, 32 hex>`` whose members are the calls that
+took units (``<cost>|<call token>|<n>``, scored by the Redis server's time in ms), and the
+units they hold in all under the same key plus ``:n``. A call trims what left the window
+(subtracting it from the total), compares the total plus its cost with the limit and, only when
+every bucket has room, adds its member to all of them; both keys expire one window after
+their last write, so nothing outlives its window. A call costs O(log n) plus the members that
+left the window since the last call, never a scan of the window. At most ``limit`` units are
+taken in any ``per`` seconds, whatever the relays' clocks say (the script reads TIME; Redis
+>= 5 replicates scripts by their effects).
 
 Redis Cluster: one message's buckets must be in one slot for one atomic script, so every
 limit key carries the hash tag ``{rl}``: all the relay's limit keys live on one node (a few
-small sorted sets; the cost is that this node takes every message's limit call).
+small sorted sets; the cost is that this node takes every message's limit call). The writes
+are not waited on by replicas (no WAIT): a failover may forget the units of the last moments
+and let up to one window's worth through again, never refuse more.
 """
 
 from __future__ import annotations
@@ -30,46 +35,68 @@ from relay.store.redis.clients import Client
 
 _ERROR_TEXT_MAX = 300
 
-# KEYS[i] - the sorted set of the i-th check's bucket
+# KEYS[2i-1] - the sorted set of the i-th check's bucket: one member per call that took units
+#              (``<cost>|<call token>|<i>``), scored by the server's time in ms
+# KEYS[2i]    - the units its members hold in all (a string), so a call never sums the set
 # ARGV[1] - a token unique to the call (members of one call differ from every other's)
 # ARGV[3i-1], ARGV[3i], ARGV[3i+1] - the i-th check's window (ms), limit and cost
 # return {0, 0} when every check had room and took its cost; otherwise {i, ms}: the i-th
 # check refused (nothing was taken from any bucket) and has room again in ms milliseconds
-# (-1: its cost alone is over its limit)
+# (-1: its cost alone is over its limit). Cost: the members that left the window since the
+# last call, plus, for a refusal, the few oldest members that must leave for it to fit.
 ACQUIRE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function cost_of(member)
     return tonumber(string.match(member, '^(%d+)|')) or 1
 end
-for i = 1, #KEYS do
+local function used_in(set, total, window)
+    local used = tonumber(redis.call('GET', total) or '0') or 0
+    local gone = redis.call('ZRANGEBYSCORE', set, '-inf', now - window)
+    if #gone > 0 then
+        for j = 1, #gone do
+            used = used - cost_of(gone[j])
+        end
+        redis.call('ZREMRANGEBYSCORE', set, '-inf', now - window)
+    end
+    if used <= 0 or redis.call('EXISTS', set) == 0 then
+        used = 0  -- the set is empty (or gone without its total): start over
+        redis.call('DEL', set, total)
+    elseif #gone > 0 then
+        redis.call('SET', total, used, 'KEEPTTL')
+    end
+    return used
+end
+for i = 1, #KEYS / 2 do
+    local set, total = KEYS[2 * i - 1], KEYS[2 * i]
     local window = tonumber(ARGV[3 * i - 1])
     local limit = tonumber(ARGV[3 * i])
     local cost = tonumber(ARGV[3 * i + 1])
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
+    local used = used_in(set, total, window)
     if cost > limit then
         return {i, -1}
     end
-    local entries = redis.call('ZRANGE', KEYS[i], 0, -1, 'WITHSCORES')
-    local used = 0
-    for j = 1, #entries, 2 do
-        used = used + cost_of(entries[j])
-    end
     if used + cost > limit then
+        -- room once the oldest members holding ``need`` units left (each holds at least 1)
         local need = used + cost - limit
+        local oldest = redis.call('ZRANGE', set, 0, need - 1, 'WITHSCORES')
         local freed = 0
-        for j = 1, #entries, 2 do
-            freed = freed + cost_of(entries[j])
+        for j = 1, #oldest, 2 do
+            freed = freed + cost_of(oldest[j])
             if freed >= need then
-                return {i, math.max(1, tonumber(entries[j + 1]) + window - now)}
+                return {i, math.max(1, tonumber(oldest[j + 1]) + window - now)}
             end
         end
         return {i, window}
     end
 end
-for i = 1, #KEYS do
-    redis.call('ZADD', KEYS[i], now, ARGV[3 * i + 1] .. '|' .. ARGV[1] .. '|' .. i)
-    redis.call('PEXPIRE', KEYS[i], ARGV[3 * i - 1])
+for i = 1, #KEYS / 2 do
+    local set, total = KEYS[2 * i - 1], KEYS[2 * i]
+    local window, cost = ARGV[3 * i - 1], ARGV[3 * i + 1]
+    redis.call('ZADD', set, now, cost .. '|' .. ARGV[1] .. '|' .. i)
+    redis.call('INCRBY', total, cost)
+    redis.call('PEXPIRE', set, window)
+    redis.call('PEXPIRE', total, window)
 end
 return {0, 0}
 """
@@ -79,7 +106,8 @@ _TRANSLATED = (RedisError, RedisClusterException, OSError, UnicodeError)
 
 def limit_key(prefix: str, check: LimitCheck) -> str:
     """The sorted set of ``check``'s bucket: ``<prefix>rl:{rl}:<label>:<32 hex>`` (the hash
-    tag keeps one message's buckets in one cluster slot; the bucket's value is hashed)."""
+    tag keeps one message's buckets in one cluster slot; the bucket's value is hashed); its
+    total is the same key with ``:n`` appended."""
     digest = hashlib.sha256(check.bucket.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return f"{prefix}rl:{{rl}}:{check.label}:{digest}"
 
@@ -103,7 +131,10 @@ class RedisRateLimiter:
         """Take every check's cost or none, in one script (see the module docstring)."""
         if not checks:
             return LimitVerdict(allowed=True)
-        keys = [limit_key(self._prefix, check) for check in checks]
+        keys: list[str] = []
+        for check in checks:
+            key = limit_key(self._prefix, check)
+            keys += [key, f"{key}:n"]
         args: list[str | int] = [secrets.token_hex(8)]
         for check in checks:
             args += [_ms(check.per_s), check.limit, check.cost]
