@@ -279,17 +279,19 @@ class SmtpUpstream:
         connecting raises (:class:`TokenError` when no OAuth2 token can be had), after
         closing the socket. An OAuth2 token the smarthost refuses is invalidated and AUTH
         runs once more, with a fresh token, on a new connection (nothing of a transaction
-        went on the first)."""
+        went on the first); the fresh one refused too is kept (the refusal is not about its
+        age), so a smarthost that refuses every token costs one token request per message,
+        not two."""
         for attempt in range(2):
             smtp = self._client()
             try:
                 await self._open(smtp)
             except _TokenRefused as exc:
                 smtp.close()
+                if attempt == 1:  # a fresh token refused too: not an expiry, keep it
+                    raise
                 assert self._cfg.token_provider is not None
                 self._cfg.token_provider.invalidate(exc.token)
-                if attempt == 1:
-                    raise
                 log.warning("upstream refused the OAuth2 token (%d %s): fetching a new one",
                             exc.code, replies.client_safe_text(exc.message))
             except BaseException:

@@ -157,14 +157,18 @@ async def test_a_refused_token_is_fetched_once_more_and_the_message_goes(
 
 async def test_a_token_refused_twice_is_451_and_no_loop(endpoint: TokenEndpoint) -> None:
     """A smarthost that refuses every token (the mailbox is not the token's): one retry with
-    a fresh token, then 451 4.7.0; no MAIL was sent."""
+    a fresh token, then 451 4.7.0; no MAIL was sent. The fresh token is kept, so the next
+    message costs one token request, not two."""
     handler = OAuthSinkHandler(endpoint=endpoint)
     async with smarthost(handler) as host:
         up = upstream(host.port, provider(endpoint), user="someone-else@example.com")
         result = await up.deliver(outbound())
+        assert endpoint.fetches == 2 and handler.verdicts == [535, 535]
+        again = await up.deliver(outbound())  # the fresh token was kept: one more fetch
         await up.close()
-    assert reply_of(result).startswith("451 4.7.0")
-    assert endpoint.fetches == 2 and handler.verdicts == [535, 535]
+    assert reply_of(result) == reply_of(again) == (
+        "451 4.7.0 Relay cannot authenticate to its upstream")
+    assert endpoint.fetches == 3 and handler.verdicts == [535] * 4
     assert handler.transactions == 0
 
 
