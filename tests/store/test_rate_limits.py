@@ -173,6 +173,23 @@ async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> No
     await until(purged, within_s=3.0, what="the expired row's purge")
 
 
+async def test_two_stores_on_one_sqlite_file_share_the_limits(tmp_path: Path) -> None:
+    """Workers (or relays) that open one SQLite file count in one window."""
+    path = str(tmp_path / "shared.db")
+    first, second = await SqliteStore.open(path), await SqliteStore.open(path)
+    try:
+        two = check("shared", 2, 10.0)
+        assert (await first.rate_limiter("p:").acquire([two])).allowed
+        assert (await second.rate_limiter("p:").acquire([two])).allowed
+        assert (await first.rate_limiter("p:").acquire([two])).refused == two
+        assert (await second.rate_limiter("p:").acquire([two])).refused == two
+        # another prefix (another relay's keyspace) counts apart
+        assert (await second.rate_limiter("q:").acquire([two])).allowed
+    finally:
+        await first.close()
+        await second.close()
+
+
 async def test_redis_uses_the_server_clock_not_the_relays(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A relay whose clock is a day off counts in the same window as the others: the scores
