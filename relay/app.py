@@ -53,15 +53,20 @@ _STORE_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfi
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
-def check_settings(settings: Settings) -> None:
+def check_settings(settings: Settings, *, store: bool = True) -> None:
     """Check what the settings name outside themselves, as :meth:`Relay.start` reads it, without
     opening the store or binding a port: the upstream password file, the TLS certificate and
     key (loaded as a pair), the credentials file (parsed), the files a store URL names
     (``ssl_ca_certs=`` ...), an existing SQLite file's format, and that the SQLite file's and
     the settle journal's directories exist or can be made and are writable.
 
-    ``serve`` and ``check-config`` both call it. Raises :class:`ConfigError` with one line
-    per problem, each naming its setting (flag, env var, file key).
+    ``serve`` and ``check-config`` both call it. ``store=False`` (a reload: the store cannot
+    change live) leaves the store's files alone: a process that has the SQLite file open must
+    never open and close it again, because closing any descriptor of a file drops every POSIX
+    lock the process holds on it (fcntl(2)), and another process closing its connection would
+    then delete the live WAL (the records in it lost at the next crash). Raises
+    :class:`ConfigError` with one line per problem, each naming its setting (flag, env var,
+    file key).
     """
     problems: list[str] = []
 
@@ -84,7 +89,7 @@ def check_settings(settings: Settings) -> None:
     if s.auth_file is not None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
-    check(("store",), lambda: _store_files(s.store))
+    check(("store",), lambda: _store_files(s.store) if store else None)
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
@@ -499,6 +504,11 @@ class Relay:
         metrics = (_host_port(s.metrics_address[0], metrics_port)
                    if metrics_port and s.metrics_address is not None else "off")
         loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        shadowed = ["all templates"] if s.mode == "shadow" else [
+            t.match for t in s.template_policy if t.mode == "shadow"]
+        if shadowed and (self.inherited is None or self.inherited.index == 0):
+            log.warning("shadow mode for %s: duplicates are relayed and counted as "
+                        "would_suppress, not suppressed (design.md §4.6)", ", ".join(shadowed))
         log.info("listening on %s; upstream %s, store %s (%s), metrics %s, event loop %s",
                  ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics,
                  "uvloop" if loop == "uvloop" else "asyncio")

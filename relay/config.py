@@ -529,7 +529,7 @@ class Settings(BaseSettings):
         for index, entry in enumerate(self.template_policy):
             if entry.dedup_window is not None and entry.dedup_window < self.lease:
                 raise SettingsRuleError(
-                    f"template_policy {index + 1} (match {entry.match!r}): dedup_window "
+                    f"template_policy.{index} (match {entry.match!r}): dedup_window "
                     f"({entry.dedup_window:g} s) must not be shorter than the lease "
                     f"({self.lease:g} s)", "template_policy", "lease")
         if self.fingerprint_secret_file is not None and self.fingerprint_secret is not None:

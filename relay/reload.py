@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import pickle
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -72,11 +73,47 @@ class SettingsSource:
 
     def read(self) -> Settings:
         """The settings as ``serve`` would load them now (flags beat env beat file), with the
-        files they name checked. Raises :class:`ConfigError` (one line per problem).
-        Blocking: reads files, loads the TLS pair, parses the credentials file (~100 ms)."""
+        files they name checked (not the store's: it cannot change live, and this process may
+        have the SQLite file open, see :func:`relay.app.check_settings`). Raises
+        :class:`ConfigError` (one line per problem). Blocking: reads files, loads the TLS
+        pair, parses the credentials file (~100 ms)."""
         settings = load_settings(dict(self.flags), self.config_file)
-        check_settings(settings)
+        check_settings(settings, store=False)
         return settings
+
+
+@dataclass(frozen=True)
+class SnapshotSource:
+    """A worker's source (``workers`` > 1): the settings its supervisor read and checked,
+    pickled to ``path`` before it sent SIGHUP. Every worker applies that one reading, so a file
+    changed between the supervisor's read and a worker's cannot split the relay (some workers
+    on the old rules, some on the new) while the supervisor reports one result."""
+
+    path: Path
+
+    def describe(self) -> str:
+        """Where the settings are read from, for a log line."""
+        return f"the supervisor's checked reading ({self.path})"
+
+    def read(self) -> Settings:
+        """The settings the supervisor wrote last. Raises :class:`ConfigError` when there is
+        none or it does not load."""
+        try:
+            settings = pickle.loads(self.path.read_bytes())  # noqa: S301 (our supervisor's)
+        except (OSError, pickle.PickleError, EOFError) as exc:
+            raise ConfigError(f"cannot read the supervisor's settings {self.path}: {exc}"
+                              ) from exc
+        if not isinstance(settings, Settings):
+            raise ConfigError(f"{self.path} holds no settings")
+        return settings
+
+
+def write_snapshot(path: Path, settings: Settings) -> None:
+    """Write ``settings`` for the workers' :class:`SnapshotSource` (atomically: a worker never
+    reads half a file). Raises OSError."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(pickle.dumps(settings))
+    os.replace(partial, path)
 
 
 @dataclass(frozen=True)
@@ -157,7 +194,7 @@ class Reloader:
     """The running settings of one process and what their files held; :meth:`prepare` reads
     the source again, :meth:`commit` makes what it found the running settings."""
 
-    def __init__(self, source: SettingsSource, running: Settings) -> None:
+    def __init__(self, source: SettingsSource | SnapshotSource, running: Settings) -> None:
         self.source = source
         self.running = running
         self._digests: Mapping[str, str | None] = file_digests(running)

@@ -51,7 +51,14 @@ from relay.ops.http import OpsServer
 from relay.ops.logs import set_level, setup_logging
 from relay.ops.metrics import ConfigReloadMetrics, components_up, worker_gone, workers_registry
 from relay.ops.pidfile import remove_pid_file, write_pid_file
-from relay.reload import Reloader, SettingsSource, one_line, worker_hangup
+from relay.reload import (
+    Reloader,
+    SettingsSource,
+    SnapshotSource,
+    one_line,
+    worker_hangup,
+    write_snapshot,
+)
 
 log = logging.getLogger("relay.supervisor")
 
@@ -170,6 +177,10 @@ class Supervisor:
         self.count = count
         self.source = source
         self._reloader = Reloader(source, settings) if source is not None else None
+        # the settings a reload read and checked, for the workers to apply (SnapshotSource);
+        # in a private directory made by run()
+        self._snapshot_dir: str | None = None
+        self.snapshot = Path("/nonexistent/dedup-relay-reload-snapshot")
         self.reloads = ConfigReloadMetrics(registry=None)  # metrics on: _bind_ops's registry
         self._hangups: asyncio.Queue[None] = asyncio.Queue()
         self._confirmed = asyncio.Condition()
@@ -184,12 +195,14 @@ class Supervisor:
         self._codes: list[int] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    def _worker_settings(self) -> Settings:
-        """A worker's settings: its share of ``max_connections`` (rounded up), the rest alike."""
-        share = -(-self.settings.max_connections // self.count)
+    def _worker_settings(self, settings: Settings | None = None) -> Settings:
+        """A worker's settings (``settings``, default the running ones): its share of
+        ``max_connections`` (rounded up), the rest alike."""
+        settings = self.settings if settings is None else settings
+        share = -(-settings.max_connections // self.count)
         # as plain Settings: those read with --config are of a class made for the file, which
         # pickle cannot name (the worker got no settings: `serve --config F --workers 2` hung)
-        return Settings.model_construct(**{**dict(self.settings), "max_connections": share})
+        return Settings.model_construct(**{**dict(settings), "max_connections": share})
 
     async def run(self) -> int:
         """Bind, start the workers, supervise until SIGTERM/SIGINT, stop them; returns the exit
@@ -200,6 +213,8 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGHUP, self._hangups.put_nowait, None)
         pid_file = Path(self.settings.pid_file) if self.settings.pid_file else None
         reloads: asyncio.Task[None] | None = None
+        self._snapshot_dir = tempfile.mkdtemp(prefix="dedup-relay-reload-")
+        self.snapshot = Path(self._snapshot_dir) / "settings.pickle"
         try:
             self._listeners = await bind_listeners(self.settings)
             self._bind_ops()
@@ -254,13 +269,25 @@ class Supervisor:
             log.error("configuration reload refused: %s", one_line(exc))
             self.reloads.reloaded(applied=False, now=time.time())
             return
+        try:  # every worker applies this one reading, not the file as it is when it looks
+            await asyncio.to_thread(write_snapshot, self.snapshot, self._worker_settings(
+                changes.merged))
+        except OSError as exc:
+            log.error("configuration reload refused: cannot hand the settings to the workers "
+                      "(%s)", exc)
+            self.reloads.reloaded(applied=False, now=time.time())
+            return
         self._reloader.commit(changes)
         self.settings = changes.merged  # a worker started from now on gets these
         set_level(changes.merged.log_level)
         missing = await self._forward_reload()
-        note = (f"; worker(s) {', '.join(map(str, missing))} did not apply it (see their log)"
-                if missing else "")
-        log.info("configuration reloaded: %s%s", changes.describe(), note)
+        if missing:  # they keep the rules they had: the relay is split until they apply it
+            log.error("configuration reload partly applied: %s; worker(s) %s did not apply it "
+                      "(see their log; send SIGHUP again)", changes.describe(),
+                      ", ".join(map(str, missing)))
+            self.reloads.reloaded(applied=False, now=time.time(), partial=True)
+            return
+        log.info("configuration reloaded: %s", changes.describe())
         self.reloads.reloaded(applied=True, now=time.time())
 
     async def _forward_reload(self) -> list[int]:
@@ -392,7 +419,7 @@ class Supervisor:
         status_r, status_w = os.pipe()
         spec = {"index": worker.index, "listen": listeners.listen,
                 "tls_listen": listeners.tls_listen, "settings": settings_r, "status": status_w,
-                "metrics_port": self.metrics_port}
+                "metrics_port": self.metrics_port, "reload_snapshot": str(self.snapshot)}
         env = dict(os.environ, **{WORKER_ENV: json.dumps(spec)})
         if self.metrics_dir is not None:
             env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
@@ -472,6 +499,8 @@ class Supervisor:
             self._listeners.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        if self._snapshot_dir is not None:
+            shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
 
 def _exit_text(code: int) -> str:
@@ -525,7 +554,9 @@ def worker_main(early: list[int]) -> None:
         with contextlib.suppress(OSError):
             status.write(b"reloaded\n" if applied else b"reload failed\n")
 
-    hangup = None if source is None else worker_hangup(Reloader(source, settings), confirm)
+    # a worker applies what its supervisor read and checked (SnapshotSource), never the file
+    hangup = None if source is None else worker_hangup(
+        Reloader(SnapshotSource(Path(spec["reload_snapshot"])), settings), confirm)
 
     inherited = Inherited(listen=socks(spec["listen"]), tls_listen=socks(spec["tls_listen"]),
                           index=index, metrics_port=int(spec["metrics_port"]))

@@ -53,7 +53,8 @@ def register(main: click.Group) -> None:
         configuration (see `dedup-relay reload`).
 
         Every setting is a flag, an env var RELAY_<NAME> and a key of the --config file;
-        flags beat env vars, env vars beat the file.
+        flags beat env vars, env vars beat the file. The tables [[template_policy]] and
+        [[rate_limit]] have no flag: the config file (or their env var as a JSON array).
         """
         early: list[int] = []  # a SIGHUP before the event loop's handler: reloaded once served
         signal.signal(signal.SIGHUP, lambda sig, _: early.append(sig))

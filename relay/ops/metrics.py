@@ -210,11 +210,13 @@ class PrometheusMetrics:
         self._dsn_by[DsnResult(result)].inc()
 
 
-RELOAD_RESULTS = ("applied", "refused")
+RELOAD_RESULTS = ("applied", "refused", "partial")
 
 
 class ConfigReloadMetrics:
-    """``relay_config_reloads_total{result}`` (``applied`` | ``refused``) and
+    """``relay_config_reloads_total{result}`` (``applied`` | ``refused`` | ``partial``: the
+    supervisor applied it and some worker did not, so the relay is split until the next
+    reload) and
     ``relay_config_last_reload_timestamp_seconds`` (Unix time of the last applied reload; 0
     before one), registered on ``registry``: the single process's, or the supervisor's own
     (``workers`` > 1: counted once per reload of the whole relay, not once per worker); None:
@@ -231,9 +233,10 @@ class ConfigReloadMetrics:
             multiprocess_mode="max")
         self._by = {r: reloads.labels(r) for r in RELOAD_RESULTS}
 
-    def reloaded(self, *, applied: bool, now: float) -> None:
-        """Count one reload; when ``applied``, set the timestamp to ``now`` (Unix seconds)."""
-        self._by["applied" if applied else "refused"].inc()
+    def reloaded(self, *, applied: bool, now: float, partial: bool = False) -> None:
+        """Count one reload (``partial``: some worker did not apply it); when ``applied``, set
+        the timestamp to ``now`` (Unix seconds)."""
+        self._by["partial" if partial else "applied" if applied else "refused"].inc()
         if applied:
             self._last.set(now)
 

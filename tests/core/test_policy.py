@@ -95,3 +95,13 @@ def test_resolved_rules_are_cached_per_template_set_and_bounded() -> None:
         assert policy.for_templates((f"x-{n}",)).window_s == policy.window_s
     assert len(policy._resolved) <= 1024
     assert policy.for_templates(("r-1",)).window_s == 7200.0
+
+
+def test_the_window_rule_names_the_entry_as_the_other_messages_do(tmp_path: Path) -> None:
+    """Entries are counted from 0 in every message (pydantic's ``template_policy.2.mode``)."""
+    config = tmp_path / "relay.toml"
+    config.write_text('upstream = "maildir:md"\n' + "".join(
+        f'[[template_policy]]\nmatch = "t{n}"\n' for n in range(2))
+        + '[[template_policy]]\nmatch = "short-*"\ndedup_window = 10\n')
+    with pytest.raises(ConfigError, match=r"template_policy\.2 \(match 'short-\*'\)"):
+        load_settings({}, config)

@@ -186,7 +186,7 @@ async def test_a_broken_file_is_refused_and_changes_nothing(configured: Start,
     assert run.relay.metrics_port is not None
     samples = scrape(run.relay.metrics_port)
     reloads = {s[0]["result"]: s[1] for s in samples["relay_config_reloads_total"]}
-    assert reloads == {"applied": 0.0, "refused": 1.0}
+    assert reloads == {"applied": 0.0, "refused": 1.0, "partial": 0.0}
     assert samples["relay_config_last_reload_timestamp_seconds"][0][1] == 0.0
 
 
@@ -566,3 +566,49 @@ def test_what_cannot_change_live(tmp_path: Path) -> None:
     assert rotated.restart == ("fingerprint_secret_file",)
     assert rotated.describe() == ("applied tls_cert; needs a restart: "
                                   "fingerprint_secret_file")
+
+
+@WORKERS
+async def test_a_reload_leaves_the_sqlite_locks_so_another_process_keeps_the_wal(
+        configured: Start, sink: Sink, tmp_path: Path, workers: int) -> None:
+    """A reload must not open the SQLite file the relay has open: closing that descriptor
+    drops every POSIX lock the process holds on the file, and the next process to close its
+    own connection (`stats`, `inspect`) then deletes the live WAL: what the relay wrote after
+    is invisible to others and lost at its next crash (a duplicate then)."""
+    db = tmp_path / "store.db"
+    url = f"sqlite:///{db}"
+    run = await configured(workers, store=url)
+    run.hangup()
+    await run.reloaded()
+    assert run_cli("stats", "--json", "--config", str(run.path), cwd=tmp_path).returncode == 0
+    assert db.with_name(db.name + "-wal").exists(), "the live WAL was deleted"
+    assert (await send(run.relay.port, ["user@example.net"], message(key="after-reload"))).code \
+        == 250
+    seen = run_cli("inspect", "--config", str(run.path), "--rcpt", "user@example.net",
+                   "--template", "welcome", "--key", "after-reload", cwd=tmp_path)
+    assert seen.returncode == 0 and json.loads(seen.stdout)["state"] == "sent", seen
+
+
+async def test_a_worker_applies_what_its_supervisor_read_not_the_file_as_it_is_now(
+        configured: Start, sink: Sink) -> None:
+    """The file changed after the supervisor's last reading (a second write, a ConfigMap swap):
+    a SIGHUP that reaches a worker applies its supervisor's checked reading, never the file
+    itself, so workers cannot split from each other and from what the supervisor logged and
+    counted. The supervisor's own reload then applies the file to all."""
+    run = await configured(2, duplicate_reply="250")
+    data = message(key="split-1")
+    assert (await send(run.relay.port, ["user@example.net"], data)).code == 250
+    run.rewrite(duplicate_reply="550")
+    for pid in run.relay.worker_pids().values():
+        os.kill(pid, signal.SIGHUP)
+    await until(lambda: sum("new configuration not applied" in str(e.get("message", ""))
+                            or "new configuration applied" in str(e.get("message", ""))
+                            for e in run.relay.lines()) >= 2
+                or run.relay.proc.poll() is not None, 15, "the workers' apply")
+    for _ in range(4):  # new connections: both workers answer
+        assert (await send(run.relay.port, ["user@example.net"], data)).code == 250
+    run.hangup()
+    line = await run.reloaded()
+    assert line["message"].startswith("configuration reloaded: applied duplicate_reply"), line
+    for _ in range(4):
+        assert (await send(run.relay.port, ["user@example.net"], data)).code == 550

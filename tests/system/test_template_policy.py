@@ -187,6 +187,8 @@ async def test_a_real_process_counts_would_suppress_on_metrics(
         for template in ("welcome", "welcome", "otp-1", "otp-1"):
             assert (await send(served.port, [A], message(template=template))).code == 250
         assert sink.handler.copies_to(A) == 4
+        assert any(str(e.get("message", "")).startswith("shadow mode for all templates")
+                   for e in served.lines())
         assert served.metrics_port is not None
         samples = await asyncio.to_thread(scrape, served.metrics_port)
         outcomes = {labels["outcome"]: value
