@@ -207,6 +207,10 @@ class DedupCore:
         started = time.perf_counter()
         try:
             verdict = await self._limiter.acquire(checks)
+        except asyncio.CancelledError:  # shutdown past its grace: nothing was sent
+            absorb_cancel()
+            return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None,
+                                  p=p)
         except StoreError as exc:
             self._metrics.store_call("rate_limit", time.perf_counter() - started, False)
             log.error("rate limit check failed (%s); policy store_down=%s", exc, p.store_down,

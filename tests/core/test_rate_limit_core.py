@@ -12,10 +12,12 @@ import uuid
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from relay.app import Relay
 from relay.config import RateLimit, TemplatePolicy
+from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.core.interfaces import Result, State
@@ -25,7 +27,7 @@ from relay.reload import apply_changes, compare, file_digests
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message, send
 from tests.support.dedup_parts import CountingUpstream
-from tests.support.relays import REDIS_URL, MakeRelay, delete_prefix
+from tests.support.relays import REDIS_URL, MakeRelay, PrivateRedis, delete_prefix
 from tests.support.sink import Sink
 
 RCPT = "user@example.net"
@@ -182,6 +184,35 @@ async def test_the_upstream_scope_counts_against_the_preferred_upstream() -> Non
     finally:
         await store.close()
         delete_prefix(REDIS_URL, prefix)
+
+
+async def test_a_shutdown_cutting_the_limit_check_answers_451_and_sends_nothing(
+        private_redis: PrivateRedis) -> None:
+    """Shutdown past its grace cancels a message waiting on its limit check (here a paused
+    Redis): the client is told 451 4.3.2 (nothing was sent), not left without a reply."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    store = RedisStore.from_url(private_redis.url, op_timeout_s=5.0)
+    upstream = CountingUpstream()
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix), limiter=store.rate_limiter(prefix),
+                     rate_limits=[RateRule("up", "upstream", 30, messages=5)])
+    admin = redis.Redis.from_url(private_redis.url)
+    try:
+        await store.ping()
+        admin.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+        task = asyncio.ensure_future(core.process(InboundMessage(
+            mail_from="a@example.com", rcpt_tos=[RCPT], content=message(key="C-1"))))
+        await asyncio.sleep(0.2)  # the check is waiting on the paused server
+        assert not task.done()
+        task.cancel()
+        decision = await task
+        assert decision.reply == replies.CUT_BY_SHUTDOWN
+        assert not upstream.sent
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+        await store.close()
 
 
 @pytest.mark.parametrize("store_down", ["fail_closed", "fail_open"])
