@@ -908,13 +908,14 @@ async def test_marking_sending_again_with_the_same_token_is_idempotent(
 
 async def test_renew_keeps_a_pending_reservation_past_its_first_lease(
         store: FingerprintStore, prefix: str) -> None:
-    """PENDING renewed within its 0.4 s lease is still this attempt's 0.6 s after the reserve."""
+    """PENDING renewed within its 1.2 s lease is still this attempt's 1.3 s after the reserve
+    (the renewal has 0.9 s of slack: a loaded runner once took longer than a 0.4 s lease)."""
     key, token = prefix + "k", new_token()
-    await store.reserve([key], token=token, lease_s=0.4)
-    await asyncio.sleep(0.25)
-    assert await store.renew([key], token=token, lease_s=0.4) == [True]
-    await asyncio.sleep(0.35)
-    found = (await store.reserve([key], token=new_token(), lease_s=0.4))[0]
+    await store.reserve([key], token=token, lease_s=1.2)
+    await asyncio.sleep(0.3)
+    assert await store.renew([key], token=token, lease_s=1.2) == [True]
+    await asyncio.sleep(1.0)
+    found = (await store.reserve([key], token=new_token(), lease_s=1.2))[0]
     assert not found.reserved and found.found is not None
     assert found.found.state is State.PENDING and found.found.token == token
 
