@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
+import functools
 import logging
 import os
 import signal
@@ -23,7 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from relay.config import Settings, redact_url, setting_names, split_host_port
+from relay.config import Settings, UpstreamEntry, redact_url, setting_names, split_host_port
 from relay.core.dedup import DedupCore, Policy, TemplateRule
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
@@ -40,6 +42,7 @@ from relay.smtp.tls import server_context
 from relay.store.journal import add_to_journal, read_journal, remove_from_journal
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
+from relay.upstream.failover import FailoverMetrics, FailoverUpstream
 from relay.upstream.maildir import MaildirUpstream
 from relay.upstream.oauth import OAuthConfig, TokenProvider
 from relay.upstream.oauth import tls_context as oauth_tls_context
@@ -80,6 +83,10 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
 
     s = settings
     check(("upstream_password_file",), s.upstream_password_value)
+    for entry in s.upstream:
+        if entry.password_file is not None:
+            check(("upstream",), functools.partial(_entry_secret, entry.password_file,
+                                                   entry.label))
     check(("fingerprint_secret_file",), lambda: s.fingerprint_secret_bytes)
     check(("oauth_client_secret_file", "oauth_refresh_token_file"), s.oauth_secret_values)
     _check_tls_files(s, check)
@@ -201,26 +208,71 @@ async def build_store(settings: Settings) -> FingerprintStore:
         sqlite_path_from_url(settings.store), op_timeout_s=settings.store_timeout)
 
 
-def build_upstream(settings: Settings) -> Upstream:
-    """The Maildir upstream for ``maildir:PATH``, else the SMTP smarthost at HOST:PORT."""
-    if settings.upstream.startswith("maildir:"):
-        return MaildirUpstream(path=Path(settings.upstream[len("maildir:") :]))
-    host, port = split_host_port(settings.upstream, what="upstream")
-    return SmtpUpstream(config=SmtpUpstreamConfig(
-        host=host, port=port, local_hostname=settings.hostname, tls=settings.upstream_tls,
-        verify=settings.upstream_verify, username=settings.upstream_user,
-        password=settings.upstream_password_value(),
-        connect_timeout_s=settings.upstream_connect_timeout,
-        command_timeout_s=settings.upstream_command_timeout,
-        final_timeout_s=settings.upstream_timeout,
-        pool_size=(default_pool_size(settings.max_connections, settings.effective_workers)
-                   if settings.upstream_pool_size is None else settings.upstream_pool_size),
-        pool_idle_s=settings.upstream_pool_idle,
-        pool_max_messages=settings.upstream_pool_max_messages,
-        auth=settings.upstream_auth, token_provider=build_token_provider(settings),
-        ca_file=settings.upstream_ca_file, client_cert=settings.upstream_client_cert,
-        client_key=settings.upstream_client_key,
-    ))
+def build_upstream(settings: Settings, metrics: FailoverMetrics | None = None
+                   ) -> FailoverUpstream:
+    """The upstreams of ``settings.upstream`` in order, behind one :class:`FailoverUpstream`
+    (a single one is always tried: no cool-down): the Maildir for ``maildir:PATH``, else an
+    SMTP smarthost per entry, each with the entry's own settings over the global
+    ``upstream_*`` ones. Raises ConfigError when an entry's password file cannot be read."""
+    if settings.upstream[0].is_maildir:
+        path = Path(settings.upstream[0].address[len("maildir:") :])
+        members: list[tuple[str, Upstream]] = [
+            (settings.upstream[0].label, MaildirUpstream(path=path))]
+    else:
+        provider = build_token_provider(settings)
+        members = [(entry.label, SmtpUpstream(config=smtp_upstream_config(
+            settings, entry, provider))) for entry in settings.upstream]
+    return FailoverUpstream(
+        members, cooldown_s=settings.upstream_cooldown,
+        cooldown_max_s=settings.upstream_cooldown_max,
+        probe_timeout_s=min(settings.upstream_connect_timeout, 3.0), metrics=metrics)
+
+
+def smtp_upstream_config(settings: Settings, entry: UpstreamEntry,
+                         token_provider: TokenProvider | None) -> SmtpUpstreamConfig:
+    """The SMTP upstream ``entry`` (``HOST:PORT``): its own keys, else the global
+    ``upstream_*`` settings. Raises ConfigError when its password file cannot be read, or
+    its OAuth2 AUTH has no token provider or user."""
+    s = settings
+    host, port = split_host_port(entry.address, what="upstream")
+    password = (_entry_secret(entry.password_file, entry.label)
+                if entry.password_file is not None else s.upstream_password_value())
+    try:
+        return SmtpUpstreamConfig(
+            host=host, port=port, local_hostname=s.hostname, name=entry.label,
+            tls=entry.tls or s.upstream_tls,
+            verify=s.upstream_verify if entry.verify is None else entry.verify,
+            username=entry.user if entry.user is not None else s.upstream_user,
+            password=password,
+            connect_timeout_s=s.upstream_connect_timeout,
+            command_timeout_s=s.upstream_command_timeout,
+            final_timeout_s=s.upstream_timeout,
+            pool_size=(entry.pool_size if entry.pool_size is not None
+                       else default_pool_size(s.max_connections, s.effective_workers)
+                       if s.upstream_pool_size is None else s.upstream_pool_size),
+            pool_idle_s=s.upstream_pool_idle,
+            pool_max_messages=s.upstream_pool_max_messages,
+            auth=entry.auth or s.upstream_auth, token_provider=token_provider,
+            ca_file=entry.ca_file or s.upstream_ca_file,
+            client_cert=entry.client_cert or s.upstream_client_cert,
+            client_key=entry.client_key or s.upstream_client_key,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"upstream {entry.label}: {exc} ({setting_names('upstream')})"
+                          ) from exc
+
+
+def _entry_secret(path: Path, name: str) -> str:
+    """The password in the file ``path`` of the upstream entry ``name`` (stripped). Raises
+    ConfigError naming the entry when it cannot be read or is empty."""
+    try:
+        secret = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+        raise ConfigError(f"upstream {name}: password_file {path}: {reason}") from exc
+    if not secret:
+        raise ConfigError(f"upstream {name}: password_file {path} is empty")
+    return secret
 
 
 def build_token_provider(settings: Settings) -> TokenProvider | None:
@@ -286,8 +338,9 @@ def build_dsn_sender(settings: Settings, upstream: Upstream,
     if not settings.dsn_on_partial_failure:
         return None
     remote = None
-    if not settings.upstream.startswith("maildir:"):
-        remote = split_host_port(settings.upstream, what="upstream")[0]
+    first = settings.upstream[0]
+    if not first.is_maildir:
+        remote = split_host_port(first.address, what="upstream")[0]
     return DsnSender(upstream=upstream, metrics=metrics, reporting_mta=settings.hostname,
                      remote_mta=remote, log_addresses=settings.log_recipients)
 
@@ -411,7 +464,8 @@ class Relay:
         """Open the store, build the parts and start listening (SMTP and metrics)."""
         s = self.settings
         self.store = await build_store(s)
-        self.upstream = build_upstream(s)
+        self.metrics.declare_upstreams(entry.label for entry in s.upstream)
+        self.upstream = build_upstream(s, self.metrics)
         self.dsn = build_dsn_sender(s, self.upstream, self.metrics)
         self.metrics.declare_rate_limits(r.label for r in s.rate_limit)
         core = DedupCore(store=self.store, upstream=self.upstream, metrics=self.metrics,
@@ -461,13 +515,15 @@ class Relay:
             # livemin over the workers); the supervisor serves /metrics and /readyz
             self.health = HealthMonitor(
                 store=self.store, upstream=self.upstream, metrics=self.metrics,
-                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2))
+                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2),
+                upstream_states=self._upstream_states)
             await self.health.start()
         elif s.metrics_address is not None:
             m_host, m_port = s.metrics_address
             self.health = HealthMonitor(
                 store=self.store, upstream=self.upstream, metrics=self.metrics,
-                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2))
+                interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2),
+                upstream_states=self._upstream_states)
             await self.health.start()
             self._ops = OpsServer(registry=self.registry, health=self.health,
                                   host=m_host, port=m_port)
@@ -477,6 +533,13 @@ class Relay:
                 raise _bind_error(m_host, m_port, "metrics_listen", exc) from exc
             self.metrics_port = self._ops.port
         self._log_started()
+
+    def _upstream_states(self) -> dict[str, dict[str, object]]:
+        """Each upstream's state by name (the ``/readyz`` body)."""
+        if not isinstance(self.upstream, FailoverUpstream):
+            return {}
+        return {name: dataclasses.asdict(state)
+                for name, state in self.upstream.states().items()}
 
     def _log_started(self) -> None:
         """The start-up line: every listener with its TLS and AUTH, the upstream, the store, the
@@ -495,8 +558,8 @@ class Relay:
             tls_host, _ = split_host_port(s.tls_listen, what="tls-listen")
             tls_auth = ("AUTH required" if s.auth_required else "AUTH on") if auth else "no AUTH"
             listeners.append(f"implicit TLS {_host_port(tls_host, self.tls_port)} ({tls_auth})")
-        upstream = s.upstream
-        if not s.upstream.startswith("maildir:"):
+        upstream = s.upstream_summary
+        if not s.upstream[0].is_maildir:
             upstream += f" (tls {s.upstream_tls}{'' if s.upstream_verify else ', unverified'})"
         store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
         metrics_port = self.metrics_port if self.inherited is None else \
@@ -512,11 +575,13 @@ class Relay:
         log.info("listening on %s; upstream %s, store %s (%s), metrics %s, event loop %s",
                  ", ".join(listeners), upstream, redact_url(s.store), store_kind, metrics,
                  "uvloop" if loop == "uvloop" else "asyncio")
-        if not s.upstream_verify and s.upstream_tls != "none" \
-                and not s.upstream.startswith("maildir:"):
+        unverified = [e.label for e in s.upstream if not e.is_maildir
+                      and not (s.upstream_verify if e.verify is None else e.verify)
+                      and (e.tls or s.upstream_tls) != "none"]
+        if unverified:
             log.warning("upstream certificate verification is off (upstream_verify = false): "
                         "anyone on the path to %s can read and change the mail and the AUTH "
-                        "password; use it in a lab only", s.upstream)
+                        "password; use it in a lab only", ", ".join(unverified))
 
     async def stop(self) -> None:
         """Graceful shutdown (design.md §6.6), in this order.

@@ -166,6 +166,63 @@ class RateLimit(BaseModel):
         return f"{self.scope}-{count}-per-{self.per:g}s"
 
 
+def check_upstream_address(value: str) -> str:
+    """``value`` when it is ``HOST:PORT``, ``[v6]:PORT`` or ``maildir:PATH``; raises
+    ValueError naming it otherwise."""
+    if value.startswith("maildir:"):
+        if not value[len("maildir:") :]:
+            raise ValueError("upstream maildir:PATH needs a path")
+        return value
+    split_host_port(value, what="upstream")
+    return value
+
+
+class UpstreamEntry(BaseModel):
+    """One upstream of the ``upstream`` list (issue 12), tried in the order given: its
+    ``address`` (``HOST:PORT``, ``[v6]:PORT`` or ``maildir:PATH``, the last only as the single
+    upstream); in the config file also an inline table whose other keys override the global
+    ``upstream_*`` setting of the same name for this upstream (``tls``, ``verify``, ``user``,
+    ``password_file``, ``pool_size``, ``auth``, ``ca_file``, ``client_cert``, ``client_key``;
+    left out: the global one). ``name`` is its label in metrics, logs and ``/readyz``
+    (default: the address)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:\[\]-]{1,64}$")
+    tls: Literal["none", "starttls", "tls"] | None = None
+    verify: bool | None = None
+    user: str | None = None
+    password_file: Path | None = None
+    pool_size: int | None = Field(default=None, ge=0)
+    auth: Literal["password", "xoauth2", "oauthbearer"] | None = None
+    ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        return check_upstream_address(value)
+
+    @property
+    def label(self) -> str:
+        """The name of this upstream: ``name``, else the address."""
+        return self.name if self.name is not None else self.address
+
+    @property
+    def is_maildir(self) -> bool:
+        """Whether this is a ``maildir:PATH`` upstream."""
+        return self.address.startswith("maildir:")
+
+    def __str__(self) -> str:
+        return self.address if self.name is None else f"{self.name}={self.address}"
+
+
+# the upstreams in order: a TOML array (of strings or inline tables), or in an env var / flag a
+# comma-separated list of HOST:PORT / maildir:PATH
+UpstreamList = Annotated[tuple[UpstreamEntry, ...], NoDecode]
+
 # settings that only the config file sets (a table or an array of tables): no flag
 FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit"})
 
@@ -238,8 +295,10 @@ class Settings(BaseSettings):
         "CIDRs of the load balancers allowed to send a PROXY header, comma-separated"))
 
     # upstream / smarthost
-    upstream: str = Field(description=(
-        "smarthost HOST:PORT, or maildir:PATH for a local Maildir (staging, CI)"))
+    upstream: UpstreamList = Field(description=(
+        "smarthost HOST:PORT, or several tried in this order (comma-separated, or the flag "
+        "repeated; a message moves on only on a definite failure before any recipient was "
+        "accepted), or maildir:PATH for a local Maildir (staging, CI)"))
     upstream_tls: Literal["none", "starttls", "tls"] = Field("none", description=(
         "TLS to the smarthost: none, starttls (required: 451 4.4.1 when not offered) or tls "
         "(implicit, port 465)"))
@@ -472,14 +531,29 @@ class Settings(BaseSettings):
             split_host_port(value, what="tls_listen")
         return value
 
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: object) -> object:
+        if isinstance(value, str):  # env var / flag: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple({"address": v} if isinstance(v, str) else v for v in value)
+        return value
+
     @field_validator("upstream")
     @classmethod
-    def _check_upstream(cls, value: str) -> str:
-        if value.startswith("maildir:"):
-            if not value[len("maildir:") :]:
-                raise ValueError("upstream maildir:PATH needs a path")
-            return value
-        split_host_port(value, what="upstream")
+    def _check_upstream(cls, value: tuple[UpstreamEntry, ...]) -> tuple[UpstreamEntry, ...]:
+        if not value:
+            raise ValueError("upstream needs at least one HOST:PORT (or maildir:PATH)")
+        if len(value) > 1 and any(entry.is_maildir for entry in value):
+            raise ValueError("a maildir:PATH upstream must be the only upstream (no failover "
+                             "to or from a local Maildir), got " +
+                             ", ".join(entry.address for entry in value))
+        names = [entry.label for entry in value]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"upstream names must be unique (an entry's name, else its "
+                             f"address): {', '.join(twice)} given twice")
         return value
 
     @field_validator("store")
@@ -618,6 +692,12 @@ class Settings(BaseSettings):
                       ).for_templates(templates).window_s
 
     @property
+    def upstream_summary(self) -> str:
+        """The upstreams for messages: ``name=address`` (or the address) in order, joined by
+        ``, ``."""
+        return ", ".join(str(entry) for entry in self.upstream)
+
+    @property
     def listen_address(self) -> tuple[str, int]:
         """``(host, port)`` of the SMTP listener."""
         return split_host_port(self.listen, what="listen")
@@ -722,7 +802,7 @@ class AdminSettings(Settings):
     """The settings as the admin commands read them: they talk to the store only, so the
     upstream (required to serve) may be absent."""
 
-    upstream: str = "maildir:unused-by-admin-commands"
+    upstream: UpstreamList = (UpstreamEntry(address="maildir:unused-by-admin-commands"),)
 
 
 def load_settings(overrides: dict[str, Any], config_file: Path | None = None, *,

@@ -49,7 +49,13 @@ from relay.core.errors import ConfigError, StartupError
 from relay.ops.health import ComponentStatus
 from relay.ops.http import OpsServer
 from relay.ops.logs import set_level, setup_logging
-from relay.ops.metrics import ConfigReloadMetrics, components_up, worker_gone, workers_registry
+from relay.ops.metrics import (
+    ConfigReloadMetrics,
+    components_up,
+    upstreams_up,
+    worker_gone,
+    workers_registry,
+)
 from relay.ops.pidfile import remove_pid_file, write_pid_file
 from relay.reload import (
     Reloader,
@@ -165,6 +171,14 @@ class WorkersReadiness:
     def ready(self) -> bool:
         """True when every worker serves and every component answered in every worker."""
         return all(s.ok for s in self.status().values())
+
+    def upstreams(self) -> dict[str, dict[str, object]]:
+        """Each upstream by name: ``ready`` when it is in every live worker
+        (``relay_upstream_up``, livemin), else ``not ready in at least one worker``."""
+        sup = self._supervisor
+        up = upstreams_up(sup.metrics_dir) if sup.metrics_dir is not None else {}
+        return {name: {"state": "ready" if value == 1.0 else
+                       "not ready in at least one worker"} for name, value in up.items()}
 
 
 class Supervisor:

@@ -40,6 +40,9 @@ _SECTIONS = {
     "metrics_listen": "Operations",
 }
 _COMPUTED_DEFAULTS = {"hostname": "this host's FQDN"}
+# list settings whose flag may be repeated (``--upstream a --upstream b``), each value also a
+# comma-separated list; the values reach the settings joined by commas
+_REPEATABLE = frozenset({"upstream"})
 
 
 def fail(code: ExitCode, message: str) -> NoReturn:
@@ -88,8 +91,19 @@ def _option(name: str, field: FieldInfo) -> Callable[[Callable[..., Any]], Any]:
     help_text = f"{field.description} [{_default(name, field)}; env: {env_name(name)}]"
     if _plain(field.annotation) is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+    if name in _REPEATABLE:
+        return click.option(flag, name, multiple=True, callback=_joined,
+                            metavar=_metavar(field.annotation),
+                            help=f"{help_text} (repeatable, tried in the order given)")
     return click.option(flag, name, default=None, metavar=_metavar(field.annotation),
                         help=help_text)
+
+
+def _joined(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+            ) -> str | None:
+    """A repeated flag's values as one comma-separated list; None when not given (so the env
+    var and the file apply)."""
+    return ",".join(values) if values else None
 
 
 def _plain(annotation: Any) -> Any:

@@ -88,8 +88,8 @@ def register(main: click.Group) -> None:
             loop_factory(uvloop_wanted=settings.event_loop == "uvloop", required=True)
         except StartupError as exc:
             fail(ExitCode.CONFIG, f"invalid configuration:\nevent_loop: {exc}")
-        click.echo(f"configuration ok: listen {settings.listen}, upstream {settings.upstream}, "
-                   f"store {redact_url(settings.store)}")
+        click.echo(f"configuration ok: listen {settings.listen}, upstream "
+                   f"{settings.upstream_summary}, store {redact_url(settings.store)}")
 
     @main.command("healthcheck", cls=SettingsCommand, epilog=epilog())
     @click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")

@@ -396,7 +396,7 @@ class DedupCore:
         result = await self._upstream.deliver(outbound, progress)
         code = result.final_reply.code if result.final_reply is not None else next(
             (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
-        self._metrics.upstream_call(time.perf_counter() - started, code)
+        self._metrics.upstream_call(time.perf_counter() - started, code, result.upstream)
         return result
 
     async def _relay_plain(self, msg: InboundMessage, p: Policy, *,

@@ -403,6 +403,11 @@ class DeliveryResult:
     recipients: Mapping[str, RcptResult]
     final_reply: SmtpReply | None = None  # the reply to the final dot, when one came
     replies: Sequence[SmtpReply] = field(default_factory=tuple)  # every upstream reply seen
+    # True when the transaction failed definitely before any recipient was accepted and before
+    # DATA (connect refused or timed out; greeting, EHLO, TLS or AUTH failure; 421; a 4yz to
+    # MAIL): another upstream may take the message with no risk of a duplicate
+    failover: bool = False
+    upstream: str = ""  # the configured name of the upstream that gave this result ("": unnamed)
 
 
 class Upstream(Protocol):
@@ -526,8 +531,9 @@ class Metrics(Protocol):
         """Record one store operation's latency in seconds, and an error when not ``ok``."""
         ...
 
-    def upstream_call(self, seconds: float, code: int | None) -> None:
-        """Record one upstream transaction's latency and its deciding reply code (None: none)."""
+    def upstream_call(self, seconds: float, code: int | None, upstream: str = "") -> None:
+        """Record one upstream transaction's latency and its deciding reply code (None: none);
+        ``upstream`` is the configured name of the upstream that decided it ("": unnamed)."""
         ...
 
     def message_bytes(self, size: int) -> None:

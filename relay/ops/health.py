@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +42,22 @@ class Readiness(Protocol):
         """True when every component is ready."""
         ...
 
+    def upstreams(self) -> dict[str, dict[str, object]]:
+        """Each configured upstream's state by name (``state``: ``ready``, ``cooling down``
+        (``until``: unix seconds) or ``down``); {} when not known."""
+        ...
+
 
 class HealthMonitor:
     """Probes the store and the upstream periodically; ``status()`` is what ``/readyz`` shows."""
 
     def __init__(self, *, store: FingerprintStore, upstream: Upstream, metrics: Metrics,
-                 interval_s: float = 5.0, timeout_s: float = 3.0) -> None:
+                 interval_s: float = 5.0, timeout_s: float = 3.0,
+                 upstream_states: Callable[[], Mapping[str, Mapping[str, object]]] | None = None
+                 ) -> None:
+        """``upstream_states``: each upstream's live state by name, for the ``/readyz`` body
+        (the failover upstream's); the ``upstream`` component is ready when at least one is."""
+        self._upstream_states = upstream_states
         self._probes: dict[str, Callable[[], Awaitable[None]]] = {
             "store": store.ping, "upstream": upstream.ping}
         self._metrics = metrics
@@ -102,3 +112,9 @@ class HealthMonitor:
     def ready(self) -> bool:
         """True when every component answered its last probe."""
         return bool(self._status) and all(s.ok for s in self._status.values())
+
+    def upstreams(self) -> dict[str, dict[str, object]]:
+        """Each upstream's live state by name ({} without ``upstream_states``)."""
+        if self._upstream_states is None:
+            return {}
+        return {name: dict(state) for name, state in self._upstream_states().items()}

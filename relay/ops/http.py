@@ -4,7 +4,8 @@ Served by aiohttp in the relay's own event loop (readiness reads the live
 :class:`relay.ops.health.HealthMonitor`), or with several workers in the supervisor's (a
 :class:`relay.ops.health.Readiness` over every worker, the metrics of all of them).
 ``/healthz`` answers 200 while the process serves; ``/readyz`` answers 200 when the store and
-the upstream answered their last probe, else 503, with a JSON body naming what failed."""
+at least one upstream answered their last probe, else 503, with a JSON body naming what
+failed and each upstream's state by its configured name (``upstreams``)."""
 
 from __future__ import annotations
 
@@ -64,5 +65,8 @@ class OpsServer:
             return web.json_response({"ready": False, "error": "not started"}, status=503)
         components = {name: asdict(s) for name, s in self._health.status().items()}
         ready = self._health.ready
-        return web.json_response({"ready": ready, "components": components},
-                                 status=200 if ready else 503)
+        body: dict[str, object] = {"ready": ready, "components": components}
+        upstreams = self._health.upstreams()
+        if upstreams:
+            body["upstreams"] = upstreams
+        return web.json_response(body, status=200 if ready else 503)

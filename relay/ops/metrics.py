@@ -74,8 +74,18 @@ class PrometheusMetrics:
             registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600))
         self._upstream_replies = Counter(
-            "relay_upstream_replies", "Upstream transactions by deciding reply class",
-            ["code_class"], registry=registry)
+            "relay_upstream_replies",
+            "Upstream transactions by deciding reply class and upstream (its configured name)",
+            ["code_class", "upstream"], registry=registry)
+        self._upstream_up = Gauge(
+            "relay_upstream_up",
+            "1 when the upstream is ready (not cooling down, answered its last probe)",
+            ["upstream"], registry=registry, multiprocess_mode="livemin")
+        self._failovers = Counter(
+            "relay_upstream_failovers",
+            "Messages moved on to the next upstream after a definite failure before any "
+            "recipient was accepted, by the upstream that failed", ["from_upstream"],
+            registry=registry)
         self._sessions = Gauge(
             "relay_sessions_active", "Open client SMTP sessions", registry=registry,
             multiprocess_mode="livesum")
@@ -119,7 +129,9 @@ class PrometheusMetrics:
         self._messages_by = {r: self._messages.labels(r.value) for r in Result}
         self._store_errors_by = {op: self._store_errors.labels(op) for op in STORE_OPS}
         self._store_seconds_by = {op: self._store_seconds.labels(op) for op in STORE_OPS}
-        self._replies_by = {cls: self._upstream_replies.labels(cls) for cls in CODE_CLASSES}
+        self._replies_by: dict[tuple[str, str], Counter] = {}
+        self._upstream_up_by: dict[str, Gauge] = {}
+        self._failovers_by: dict[str, Counter] = {}
         self._up_by = {c: self._up.labels(c) for c in ("store", "upstream")}
         self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
         self._rate_limited_by: dict[str, Counter] = {}
@@ -162,11 +174,44 @@ class PrometheusMetrics:
                 errors_child = self._store_errors_by[op] = self._store_errors.labels(op)
             errors_child.inc()
 
-    def upstream_call(self, seconds: float, code: int | None) -> None:
-        """Observe one upstream transaction (seconds) and its deciding reply class."""
+    def declare_upstreams(self, names: Iterable[str]) -> None:
+        """Make the per-upstream children (at 0) for the configured upstream ``names``:
+        ``relay_upstream_replies_total{code_class,upstream}``, ``relay_upstream_up{upstream}``
+        and ``relay_upstream_failovers_total{from_upstream}`` (the names are the only values
+        these labels take, so the label sets stay bounded)."""
+        for name in names:
+            for cls in CODE_CLASSES:
+                if (cls, name) not in self._replies_by:
+                    self._replies_by[cls, name] = self._upstream_replies.labels(cls, name)
+            if name not in self._upstream_up_by:
+                self._upstream_up_by[name] = self._upstream_up.labels(name)
+            if name not in self._failovers_by:
+                self._failovers_by[name] = self._failovers.labels(name)
+
+    def upstream_call(self, seconds: float, code: int | None, upstream: str = "") -> None:
+        """Observe one upstream transaction (seconds) and its deciding reply class, counted
+        for ``upstream`` (the configured name of the upstream that decided it)."""
         self._upstream_seconds.observe(seconds)
         label = f"{code // 100}xx" if code is not None and code // 100 in (2, 4, 5) else "none"
-        self._replies_by[label].inc()
+        child = self._replies_by.get((label, upstream))
+        if child is None:
+            child = self._replies_by[label, upstream] = self._upstream_replies.labels(
+                label, upstream)
+        child.inc()
+
+    def upstream_up(self, upstream: str, up: bool) -> None:
+        """Set ``relay_upstream_up{upstream}`` to 1 (ready) or 0 (cooling down or down)."""
+        child = self._upstream_up_by.get(upstream)
+        if child is None:
+            child = self._upstream_up_by[upstream] = self._upstream_up.labels(upstream)
+        child.set(1 if up else 0)
+
+    def failover(self, from_upstream: str) -> None:
+        """Count one message moved on from ``from_upstream`` to the next upstream."""
+        child = self._failovers_by.get(from_upstream)
+        if child is None:
+            child = self._failovers_by[from_upstream] = self._failovers.labels(from_upstream)
+        child.inc()
 
     def message_bytes(self, size: int) -> None:
         """Observe one received message's size in bytes."""
@@ -267,4 +312,15 @@ def components_up(path: str) -> dict[str, float]:
     for metric in collector.collect():  # type: ignore[no-untyped-call]
         if metric.name == "relay_component_up":
             return {s.labels["component"]: float(s.value) for s in metric.samples}
+    return {}
+
+
+def upstreams_up(path: str) -> dict[str, float]:
+    """``relay_upstream_up`` by upstream name over the live workers of the multiprocess
+    directory ``path``: 1.0 when the upstream is ready in every worker, 0.0 otherwise; {}
+    before any worker set it."""
+    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+    for metric in collector.collect():  # type: ignore[no-untyped-call]
+        if metric.name == "relay_upstream_up":
+            return {s.labels["upstream"]: float(s.value) for s in metric.samples}
     return {}

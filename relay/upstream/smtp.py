@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import re
 import ssl
@@ -75,6 +76,7 @@ class SmtpUpstreamConfig:
     local_hostname: str
     tls: str = "none"
     verify: bool = True
+    name: str = ""  # the configured name (a metric label, /readyz); "": "HOST:PORT"
     username: str | None = None
     password: str | None = None
     connect_timeout_s: float = 30.0
@@ -177,8 +179,9 @@ def _synthetic(reply: SmtpReply, status: RcptStatus = RcptStatus.REFUSED) -> Rcp
     return RcptResult(status, reply, from_upstream=False)
 
 
-def _all(recipients: Sequence[str], result: RcptResult) -> DeliveryResult:
-    return DeliveryResult(recipients=dict.fromkeys(recipients, result))
+def _all(recipients: Sequence[str], result: RcptResult, *,
+         failover: bool = False) -> DeliveryResult:
+    return DeliveryResult(recipients=dict.fromkeys(recipients, result), failover=failover)
 
 
 def _connection_failure(exc: Exception) -> RcptResult:
@@ -261,14 +264,16 @@ class SmtpUpstream:
             except (aiosmtplib.SMTPException, OSError, TimeoutError, TokenError) as exc:
                 log.warning("upstream session failed: %s: %s", type(exc).__name__,
                             replies.client_safe_text(str(exc)))
-                return _all(message.rcpt_tos, _connection_failure(exc))
+                # nothing of the message reached this upstream: another may take it
+                return self._named(_all(message.rcpt_tos, _connection_failure(exc),
+                                        failover=True))
             clean = ended = False
             try:
                 done = await self._transaction(smtp, message, progress,
                                                retry_gone=untested and attempt == 0)
                 if done is not None:
                     result, clean, ended = done
-                    return result
+                    return self._named(result)
                 self._pool.drop_idle()  # they idled as long: most likely gone too
             finally:
                 self._pool.release(smtp, uses + 1, clean, ended=ended)
@@ -364,13 +369,14 @@ class SmtpUpstream:
             if retry_gone and exc.code == 421:
                 _log_gone(exc)
                 return None
-            return (_all(message.rcpt_tos, _refusal(exc.code, exc.message)), _clean(exc.code),
-                    True)
+            # a 4yz (421 included) to MAIL: no transaction began, another upstream may try
+            return (_all(message.rcpt_tos, _refusal(exc.code, exc.message),
+                         failover=400 <= exc.code < 500), _clean(exc.code), True)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             if retry_gone and not isinstance(exc, TimeoutError):
                 _log_gone(exc)
                 return None
-            return _all(message.rcpt_tos, _lost(exc)), False, False
+            return _all(message.rcpt_tos, _lost(exc), failover=True), False, False
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
             return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False, False
         results, accepted, clean = await self._recipients(smtp, wire.rcpt_to, encoding)
@@ -516,6 +522,18 @@ class SmtpUpstream:
         smtp.close()  # a reply no RFC allows here: whether it took the message is unknown
         log.error("upstream answered the final dot with %d: outcome unknown", response.code)
         return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN), False
+
+    @property
+    def name(self) -> str:
+        """The configured name of this upstream (``HOST:PORT`` when none was given)."""
+        if self._cfg.name:
+            return self._cfg.name
+        host = f"[{self._cfg.host}]" if ":" in self._cfg.host else self._cfg.host
+        return f"{host}:{self._cfg.port}"
+
+    def _named(self, result: DeliveryResult) -> DeliveryResult:
+        """``result`` with this upstream's name (the metric label of its reply)."""
+        return dataclasses.replace(result, upstream=self.name)
 
     async def ping(self) -> None:
         """Connect, EHLO and QUIT; raise ConnectionError when the smarthost does not answer."""

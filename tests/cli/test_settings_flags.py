@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from relay.cli.exit_codes import ExitCode
 from relay.cli.group import main
 from relay.cli.options import SettingsCommand, load, settings_options
-from relay.config import FILE_ONLY_SETTINGS, Settings, env_name, flag_name
+from relay.config import FILE_ONLY_SETTINGS, Settings, UpstreamEntry, env_name, flag_name
 
 # one valid value other than the default for every setting, as an operator types it, and
 # what the settings then hold (a bool flag takes no value: None here)
@@ -47,7 +47,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "auth_failure_window": ("60", 60.0),
     "proxy_protocol": (None, True),
     "proxy_networks": ("10.1.0.0/16", ("10.1.0.0/16",)),
-    "upstream": ("smtp.example.com:587", "smtp.example.com:587"),
+    "upstream": ("smtp.example.com:587", (UpstreamEntry(address="smtp.example.com:587"),)),
     "upstream_tls": ("starttls", "starttls"),
     "upstream_verify": (None, False),  # --no-upstream-verify
     "upstream_user": ("relay@example.com", "relay@example.com"),

@@ -77,7 +77,7 @@ class Metrics:
     def store_call(self, op, seconds, ok):
         self.calls.append(["store_call", op, ok])
 
-    def upstream_call(self, seconds, code):
+    def upstream_call(self, seconds, code, upstream=""):
         self.calls.append(["upstream_call", code])
 
     def __getattr__(self, name):

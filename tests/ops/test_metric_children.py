@@ -16,8 +16,10 @@ def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -
     """After construction no call to ``.labels()`` is made, and every value is counted."""
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry=registry)
+    metrics.declare_upstreams(["primary", "backup"])
     collectors = [metrics._messages, metrics._recipients, metrics._store_errors,
-                  metrics._store_seconds, metrics._upstream_replies, metrics._up, metrics._dsn]
+                  metrics._store_seconds, metrics._upstream_replies, metrics._up, metrics._dsn,
+                  metrics._upstream_up, metrics._failovers]
 
     def refuse(*_: Any, **__: Any) -> None:
         raise AssertionError(".labels() called per message")
@@ -28,8 +30,10 @@ def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -
     metrics.message("relayed")  # type: ignore[arg-type]  # the value spelling counts too
     metrics.recipients(Outcome.RELAYED, 3)
     metrics.store_call("reserve", 0.002, ok=False)
-    metrics.upstream_call(0.1, 250)
-    metrics.upstream_call(0.1, None)
+    metrics.upstream_call(0.1, 250, "primary")
+    metrics.upstream_call(0.1, None, "backup")
+    metrics.upstream_up("backup", False)
+    metrics.failover("primary")
     metrics.component_up("store", True)
     metrics.dsn(DsnResult.SENT)
     value = registry.get_sample_value
@@ -37,8 +41,12 @@ def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -
     assert value("relay_recipients_total", {"outcome": "relayed"}) == 3
     assert value("relay_store_errors_total", {"op": "reserve"}) == 1
     assert value("relay_store_seconds_count", {"op": "reserve"}) == 1
-    assert value("relay_upstream_replies_total", {"code_class": "2xx"}) == 1
-    assert value("relay_upstream_replies_total", {"code_class": "none"}) == 1
+    assert value("relay_upstream_replies_total", {"code_class": "2xx", "upstream": "primary"}) == 1
+    assert value("relay_upstream_replies_total", {"code_class": "none", "upstream": "backup"}) == 1
+    assert value("relay_upstream_replies_total", {"code_class": "4xx", "upstream": "backup"}) == 0
+    assert value("relay_upstream_up", {"upstream": "backup"}) == 0
+    assert value("relay_upstream_failovers_total", {"from_upstream": "primary"}) == 1
+    assert value("relay_upstream_failovers_total", {"from_upstream": "backup"}) == 0
     assert value("relay_component_up", {"component": "store"}) == 1
     assert value("relay_dsn_total", {"result": "sent"}) == 1
 

@@ -92,8 +92,9 @@ async def test_counters_follow_a_short_load(observed: Relay, sink: Sink) -> None
     assert value(samples, "relay_recipients_total", outcome="relayed") == 5
     assert value(samples, "relay_recipients_total", outcome="suppressed") == 3
     assert value(samples, "relay_recipients_total", outcome="refused_temp") == 1
-    assert value(samples, "relay_upstream_replies_total", code_class="2xx") == 7
-    assert value(samples, "relay_upstream_replies_total", code_class="4xx") == 1
+    named = f"127.0.0.1:{sink.port}"  # the upstream's name: its address
+    assert value(samples, "relay_upstream_replies_total", code_class="2xx", upstream=named) == 7
+    assert value(samples, "relay_upstream_replies_total", code_class="4xx", upstream=named) == 1
     assert value(samples, "relay_upstream_seconds_count") == 8
     assert value(samples, "relay_store_seconds_count", op="reserve") == 9
     assert value(samples, "relay_store_errors_total", op="reserve") == 0

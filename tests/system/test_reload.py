@@ -542,7 +542,7 @@ async def test_allowed_networks_apply_to_the_next_connection(configured: Start,
 
 
 def _settings(**values: Any) -> Settings:
-    return Settings(upstream="maildir:md", **values)
+    return Settings(**{"upstream": "maildir:md", **values})
 
 
 def test_what_cannot_change_live(tmp_path: Path) -> None:

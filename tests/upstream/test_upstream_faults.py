@@ -181,7 +181,8 @@ async def test_a_reply_no_rfc_allows_is_never_passed_to_the_client(
         record = await relay.store.inspect(key_for(relay.settings.store_prefix, "user@example.net"))
         assert record.state is state
         samples = relay.registry.get_sample_value(
-            "relay_upstream_replies_total", {"code_class": "2xx"})
+            "relay_upstream_replies_total",
+            {"code_class": "2xx", "upstream": f"127.0.0.1:{peer.port}"})
         assert samples == 0.0
 
 

@@ -1,0 +1,285 @@
+"""Ordered upstreams with failover (issue 12): a message moves to the next upstream only on a
+definite failure before any recipient was accepted and before DATA, never after the dot or an
+accepted recipient; a failed upstream cools down, is probed, and comes back (``/readyz``).
+
+Real relays (in this process, on a real Redis) in front of two real aiosmtpd sinks or a
+scripted raw peer; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiosmtpd.smtp import SMTP
+
+from relay.app import Relay
+from relay.core.interfaces import OutboundMessage, RcptStatus
+from relay.upstream.failover import COOLING, READY, FailoverUpstream
+from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
+from tests.support.clients import message, send
+from tests.support.net import free_port
+from tests.support.peers import ScriptedPeer, serve_peer
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink, SinkHandler, start_sink
+from tests.support.waiting import until
+
+
+@pytest.fixture
+async def second() -> AsyncIterator[Sink]:
+    """The second upstream: a fresh sink."""
+    s = await start_sink()
+    yield s
+    s.server.close()
+
+
+def _address(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+def _failovers(relay: Relay, name: str) -> float:
+    value = relay.registry.get_sample_value("relay_upstream_failovers_total",
+                                            {"from_upstream": name})
+    return value if value is not None else 0.0
+
+
+async def test_first_down_the_second_takes_the_message_once(
+        make_relay: MakeRelay, second: Sink) -> None:
+    """Nothing listens on the first upstream: the second gets the message, once; the
+    failover is counted against the first; the reply is counted for the second."""
+    dead = free_port()
+    relay = await make_relay(upstream=f"{_address(dead)},{_address(second.port)}")
+    result = await send(relay.port, ["user@example.net"], message(key="F-1"))
+    assert result.code == 250, result
+    assert len(second.handler.delivered) == 1
+    assert _failovers(relay, _address(dead)) == 1
+    assert relay.registry.get_sample_value(
+        "relay_upstream_replies_total",
+        {"code_class": "2xx", "upstream": _address(second.port)}) == 1
+    again = await send(relay.port, ["user@example.net"], message(key="F-1"))
+    assert again.code == 250 and len(second.handler.delivered) == 1  # suppressed
+
+
+async def test_first_hangs_after_the_dot_nothing_goes_to_the_second(
+        make_relay: MakeRelay, sink: Sink, second: Sink) -> None:
+    """The first upstream takes the message and never answers the dot: 451 4.4.2 in doubt,
+    the second never sees it, and the client's retry is suppressed (not sent anywhere)."""
+    sink.handler.hang_after_dot_s = 30.0
+    relay = await make_relay(upstream=f"{_address(sink.port)},{_address(second.port)}",
+                             upstream_timeout=1.0)
+    result = await send(relay.port, ["user@example.net"], message(key="H-1"))
+    assert result.code == 451 and result.text.startswith("4.4.2"), result
+    assert "in doubt" in result.text
+    assert second.handler.transactions == 0
+    assert _failovers(relay, _address(sink.port)) == 0
+    sink.handler.hang_after_dot_s = 0.0
+    retry = await send(relay.port, ["user@example.net"], message(key="H-1"))
+    assert retry.code == 250, retry
+    assert second.handler.transactions == 0
+    assert len(sink.handler.delivered) == 1  # the first one's only
+
+
+async def test_one_recipient_accepted_another_refused_no_other_upstream(
+        make_relay: MakeRelay, sink: Sink, second: Sink) -> None:
+    """The first upstream accepts one recipient and refuses the other temporarily: the
+    attempt's result stands (one relayed, one told to retry); no other upstream is tried."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(["450 4.2.1 mailbox busy"])
+    relay = await make_relay(upstream=f"{_address(sink.port)},{_address(second.port)}")
+    result = await send(relay.port, ["a@example.net", "b@example.net"], message(key="P-1"))
+    assert result.code == 450 and result.text.startswith("4.2.1"), result  # retry the rest
+    assert second.handler.transactions == 0
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"]]
+    assert _failovers(relay, _address(sink.port)) == 0
+    retry = await send(relay.port, ["a@example.net", "b@example.net"], message(key="P-1"))
+    assert retry.code == 250, retry  # a is suppressed (sent), b goes now
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"],
+                                                            ["b@example.net"]]
+    assert second.handler.transactions == 0
+
+
+async def test_a_4yz_to_mail_moves_on(make_relay: MakeRelay, sink: Sink,
+                                      second: Sink) -> None:
+    """A 451 to MAIL (no transaction began): the second upstream takes it."""
+    sink.handler.mail_plan.append("451 4.3.0 try another")
+    relay = await make_relay(upstream=f"{_address(sink.port)},{_address(second.port)}")
+    result = await send(relay.port, ["user@example.net"], message(key="M-1"))
+    assert result.code == 250, result
+    assert len(second.handler.delivered) == 1 and not sink.handler.delivered
+
+
+async def test_a_5yz_to_mail_is_the_answer(make_relay: MakeRelay, sink: Sink,
+                                           second: Sink) -> None:
+    """A 550 to MAIL is permanent: the client gets it, no other upstream is tried."""
+    sink.handler.mail_plan.append("550 5.7.1 sender refused")
+    relay = await make_relay(upstream=f"{_address(sink.port)},{_address(second.port)}")
+    result = await send(relay.port, ["user@example.net"], message(key="M-2"))
+    assert result.code == 550, result
+    assert second.handler.transactions == 0
+
+
+class Closing421(ScriptedPeer):
+    """Greets with 421 and hangs up (a smarthost shedding load)."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Say 421 and close."""
+        writer.write(b"421 4.3.2 too busy, closing\r\n")
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        writer.close()
+
+
+async def test_a_421_greeting_moves_on(make_relay: MakeRelay, second: Sink) -> None:
+    """The first upstream greets 421: the second takes the message."""
+    async with serve_peer(Closing421()) as peer:
+        relay = await make_relay(upstream=f"{_address(peer.port)},{_address(second.port)}")
+        result = await send(relay.port, ["user@example.net"], message(key="G-1"))
+    assert result.code == 250, result
+    assert len(second.handler.delivered) == 1
+    assert _failovers(relay, _address(peer.port)) == 1
+
+
+async def test_a_tls_failure_moves_on(make_relay: MakeRelay, sink: Sink,
+                                      second: Sink) -> None:
+    """The first upstream (an inline entry with its own TLS setting) cannot do implicit TLS:
+    the handshake fails and the second (plain) takes the message."""
+    relay = await make_relay(upstream=(
+        {"address": _address(sink.port), "name": "primary", "tls": "tls", "verify": False},
+        _address(second.port)))
+    result = await send(relay.port, ["user@example.net"], message(key="T-1"))
+    assert result.code == 250, result
+    assert len(second.handler.delivered) == 1 and not sink.handler.delivered
+    assert _failovers(relay, "primary") == 1
+
+
+def _readyz(port: int) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+            return int(reply.status), json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read())
+
+
+async def _readyz_async(port: int) -> tuple[int, dict[str, Any]]:
+    return await asyncio.to_thread(_readyz, port)
+
+
+async def test_cool_down_and_recovery_in_readyz(make_relay: MakeRelay, second: Sink) -> None:
+    """The first upstream is down: a message fails over, /readyz lists it as cooling down
+    (until a time) while the relay stays ready through the second; once the first listens
+    again, the probe at the end of the cool-down brings it back as ready, and the next
+    message goes to it again."""
+    port = free_port()
+    relay = await make_relay(upstream=f"{_address(port)},{_address(second.port)}",
+                             metrics_listen="127.0.0.1:0", health_interval=0.2,
+                             upstream_cooldown=0.5, upstream_cooldown_max=1.0)
+    assert (await send(relay.port, ["u@example.net"], message(key="C-1"))).code == 250
+    status, body = await _readyz_async(relay.metrics_port)
+    assert status == 200, body
+    first = body["upstreams"][_address(port)]
+    assert first["state"] == COOLING and first["until"] > time.time() - 1, body
+    assert body["upstreams"][_address(second.port)]["state"] == READY
+    handler = SinkHandler()
+    server = await asyncio.get_running_loop().create_server(
+        lambda: SMTP(handler, hostname="back.test"), host="127.0.0.1", port=port)
+    try:
+        async def back() -> bool:
+            _, seen = await _readyz_async(relay.metrics_port)
+            return bool(seen["upstreams"][_address(port)]["state"] == READY)
+
+        await until(back, within_s=5.0, what="the first upstream ready again")
+        assert relay.registry.get_sample_value(
+            "relay_upstream_up", {"upstream": _address(port)}) == 1
+        assert (await send(relay.port, ["u@example.net"], message(key="C-2"))).code == 250
+        assert len(handler.delivered) == 1 and len(second.handler.delivered) == 1
+    finally:
+        server.close()
+
+
+async def test_all_down_readyz_is_503_naming_each(make_relay: MakeRelay) -> None:
+    """No upstream answers: /readyz is 503 and names each upstream's state."""
+    one, two = free_port(), free_port()
+    relay = await make_relay(upstream=f"{_address(one)},{_address(two)}",
+                             metrics_listen="127.0.0.1:0", health_interval=0.2,
+                             upstream_cooldown=5.0)
+    status, body = await _readyz_async(relay.metrics_port)
+    assert status == 503, body
+    assert set(body["upstreams"]) == {_address(one), _address(two)}
+    assert all(s["state"] == COOLING for s in body["upstreams"].values()), body
+    assert not body["components"]["upstream"]["ok"]
+
+
+async def test_a_single_upstream_is_always_tried(make_relay: MakeRelay) -> None:
+    """One upstream keeps no cool-down: right after a failure the next message is tried on
+    it (and delivered once it listens), as before the failover existed."""
+    port = free_port()
+    relay = await make_relay(upstream=_address(port), upstream_cooldown=60.0)
+    assert (await send(relay.port, ["u@example.net"], message(key="S-1"))).code == 451
+    handler = SinkHandler()
+    server = await asyncio.get_running_loop().create_server(
+        lambda: SMTP(handler, hostname="back.test"), host="127.0.0.1", port=port)
+    try:
+        assert (await send(relay.port, ["u@example.net"], message(key="S-1"))).code == 250
+        assert len(handler.delivered) == 1
+        assert relay.registry.get_sample_value(
+            "relay_upstream_up", {"upstream": _address(port)}) == 1  # ready again
+    finally:
+        server.close()
+
+
+def _smtp(port: int) -> SmtpUpstream:
+    return SmtpUpstream(config=SmtpUpstreamConfig(
+        host="127.0.0.1", port=port, local_hostname="relay.test", connect_timeout_s=1.0,
+        command_timeout_s=2.0, final_timeout_s=2.0))
+
+
+async def test_cool_down_doubles_up_to_its_cap_and_the_order_prefers_the_ready() -> None:
+    """A failed upstream's cool-down doubles with each failed probe, capped; while it cools
+    down the next one is preferred; when all cool down, the one whose cool-down ends first
+    is tried."""
+    dead, also_dead = free_port(), free_port()
+    failover = FailoverUpstream(
+        [("a", _smtp(dead)), ("b", _smtp(also_dead))], cooldown_s=0.05, cooldown_max_s=0.2)
+    try:
+        assert failover.preferred_name() == "a"
+        msg = OutboundMessage("app@example.com", ["u@example.net"], b"Subject: x\r\n\r\nx\r\n")
+        result = await failover.deliver(msg)
+        assert result.failover and result.upstream == "b"
+        assert result.recipients["u@example.net"].status is RcptStatus.REFUSED
+        states = failover.states()
+        assert states["a"].state == COOLING and states["b"].state == COOLING
+        assert failover.preferred_name() == "a"  # its cool-down ends first
+        await until(lambda: failover.states()["a"].failures >= 4, within_s=5.0,
+                    what="four failed probes")
+        a = failover.states()["a"]
+        if a.until is not None:
+            assert a.until - time.time() <= 0.2 + 0.05  # capped
+    finally:
+        await failover.close()
+
+
+async def test_many_failures_at_once_are_one_cool_down(second: Sink) -> None:
+    """Ten messages meet the dead first upstream at once: all go to the second, and the first
+    cools down once (one failure, the first cool-down), not ten doublings."""
+    dead = free_port()
+    failover = FailoverUpstream([("a", _smtp(dead)), ("b", _smtp(second.port))],
+                                cooldown_s=30.0, cooldown_max_s=600.0)
+    try:
+        results = await asyncio.gather(*(failover.deliver(OutboundMessage(
+            "app@example.com", [f"u{i}@example.net"], b"Subject: x\r\n\r\nx\r\n"))
+            for i in range(10)))
+        assert {r.upstream for r in results} == {"b"}
+        assert all(r.recipients[f"u{i}@example.net"].status is RcptStatus.ACCEPTED
+                   for i, r in enumerate(results))
+        a = failover.states()["a"]
+        assert a.state == COOLING and a.failures == 1
+        assert a.until is not None and a.until - time.time() <= 30.0
+        assert failover.preferred_name() == "b"
+    finally:
+        await failover.close()
