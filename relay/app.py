@@ -90,6 +90,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     check(("fingerprint_secret_file",), lambda: s.fingerprint_secret_bytes)
     check(("oauth_client_secret_file", "oauth_refresh_token_file"), s.oauth_secret_values)
     _check_tls_files(s, check)
+    _check_entry_tls_files(s, check)
     if s.tls_cert is not None and s.tls_key is not None:
         cert, key = s.tls_cert, s.tls_key
         check(("tls_cert", "tls_key"), lambda: server_context(cert, key, s.tls_min_version))
@@ -123,6 +124,27 @@ def _check_tls_files(s: Settings, check: Callable[[tuple[str, ...], Any], None])
         check(("upstream_client_cert", "upstream_client_key"), lambda: _load_tls(
             lambda: context.load_cert_chain(cert, key, password=lambda: b""),
             f"{cert} and {key}: no PEM certificate chain and its private key"))
+
+
+def _check_entry_tls_files(s: Settings, check: Callable[[tuple[str, ...], Any], None]
+                           ) -> None:
+    """The CA bundle and client certificate an ``upstream`` entry names itself, loaded as
+    the relay will load them; each problem names the entry."""
+    for entry in s.upstream:
+        if entry.ca_file is not None:
+            ca_file = entry.ca_file
+            check(("upstream",), functools.partial(_load_tls, functools.partial(
+                oauth_tls_context, ca_file), f"upstream {entry.label}: {ca_file}: no PEM CA file"))
+        if entry.client_cert is not None or entry.client_key is not None:
+            cert = entry.client_cert or s.upstream_client_cert
+            key = entry.client_key or s.upstream_client_key
+            if cert is None:
+                continue  # refused by the settings' rules already
+            context = ssl.create_default_context()
+            check(("upstream",), functools.partial(_load_tls, functools.partial(
+                context.load_cert_chain, cert, key, password=lambda: b""),
+                f"upstream {entry.label}: {cert} and {key}: no PEM certificate chain and its "
+                "private key"))
 
 
 def _load_tls(load: Callable[[], object], what: str) -> None:
@@ -225,7 +247,9 @@ def build_upstream(settings: Settings, metrics: FailoverMetrics | None = None
     return FailoverUpstream(
         members, cooldown_s=settings.upstream_cooldown,
         cooldown_max_s=settings.upstream_cooldown_max,
-        probe_timeout_s=min(settings.upstream_connect_timeout, 3.0), metrics=metrics)
+        # a probe ends within the readiness probe's own bound (HealthMonitor's timeout)
+        probe_timeout_s=0.9 * min(settings.upstream_connect_timeout, 3.0,
+                                  settings.health_interval * 2), metrics=metrics)
 
 
 def smtp_upstream_config(settings: Settings, entry: UpstreamEntry,

@@ -614,8 +614,39 @@ class Settings(BaseSettings):
                                     "upstream_password_file", "upstream_password")
         self._check_security()
         self._check_upstream_auth()
+        self._check_upstream_entries()
         self._check_listeners_apart()
         return self
+
+    def _check_upstream_entries(self) -> None:
+        """The cool-down's cap is not below it; each ``upstream`` entry's own settings hold
+        together with the global ones (OAuth2 AUTH needs its mailbox and the token endpoint;
+        a client certificate goes with its key)."""
+        if self.upstream_cooldown_max < self.upstream_cooldown:
+            raise SettingsRuleError(
+                f"upstream_cooldown_max ({self.upstream_cooldown_max:g} s) must not be below "
+                f"upstream_cooldown ({self.upstream_cooldown:g} s)",
+                "upstream_cooldown_max", "upstream_cooldown")
+        for entry in self.upstream:
+            cert = entry.client_cert or self.upstream_client_cert
+            key = entry.client_key or self.upstream_client_key
+            if (cert is None) != (key is None):
+                raise SettingsRuleError(
+                    f"upstream {entry.label}: client_cert and client_key go together",
+                    "upstream", "upstream_client_cert", "upstream_client_key")
+            auth = entry.auth or self.upstream_auth
+            if auth == "password" or entry.auth is None:
+                continue  # the global upstream_auth is checked above
+            user = entry.user if entry.user is not None else self.upstream_user
+            missing = [name for name, value in (
+                ("user", user), ("oauth_token_url", self.oauth_token_url),
+                ("oauth_client_id", self.oauth_client_id)) if not value]
+            if self.oauth_refresh_token_file is None and self.oauth_client_secret_file is None:
+                missing.append("oauth_client_secret_file or oauth_refresh_token_file")
+            if missing:
+                raise SettingsRuleError(
+                    f"upstream {entry.label}: auth {auth} needs {', '.join(missing)}",
+                    "upstream", "oauth_token_url", "oauth_client_id")
 
     def _check_upstream_auth(self) -> None:
         """OAuth2 AUTH needs the mailbox, the token endpoint (HTTPS: a secret goes to it), the

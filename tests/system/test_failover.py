@@ -190,3 +190,35 @@ async def test_cool_down_and_recovery_in_readyz(serve: Serve, second: Sink,
         assert len(handler.delivered) == 1 and second.handler.transactions == 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("entry, named", [
+    ('{ address = "127.0.0.1:2525", name = "backup", auth = "xoauth2" }',
+     "upstream backup: auth xoauth2 needs user, oauth_token_url"),
+    ('{ address = "127.0.0.1:2525", name = "backup", client_cert = "c.pem" }',
+     "upstream backup: client_cert and client_key go together"),
+    ('{ address = "127.0.0.1:2525", name = "backup", ca_file = "nothing.pem" }',
+     "upstream backup: nothing.pem: no PEM CA file"),
+    ('{ address = "127.0.0.1:2525", name = "backup", password_file = "none.txt" }',
+     "upstream backup: password_file none.txt"),
+    ('{ address = "127.0.0.1:2525", name = "two words" }', "upstream.1.name"),
+    ('{ address = "127.0.0.1:2525", tls = "ssl" }', "upstream.1.tls"),
+])
+def test_a_bad_inline_table_is_exit_78_naming_it(tmp_path: Path, entry: str,
+                                                 named: str) -> None:
+    """An inline table whose own settings do not hold (OAuth2 without its endpoint, a
+    certificate without its key, a CA file or password file that is not there, a bad name or
+    value): check-config exits 78 naming the entry."""
+    config = tmp_path / "relay.toml"
+    config.write_text(f'upstream = ["127.0.0.1:2526", {entry}]\n')
+    done = run_cli("check-config", "--config", str(config), cwd=tmp_path)
+    assert done.returncode == 78, done
+    assert named in done.stderr, done.stderr
+
+
+def test_cooldown_max_below_the_cooldown_is_refused(tmp_path: Path) -> None:
+    """--upstream-cooldown 60 --upstream-cooldown-max 10: exit 78 naming both."""
+    done = run_cli("check-config", "--upstream", "127.0.0.1:2525", "--upstream-cooldown", "60",
+                   "--upstream-cooldown-max", "10", cwd=tmp_path)
+    assert done.returncode == 78, done
+    assert "--upstream-cooldown-max" in done.stderr and "--upstream-cooldown," in done.stderr

@@ -15,12 +15,14 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiosmtpd.smtp import SMTP
 
-from relay.app import Relay
+from relay.app import Relay, smtp_upstream_config
+from relay.config import Settings
 from relay.core.interfaces import OutboundMessage, RcptStatus
 from relay.upstream.failover import COOLING, READY, FailoverUpstream
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
@@ -283,3 +285,27 @@ async def test_many_failures_at_once_are_one_cool_down(second: Sink) -> None:
         assert failover.preferred_name() == "b"
     finally:
         await failover.close()
+
+
+def test_an_entry_takes_its_own_settings_and_the_global_ones_for_the_rest(
+        tmp_path: Path) -> None:
+    """An inline table's keys apply to its upstream only; a key left out takes the global
+    upstream_* setting; the name defaults to the address."""
+    secret = tmp_path / "backup-password"
+    secret.write_text("s3cret\n")
+    values: dict[str, Any] = {
+        "upstream": ("smtp1.test:587", {"address": "[::1]:2525", "name": "backup",
+                                        "tls": "tls", "verify": False, "user": "b@example.com",
+                                        "password_file": secret, "pool_size": 0}),
+        "upstream_tls": "starttls", "upstream_user": "a@example.com",
+        "upstream_password": "global", "upstream_pool_size": 7, "hostname": "relay.test"}
+    settings = Settings(**values)
+    first, backup = (smtp_upstream_config(settings, e, None) for e in settings.upstream)
+    assert (first.name, first.host, first.port, first.tls, first.verify) == (
+        "smtp1.test:587", "smtp1.test", 587, "starttls", True)
+    assert (first.username, first.password, first.pool_size) == ("a@example.com", "global", 7)
+    assert (backup.name, backup.host, backup.port, backup.tls, backup.verify) == (
+        "backup", "::1", 2525, "tls", False)
+    assert (backup.username, backup.password, backup.pool_size) == (
+        "b@example.com", "s3cret", 0)
+    assert settings.upstream_summary == "smtp1.test:587, backup=[::1]:2525"
