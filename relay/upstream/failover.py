@@ -264,8 +264,8 @@ class FailoverUpstream:
             if error is None:
                 if len(self._members) == 1 or member.until is None:
                     self._succeeded(member)
-            else:
-                self._failed(member, error)
+            else:  # a delivery may have found it down meanwhile: the same outage
+                self._failed(member, error, again=False)
         states = self.states()
         if not any(s.state == READY for s in states.values()):
             raise ConnectionError("no upstream ready: " + "; ".join(

@@ -14,7 +14,7 @@ import json
 import time
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from aiosmtpd.smtp import SMTP
 
 from relay.app import Relay, smtp_upstream_config
 from relay.config import Settings
-from relay.core.interfaces import OutboundMessage, RcptStatus
+from relay.core.interfaces import DeliveryProgress, OutboundMessage, RcptStatus
 from relay.upstream.failover import COOLING, READY, FailoverUpstream
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 from tests.support.clients import message, send
@@ -309,3 +309,28 @@ def test_an_entry_takes_its_own_settings_and_the_global_ones_for_the_rest(
     assert (backup.username, backup.password, backup.pool_size) == (
         "b@example.com", "s3cret", 0)
     assert settings.upstream_summary == "smtp1.test:587, backup=[::1]:2525"
+
+
+async def test_the_before_dot_hook_runs_only_for_the_upstream_past_rcpt(
+        sink: Sink, second: Sink) -> None:
+    """The first upstream refuses MAIL with a 4yz: the hook (the SENDING mark) is not run for
+    it; the second accepts the recipient, and the hook runs once, for it, before its dot."""
+    sink.handler.mail_plan.append("451 4.3.0 try another")
+    failover = FailoverUpstream([("a", _smtp(sink.port)), ("b", _smtp(second.port))])
+    calls: list[tuple[list[str], int]] = []
+
+    async def mark(accepted: Sequence[str]) -> bool:
+        calls.append((list(accepted), second.handler.transactions))
+        return True
+
+    progress = DeliveryProgress(before_dot=mark)
+    try:
+        result = await failover.deliver(OutboundMessage(
+            "app@example.com", ["u@example.net"], b"Subject: x\r\n\r\nx\r\n"), progress)
+    finally:
+        await failover.close()
+    assert result.upstream == "b" and not result.failover
+    assert result.recipients["u@example.net"].status is RcptStatus.ACCEPTED
+    assert calls == [(["u@example.net"], 1)]  # once, during the second's transaction
+    assert progress.dot_written and progress.before_dot is mark
+    assert sink.handler.transactions == 1 and not sink.handler.delivered
