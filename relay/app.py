@@ -20,7 +20,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -348,13 +348,6 @@ def build_rate_limiter(store: FingerprintStore, prefix: str) -> RateLimiter | No
     return None
 
 
-def _preferred_name(upstream: Upstream) -> Callable[[], str] | None:
-    """The name of the upstream the relay tries first now (a failover upstream's
-    ``preferred_name``), the rate limits' ``upstream`` scope; None: one unnamed upstream."""
-    preferred = getattr(upstream, "preferred_name", None)
-    return cast(Callable[[], str], preferred) if callable(preferred) else None
-
-
 def build_dsn_sender(settings: Settings, upstream: Upstream,
                      metrics: PrometheusMetrics) -> DsnSender | None:
     """The RFC 3464 notifier for recipients refused after a 250, unless
@@ -489,14 +482,15 @@ class Relay:
         s = self.settings
         self.store = await build_store(s)
         self.metrics.declare_upstreams(entry.label for entry in s.upstream)
-        self.upstream = build_upstream(s, self.metrics)
+        self.upstream = upstream = build_upstream(s, self.metrics)
         self.dsn = build_dsn_sender(s, self.upstream, self.metrics)
         self.metrics.declare_rate_limits(r.label for r in s.rate_limit)
+        # the rate limits' ``upstream`` scope: the upstream a message would be tried on first
         core = DedupCore(store=self.store, upstream=self.upstream, metrics=self.metrics,
                          policy=build_policy(s), notifier=self.dsn,
                          limiter=build_rate_limiter(self.store, s.store_prefix),
                          rate_limits=build_rate_limits(s),
-                         upstream_name=_preferred_name(self.upstream))
+                         upstream_name=upstream.preferred_name)
         limits = ListenerLimits(
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,

@@ -27,6 +27,7 @@ from relay.reload import apply_changes, compare, file_digests
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message, send
 from tests.support.dedup_parts import CountingUpstream
+from tests.support.net import free_port
 from tests.support.relays import REDIS_URL, MakeRelay, PrivateRedis, delete_prefix
 from tests.support.sink import Sink
 
@@ -184,6 +185,24 @@ async def test_the_upstream_scope_counts_against_the_preferred_upstream() -> Non
     finally:
         await store.close()
         delete_prefix(REDIS_URL, prefix)
+
+
+async def test_the_upstream_scope_follows_a_failover_to_the_second_upstream(
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """Two upstreams, the first refusing connections: the first message is counted against
+    the first (its preferred one then) and fails over; once the first cools down the second is
+    preferred, and a limit on the second's name counts the next messages."""
+    dead, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{sink.port}"
+    relay = await make_relay(
+        upstream=f"{dead},{second}",
+        rate_limit=(RateLimit.model_validate({"scope": "upstream", "match": second,
+                                              "messages": 2, "per": 30, "name": "second"}),))
+    codes = [(await send(relay.port, [RCPT], message(key=f"F-{n}"))).code for n in range(4)]
+    # 1st: counted against the first upstream (not limited), relayed by the second;
+    # 2nd and 3rd: counted against the second; 4th: over its limit
+    assert codes == [250, 250, 250, 451]
+    assert len(sink.handler.delivered) == 3
+    assert limited(relay, "second") == 1
 
 
 async def test_a_shutdown_cutting_the_limit_check_answers_451_and_sends_nothing(
