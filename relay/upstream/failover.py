@@ -188,6 +188,8 @@ class FailoverUpstream:
 
     def _succeeded(self, member: _Member) -> None:
         """A transaction (or probe) that reached the upstream: it is ready again."""
+        if member.ready and member.until is None and member.error is None:
+            return  # the common case, per message: nothing changes, nothing is written
         if member.failures or member.until is not None or not member.ready:
             log.warning("upstream %s answers again: ready", member.name)
         member.failures, member.until, member.ready, member.error = 0, None, True, None
