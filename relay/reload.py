@@ -55,7 +55,9 @@ RELOADABLE = (*POLICY_SETTINGS, "allowed_networks", "allowed_senders", "auth_fil
 # settings naming a file whose content may change in place (a rotated certificate): compared
 # by a digest of the content as well as by the path
 FILE_SETTINGS = ("tls_cert", "tls_key", "auth_file", "fingerprint_secret_file",
-                 "upstream_password_file")
+                 "upstream_password_file", "upstream_ca_file", "upstream_client_cert",
+                 "upstream_client_key", "oauth_client_secret_file", "oauth_refresh_token_file",
+                 "oauth_ca_file")
 
 
 @dataclass(frozen=True)

@@ -568,6 +568,31 @@ def test_what_cannot_change_live(tmp_path: Path) -> None:
                                   "fingerprint_secret_file")
 
 
+def test_upstream_secrets_and_certificates_replaced_in_place_are_named(tmp_path: Path) -> None:
+    """The smarthost's CA bundle, client certificate and key, and the OAuth2 secret files are
+    read once at start: one replaced at its path is named "needs a restart", not ignored."""
+    pki = make_pki(tmp_path)
+    secret, refresh = tmp_path / "client-secret", tmp_path / "refresh-token"
+    secret.write_text("s1")
+    refresh.write_text("r1")
+    running = _settings(
+        upstream="127.0.0.1:2525", upstream_ca_file=pki.ca_file, upstream_client_cert=pki.cert,
+        upstream_client_key=pki.key, upstream_auth="xoauth2", upstream_user="relay@example.com",
+        oauth_token_url="https://127.0.0.1:8443/token", oauth_client_id="relay",
+        oauth_client_secret_file=secret, oauth_refresh_token_file=refresh,
+        oauth_ca_file=pki.ca_file)
+    before = file_digests(running)
+    for path in (pki.ca_file, pki.cert, pki.key):
+        path.write_text(path.read_text() + "\n")
+    secret.write_text("s2")
+    refresh.write_text("r2")
+    changed = compare(running, running, before, file_digests(running))
+    assert changed.applied == ()
+    assert set(changed.restart) == {
+        "upstream_ca_file", "upstream_client_cert", "upstream_client_key",
+        "oauth_client_secret_file", "oauth_refresh_token_file", "oauth_ca_file"}
+
+
 @WORKERS
 async def test_a_reload_leaves_the_sqlite_locks_so_another_process_keeps_the_wal(
         configured: Start, sink: Sink, tmp_path: Path, workers: int) -> None:
