@@ -8,12 +8,18 @@ Defects proved (each test is ``xfail(strict=True)`` until the product is fixed):
    so the upstream that answers again is neither probed nor tried for up to
    ``upstream_cooldown_max`` while mail keeps going to the one still down
    (``test_a_burst_forced_onto_a_cooling_upstream_counts_once``).
+2. The readiness probe and the recovery probe are bounded at 0.9 x min(connect timeout, 3 s,
+   2 x health_interval) while deliveries wait ``upstream_connect_timeout``: an upstream that
+   greets in between (a delayed banner) is cooled down by every readiness probe although it
+   takes mail; with the other upstream down, a message is forced onto the down one and
+   refused (``test_an_upstream_slower_than_the_probe_but_within_the_connect_timeout_is_used``).
 
 What held (regular tests): a MAIL that times out on the first upstream (which got MAIL) is
 never followed by RCPT or DATA there, the second takes the message, one copy in all; a
 single upstream is tried on every message whatever its readiness probe said; a 421 to MAIL on
 the first upstream after the previous message reused its pooled connection moves the message
-to the second without any RCPT on the first.
+to the second without any RCPT on the first; close() ends every probe task and a delivery
+after it starts none.
 
 Real SmtpUpstreams against scripted raw peers and aiosmtpd sinks on loopback; nothing mocked.
 """
@@ -266,3 +272,66 @@ async def test_close_leaves_no_probe_task() -> None:
     await failover.deliver(_outbound())  # a delivery after close starts no new probe
     assert not [t for t in asyncio.all_tasks()
                 if t.get_name().startswith("upstream-probe-") and not t.done()]
+
+
+class SlowGreeting(ScriptedPeer):
+    """A working smarthost that greets only after ``greet_delay_s`` (a banner delayed for a
+    DNS lookup or a greet pause); counts the messages it took (``delivered``)."""
+
+    greet_delay_s: float = 1.0
+    delivered: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Wait, then the scripted loop."""
+        with contextlib.suppress(OSError):
+            await asyncio.sleep(self.greet_delay_s)
+            await super().handle(reader, writer)
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """354, the message, 250 (counted)."""
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        if not await self.read_to_dot(reader):
+            return False
+        self.delivered += 1
+        writer.write(b"250 2.0.0 queued\r\n")
+        return True
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "relay/app.py:251-252 (probe_timeout_s = 0.9 x min(connect timeout, 3 s, 2 x "
+    "health_interval)) with relay/upstream/failover.py ping()/_failed: the readiness probe "
+    "declares failed, and cools down, an upstream that greets within upstream_connect_timeout "
+    "(the bound deliveries use); with the other upstream down the next message is forced "
+    "onto the down one and refused although the first delivers"))
+async def test_an_upstream_slower_than_the_probe_but_within_the_connect_timeout_is_used(
+        make_relay: MakeRelay) -> None:
+    """The first upstream greets after 1 s (the connect timeout is 5 s: deliveries reach
+    it), the second is down. The readiness probe (bound 0.36 s here, 2.7 s by default) finds
+    the first silent and cools it down. A message is forced onto it and delivered; the next
+    readiness probe cools it down again, now ending after the second's cool-down, so the next
+    message is forced onto the second, down, and refused: mail refused while an upstream that
+    takes it within the relay's own timeout is there."""
+    dead = free_port()
+    async with serve_peer(SlowGreeting()) as slow:
+        relay = await make_relay(upstream=f"127.0.0.1:{slow.port},127.0.0.1:{dead}",
+                                 metrics_listen="127.0.0.1:0", health_interval=0.2,
+                                 upstream_connect_timeout=5.0, upstream_cooldown=5.0)
+        upstream = relay.upstream
+        assert isinstance(upstream, FailoverUpstream)
+        first, second = f"127.0.0.1:{slow.port}", f"127.0.0.1:{dead}"
+        await until(lambda: all(s.state != READY for s in upstream.states().values()),
+                    within_s=3.0, what="both upstreams cooling after the readiness probe")
+        one = await send(relay.port, ["u@example.net"], message(key="SG-1"))
+        assert one.code == 250 and slow.delivered == 1, one  # the slow one delivers
+
+        def cooled_again() -> bool:
+            states = upstream.states()
+            a, b = states[first], states[second]
+            return (a.state != READY and a.until is not None and b.until is not None
+                    and a.until > b.until)
+
+        await until(cooled_again, within_s=2.0, what="the next probe cooling it again")
+        two = await send(relay.port, ["u@example.net"], message(key="SG-2"))
+        assert two.code == 250, two
+        assert slow.delivered == 2
