@@ -13,6 +13,9 @@ Defects proved (each test is ``xfail(strict=True)`` until the product is fixed):
    greets in between (a delayed banner) is cooled down by every readiness probe although it
    takes mail; with the other upstream down, a message is forced onto the down one and
    refused (``test_an_upstream_slower_than_the_probe_but_within_the_connect_timeout_is_used``).
+3. The DSN for a recipient refused after a failover names the first upstream as its
+   Remote-MTA, not the one that gave the refusal it quotes
+   (``test_a_dsn_names_the_upstream_that_refused``).
 
 What held (regular tests): a MAIL that times out on the first upstream (which got MAIL) is
 never followed by RCPT or DATA there, the second takes the message, one copy in all; a
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 
 import pytest
 
@@ -335,3 +339,23 @@ async def test_an_upstream_slower_than_the_probe_but_within_the_connect_timeout_
         two = await send(relay.port, ["u@example.net"], message(key="SG-2"))
         assert two.code == 250, two
         assert slow.delivered == 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "relay/app.py:358-360 (build_dsn_sender): the DSN's Remote-MTA is always the first "
+    "upstream's host, also for a refusal the second upstream gave after a failover (RFC "
+    "3464 section 2.3.5: the MTA that reported the status)"))
+async def test_a_dsn_names_the_upstream_that_refused(make_relay: MakeRelay,
+                                                      sink: Sink) -> None:
+    """The first upstream (127.0.0.1) is down; the second (``localhost``) accepts one
+    recipient and refuses the other permanently: the client gets 250 and the sender a DSN
+    whose Remote-MTA is the second upstream, the one whose 550 it carries."""
+    sink.handler.rcpt_plan["b@example.net"] = deque(["550 5.1.1 no such user"])
+    relay = await make_relay(upstream=f"127.0.0.1:{free_port()},localhost:{sink.port}")
+    result = await send(relay.port, ["a@example.net", "b@example.net"], message(key="DSN-1"))
+    assert result.code == 250, result
+    await until(lambda: len(sink.handler.delivered) >= 2,
+                what="the DSN through the second upstream")
+    [dsn] = [d for d in sink.handler.delivered if d.rcpt_tos == ["app@example.com"]]
+    assert b"5.1.1" in dsn.content
+    assert b"Remote-MTA: dns; localhost" in dsn.content, dsn.content.decode(errors="replace")
