@@ -15,6 +15,10 @@ Defects proved (each test is ``xfail(strict=True)`` until the product is fixed):
    old window (SQLite ``expires_ms``, Redis PEXPIRE): right after the old window the relay
    lets through a second full quota inside the new window
    (``test_a_reload_that_lengthens_the_window_keeps_the_units_taken``, both stores).
+3. A limit call that times out (the store's path stalls: the client is told 451 4.3.0,
+   nothing is sent) is never undone: the script runs on Redis after all and takes a unit
+   for a message that was not sent, so its retry is refused for the whole window
+   (``test_a_timed_out_limit_call_takes_nothing``).
 
 What held (regular tests): a message refused by one limit takes nothing from the others and
 reserves nothing (its retry goes through); the refusal texts and codes (451 4.7.0 and 452
@@ -22,7 +26,8 @@ reserves nothing (its retry goes through); the refusal texts and codes (451 4.7.
 limit (Redis and SQLite).
 
 Real relays in this process on the shared Redis (random key prefix) or a SQLite file, a real
-aiosmtpd sink; the lost reply is made by a loopback TCP proxy between the relay and Redis.
+aiosmtpd sink; the lost reply and the stall are made by a loopback TCP proxy between the
+relay and Redis. Also in tests/system/test_rate_limit_clock_attack.py: skewed clocks on SQLite.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from relay.store.sqlite import SqliteStore
 from tests.support.clients import message, send
 from tests.support.relays import REDIS_URL, MakeRelay, delete_prefix
 from tests.support.sink import Sink
+from tests.support.waiting import until
 
 RCPT = "user@example.net"
 
@@ -57,11 +63,14 @@ RCPT = "user@example.net"
 class DroppingProxy:
     """A TCP proxy on 127.0.0.1:``port`` in front of the test Redis. Armed, it forwards the
     next request that names a rate-limit key (``rl:{rl}``) and then, instead of forwarding
-    Redis's array reply to it, closes both sides: the script ran, its reply is lost."""
+    Redis's array reply to it, closes both sides: the script ran, its reply is lost. Armed
+    with ``delay_s``, it holds that request ``delay_s`` seconds before forwarding it (a
+    stalled path to Redis: the relay's call times out, the script runs later)."""
 
     port: int = 0
     armed: bool = False
     dropped: int = 0
+    delay_s: float = 0.0  # armed with a delay: hold that request this long, then forward it
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -75,7 +84,10 @@ class DroppingProxy:
             while chunk := await reader.read(65536):
                 if self.armed and b"rl:{rl}" in chunk:
                     self.armed = False
-                    drop_next.set()
+                    if self.delay_s:
+                        await asyncio.sleep(self.delay_s)  # the client gives up meanwhile
+                    else:
+                        drop_next.set()
                 up_writer.write(chunk)
                 await up_writer.drain()
             up_writer.close()
@@ -269,3 +281,36 @@ async def test_concurrent_acquires_never_take_more_than_the_limit(tmp_path: Path
         await redis_store.close()
         await sqlite_store.close()
         delete_prefix(REDIS_URL, prefix)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "relay/store/redis/limits.py:142-146 (RedisRateLimiter.acquire) and relay/core/dedup.py "
+    "_rate_limited: a limit call that times out (store down: 451 4.3.0, nothing sent) is "
+    "never undone, so when the stalled script runs after all it takes units for a message "
+    "that was not sent and later messages are refused"))
+async def test_a_timed_out_limit_call_takes_nothing(
+        proxy: DroppingProxy, make_relay: MakeRelay, sink: Sink) -> None:
+    """Limit 1 message a minute, store_timeout 0.3 s, store_down fail_closed. The path to
+    Redis stalls for 1 s on the first message's limit call: the client is told 451 (store
+    down) and nothing is sent. The script then runs on Redis; the message it was for was never
+    sent, so the next message (the client's retry) must still find room."""
+    relay = await _start(make_relay, sink, {"scope": "upstream", "messages": 1, "per": 60,
+                                            "name": "stalled"},
+                         store=_proxied_url(proxy.port), store_timeout=0.3, lease=3.0,
+                         store_down="fail_closed")
+    proxy.delay_s, proxy.armed = 1.0, True
+    first = await send(relay.port, [RCPT], message(key="ST-1"))
+    assert first.code == 451 and first.text.startswith("4.3.0"), first
+    assert not sink.handler.delivered
+    check = LimitCheck("stalled", "messages", f"stalled:m:upstream:127.0.0.1:{sink.port}",
+                       1, 60.0, 1)
+    key = limit_key(relay.settings.store_prefix, check)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        await until(lambda: not proxy.armed and client.exists(key) == 1, within_s=3.0,
+                    what="the stalled limit script run on Redis")
+    finally:
+        client.close()
+    retry = await send(relay.port, [RCPT], message(key="ST-1"))
+    assert retry.code == 250, retry
+    assert len(sink.handler.delivered) == 1
