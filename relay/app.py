@@ -25,7 +25,14 @@ from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from relay.config import Settings, UpstreamEntry, redact_url, setting_names, split_host_port
+from relay.config import (
+    Settings,
+    UpstreamEntry,
+    read_secret_file,
+    redact_url,
+    setting_names,
+    split_host_port,
+)
 from relay.core.dedup import DedupCore, Policy, TemplateRule
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
@@ -289,14 +296,7 @@ def smtp_upstream_config(settings: Settings, entry: UpstreamEntry,
 def _entry_secret(path: Path, name: str) -> str:
     """The password in the file ``path`` of the upstream entry ``name`` (stripped). Raises
     ConfigError naming the entry when it cannot be read or is empty."""
-    try:
-        secret = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
-        raise ConfigError(f"upstream {name}: password_file {path}: {reason}") from exc
-    if not secret:
-        raise ConfigError(f"upstream {name}: password_file {path} is empty")
-    return secret
+    return read_secret_file(path, f"upstream {name}: password_file")
 
 
 def build_token_provider(settings: Settings) -> TokenProvider | None:

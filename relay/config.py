@@ -788,13 +788,20 @@ def _secret_file(path: Path, field: str) -> str:
 
     Raises ConfigError naming the setting when it cannot be read or holds nothing.
     """
+    return read_secret_file(path, field, f" ({setting_names(field)})")
+
+
+def read_secret_file(path: Path, label: str, where: str = "") -> str:
+    """The text of the secret file ``path`` without surrounding whitespace (a Docker or
+    systemd secret's final newline is not part of it). Raises ConfigError
+    ``<label>: <why>: <path><where>`` when it cannot be read or holds nothing."""
     try:
         secret = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
-        raise ConfigError(f"{field}: {reason}: {path} ({setting_names(field)})") from exc
+        raise ConfigError(f"{label}: {reason}: {path}{where}") from exc
     if not secret:
-        raise ConfigError(f"{field}: {path} is empty ({setting_names(field)})")
+        raise ConfigError(f"{label}: {path} is empty{where}")
     return secret
 
 

@@ -200,7 +200,7 @@ async def test_cool_down_and_recovery_in_readyz(serve: Serve, second: Sink,
     ('{ address = "127.0.0.1:2525", name = "backup", ca_file = "nothing.pem" }',
      "upstream backup: nothing.pem: no PEM CA file"),
     ('{ address = "127.0.0.1:2525", name = "backup", password_file = "none.txt" }',
-     "upstream backup: password_file none.txt"),
+     "upstream backup: password_file: No such file or directory: none.txt"),
     ('{ address = "127.0.0.1:2525", name = "two words" }', "upstream.1.name"),
     ('{ address = "127.0.0.1:2525", tls = "ssl" }', "upstream.1.tls"),
 ])
