@@ -303,7 +303,7 @@ class SlowGreeting(ScriptedPeer):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "relay/app.py:251-252 (probe_timeout_s = 0.9 x min(connect timeout, 3 s, 2 x "
+    "relay/app.py:258-259 (probe_timeout_s = 0.9 x min(connect timeout, 3 s, 2 x "
     "health_interval)) with relay/upstream/failover.py ping()/_failed: the readiness probe "
     "declares failed, and cools down, an upstream that greets within upstream_connect_timeout "
     "(the bound deliveries use); with the other upstream down the next message is forced "
