@@ -76,6 +76,7 @@ class _Member:
     ready: bool = True
     error: str | None = None
     probe: asyncio.Task[None] | None = None
+    counted_at: float | None = None  # monotonic time its last failure was counted
 
 
 class FailoverUpstream:
@@ -163,7 +164,8 @@ class FailoverUpstream:
         order = self._order()
         try:
             for index, member in enumerate(order):
-                forced = self._cooling(member, self._clock())  # every upstream cools down
+                began = self._clock()
+                forced = self._cooling(member, began)  # every upstream cools down
                 result = await member.upstream.deliver(message, progress)
                 if result.upstream != member.name:
                     result = dataclasses.replace(result, upstream=member.name)
@@ -174,7 +176,7 @@ class FailoverUpstream:
                     return result
                 if not moved_on:  # said failover although it went further: it stands
                     return result
-                self._failed(member, _why(result), again=forced)
+                self._failed(member, _why(result), again=forced, began=began)
                 if index + 1 < len(order):
                     log.warning("upstream %s failed before any recipient was accepted (%s): "
                                 "trying %s", member.name, _why(result), order[index + 1].name)
@@ -199,18 +201,23 @@ class FailoverUpstream:
             member.probe = None
         self._report(member)
 
-    def _failed(self, member: _Member, error: str, *, again: bool = True) -> None:
+    def _failed(self, member: _Member, error: str, *, again: bool = True,
+                began: float | None = None) -> None:
         """A definite failure: start the cool-down (or, ``again``, the next, longer one: a
         failed probe, or a try while it cooled down), and the probe at its end. A failure of
-        a transaction begun before a cool-down started (one of many at once) adds nothing.
-        A single upstream keeps no cool-down (it is always tried): only its state changes."""
+        a transaction begun (``began``, monotonic) before another failure was counted (one of
+        many messages at once, forced onto it or not) adds nothing. A single upstream keeps no
+        cool-down (it is always tried): only its state changes."""
         member.error = error
         if len(self._members) == 1:
             member.ready = False
             self._report(member)
             return
+        if began is not None and member.counted_at is not None and member.counted_at >= began:
+            return  # counted while this transaction ran: the same outage, once
         if not again and member.until is not None and member.until > self._clock():
             return  # already cooling down: the same outage, counted once
+        member.counted_at = self._clock()
         member.failures += 1
         cooldown = min(self._cooldown_s * 2 ** (member.failures - 1), self._cooldown_max_s)
         member.until = self._clock() + cooldown
