@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -35,16 +36,25 @@ from relay.store.redis.clients import Client
 
 _ERROR_TEXT_MAX = 300
 
+log = logging.getLogger("relay.store.redis.limits")
+
 # KEYS[2i-1] - the sorted set of the i-th check's bucket: one member per call that took units
 #              (``<cost>|<call token>|<i>``), scored by the server's time in ms
 # KEYS[2i]    - the units its members hold in all (a string), so a call never sums the set
+# KEYS[#KEYS] - the call's tombstone (:func:`tombstone_key`): set by GIVE_BACK_LUA
 # ARGV[1] - a token unique to the call (members of one call differ from every other's)
 # ARGV[3i-1], ARGV[3i], ARGV[3i+1] - the i-th check's window (ms), limit and cost
 # return {0, 0} when every check had room and took its cost; otherwise {i, ms}: the i-th
 # check refused (nothing was taken from any bucket) and has room again in ms milliseconds
 # (-1: its cost alone is over its limit). Cost: the members that left the window since the
 # last call, plus, for a refusal, the few oldest members that must leave for it to fit.
+# Idempotent for its token: a call that took its units already (the client sent it again after
+# a lost reply) or that was given back (its caller timed out first) takes nothing, {0, 0}.
 ACQUIRE_LUA = """
+if redis.call('EXISTS', KEYS[#KEYS]) == 1
+        or redis.call('ZSCORE', KEYS[1], ARGV[4] .. '|' .. ARGV[1] .. '|1') then
+    return {0, 0}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function cost_of(member)
@@ -67,7 +77,7 @@ local function used_in(set, total, window)
     end
     return used
 end
-for i = 1, #KEYS / 2 do
+for i = 1, (#KEYS - 1) / 2 do
     local set, total = KEYS[2 * i - 1], KEYS[2 * i]
     local window = tonumber(ARGV[3 * i - 1])
     local limit = tonumber(ARGV[3 * i])
@@ -90,7 +100,7 @@ for i = 1, #KEYS / 2 do
         return {i, window}
     end
 end
-for i = 1, #KEYS / 2 do
+for i = 1, (#KEYS - 1) / 2 do
     local set, total = KEYS[2 * i - 1], KEYS[2 * i]
     local window, cost = ARGV[3 * i - 1], ARGV[3 * i + 1]
     redis.call('ZADD', set, now, cost .. '|' .. ARGV[1] .. '|' .. i)
@@ -101,7 +111,30 @@ end
 return {0, 0}
 """
 
+# KEYS as ACQUIRE_LUA's; ARGV[1] - the call's token, ARGV[2] - how long the tombstone lives
+# (ms: the longest window), ARGV[2 + i] - the i-th check's cost. Takes back what the call took
+# (a member of its token, and its units from the total) and leaves the tombstone, so a call
+# that reaches Redis only after this takes nothing. Returns 1.
+GIVE_BACK_LUA = """
+for i = 1, (#KEYS - 1) / 2 do
+    local set, total = KEYS[2 * i - 1], KEYS[2 * i]
+    local cost = ARGV[2 + i]
+    if redis.call('ZREM', set, cost .. '|' .. ARGV[1] .. '|' .. i) == 1
+            and redis.call('EXISTS', total) == 1 then
+        redis.call('DECRBY', total, cost)
+    end
+end
+redis.call('SET', KEYS[#KEYS], '1', 'PX', ARGV[2])
+return 1
+"""
+
 _TRANSLATED = (RedisError, RedisClusterException, OSError, UnicodeError)
+
+
+def tombstone_key(first_key: str, token: str) -> str:
+    """The key that marks the call ``token`` given back: beside its first bucket's sorted set
+    ``first_key`` (the same ``{rl}`` slot)."""
+    return f"{first_key}:x:{token}"
 
 
 def limit_key(prefix: str, check: LimitCheck) -> str:
@@ -126,6 +159,7 @@ class RedisRateLimiter:
         self._prefix = prefix
         self._op_timeout_s = op_timeout_s
         self._script = client.register_script(ACQUIRE_LUA)
+        self._give_back_script = client.register_script(GIVE_BACK_LUA)
 
     async def acquire(self, checks: Sequence[LimitCheck]) -> LimitVerdict:
         """Take every check's cost or none, in one script (see the module docstring)."""
@@ -135,16 +169,20 @@ class RedisRateLimiter:
         for check in checks:
             key = limit_key(self._prefix, check)
             keys += [key, f"{key}:n"]
-        args: list[str | int] = [secrets.token_hex(8)]
+        token = secrets.token_hex(8)
+        keys.append(tombstone_key(keys[0], token))
+        args: list[str | int] = [token]
         for check in checks:
             args += [_ms(check.per_s), check.limit, check.cost]
         try:
             async with asyncio.timeout(self._op_timeout_s):
-                result = await self._run(keys, args)
+                result = await self._run(self._script, keys, args)
         except TimeoutError as exc:
+            await self._give_back(keys, token, checks)
             raise StoreError("rate_limit", f"redis did not answer within "
                                            f"{self._op_timeout_s:g} s") from exc
         except _TRANSLATED as exc:
+            await self._give_back(keys, token, checks)
             raise StoreError("rate_limit",
                              f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]) from exc
         index, wait_ms = int(result[0]), int(result[1])
@@ -153,12 +191,26 @@ class RedisRateLimiter:
         return LimitVerdict(allowed=False, refused=checks[index - 1],
                             retry_after_s=None if wait_ms < 0 else wait_ms / 1000)
 
-    async def _run(self, keys: list[str], args: list[str | int]) -> Any:
+    async def _give_back(self, keys: list[str], token: str,
+                         checks: Sequence[LimitCheck]) -> None:
+        """Undo whatever of the failed call ``token`` landed or may still land (its message is
+        answered 4yz and not sent, so its units must not count), within ``op_timeout_s``; a
+        Redis that does not answer keeps them: they leave with their window."""
+        args: list[str | int] = [token, max(_ms(c.per_s) for c in checks),
+                                 *(c.cost for c in checks)]
+        try:
+            async with asyncio.timeout(self._op_timeout_s):
+                await self._run(self._give_back_script, keys, args)
+        except (TimeoutError, *_TRANSLATED) as exc:
+            log.warning("rate limit: cannot give back the units of a failed call (%s): they "
+                        "count until their window ends", type(exc).__name__)
+
+    async def _run(self, script: Any, keys: list[str], args: list[str | int]) -> Any:
         """EVALSHA, or EVAL when the server does not know the script (restarted, flushed,
         a node never used before)."""
         try:
             return await self._client.execute_command(
-                "EVALSHA", self._script.sha, len(keys), *keys, *args)
+                "EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self._client.execute_command(
-                "EVAL", self._script.script, len(keys), *keys, *args)
+                "EVAL", script.script, len(keys), *keys, *args)
