@@ -72,9 +72,22 @@ class DroppingProxy:
     dropped: int = 0
     delay_s: float = 0.0  # armed with a delay: hold that request this long, then forward it
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    handlers: set[asyncio.Task[Any]] = field(default_factory=set)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection: pump both ways to a new connection to Redis."""
+        me = asyncio.current_task()
+        if me is not None:  # the fixture's teardown waits for every connection to close
+            self.handlers.add(me)
+            me.add_done_callback(self.handlers.discard)
+        try:
+            await self._pump(reader, writer)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parsed = urlparse(REDIS_URL)
         up_reader, up_writer = await asyncio.open_connection(parsed.hostname or "127.0.0.1",
                                                              parsed.port or 6379)
@@ -111,8 +124,10 @@ class DroppingProxy:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for pump in pumps:
             pump.cancel()
-        writer.close()
+        await asyncio.gather(*pumps, return_exceptions=True)
         up_writer.close()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await up_writer.wait_closed()
 
 
 @pytest.fixture
@@ -133,8 +148,10 @@ def proxy() -> Iterator[DroppingProxy]:
         ready.set()
         await stop.wait()
         server.close()
-        for task in list(p.tasks):
+        for task in (*p.tasks, *p.handlers):
             task.cancel()
+        await asyncio.gather(*p.tasks, *p.handlers, return_exceptions=True)
+        await server.wait_closed()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
