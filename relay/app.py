@@ -257,7 +257,10 @@ def build_upstream(settings: Settings, metrics: FailoverMetrics | None = None
         # a probe waits as long as a delivery's connect does: an upstream that greets within
         # upstream_connect_timeout is not cooled down for being slower than a probe (the
         # readiness probe's own bound cancels a slow ping: not ready then, but no cool-down)
-        probe_timeout_s=settings.upstream_connect_timeout, metrics=metrics)
+        probe_timeout_s=settings.upstream_connect_timeout,
+        # each upstream's share of a readiness probe ends within HealthMonitor's own bound
+        readiness_timeout_s=0.9 * min(settings.upstream_connect_timeout, 3.0,
+                                      settings.health_interval * 2), metrics=metrics)
 
 
 def smtp_upstream_config(settings: Settings, entry: UpstreamEntry,

@@ -83,12 +83,16 @@ class FailoverUpstream:
     """Ordered upstreams with failover and cool-down; see the module doc.
 
     ``upstreams``: ``(name, upstream)`` pairs in the order they are tried (names unique).
-    ``cooldown_s`` / ``cooldown_max_s``: seconds; ``probe_timeout_s`` bounds each probe.
+    ``cooldown_s`` / ``cooldown_max_s``: seconds; ``probe_timeout_s`` bounds a recovery probe
+    (as long as a delivery's connect may take); ``readiness_timeout_s`` bounds each upstream's
+    share of a readiness probe (:meth:`ping`: one slower than it is not counted ready for that
+    round, and not cooled down either).
     ``clock``: monotonic seconds (tests). Raises ``ValueError`` for no upstream or a name twice.
     """
 
     def __init__(self, upstreams: Sequence[tuple[str, Upstream]], *, cooldown_s: float = 30.0,
                  cooldown_max_s: float = 600.0, probe_timeout_s: float = 5.0,
+                 readiness_timeout_s: float | None = None,
                  metrics: FailoverMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         names = [name for name, _ in upstreams]
@@ -100,6 +104,8 @@ class FailoverUpstream:
         self._cooldown_s = cooldown_s
         self._cooldown_max_s = max(cooldown_max_s, cooldown_s)
         self._probe_timeout_s = probe_timeout_s
+        self._readiness_timeout_s = (probe_timeout_s if readiness_timeout_s is None
+                                     else min(readiness_timeout_s, probe_timeout_s))
         self._metrics = metrics
         self._clock = clock
         self._closed = False
@@ -247,38 +253,61 @@ class FailoverUpstream:
             if member.probe is asyncio.current_task():
                 member.probe = None
 
-    async def _probe(self, member: _Member) -> str | None:
-        """Ping ``member`` within the probe timeout: None when it answered, else why not."""
+    async def _probe(self, member: _Member, timeout_s: float | None = None) -> str | None:
+        """Ping ``member`` within ``timeout_s`` (default the probe timeout): None when it
+        answered, else why not. Raises TimeoutError when ``timeout_s`` is given and passes
+        (a slow upstream, not a failed one)."""
         try:
-            async with asyncio.timeout(self._probe_timeout_s):
+            async with asyncio.timeout(self._probe_timeout_s if timeout_s is None
+                                       else timeout_s):
                 await member.upstream.ping()
+        except TimeoutError:
+            if timeout_s is not None:
+                raise
+            return "TimeoutError: no answer within the probe timeout"
         except Exception as exc:  # any failure: not ready, reported
             return f"{type(exc).__name__}: {exc}"[:300]
         return None
+
+    async def _readiness_probe(self, member: _Member) -> str | None:
+        """:meth:`_probe` within the readiness share: ``_SLOW`` when it did not answer in
+        time (no verdict: a delivery waits longer)."""
+        try:
+            return await self._probe(member, self._readiness_timeout_s)
+        except TimeoutError:
+            return _SLOW
 
     def _report(self, member: _Member) -> None:
         if self._metrics is not None:
             self._metrics.upstream_up(member.name, member.ready)
 
     async def ping(self) -> None:
-        """The readiness probe: ping every upstream that is not cooling down, concurrently;
-        one that does not answer starts cooling down (a single one is marked down). Raises
-        :class:`ConnectionError` when no upstream is ready afterwards."""
+        """The readiness probe: ping every upstream that is not cooling down, concurrently,
+        each within the readiness share; one that refuses or fails starts cooling down (a
+        single one is marked down); one slower than the share gets no verdict (a delivery
+        waits up to the connect timeout). Raises :class:`ConnectionError` unless some upstream
+        answered now, or is ready and was not probed (a recovery probe runs)."""
         now = self._clock()
         members = [m for m in self._members
                    if len(self._members) == 1 or m.until is None or m.until <= now]
         members = [m for m in members if m.probe is None]  # a recovery probe is under way
-        errors = await asyncio.gather(*(self._probe(m) for m in members))
+        errors = await asyncio.gather(*(self._readiness_probe(m) for m in members))
+        answered = False
         for member, error in zip(members, errors, strict=True):
             if error is None:
+                answered = True
                 if len(self._members) == 1 or member.until is None:
                     self._succeeded(member)
-            else:  # a delivery may have found it down meanwhile: the same outage
-                self._failed(member, error, again=False)
+            elif error is not _SLOW:  # a delivery may have found it down meanwhile: the same
+                self._failed(member, error, again=False)  # outage
+        probed = {m.name for m in members}
         states = self.states()
-        if not any(s.state == READY for s in states.values()):
-            raise ConnectionError("no upstream ready: " + "; ".join(
-                f"{name} {s.state}" + (f" ({s.error})" if s.error else "")
+        if not answered and not any(s.state == READY and name not in probed
+                                    for name, s in states.items()):
+            raise ConnectionError("no upstream answered: " + "; ".join(
+                f"{name} {s.state}" + (" (slower than the readiness probe)"
+                                        if name in probed and s.state == READY else
+                                        f" ({s.error})" if s.error else "")
                 for name, s in states.items()))
 
     async def close(self) -> None:
@@ -292,6 +321,9 @@ class FailoverUpstream:
                 await probe
         for member in self._members:
             await member.upstream.close()
+
+
+_SLOW = "slow"  # a readiness probe's share passed without an answer (no verdict)
 
 
 def _why(result: DeliveryResult) -> str:

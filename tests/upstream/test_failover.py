@@ -334,3 +334,34 @@ async def test_the_before_dot_hook_runs_only_for_the_upstream_past_rcpt(
     assert calls == [(["u@example.net"], 1)]  # once, during the second's transaction
     assert progress.dot_written and progress.before_dot is mark
     assert sink.handler.transactions == 1 and not sink.handler.delivered
+
+
+async def test_a_silent_first_upstream_leaves_the_relay_ready_through_the_second(
+        make_relay: MakeRelay, second: Sink) -> None:
+    """The first upstream accepts TCP and never greets; the second is healthy. /readyz is 200
+    (the first was slower than the readiness probe's share: no verdict, no cool-down; the
+    second answered), and a message still reaches the second after the connect timeout."""
+    held: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        relay = await make_relay(upstream=f"{_address(port)},{_address(second.port)}",
+                                 metrics_listen="127.0.0.1:0", health_interval=0.2,
+                                 upstream_connect_timeout=1.0)
+
+        async def ready() -> bool:
+            return (await _readyz_async(relay.metrics_port))[0] == 200
+
+        await until(ready, within_s=5.0, what="/readyz 200 through the second upstream")
+        await asyncio.sleep(0.6)  # several more readiness rounds: still ready
+        code, body = await _readyz_async(relay.metrics_port)
+        assert code == 200, body
+        result = await send(relay.port, ["u@example.net"], message(key="SILENT-1"))
+        assert result.code == 250 and second.handler.copies_to("u@example.net") == 1
+    finally:
+        silent.close()
+        for writer in held:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await silent.wait_closed()
