@@ -662,9 +662,11 @@ class Settings(BaseSettings):
         needed = ("upstream_user", "oauth_token_url", "oauth_client_id")
         missing = [name for name in needed if not getattr(self, name)]
         if missing:
+            why = (" (upstream_user is the mailbox the token is for)"
+                   if "upstream_user" in missing else "")
             raise SettingsRuleError(
-                f"upstream_auth {self.upstream_auth} needs {', '.join(missing)} (upstream_user "
-                "is the mailbox the token is for)", "upstream_auth", *missing)
+                f"upstream_auth {self.upstream_auth} needs {', '.join(missing)}{why}",
+                "upstream_auth", *missing)
         if self.oauth_refresh_token_file is None and self.oauth_client_secret_file is None:
             raise SettingsRuleError(
                 f"upstream_auth {self.upstream_auth} needs oauth_client_secret_file (the "
