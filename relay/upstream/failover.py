@@ -13,7 +13,7 @@ An upstream that failed cools down for ``cooldown_s`` seconds, doubling with eac
 failure up to ``cooldown_max_s``; a background probe (connect, EHLO, QUIT:
 :meth:`SmtpUpstream.ping`) at the end of the cool-down brings it back, a failed one starts the
 next, longer cool-down. A delivery that did not fail over resets it. When every upstream cools
-down, the one whose cool-down ends first is tried anyway. A single upstream never cools down:
+down, each is tried in turn anyway, the one whose cool-down ends first first. A single upstream never cools down:
 it is always tried, its state is its last readiness probe's.
 """
 
@@ -142,12 +142,14 @@ class FailoverUpstream:
 
     def _order(self) -> list[_Member]:
         """The upstreams to try, in order: those not cooling down (nor down); when none is
-        left, only the one whose cool-down ends first."""
+        left, every one, the one whose cool-down ends first first (one may have come back
+        before its probe saw it: mail is never refused while one takes it; each failure is
+        before anything was sent, so trying the next risks no duplicate)."""
         now = self._clock()
         usable = [m for m in self._members if not self._cooling(m, now)]
         if usable:
             return usable
-        return [min(self._members, key=lambda m: m.until if m.until is not None else now)]
+        return sorted(self._members, key=lambda m: m.until if m.until is not None else now)
 
     async def deliver(self, message: OutboundMessage,
                       progress: DeliveryProgress | None = None) -> DeliveryResult:

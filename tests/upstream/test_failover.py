@@ -365,3 +365,37 @@ async def test_a_silent_first_upstream_leaves_the_relay_ready_through_the_second
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
         await silent.wait_closed()
+
+
+async def test_when_every_upstream_cools_down_each_is_tried_in_turn(second: Sink) -> None:
+    """Both upstreams failed (cooling down, long cool-downs); the second comes back before any
+    probe: the next message tries the first (its cool-down ends first), fails before anything
+    was sent, and goes to the second instead of being refused."""
+    down, back = free_port(), free_port()
+    failover = FailoverUpstream(
+        [("first", SmtpUpstream(config=SmtpUpstreamConfig(
+            host="127.0.0.1", port=down, local_hostname="relay.test", pool_size=0))),
+         ("second", SmtpUpstream(config=SmtpUpstreamConfig(
+             host="127.0.0.1", port=back, local_hostname="relay.test", pool_size=0)))],
+        cooldown_s=60.0, cooldown_max_s=60.0, probe_timeout_s=1.0)
+    try:
+        failed = await failover.deliver(OutboundMessage(
+            mail_from="app@example.com", rcpt_tos=["u@example.net"],
+            content=message(key="ALL-1")))
+        assert failed.failover
+        assert all(s.state == COOLING for s in failover.states().values())
+        revived = await start_sink()
+        try:
+            failover._members[1].upstream = SmtpUpstream(config=SmtpUpstreamConfig(
+                host="127.0.0.1", port=revived.port, local_hostname="relay.test",
+                pool_size=0))
+            result = await failover.deliver(OutboundMessage(
+                mail_from="app@example.com", rcpt_tos=["u@example.net"],
+                content=message(key="ALL-2")))
+            assert result.upstream == "second", result
+            assert result.recipients["u@example.net"].status is RcptStatus.ACCEPTED
+            assert revived.handler.copies_to("u@example.net") == 1
+        finally:
+            revived.server.close()
+    finally:
+        await failover.close()

@@ -89,9 +89,9 @@ class Switchable(ScriptedPeer):
 
 async def test_a_burst_forced_onto_a_cooling_upstream_counts_once() -> None:
     """Both upstreams down (421 greeting): one message cools both. Six concurrent messages
-    are then forced onto ``a`` (its cool-down ends first) and fail at the same moment: one
-    failure more, so ``a``'s cool-down is 2 x 0.5 s. ``a`` answers again right after: its
-    probe must find it within a few seconds (the cap, 60 s, is not reached by one burst)
+    are then forced onto ``a`` (its cool-down ends first), then ``b``, and fail at the same
+    moment: one failure more each, so ``a``'s cool-down is 2 x 0.5 s. ``a`` answers again
+    right after: its probe must find it within a few seconds (the cap, 60 s, is not reached)
     and the next message must be delivered by it, not refused through ``b``, still down."""
     async with serve_peer(Switchable()) as first, serve_peer(Switchable()) as second:
         failover = FailoverUpstream(
@@ -102,7 +102,7 @@ async def test_a_burst_forced_onto_a_cooling_upstream_counts_once() -> None:
             assert result.failover and result.upstream == "b"
             assert failover.states()["a"].failures == 1
             burst = await asyncio.gather(*(failover.deliver(_outbound(n)) for n in range(6)))
-            assert all(r.upstream == "a" for r in burst), [r.upstream for r in burst]
+            assert all(r.failover and r.upstream == "b" for r in burst), burst  # a, then b
             first.down = False  # a answers again; b stays down
             await until(lambda: failover.states()["a"].state == READY, within_s=4.0,
                         what="the upstream that answers again probed ready")
