@@ -13,8 +13,8 @@ An upstream that failed cools down for ``cooldown_s`` seconds, doubling with eac
 failure up to ``cooldown_max_s``; a background probe (connect, EHLO, QUIT:
 :meth:`SmtpUpstream.ping`) at the end of the cool-down brings it back, a failed one starts the
 next, longer cool-down. A delivery that did not fail over resets it. When every upstream cools
-down, each is tried in turn anyway, the one whose cool-down ends first first. A single upstream never cools down:
-it is always tried, its state is its last readiness probe's.
+down, each is tried in turn anyway, the one whose cool-down ends first first. A single
+upstream never cools down: it is always tried, its state is its last readiness probe's.
 """
 
 from __future__ import annotations
