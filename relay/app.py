@@ -47,6 +47,7 @@ from relay.smtp.handler import ListenerLimits, ListenerSecurity, RelayHandler, s
 from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.smtp.tls import server_context
 from relay.store.journal import add_to_journal, read_journal, remove_from_journal
+from relay.store.postgres.store import PostgresStore, is_postgres_url
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 from relay.upstream.failover import FailoverMetrics, FailoverUpstream
@@ -61,6 +62,8 @@ log = logging.getLogger("relay.app")
 # redis-py URL options that name a file (the CA bundle, a client certificate and its key)
 _STORE_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
 _SQLITE_HEADER = b"SQLite format 3\x00"
+# libpq URL parameters that name a file (asyncpg reads them at connect time)
+_POSTGRES_FILE_OPTIONS = ("sslrootcert", "sslcert", "sslkey", "sslcrl", "passfile")
 
 
 def check_settings(settings: Settings, *, store: bool = True) -> None:
@@ -105,6 +108,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
     check(("store",), lambda: _store_files(s.store) if store else None)
+    check(("rate_limit",), functools.partial(_limits_kept, s))
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
@@ -113,6 +117,14 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         check(("pid_file",), lambda: _writable_file(pid_file, "the pid file"))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _limits_kept(s: Settings) -> None:
+    """Raise ConfigError when rate limits are configured on a store that keeps no counters
+    (PostgreSQL: its limiter is Redis's or SQLite's), rather than not enforce them."""
+    if s.rate_limit and is_postgres_url(s.store):
+        raise ConfigError("the PostgreSQL store keeps no rate-limit counters: use Redis or "
+                          "SQLite")
 
 
 def _check_tls_files(s: Settings, check: Callable[[tuple[str, ...], Any], None]) -> None:
@@ -165,6 +177,9 @@ def _load_tls(load: Callable[[], object], what: str) -> None:
 def _store_files(store: str) -> None:
     """Raise ConfigError unless the files a store URL names are usable: a Redis URL's TLS
     files readable and its ``ssl_ca_certs`` PEM certificates; a SQLite file's directory."""
+    if is_postgres_url(store):
+        _postgres_files(store)
+        return
     if not store.startswith("redis"):
         _sqlite_file(Path(sqlite_path_from_url(store)))
         return
@@ -173,6 +188,14 @@ def _store_files(store: str) -> None:
             _readable(Path(value), f"{name}={value}")
         if name == "ssl_ca_certs":
             _ca_file(value)
+
+
+def _postgres_files(store: str) -> None:
+    """Raise ConfigError unless the files a postgresql:// URL names (``sslrootcert``,
+    ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``) are readable (no connection opened)."""
+    for name, value in parse_qsl(urlsplit(store).query):
+        if name in _POSTGRES_FILE_OPTIONS and value != "system":  # sslrootcert=system: the CAs
+            _readable(Path(value).expanduser(), f"{name}={value}")
 
 
 def _ca_file(path: str) -> None:
@@ -218,7 +241,10 @@ def _sqlite_file(path: Path) -> None:
 async def build_store(settings: Settings) -> FingerprintStore:
     """Open the store named by ``settings.store``: sqlite:///, or one Redis server (redis://,
     rediss://), a Redis Cluster (redis+cluster://) or a Sentinel-managed master
-    (redis+sentinel://), the last two also as rediss+ (TLS)."""
+    (redis+sentinel://), the last two also as rediss+ (TLS), or PostgreSQL (postgresql://,
+    postgres://: raises StartupError when its schema is missing or old)."""
+    if is_postgres_url(settings.store):
+        return await PostgresStore.open(settings.store, op_timeout_s=settings.store_timeout)
     if settings.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
         store = RedisStore.from_url(settings.store, op_timeout_s=settings.store_timeout,
                                     window_s=settings.dedup_window)
@@ -583,7 +609,8 @@ class Relay:
         upstream = s.upstream_summary
         if not s.upstream[0].is_maildir:
             upstream += f" (tls {s.upstream_tls}{'' if s.upstream_verify else ', unverified'})"
-        store_kind = "redis" if s.store.startswith("redis") else "embedded sqlite"
+        store_kind = "redis" if s.store.startswith("redis") else \
+            "postgresql" if is_postgres_url(s.store) else "embedded sqlite"
         metrics_port = self.metrics_port if self.inherited is None else \
             self.inherited.metrics_port
         metrics = (_host_port(s.metrics_address[0], metrics_port)

@@ -66,6 +66,22 @@ def redact_url(url: str) -> str:
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
 
 
+def _check_postgres_url(value: str) -> str:
+    """``value`` when it is a usable ``postgresql://USER@HOST:PORT/DB`` URL (libpq's query
+    parameters are asyncpg's to judge at connect time); ValueError naming the fault, never the
+    password."""
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018  # raises ValueError for a port that is no number
+    except ValueError:
+        raise ValueError("store URL port must be a number from 0 to 65535") from None
+    if not parts.path.strip("/") and "dbname=" not in parts.query \
+            and "database=" not in parts.query:
+        raise ValueError("a postgresql:// store URL must name its database: "
+                         "postgresql://USER@HOST:PORT/DB")
+    return value
+
+
 _HOSTNAME = re.compile(r"[A-Za-z0-9_.:\-\[\]]+")
 
 ENV_PREFIX = "RELAY_"
@@ -560,13 +576,16 @@ class Settings(BaseSettings):
     @classmethod
     def _check_store(cls, value: str) -> str:
         schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://",
-                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///")
+                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///", "postgresql://",
+                   "postgres://")
         if not value.startswith(schemes):
             raise ValueError(
-                "store must be a redis://, rediss:// or sqlite:///path URL, or a "
-                "redis+cluster://host:port,... or redis+sentinel://host:port,.../service URL "
-                "(rediss+ for TLS), got " + repr(value)
+                "store must be a redis://, rediss:// or sqlite:///path URL, a postgresql:// "
+                "URL, or a redis+cluster://host:port,... or "
+                "redis+sentinel://host:port,.../service URL (rediss+ for TLS), got " + repr(value)
             )
+        if value.startswith(("postgresql://", "postgres://")):
+            return _check_postgres_url(value)
         # imported here: only this validator uses it (a pure parser, no I/O library)
         from relay.store.redis.urls import is_multi_host_url, parse_multi_host_url
 

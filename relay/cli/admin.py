@@ -38,7 +38,13 @@ from relay.admin import (
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
 from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, setting_names
-from relay.core.errors import ConfigError, InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.core.errors import (
+    ConfigError,
+    InvalidAddressError,
+    InvalidDedupKeyError,
+    StartupError,
+    StoreError,
+)
 from relay.core.interfaces import FingerprintStore, State
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
@@ -315,3 +321,5 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
         fail(ExitCode.IN_FLIGHT, f"refused: {exc}")
     except ConfigError as exc:  # e.g. a Redis database number the server does not have
         fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+    except StartupError as exc:  # a PostgreSQL store whose schema is missing or old
+        fail(ExitCode.STORE_FAILED, f"store failed: {exc}")

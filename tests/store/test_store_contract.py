@@ -1,4 +1,5 @@
-"""One contract for every FingerprintStore (design.md §3), run against Redis and SQLite.
+"""One contract for every FingerprintStore (design.md §3), run against Redis, SQLite and
+PostgreSQL.
 
 The Redis store talks to the real server at ``RELAY_TEST_REDIS_URL`` (default
 ``redis://127.0.0.1:6379/0``); every test works under its own random key prefix and deletes its
@@ -6,7 +7,8 @@ keys afterwards. The contract also runs against a real Redis Cluster (three mast
 replicas) and a Sentinel-managed master with a replica, private servers this module starts on
 free loopback ports and stops at its end (``redis_servers.py``). Faults come from real fakes: a
 closed port, and a tiny RESP server on port 0 that answers (or not) as the test chooses. The
-SQLite store uses a file under ``tmp_path``.
+SQLite store uses a file under ``tmp_path``. The PostgreSQL store uses the server at
+``RELAY_TEST_POSTGRES_URL`` (tests/support/postgres.py), in a schema of this module's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from redis._parsers import _AsyncRESP3Parser
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
+from relay.store.postgres.store import PostgresStore
 from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
+from tests.support.postgres import private_schema
 from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
 from tests.support.sqlite_procs import hammering
 
@@ -76,7 +80,15 @@ def hammered_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield path
 
 
-@pytest.fixture(params=["redis", "sqlite", "sqlite-2proc", "cluster", "sentinel"])
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """A private, upgraded PostgreSQL schema for this module (``tests/support/postgres.py``);
+    every test's keys are under its own prefix in it."""
+    with private_schema() as url:
+        yield url
+
+
+@pytest.fixture(params=["redis", "sqlite", "sqlite-2proc", "cluster", "sentinel", "postgres"])
 async def store(
     request: pytest.FixtureRequest, prefix: str, db_path: str
 ) -> AsyncIterator[FingerprintStore]:
@@ -84,7 +96,15 @@ async def store(
 
     The cluster and sentinel servers are private to this module: their keys go with them.
     ``sqlite-2proc`` is SQLite on a file another process writes at the same time.
+    ``postgres`` is the PostgreSQL server of ``RELAY_TEST_POSTGRES_URL``, in a schema of this
+    module's (dropped at its end).
     """
+    if request.param == "postgres":
+        pg_store = await PostgresStore.open(request.getfixturevalue("postgres_url"),
+                                            cleanup_interval_s=None)
+        yield pg_store
+        await pg_store.close()
+        return
     if request.param.startswith("sqlite"):
         path = request.getfixturevalue("hammered_db") if request.param == "sqlite-2proc" \
             else db_path
@@ -119,7 +139,13 @@ def kept_reply(store: FingerprintStore, reply: str) -> str | None:
 
 
 async def write_foreign(store: FingerprintStore, key: str, db_path: str) -> None:
-    """Write what another application would: ``1`` in Redis, a row of unknown state in SQLite."""
+    """Write what another application would: ``1`` in Redis, a row of unknown state in SQLite
+    and PostgreSQL."""
+    if isinstance(store, PostgresStore):
+        await store._pool.execute(
+            "INSERT INTO dedup_relay_fingerprints (key, state, expires_at) "
+            "VALUES ($1, '1', 'infinity')", key)
+        return
     if isinstance(store, RedisStore):
         # the store's own client reaches the right server whether single, cluster or sentinel
         await store._client.set(key, "1")

@@ -1,0 +1,1 @@
+"""The PostgreSQL fingerprint store (asyncpg): :mod:`.store`, its schema in :mod:`.migrations`."""

@@ -1,0 +1,80 @@
+"""A private PostgreSQL schema per test module, on the server the tests use.
+
+``RELAY_TEST_POSTGRES_URL`` (default ``postgresql://postgres@127.0.0.1:5432/postgres``) names
+the server; :func:`private_schema` creates a schema ``t_<random hex>``, yields the URL whose
+``search_path`` is that schema (every table the store or a migration makes goes there, so tests
+run with ``-n 4`` never collide) and drops it with everything in it. A server that does not
+answer fails the test (CI starts one: ``.ci/run``); it is never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any
+from uuid import uuid4
+
+import asyncpg
+
+from relay.store.postgres import migrations
+
+POSTGRES_URL = os.environ.get("RELAY_TEST_POSTGRES_URL",
+                              "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def schema_url(schema: str, base: str = POSTGRES_URL) -> str:
+    """``base`` with ``search_path=schema`` (asyncpg passes it on as a server setting)."""
+    return f"{base}{'&' if '?' in base else '?'}search_path={schema}"
+
+
+async def _run(sql: str, url: str = POSTGRES_URL) -> None:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def upgrade_store(url: str) -> None:
+    """Create the store's tables at ``url`` (what ``dedup-relay db upgrade`` does)."""
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await migrations.upgrade(conn, "store")
+    finally:
+        await conn.close()
+
+
+def run_apart(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to its end on a loop of its own in another thread (a fixture may be set up
+    while the test's loop runs); its exception is raised here."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def private_schema(*, upgraded: bool = True) -> Iterator[str]:
+    """Yield the URL of a new empty schema (with the store's tables when ``upgraded``); drop
+    it afterwards."""
+    schema = f"t_{uuid4().hex}"
+    run_apart(_run(f"CREATE SCHEMA {schema}"))
+    url = schema_url(schema)
+    try:
+        if upgraded:
+            run_apart(upgrade_store(url))
+        yield url
+    finally:
+        run_apart(_run(f"DROP SCHEMA {schema} CASCADE"))
