@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,3 +36,13 @@ def scrape(metrics_port: int) -> Samples:
         for sample in family.samples:
             samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return samples
+
+
+def readyz(metrics_port: int) -> tuple[int, dict[str, Any]]:
+    """GET /readyz on 127.0.0.1:``metrics_port``: its status code and JSON body (a 503 too)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz",
+                                    timeout=5) as reply:  # loopback only
+            return int(reply.status), json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read())

@@ -7,20 +7,16 @@ shared test Redis under a random prefix."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiosmtpd.smtp import SMTP
 
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
-from tests.support.metrics import scrape
+from tests.support.metrics import readyz, scrape
 from tests.support.net import free_port
 from tests.support.relays import REDIS_URL, ServeProcess, delete_prefix, start_serve
 from tests.support.sink import Sink, SinkHandler, start_sink
@@ -69,14 +65,6 @@ def _address(port: int) -> str:
 def _value(metrics_port: int, name: str, **labels: str) -> float:
     samples = scrape(metrics_port)
     return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
-
-
-def _readyz(port: int) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
-            return int(reply.status), json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), json.loads(exc.read())
 
 
 async def test_repeated_flags_first_down_second_delivers_once(
@@ -168,7 +156,7 @@ async def test_cool_down_and_recovery_in_readyz(serve: Serve, second: Sink,
     assert metrics_port is not None
 
     async def first_state() -> str:
-        status, body = await asyncio.to_thread(_readyz, metrics_port)
+        status, body = await asyncio.to_thread(readyz, metrics_port)
         assert status == 200, body
         return str(body.get("upstreams", {}).get(_address(port), {}).get("state", ""))
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-import urllib.request
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -27,6 +25,7 @@ from relay.core.interfaces import DeliveryProgress, OutboundMessage, RcptStatus
 from relay.upstream.failover import COOLING, READY, FailoverUpstream
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 from tests.support.clients import message, send
+from tests.support.metrics import readyz
 from tests.support.net import free_port
 from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.relays import MakeRelay
@@ -160,16 +159,8 @@ async def test_a_tls_failure_moves_on(make_relay: MakeRelay, sink: Sink,
     assert _failovers(relay, "primary") == 1
 
 
-def _readyz(port: int) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
-            return int(reply.status), json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), json.loads(exc.read())
-
-
 async def _readyz_async(port: int) -> tuple[int, dict[str, Any]]:
-    return await asyncio.to_thread(_readyz, port)
+    return await asyncio.to_thread(readyz, port)
 
 
 async def test_cool_down_and_recovery_in_readyz(make_relay: MakeRelay, second: Sink) -> None:
