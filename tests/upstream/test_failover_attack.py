@@ -279,10 +279,17 @@ class SlowGreeting(ScriptedPeer):
     delivered: int = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Wait, then the scripted loop."""
-        with contextlib.suppress(OSError):
-            await asyncio.sleep(self.greet_delay_s)
-            await super().handle(reader, writer)
+        """Wait, then the scripted loop (registered from the start, so serve_peer's exit
+        cancels a connection still waiting to greet, and its socket is closed)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            with contextlib.suppress(OSError):
+                await asyncio.sleep(self.greet_delay_s)
+                await super().handle(reader, writer)
+        finally:
+            writer.close()
 
     async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """354, the message, 250 (counted)."""
