@@ -63,13 +63,14 @@ async def test_redis_down_10s_mid_load_keeps_the_invariant(tmp_path: Path) -> No
     except one whose SENDING mark landed as Redis stopped (its reply lost, so the relay withheld
     the dot and owed the release): with the bench's lease (5 s) shorter than the outage, that
     record reads as in doubt before the owed release lands, and its client is told so (design.md
-    §3: choose the lease longer than the store outages to ride out). Seen once in six CI runs."""
+    §3: choose the lease longer than the store outages to ride out). Seen once in six CI runs,
+    and twice in one run on a runner loaded by two suites at once: any fingerprint missing must
+    be one in doubt (no bound on how many: the load decides)."""
     result = await run("redis-down", tmp_path)
     assert_invariant(result)
     c = result.counts
     assert c.replies["451 4.3.0"] > 0, report(result)
     assert c.copies + c.unknown >= c.fingerprints >= c.copies, report(result)
-    assert c.fingerprints - c.copies <= 1, report(result)
 
 
 async def test_upstream_temp_failures_keep_the_invariant(tmp_path: Path) -> None:
