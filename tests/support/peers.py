@@ -19,7 +19,8 @@ TERMINATOR = b"\r\n.\r\n"
 class ScriptedPeer:
     """An SMTP server loop for tests: greets as ``name``, answers EHLO with ``ehlo`` (the
     extension lines after the first), QUIT with 221, RCPT with :meth:`on_rcpt`, DATA with
-    :meth:`on_data` (False ends the connection), anything else 250.
+    :meth:`on_data` (False ends the connection), MAIL with :meth:`on_mail` (likewise), anything
+    else 250.
 
     ``port`` is set by :func:`serve_peer`; ``cut`` counts connections that ended in an OSError
     (a reset from the relay) or, through :meth:`read_to_dot`, before the final dot;
@@ -47,6 +48,9 @@ class ScriptedPeer:
                     writer.write(b"".join(
                         b"250" + (b" " if i == len(lines) - 1 else b"-") + text + b"\r\n"
                         for i, text in enumerate(lines)))
+                elif verb == b"MAIL":
+                    if not await self.on_mail(writer):
+                        return
                 elif verb == b"RCPT":
                     await self.on_rcpt(writer)
                 elif verb == b"DATA":
@@ -62,6 +66,11 @@ class ScriptedPeer:
             self.cut += 1  # a reset from the relay
         finally:
             writer.close()
+
+    async def on_mail(self, writer: asyncio.StreamWriter) -> bool:
+        """Answer MAIL (250); False ends the connection."""
+        writer.write(b"250 ok\r\n")
+        return True
 
     async def on_rcpt(self, writer: asyncio.StreamWriter) -> None:
         """Answer RCPT (250)."""

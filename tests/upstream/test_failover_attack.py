@@ -116,7 +116,7 @@ async def test_a_burst_forced_onto_a_cooling_upstream_counts_once() -> None:
 
 class SlowMail(ScriptedPeer):
     """Answers MAIL only after ``mail_delay_s`` (late, past the relay's command timeout);
-    records every command verb it got after MAIL (``after_mail``)."""
+    records the RCPT and DATA commands it got (``after_mail``: they only follow a MAIL)."""
 
     mail_delay_s: float = 1.5
     after_mail: list[bytes]
@@ -125,34 +125,21 @@ class SlowMail(ScriptedPeer):
         super().__init__()
         self.after_mail = []
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The scripted loop with a late MAIL reply."""
-        task = asyncio.current_task()
-        assert task is not None
-        self.handlers.add(task)
-        writer.write(b"220 " + self.name + b" ESMTP\r\n")
-        mailed = False
-        try:
-            while line := await reader.readline():
-                verb = line[:4].upper()
-                if mailed:
-                    self.after_mail.append(verb)
-                if verb == b"EHLO":
-                    writer.write(b"250-peer.test\r\n250 8BITMIME\r\n")
-                elif verb == b"MAIL":
-                    mailed = True
-                    await asyncio.sleep(self.mail_delay_s)
-                    writer.write(b"250 2.1.0 ok (late)\r\n")
-                elif verb == b"QUIT":
-                    writer.write(b"221 bye\r\n")
-                    return
-                else:
-                    writer.write(b"250 ok\r\n")
-                await writer.drain()
-        except OSError:
-            self.cut += 1
-        finally:
-            writer.close()
+    async def on_mail(self, writer: asyncio.StreamWriter) -> bool:
+        """250, late."""
+        await asyncio.sleep(self.mail_delay_s)
+        writer.write(b"250 2.1.0 ok (late)\r\n")
+        return True
+
+    async def on_rcpt(self, writer: asyncio.StreamWriter) -> None:
+        """Recorded, then 250."""
+        self.after_mail.append(b"RCPT")
+        await super().on_rcpt(writer)
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Recorded, then the message."""
+        self.after_mail.append(b"DATA")
+        return await super().on_data(reader, writer)
 
 
 async def test_a_mail_timeout_moves_on_and_the_first_never_gets_rcpt_or_data(
@@ -175,45 +162,26 @@ async def test_a_mail_timeout_moves_on_and_the_first_never_gets_rcpt_or_data(
 
 
 class Mail421Second(ScriptedPeer):
-    """Accepts its first transaction; answers the second MAIL on the same connection with
-    421 and hangs up (a smarthost ending a reused session); counts RCPTs."""
+    """Accepts its first transaction; answers the second MAIL with 421 and hangs up (a
+    smarthost ending a reused session); counts RCPTs."""
 
     rcpts: int = 0
     mails: int = 0
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The scripted loop; the second MAIL of the connection gets 421."""
-        writer.write(b"220 " + self.name + b" ESMTP\r\n")
-        per_connection = 0
-        try:
-            while line := await reader.readline():
-                verb = line[:4].upper()
-                if verb == b"EHLO":
-                    writer.write(b"250-peer.test\r\n250 8BITMIME\r\n")
-                elif verb == b"MAIL":
-                    per_connection += 1
-                    self.mails += 1
-                    if self.mails > 1:
-                        writer.write(b"421 4.3.2 shutting down\r\n")
-                        await writer.drain()
-                        return
-                    writer.write(b"250 ok\r\n")
-                elif verb == b"RCPT":
-                    self.rcpts += 1
-                    writer.write(b"250 ok\r\n")
-                elif verb == b"DATA":
-                    if not await self.on_data(reader, writer):
-                        return
-                elif verb == b"QUIT":
-                    writer.write(b"221 bye\r\n")
-                    return
-                else:
-                    writer.write(b"250 ok\r\n")
-                await writer.drain()
-        except OSError:
-            self.cut += 1
-        finally:
-            writer.close()
+    async def on_mail(self, writer: asyncio.StreamWriter) -> bool:
+        """250 the first time, then 421 and the connection ends."""
+        self.mails += 1
+        if self.mails > 1:
+            writer.write(b"421 4.3.2 shutting down\r\n")
+            await writer.drain()
+            return False
+        writer.write(b"250 ok\r\n")
+        return True
+
+    async def on_rcpt(self, writer: asyncio.StreamWriter) -> None:
+        """Counted, then 250."""
+        self.rcpts += 1
+        await super().on_rcpt(writer)
 
 
 async def test_a_421_to_mail_on_a_reused_connection_moves_on_without_rcpt() -> None:
