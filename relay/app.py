@@ -47,6 +47,7 @@ from relay.smtp.handler import ListenerLimits, ListenerSecurity, RelayHandler, s
 from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.smtp.tls import server_context
 from relay.store.journal import add_to_journal, read_journal, remove_from_journal
+from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
 from relay.store.postgres.store import PostgresStore, is_postgres_url
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
@@ -236,6 +237,32 @@ def _sqlite_file(path: Path) -> None:
         with path.open("rb") as file:
             if file.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
                 raise ConfigError(f"{path} is not a SQLite database")
+
+
+LEDGER_FLUSH_S = 5.0
+"""Seconds the audit ledger's queued rows get to land when the relay stops."""
+
+
+def ledger_options(settings: Settings) -> LedgerOptions:
+    """How this process writes ledger rows (``instance``: the relay's hostname and pid)."""
+    return LedgerOptions(
+        instance=f"{settings.hostname}/{os.getpid()}",
+        recipients_full=settings.ledger_recipients == "full",
+        keys_plain=settings.ledger_keys == "plain", secret=settings.fingerprint_secret_bytes,
+        queue_max=settings.ledger_queue, required=settings.ledger_required,
+        retention_s=settings.ledger_retention, in_doubt_after_s=settings.in_doubt_alert_after)
+
+
+async def build_ledger(settings: Settings, metrics: PrometheusMetrics) -> PostgresLedger | None:
+    """Open the audit ledger ``settings.ledger`` names (None without one). Raises
+    :class:`StartupError` when its schema is missing or old, :class:`StoreError` for a URL
+    the driver refuses."""
+    if settings.ledger is None:
+        return None
+    metrics.declare_ledger()
+    return await PostgresLedger.open(settings.ledger, metrics=metrics,
+                                     options=ledger_options(settings),
+                                     op_timeout_s=max(5.0, settings.store_timeout))
 
 
 async def build_store(settings: Settings) -> FingerprintStore:
@@ -493,6 +520,7 @@ class Relay:
         self.security: ListenerSecurity | None = None  # kept for a configuration reload
         self.sasl: SaslMechanisms | None = None
         self.store: FingerprintStore | None = None
+        self.ledger: PostgresLedger | None = None
         self.upstream: Upstream | None = None
         self.handler: RelayHandler | None = None
         self.core: DedupCore | None = None
@@ -511,6 +539,7 @@ class Relay:
         """Open the store, build the parts and start listening (SMTP and metrics)."""
         s = self.settings
         self.store = await build_store(s)
+        self.ledger = await build_ledger(s, self.metrics)
         self.metrics.declare_upstreams(entry.label for entry in s.upstream)
         self.upstream = upstream = build_upstream(s, self.metrics)
         self.dsn = build_dsn_sender(s, self.upstream, self.metrics)
@@ -520,7 +549,7 @@ class Relay:
                          policy=build_policy(s), notifier=self.dsn,
                          limiter=build_rate_limiter(self.store, s.store_prefix),
                          rate_limits=build_rate_limits(s),
-                         upstream_name=upstream.preferred_name)
+                         upstream_name=upstream.preferred_name, ledger=self.ledger)
         limits = ListenerLimits(
             hostname=s.hostname, max_recipients=s.max_recipients,
             max_message_size=s.max_message_size, client_timeout_s=s.client_timeout,
@@ -564,14 +593,14 @@ class Relay:
             self.health = HealthMonitor(
                 store=self.store, upstream=self.upstream, metrics=self.metrics,
                 interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2),
-                upstream_states=self._upstream_states)
+                upstream_states=self._upstream_states, ledger=self.ledger)
             await self.health.start()
         elif s.metrics_address is not None:
             m_host, m_port = s.metrics_address
             self.health = HealthMonitor(
                 store=self.store, upstream=self.upstream, metrics=self.metrics,
                 interval_s=s.health_interval, timeout_s=min(3.0, s.health_interval * 2),
-                upstream_states=self._upstream_states)
+                upstream_states=self._upstream_states, ledger=self.ledger)
             await self.health.start()
             self._ops = OpsServer(registry=self.registry, health=self.health,
                                   host=m_host, port=m_port)
@@ -730,6 +759,8 @@ class Relay:
             await self.health.stop()
         if self.upstream is not None:
             await self.upstream.close()
+        if self.ledger is not None:  # every message is answered: its rows are queued
+            await self.ledger.close(flush_s=LEDGER_FLUSH_S)
         if self.store is not None:
             await self.store.close()
 
@@ -865,6 +896,9 @@ async def _start(relay: Relay) -> None:
     try:
         await relay.start()
     except StoreError as exc:
+        if exc.op.startswith("ledger"):
+            raise StartupError(f"cannot open the audit ledger "
+                               f"{redact_url(relay.settings.ledger or '')}: {exc}") from exc
         raise StartupError(f"cannot open the store {redact_url(relay.settings.store)}: "
                            f"{exc}") from exc
     except OSError as exc:  # a port in use, an address not on this host, a name unknown

@@ -66,7 +66,7 @@ def redact_url(url: str) -> str:
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
 
 
-def _check_postgres_url(value: str) -> str:
+def _check_postgres_url(value: str, *, what: str = "store") -> str:
     """``value`` when it is a usable ``postgresql://USER@HOST:PORT/DB`` URL (libpq's query
     parameters are asyncpg's to judge at connect time); ValueError naming the fault, never the
     password."""
@@ -74,10 +74,10 @@ def _check_postgres_url(value: str) -> str:
     try:
         parts.port  # noqa: B018  # raises ValueError for a port that is no number
     except ValueError:
-        raise ValueError("store URL port must be a number from 0 to 65535") from None
+        raise ValueError(f"{what} URL port must be a number from 0 to 65535") from None
     if not parts.path.strip("/") and "dbname=" not in parts.query \
             and "database=" not in parts.query:
-        raise ValueError("a postgresql:// store URL must name its database: "
+        raise ValueError(f"a postgresql:// {what} URL must name its database: "
                          "postgresql://USER@HOST:PORT/DB")
     return value
 
@@ -427,6 +427,30 @@ class Settings(BaseSettings):
     dsn_on_partial_failure: bool = Field(True, description=(
         "send the sender an RFC 3464 notice for recipients refused permanently after a 250"))
 
+    # audit ledger (issue 13; design.md §6.7)
+    ledger: str | None = Field(None, description=(
+        "postgresql://USER@HOST:PORT/DB of the audit ledger: one row per recipient decision, "
+        "written off the hot path in batches (any store; `dedup-relay db upgrade --ledger URL` "
+        "creates its table); unset: no ledger"))
+    ledger_required: bool = Field(False, description=(
+        "fail closed: while the ledger cannot take rows (down, or its queue full) new messages "
+        "are answered 451 4.3.0; false: relaying goes on and the rows are dropped and counted "
+        "(relay_ledger_dropped_total)"))
+    ledger_queue: int = Field(default=10000, ge=1, description=(
+        "ledger rows a worker keeps in memory while the ledger is slow or down; more are "
+        "dropped (or, with ledger_required, new messages refused)"))
+    ledger_retention: float = Field(default=400 * 86400.0, gt=0, description=(
+        "seconds a ledger row is kept (from when it was written); older rows are deleted in "
+        "bounded batches"))
+    ledger_recipients: Literal["masked", "full"] = Field("masked", description=(
+        "recipients in ledger rows: masked (j***@example.com) or full"))
+    ledger_keys: Literal["hash", "plain"] = Field("hash", description=(
+        "dedupe keys in ledger rows: hash (SHA-256 hex, HMAC with fingerprint_secret when "
+        "set) or plain"))
+    in_doubt_alert_after: float = Field(default=3600.0, gt=0, description=(
+        "seconds after which an in-doubt (unknown) ledger decision no later row resolved "
+        "counts in relay_ledger_in_doubt_unresolved (the DedupRelayInDoubtUnresolved alert)"))
+
     # operations
     workers: int | None = Field(default=None, ge=1, le=256, description=(
         "worker processes sharing the listeners, each with its own event loop, store "
@@ -605,6 +629,16 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("store URL port must be a number from 0 to 65535") from None
         return value
+
+    @field_validator("ledger")
+    @classmethod
+    def _check_ledger(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("ledger must be a postgresql:// (or postgres://) URL, got "
+                             + repr(redact_url(value)))
+        return _check_postgres_url(value, what="ledger")
 
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:

@@ -52,6 +52,7 @@ from relay.ops.logs import set_level, setup_logging
 from relay.ops.metrics import (
     ConfigReloadMetrics,
     components_up,
+    ledger_dropped,
     upstreams_up,
     worker_gone,
     workers_registry,
@@ -162,6 +163,10 @@ class WorkersReadiness:
         result = {name: ComponentStatus(
             up.get(name) == 1.0, None if up.get(name) == 1.0
             else "not answering in at least one worker", now) for name in ("store", "upstream")}
+        if sup.settings.ledger is not None and "ledger" in up:
+            result["ledger"] = ComponentStatus(
+                up["ledger"] == 1.0, None if up["ledger"] == 1.0
+                else "not writable in at least one worker", now)
         missing = [w.index for w in sup.workers if not w.serving]
         result["workers"] = ComponentStatus(
             not missing, f"worker(s) {missing} not serving" if missing else None, now)
@@ -169,8 +174,22 @@ class WorkersReadiness:
 
     @property
     def ready(self) -> bool:
-        """True when every worker serves and every component answered in every worker."""
-        return all(s.ok for s in self.status().values())
+        """True when every worker serves and every component answered in every worker (the
+        audit ledger only when it is required)."""
+        required = self._supervisor.settings.ledger_required
+        return all(s.ok for name, s in self.status().items()
+                   if name != "ledger" or required)
+
+    def ledger(self) -> dict[str, object]:
+        """The audit ledger over the workers: ``state`` (``up`` in every live worker, else
+        ``down``), ``required`` and the rows ``dropped`` by all of them; {} without one."""
+        sup = self._supervisor
+        if sup.settings.ledger is None or sup.metrics_dir is None:
+            return {}
+        up = components_up(sup.metrics_dir).get("ledger")
+        return {"state": "up" if up in (None, 1.0) else "down",
+                "required": sup.settings.ledger_required,
+                "dropped": ledger_dropped(sup.metrics_dir)}
 
     def upstreams(self) -> dict[str, dict[str, object]]:
         """Each upstream by name: ``ready`` when it is in every live worker

@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from relay.core import replies, rules
+from relay.core.audit import entries_for
 from relay.core.cancellation import absorb_cancel, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.fingerprint import extract_dedup_headers, strip_fields
+from relay.core.fingerprint import DedupHeaders, extract_dedup_headers, strip_fields
 from relay.core.interfaces import (
+    AuditLedger,
     DeliveryProgress,
     DeliveryResult,
     FingerprintStore,
@@ -84,6 +86,13 @@ class Decision:
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     upstream_reply: SmtpReply | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
+    # what the audit ledger records beside the outcomes (issue 13): the message's template and
+    # dedupe key as normalized (design.md §2), each relayed recipient's deciding upstream
+    # reply, and the name of the upstream that gave them
+    template: str = ""
+    dedupe_key: str | None = None
+    rcpt_replies: Mapping[str, SmtpReply] = field(default_factory=dict)
+    upstream: str = ""
 
 
 class DedupCore:
@@ -104,6 +113,8 @@ class DedupCore:
         limiter: RateLimiter | None = None,
         rate_limits: Sequence[RateRule] = (),
         upstream_name: Callable[[], str] | None = None,
+        ledger: AuditLedger | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._upstream = upstream
@@ -114,6 +125,8 @@ class DedupCore:
         self._rate_limits = tuple(rate_limits)
         # the upstream the relay would try first now: the scope ``upstream`` of a rate limit
         self._upstream_name = upstream_name if upstream_name is not None else _upstream_name
+        self._ledger = ledger  # the audit ledger (issue 13): one row per recipient decision
+        self._clock = clock  # the relay's wall clock, unix seconds: a ledger row's decided_at
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)
 
@@ -156,8 +169,30 @@ class DedupCore:
         """Handle one message end to end and return the reply for the final dot.
 
         Never raises for store or upstream failures: they become 4yz replies (design.md
-        §1: nothing answered 250 is lost, nothing is sent twice by a retry).
+        §1: nothing answered 250 is lost, nothing is sent twice by a retry). With an audit
+        ledger every recipient's decision is handed to it (design.md §6.7); a required ledger
+        that cannot take rows makes the message ``451 4.3.0`` before anything is reserved.
         """
+        ledger = self._ledger
+        if ledger is not None and not ledger.admits():
+            log.warning("audit ledger unavailable and required: answering 451",
+                        extra={"queue_id": msg.queue_id})
+            decision = self._finish(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
+                                    dict.fromkeys(msg.rcpt_tos, Outcome.REFUSED_TEMP))
+        else:
+            decision = await self._decide(msg)
+        if ledger is not None:
+            ledger.record(entries_for(
+                now=self._clock(), rcpt_tos=msg.rcpt_tos, outcomes=decision.outcomes,
+                keys=decision.keys, template=decision.template,
+                dedupe_key=decision.dedupe_key, rcpt_replies=decision.rcpt_replies,
+                final_reply=decision.upstream_reply, client_reply=decision.reply,
+                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id))
+        return decision
+
+    async def _decide(self, msg: InboundMessage) -> Decision:
+        """:meth:`process` without the ledger: the decision, with the message's template
+        and dedupe key once they were read."""
         relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
         try:
             headers = extract_dedup_headers(
@@ -168,6 +203,13 @@ class DedupCore:
             )
         except InvalidDedupKeyError as exc:
             return self._finish(replies.invalid_key(str(exc)), Result.INVALID, {})
+        decision = await self._decide_read(msg, headers, relay_policy)
+        return dataclasses.replace(decision, template=headers.template,
+                                   dedupe_key=headers.key)
+
+    async def _decide_read(self, msg: InboundMessage, headers: DedupHeaders,
+                           relay_policy: Policy) -> Decision:
+        """Decide for a message whose dedup header fields were read (design.md §2)."""
         p = relay_policy.for_templates(headers.templates)  # design.md §4.6
         keys: dict[str, str] | None = None
         if p.dedup and headers.key is None and p.missing_key == "reject":
@@ -432,8 +474,14 @@ class DedupCore:
                 mail_from=msg.mail_from, failures=failures,
                 content=msg.trace + msg.content, queue_id=msg.queue_id))
         upstream_reply = result.final_reply if result is not None else None
-        return self._finish(reply, res, {rcpt: v.outcome for rcpt, v in verdicts.items()},
-                            upstream_reply)
+        decision = self._finish(reply, res, {rcpt: v.outcome for rcpt, v in verdicts.items()},
+                                upstream_reply)
+        if result is None:
+            return decision
+        rcpt_replies = {rcpt: got.reply for rcpt, got in result.recipients.items()
+                        if got.from_upstream}
+        return dataclasses.replace(decision, rcpt_replies=rcpt_replies,
+                                   upstream=result.upstream)
 
     def _finish(self, reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome],
                 upstream_reply: SmtpReply | None = None) -> Decision:

@@ -229,6 +229,17 @@ def _field_names(names: Sequence[str]) -> frozenset[bytes]:
     return frozenset(result)
 
 
+def first_field(content: bytes, name: str) -> str | None:
+    """The unfolded value of the first ``name`` field of ``content``'s header section (the
+    name matches case-insensitively, RFC 5322 section 1.2.2), decoded as UTF-8 with
+    replacement and stripped of surrounding blanks; None when there is none."""
+    wanted = name.lower().encode("ascii")
+    for field_name, raw in _header_fields(content):
+        if field_name == wanted:
+            return raw.decode("utf-8", "replace").strip(" \t")
+    return None
+
+
 def _header_fields(content: bytes) -> Iterator[tuple[bytes, bytes]]:
     """Yield (lower-cased name, unfolded raw value) for each field of the header section."""
     name: bytes | None = None

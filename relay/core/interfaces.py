@@ -470,6 +470,64 @@ class Notifier(Protocol):
 
 
 # --------------------------------------------------------------------------------------------
+# Audit ledger
+# --------------------------------------------------------------------------------------------
+
+
+class LedgerAction(enum.StrEnum):
+    """What wrote a ledger row: the relay deciding for a recipient, or an operator's command."""
+
+    RELAY = "relay"  # a recipient decision of the relay (its outcome: an :class:`Outcome`)
+    RELEASE = "release"  # `dedup-relay release` deleted the record (outcome ``released``)
+    MARK_SENT = "mark_sent"  # `dedup-relay mark-sent` set it SENT (outcome ``marked_sent``)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One audit row (issue 13; design.md §6.7), as the core or an admin command made it.
+
+    ``recipient`` and ``dedupe_key`` are as the client sent them: the ledger masks the
+    recipient and hashes the key per its settings before they leave the process. ``store_key``
+    is ``None`` for a decision without a fingerprint (no key, an exempt template, a message
+    refused before one was derived). ``outcome`` is an :class:`Outcome` value for
+    :attr:`LedgerAction.RELAY`, ``released`` or ``marked_sent`` for an operator's row.
+    ``reply`` is the upstream's reply that decided the recipient (``""``: none came, or the
+    relay answered without relaying), ``upstream_queue_id`` the queue id read off it,
+    ``client_reply`` what the client was told for the message; ``decided_at`` the relay's
+    clock (unix seconds) when it answered.
+    """
+
+    decided_at: float
+    outcome: str
+    recipient: str
+    store_key: str | None = None
+    template: str = ""
+    dedupe_key: str | None = None
+    reply: str = ""
+    upstream_queue_id: str = ""
+    upstream: str = ""
+    message_id: str = ""
+    queue_id: str = ""
+    client_reply: str = ""
+    action: LedgerAction = LedgerAction.RELAY
+
+
+class AuditLedger(Protocol):
+    """Where the core hands its recipient decisions, off the hot path (a bounded queue written
+    in batches by the adapter, :mod:`relay.ledger.postgres`)."""
+
+    def record(self, entries: Sequence[LedgerEntry]) -> None:
+        """Queue ``entries``; returns at once and never raises. A full queue drops them
+        (counted in ``relay_ledger_dropped_total``) unless the ledger is required."""
+        ...
+
+    def admits(self) -> bool:
+        """Whether a new message may be taken: always True unless ``ledger_required`` is set;
+        then False while the ledger is failing or its queue is full (the core answers 451)."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------
 

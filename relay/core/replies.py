@@ -41,6 +41,8 @@ MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0", "Message has no dedupe key header
 
 # --- temporary outcomes -----------------------------------------------------------------------
 STORE_DOWN = SmtpReply(451, "4.3.0", "Deduplication store unavailable, try again later")
+# ledger_required = true and the audit ledger cannot take rows (issue 13): nothing reserved
+LEDGER_UNAVAILABLE = SmtpReply(451, "4.3.0", "Audit ledger unavailable, try again later")
 OUTCOME_UNKNOWN = SmtpReply(
     451, "4.4.2", "Upstream did not confirm the message; it is held as in doubt, try again later"
 )

@@ -47,19 +47,48 @@ class Readiness(Protocol):
         (``until``: unix seconds) or ``down``); {} when not known."""
         ...
 
+    def ledger(self) -> dict[str, object]:
+        """The audit ledger's state (``state``: ``up`` / ``down``, ``required``, rows
+        ``dropped``...); {} without a ledger."""
+        ...
+
+
+class LedgerProbe(Protocol):
+    """What readiness reads of the audit ledger (:class:`relay.store.postgres.ledger.
+    PostgresLedger`)."""
+
+    @property
+    def required(self) -> bool:
+        """Whether a ledger that is down makes the relay not ready (``ledger_required``)."""
+        ...
+
+    async def ping(self) -> None:
+        """Raise unless the ledger is writable."""
+        ...
+
+    def report(self) -> dict[str, object]:
+        """The ``ledger`` part of the ``/readyz`` body."""
+        ...
+
 
 class HealthMonitor:
     """Probes the store and the upstream periodically; ``status()`` is what ``/readyz`` shows."""
 
     def __init__(self, *, store: FingerprintStore, upstream: Upstream, metrics: Metrics,
                  interval_s: float = 5.0, timeout_s: float = 3.0,
-                 upstream_states: Callable[[], Mapping[str, Mapping[str, object]]] | None = None
-                 ) -> None:
+                 upstream_states: Callable[[], Mapping[str, Mapping[str, object]]] | None = None,
+                 ledger: LedgerProbe | None = None) -> None:
         """``upstream_states``: each upstream's live state by name, for the ``/readyz`` body
-        (the failover upstream's); the ``upstream`` component is ready when at least one is."""
+        (the failover upstream's); the ``upstream`` component is ready when at least one is.
+        ``ledger``: the audit ledger, probed as the component ``ledger``; it counts for
+        readiness only when it is required (otherwise the relay relays on without it and
+        ``/readyz`` only says so)."""
         self._upstream_states = upstream_states
+        self._ledger = ledger
         self._probes: dict[str, Callable[[], Awaitable[None]]] = {
             "store": store.ping, "upstream": upstream.ping}
+        if ledger is not None:
+            self._probes["ledger"] = ledger.ping
         self._metrics = metrics
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -110,8 +139,15 @@ class HealthMonitor:
 
     @property
     def ready(self) -> bool:
-        """True when every component answered its last probe."""
-        return bool(self._status) and all(s.ok for s in self._status.values())
+        """True when every component answered its last probe (the ledger only when it is
+        required)."""
+        optional = "ledger" if self._ledger is not None and not self._ledger.required else ""
+        return bool(self._status) and all(s.ok for name, s in self._status.items()
+                                          if name != optional)
+
+    def ledger(self) -> dict[str, object]:
+        """The audit ledger's state ({} without one)."""
+        return self._ledger.report() if self._ledger is not None else {}
 
     def upstreams(self) -> dict[str, dict[str, object]]:
         """Each upstream's live state by name ({} without ``upstream_states``)."""

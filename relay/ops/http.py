@@ -4,8 +4,9 @@ Served by aiohttp in the relay's own event loop (readiness reads the live
 :class:`relay.ops.health.HealthMonitor`), or with several workers in the supervisor's (a
 :class:`relay.ops.health.Readiness` over every worker, the metrics of all of them).
 ``/healthz`` answers 200 while the process serves; ``/readyz`` answers 200 when the store and
-at least one upstream answered their last probe, else 503, with a JSON body naming what
-failed and each upstream's state by its configured name (``upstreams``)."""
+at least one upstream answered their last probe (and the audit ledger, when it is required),
+else 503, with a JSON body naming what failed, each upstream's state by its configured name
+(``upstreams``) and the ledger's (``ledger``: up or down, required, rows dropped)."""
 
 from __future__ import annotations
 
@@ -69,4 +70,7 @@ class OpsServer:
         upstreams = self._health.upstreams()
         if upstreams:
             body["upstreams"] = upstreams
+        ledger = self._health.ledger()
+        if ledger:  # down and not required: ready, but the body says rows are being dropped
+            body["ledger"] = ledger
         return web.json_response(body, status=200 if ready else 503)

@@ -120,6 +120,20 @@ class PrometheusMetrics:
         self._rate_limited = Counter(
             "relay_rate_limited", "Messages refused by a rate limit, by the limit's label",
             ["limit"], registry=registry)
+        self._ledger_written = Counter(
+            "relay_ledger_rows", "Audit ledger rows written", registry=registry)
+        self._ledger_dropped = Counter(
+            "relay_ledger_dropped",
+            "Audit ledger rows dropped: full (the queue was full while the ledger was slow or "
+            "down) or shutdown (not written before the relay stopped)", ["reason"],
+            registry=registry)
+        self._ledger_queued = Gauge(
+            "relay_ledger_queue_rows", "Audit ledger rows waiting to be written",
+            registry=registry, multiprocess_mode="livesum")
+        self._in_doubt_unresolved = Gauge(
+            "relay_ledger_in_doubt_unresolved",
+            "In-doubt (unknown) decisions in the audit ledger that no later row resolved, older "
+            "than in_doubt_alert_after", registry=registry, multiprocess_mode="livemax")
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         register_runtime_collectors(registry)
@@ -249,6 +263,28 @@ class PrometheusMetrics:
             child = self._up_by[component] = self._up.labels(component)
         child.set(1 if up else 0)
 
+    def declare_ledger(self) -> None:
+        """Show the audit ledger's series from the start (at 0): the relay has a ledger."""
+        for reason in ("full", "shutdown"):
+            self._ledger_dropped.labels(reason)
+        self.component_up("ledger", True)
+
+    def ledger_written(self, rows: int) -> None:
+        """Count ``rows`` audit ledger rows written."""
+        self._ledger_written.inc(rows)
+
+    def ledger_dropped(self, reason: str, rows: int) -> None:
+        """Count ``rows`` audit ledger rows dropped for ``reason`` (full, shutdown)."""
+        self._ledger_dropped.labels(reason).inc(rows)
+
+    def ledger_queued(self, rows: int) -> None:
+        """Set the audit ledger rows waiting in this process."""
+        self._ledger_queued.set(rows)
+
+    def in_doubt_unresolved(self, count: int) -> None:
+        """Set the unresolved in-doubt ledger decisions older than the operator's window."""
+        self._in_doubt_unresolved.set(count)
+
     def dsn(self, result: DsnResult) -> None:
         """Count one delivery status notification by ``result``; raises ``ValueError`` for a
         value not in :class:`DsnResult`."""
@@ -313,6 +349,16 @@ def components_up(path: str) -> dict[str, float]:
         if metric.name == "relay_component_up":
             return {s.labels["component"]: float(s.value) for s in metric.samples}
     return {}
+
+
+def ledger_dropped(path: str) -> int:
+    """``relay_ledger_dropped_total`` summed over every worker (live or gone) of the
+    multiprocess directory ``path``."""
+    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+    for metric in collector.collect():  # type: ignore[no-untyped-call]
+        if metric.name == "relay_ledger_dropped":
+            return int(sum(s.value for s in metric.samples if s.name.endswith("_total")))
+    return 0
 
 
 def upstreams_up(path: str) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """Versioned schema of the relay's PostgreSQL tables, per component, and the one way to apply it.
 
 The table ``dedup_relay_schema(component text primary key, version int)`` records how far each
-component's schema went. A component (``store``: the fingerprint table; a later one, such as an
-audit ledger, registers its own steps in :data:`STEPS`) has ordered SQL steps; step ``n``
+component's schema went. A component (``store``: the fingerprint table; ``ledger``: the audit
+ledger's) has ordered SQL steps in :data:`STEPS`; step ``n``
 (1-based) takes the schema from version ``n - 1`` to ``n``. :func:`upgrade` applies the missing
 steps in one transaction under an advisory lock (two relays upgrading at once wait for each
 other); :func:`check` raises :class:`SchemaError` naming ``dedup-relay db upgrade`` when the
@@ -20,6 +20,7 @@ from typing import Protocol
 
 SCHEMA_TABLE = "dedup_relay_schema"
 FINGERPRINTS = "dedup_relay_fingerprints"
+LEDGER = "dedup_relay_ledger"
 
 _SCHEMA_TABLE_SQL = (
     f"CREATE TABLE IF NOT EXISTS {SCHEMA_TABLE} "
@@ -43,7 +44,38 @@ _STORE_STEPS: tuple[str, ...] = (
 CREATE INDEX IF NOT EXISTS {FINGERPRINTS}_expires_at ON {FINGERPRINTS} (expires_at);""",
 )
 
-STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS}
+# The audit ledger (issue 13): one row per recipient decision, appended through the relay's
+# bounded queue (relay.ledger.postgres), or per operator action (release, mark-sent). ``row_id``
+# is the relay's, so a batch written again after a lost reply adds nothing. ``decided_at`` is the
+# relay's clock when it answered (or the admin command's); ``recorded_at`` the database's when
+# the row landed (retention counts from it). ``store_key`` is NULL for a decision without a
+# fingerprint (no key, an exempt template, a message refused before one was derived).
+_LEDGER_STEPS: tuple[str, ...] = (
+    f"""CREATE TABLE IF NOT EXISTS {LEDGER} (
+    row_id uuid PRIMARY KEY,
+    decided_at timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    action text NOT NULL,
+    outcome text NOT NULL,
+    store_key text,
+    recipient text NOT NULL,
+    template text NOT NULL DEFAULT '',
+    dedupe_key text,
+    reply text NOT NULL DEFAULT '',
+    upstream_queue_id text NOT NULL DEFAULT '',
+    upstream text NOT NULL DEFAULT '',
+    message_id text NOT NULL DEFAULT '',
+    queue_id text NOT NULL DEFAULT '',
+    client_reply text NOT NULL DEFAULT '',
+    instance text NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS {LEDGER}_store_key ON {LEDGER} (store_key, decided_at);
+CREATE INDEX IF NOT EXISTS {LEDGER}_recorded_at ON {LEDGER} (recorded_at);
+CREATE INDEX IF NOT EXISTS {LEDGER}_unknown ON {LEDGER} (decided_at)
+    WHERE outcome = 'unknown' AND store_key IS NOT NULL;""",
+)
+
+STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS, "ledger": _LEDGER_STEPS}
 """Each component's ordered SQL steps (step ``n`` makes version ``n``)."""
 
 # pg_advisory_xact_lock key of an upgrade (any fixed bigint: "dedup-re" in ASCII)

@@ -1,0 +1,430 @@
+"""The audit ledger on PostgreSQL (issue 13; design.md §6.7): the rows of
+``dedup_relay_ledger`` (:mod:`.migrations`), written off the hot path.
+
+:class:`PostgresLedger` implements :class:`relay.core.interfaces.AuditLedger`: ``record`` puts
+rows into a bounded in-memory queue and returns; one writer task takes up to
+:data:`BATCH_ROWS` of them at a time into one ``INSERT ... SELECT FROM unnest(...)`` statement
+(one round trip), idempotent on the relay's ``row_id`` so that a batch written again after a
+lost reply adds nothing. While the database fails, rows stay queued and the writer retries with
+a growing pause; a full queue drops new rows (``relay_ledger_dropped_total{reason="full"}``)
+unless the ledger is required, when :meth:`PostgresLedger.admits` says no and the core answers
+new messages ``451 4.3.0`` instead. Rows still queued when the relay stops get a bounded time
+to land, then are counted ``reason="shutdown"``. A cleanup task deletes rows older than the
+retention in bounded batches, and a gauge task counts the unresolved in-doubt decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import hmac
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import asyncpg
+
+from relay.core.address import mask_address
+from relay.core.errors import StartupError, StoreError
+from relay.core.interfaces import LedgerEntry
+from relay.store.postgres import migrations
+from relay.store.postgres.migrations import LEDGER as _L_
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 500
+"""Most rows one INSERT writes."""
+POOL_SIZE = 3
+"""Most connections one relay process opens to the ledger's database (writer, cleanup, gauge)."""
+RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
+"""The writer's pause after a failed batch: doubling from the first to the second."""
+CLEANUP_INTERVAL_S = 60.0
+CLEANUP_BATCH = 5000
+CLEANUP_MAX_BATCHES = 20
+GAUGE_INTERVAL_S = 30.0
+
+COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient", "template",
+           "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
+           "client_reply", "instance")
+
+_INSERT = f"""
+INSERT INTO {_L_} ({", ".join(COLUMNS)})
+SELECT r, to_timestamp(d), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
+FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
+            $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
+            $13::text[], $14::text[], $15::text[])
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i)
+ON CONFLICT (row_id) DO NOTHING
+"""
+
+# $1 most rows; rows recorded more than $2 ms ago
+_CLEANUP = f"""
+DELETE FROM {_L_} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {_L_} WHERE recorded_at < now() - $2::bigint * interval '1 millisecond'
+    LIMIT $1))
+"""
+
+RESOLVING = ("relayed", "would_suppress", "released", "marked_sent")
+"""Outcomes of a later row for the same store key that resolve an in-doubt (``unknown``)
+decision: the record was sent again, released or marked sent by an operator."""
+
+# in-doubt decisions (outcome unknown, with a fingerprint) no later row of the same store key
+# resolved, decided at least $1 ms ago (by the database's clock)
+UNRESOLVED_WHERE = f"""
+u.outcome = 'unknown' AND u.store_key IS NOT NULL
+AND u.decided_at <= now() - $1::bigint * interval '1 millisecond'
+AND NOT EXISTS (
+    SELECT 1 FROM {_L_} r WHERE r.store_key = u.store_key AND r.decided_at > u.decided_at
+    AND r.outcome IN ({", ".join(f"'{o}'" for o in RESOLVING)}))
+"""
+_COUNT_UNRESOLVED = f"SELECT count(*) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
+
+_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+class LedgerMetrics(Protocol):
+    """What the ledger reports (implemented by :class:`relay.ops.metrics.PrometheusMetrics`)."""
+
+    def ledger_written(self, rows: int) -> None:
+        """Count ``rows`` rows that landed in the ledger."""
+        ...
+
+    def ledger_dropped(self, reason: str, rows: int) -> None:
+        """Count ``rows`` rows dropped: ``full`` (the queue was full) or ``shutdown``."""
+        ...
+
+    def ledger_queued(self, rows: int) -> None:
+        """Set the number of rows waiting in this process's queue."""
+        ...
+
+    def component_up(self, component: str, up: bool) -> None:
+        """Record whether the ``ledger`` component answers (its last write or probe)."""
+        ...
+
+    def in_doubt_unresolved(self, count: int) -> None:
+        """Set the number of unresolved in-doubt decisions older than the operator's window."""
+        ...
+
+
+@dataclass(frozen=True)
+class LedgerOptions:
+    """How rows are written: ``instance`` names this relay process in every row;
+    ``recipients_full`` keeps recipients as given (else masked, ``j***@example.com``);
+    ``keys_plain`` keeps dedupe keys as given (else SHA-256 hex, HMAC-SHA-256 with
+    ``secret`` when one is set); ``queue_max`` rows wait at most; ``required`` fails closed;
+    ``retention_s`` seconds a row is kept; ``in_doubt_after_s`` the age from which an
+    unresolved in-doubt decision counts in the gauge."""
+
+    instance: str = ""
+    recipients_full: bool = False
+    keys_plain: bool = False
+    secret: bytes | None = None
+    queue_max: int = 10000
+    required: bool = False
+    retention_s: float = 400 * 86400.0
+    in_doubt_after_s: float = 3600.0
+
+
+def _clean(text: str | None) -> str | None:
+    """``text`` storable in a PostgreSQL text column (lone surrogates, NUL -> U+FFFD)."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+
+
+def key_digest(key: str, secret: bytes | None) -> str:
+    """The ledger's form of a dedupe key: SHA-256 hex of its UTF-8, HMAC-SHA-256 with
+    ``secret`` when one is set (a guessable key, such as an order number, is not readable
+    back from the ledger without the secret)."""
+    data = key.encode("utf-8", "surrogatepass")
+    if secret is not None:
+        return hmac.new(secret, data, hashlib.sha256).hexdigest()
+    return hashlib.sha256(data).hexdigest()
+
+
+def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
+    """``entry`` as the values of :data:`COLUMNS`, recipient masked and key hashed per
+    ``options``."""
+    recipient = entry.recipient if options.recipients_full else mask_address(entry.recipient)
+    key = entry.dedupe_key
+    if key is not None and not options.keys_plain:
+        key = key_digest(key, options.secret)
+    return (uuid.uuid4(), entry.decided_at, entry.action.value, entry.outcome,
+            _clean(entry.store_key), _clean(recipient), _clean(entry.template), _clean(key),
+            _clean(entry.reply), _clean(entry.upstream_queue_id), _clean(entry.upstream),
+            _clean(entry.message_id), _clean(entry.queue_id), _clean(entry.client_reply),
+            _clean(options.instance))
+
+
+async def insert_rows(conn: asyncpg.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Write ``rows`` (tuples of :data:`COLUMNS`) in one statement; asyncpg errors pass
+    through."""
+    if rows:
+        await conn.execute(_INSERT, *(list(column) for column in zip(*rows, strict=True)))
+
+
+@dataclass(frozen=True)
+class LedgerStatus:
+    """What ``/readyz`` says of the ledger: whether its last write (or probe) landed, the
+    rows waiting, the rows this process dropped, and whether it is required."""
+
+    up: bool
+    queued: int
+    dropped: int
+    required: bool
+
+
+class PostgresLedger:
+    """:class:`relay.core.interfaces.AuditLedger` on PostgreSQL. Build it with :meth:`open`
+    (inside a running event loop); ``await close()`` flushes what it can."""
+
+    def __init__(self, pool: asyncpg.Pool, *, metrics: LedgerMetrics, options: LedgerOptions,
+                 op_timeout_s: float = 5.0, batch_rows: int = BATCH_ROWS,
+                 cleanup_interval_s: float | None = CLEANUP_INTERVAL_S,
+                 gauge_interval_s: float | None = GAUGE_INTERVAL_S) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self._options = options
+        self._op_timeout_s = op_timeout_s
+        self._batch_rows = batch_rows
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()  # set when a write empties the queue
+        self._up = True  # until a write fails: a ledger is not known down before it is used
+        self._dropped = 0
+        self._closing = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._writer(), name="ledger-writer")]
+        if cleanup_interval_s is not None:
+            self._tasks.append(loop.create_task(self._every(cleanup_interval_s, self.cleanup),
+                                                name="ledger-cleanup"))
+        if gauge_interval_s is not None:
+            self._tasks.append(loop.create_task(
+                self._every(gauge_interval_s, self.refresh_in_doubt, first=True),
+                name="ledger-in-doubt"))
+        metrics.component_up("ledger", True)
+
+    @classmethod
+    async def open(cls, url: str, *, metrics: LedgerMetrics, options: LedgerOptions,
+                   op_timeout_s: float = 5.0, check_schema: bool = True,
+                   **kwargs: Any) -> PostgresLedger:
+        """A ledger on the database ``url`` names (as for the store: libpq's query
+        parameters pass through). The schema is checked on a first connection:
+        :class:`StartupError` naming ``dedup-relay db upgrade --ledger`` when it is missing or
+        old; a database that does not answer is logged, the rows queue until it does (and a
+        required ledger refuses messages meanwhile). :class:`StoreError` for a URL asyncpg
+        refuses."""
+        try:
+            pool = asyncpg.create_pool(url, min_size=0, max_size=POOL_SIZE,
+                                       max_inactive_connection_lifetime=60.0)
+            await pool
+        except (*_ERRORS, ValueError) as exc:
+            raise StoreError("ledger open", f"{type(exc).__name__}: {exc}") from exc
+        ledger = cls(pool, metrics=metrics, options=options, op_timeout_s=op_timeout_s,
+                     **kwargs)
+        if check_schema:
+            try:
+                await ledger._call("ledger check_schema",
+                                   lambda conn: migrations.check(conn, "ledger"))
+            except migrations.SchemaError as exc:
+                await ledger.close(flush_s=0)
+                raise StartupError(str(exc)) from exc
+            except StoreError as exc:
+                ledger._set_up(False, str(exc))
+                log.warning("audit ledger not reachable at start-up (%s): rows queue until "
+                            "it answers%s", exc, "; messages are refused meanwhile "
+                            "(ledger_required)" if options.required else "")
+        return ledger
+
+    # -- AuditLedger ---------------------------------------------------------------------------
+
+    def record(self, entries: Sequence[LedgerEntry]) -> None:
+        """Queue one row per entry (see the module docstring); never raises."""
+        if not entries:
+            return
+        rows = [row_of(entry, self._options) for entry in entries]
+        room = self._options.queue_max - len(self._queue)
+        if self._closing or (not self._options.required and room < len(rows)):
+            kept = 0 if self._closing else max(0, room)
+            self._queue.extend(rows[:kept])
+            self._drop("shutdown" if self._closing else "full", len(rows) - kept)
+        else:
+            # required: a message admitted while there was room keeps its rows even past the
+            # bound (by at most the messages in flight), so none of an admitted one is lost
+            self._queue.extend(rows)
+        self._metrics.ledger_queued(len(self._queue))
+        if self._queue:
+            self._drained.clear()
+        self._wake.set()
+
+    def admits(self) -> bool:
+        """True unless the ledger is required and down or its queue full."""
+        if not self._options.required:
+            return True
+        return self._up and len(self._queue) < self._options.queue_max
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def status(self) -> LedgerStatus:
+        """The ledger's state for ``/readyz``."""
+        return LedgerStatus(up=self._up, queued=len(self._queue), dropped=self._dropped,
+                            required=self._options.required)
+
+    @property
+    def required(self) -> bool:
+        """Whether the ledger fails closed (``ledger_required``)."""
+        return self._options.required
+
+    def report(self) -> dict[str, object]:
+        """The ``ledger`` part of the ``/readyz`` body: ``state`` (``up`` / ``down``),
+        ``required``, rows ``queued`` and ``dropped`` by this process."""
+        status = self.status()
+        return {"state": "up" if status.up else "down", "required": status.required,
+                "queued": status.queued, "dropped": status.dropped}
+
+    async def ping(self) -> None:
+        """Raise :class:`StoreError` unless the ledger is writable: the last batch landed, or
+        (nothing waiting) the database answers a query."""
+        if self._queue and not self._up:
+            raise StoreError("ledger", f"{len(self._queue)} row(s) waiting, the last write "
+                                       "failed")
+        try:
+            await self._call("ledger ping", lambda conn: conn.fetchval("SELECT 1"))
+        except StoreError as exc:
+            self._set_up(False, str(exc))
+            raise
+        if not self._queue:
+            self._set_up(True)
+
+    async def write_now(self, entries: Sequence[LedgerEntry]) -> None:
+        """Write ``entries`` at once, bypassing the queue (an admin command's audit row).
+        Raises :class:`StoreError`."""
+        rows = [row_of(entry, self._options) for entry in entries]
+        await self._call("ledger write", lambda conn: insert_rows(conn, rows))
+
+    async def cleanup(self) -> int:
+        """Delete rows older than the retention, in at most ``CLEANUP_MAX_BATCHES``
+        statements of ``CLEANUP_BATCH`` rows; return how many. Raises :class:`StoreError`."""
+        total = 0
+        retention_ms = int(self._options.retention_s * 1000)
+        for _ in range(CLEANUP_MAX_BATCHES):
+            status = await self._call("ledger cleanup", lambda conn: conn.execute(
+                _CLEANUP, CLEANUP_BATCH, retention_ms))
+            deleted = int(status.split()[-1])
+            total += deleted
+            if deleted < CLEANUP_BATCH:
+                break
+        return total
+
+    async def refresh_in_doubt(self) -> int:
+        """Count the unresolved in-doubt decisions older than ``in_doubt_after_s`` into the
+        gauge; return the count. Raises :class:`StoreError`."""
+        count = await self._call("ledger in-doubt", lambda conn: conn.fetchval(
+            _COUNT_UNRESOLVED, int(self._options.in_doubt_after_s * 1000)))
+        value = int(count) if isinstance(count, int) else 0
+        self._metrics.in_doubt_unresolved(value)
+        return value
+
+    async def close(self, flush_s: float = 5.0) -> None:
+        """Give the queued rows up to ``flush_s`` seconds to land, count the rest dropped
+        (``shutdown``, logged), stop the tasks and close the pool."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+        if self._queue and flush_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout=flush_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._queue:
+            log.error("audit ledger: %d row(s) not written before the relay stopped",
+                      len(self._queue))
+            self._drop("shutdown", len(self._queue))
+            self._queue.clear()
+            self._metrics.ledger_queued(0)
+        try:
+            await asyncio.wait_for(self._pool.close(), timeout=max(1.0, self._op_timeout_s))
+        except _ERRORS:
+            self._pool.terminate()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _drop(self, reason: str, rows: int) -> None:
+        if rows <= 0:
+            return
+        if self._dropped == 0 or reason == "shutdown":
+            log.error("audit ledger: dropped %d row(s) (%s)", rows,
+                      "queue full" if reason == "full" else "relay stopping")
+        self._dropped += rows
+        self._metrics.ledger_dropped(reason, rows)
+
+    def _set_up(self, up: bool, error: str = "") -> None:
+        if up != self._up:
+            if up:
+                log.warning("audit ledger is up again: writing %d queued row(s)",
+                            len(self._queue))
+            else:
+                log.error("audit ledger write failed (%s): rows queue (%d now)", error,
+                          len(self._queue))
+        self._up = up
+        self._metrics.component_up("ledger", up)
+
+    async def _writer(self) -> None:
+        """Write queued rows in batches until cancelled; a failed batch stays at the head of
+        the queue and is tried again after a pause (the same row ids: no copy)."""
+        pause = RETRY_MIN_S
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [self._queue[i] for i in range(min(self._batch_rows, len(self._queue)))]
+            try:
+                await self._call("ledger write",
+                                 lambda conn, rows=batch: insert_rows(conn, rows))
+            except StoreError as exc:
+                self._set_up(False, str(exc))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            pause = RETRY_MIN_S
+            for _ in batch:  # record() only appends: the head is still this batch
+                self._queue.popleft()
+            if not self._queue:
+                self._drained.set()
+            self._metrics.ledger_written(len(batch))
+            self._metrics.ledger_queued(len(self._queue))
+            self._set_up(True)
+
+    async def _every(self, interval_s: float, job: Any, *, first: bool = False) -> None:
+        """Run ``job()`` every ``interval_s`` seconds (at once first with ``first``); a
+        failure is logged at DEBUG (the writer reports the ledger's state)."""
+        if not first:
+            await asyncio.sleep(interval_s)
+        while True:
+            try:
+                await job()
+            except StoreError as exc:
+                log.debug("audit ledger %s: %s", getattr(job, "__name__", "job"), exc)
+            await asyncio.sleep(interval_s)
+
+    async def _call(self, op_name: str, fn: Any) -> Any:
+        """Run ``fn(conn)`` on a pooled connection within the op timeout; every failure
+        becomes :class:`StoreError` naming ``op_name``."""
+        try:
+            async with asyncio.timeout(self._op_timeout_s):
+                async with self._pool.acquire() as conn:
+                    return await fn(conn)
+        except TimeoutError as exc:
+            raise StoreError(op_name, f"PostgreSQL did not answer within "
+                                      f"{self._op_timeout_s:g} s") from exc
+        except _ERRORS as exc:
+            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
