@@ -3,7 +3,8 @@ hundreds of messages, one run after the other, and a Markdown report (docs/relia
 
     .venv/bin/python tools/faultbench.py --messages 400 --out docs/reliability.md
 
-Each run: a bench-owned redis-server (AOF), an aiosmtpd sink with the run's faults, a real
+Each run: a bench-owned redis-server (AOF; the ``pg-*`` runs: a private PostgreSQL server,
+tests/support/private_postgres.py), an aiosmtpd sink with the run's faults, a real
 `python -m relay serve` process, messages arriving at ``--rate`` per second from clients that
 retry like MTAs, one fault mid-load; then the checker's counts per fingerprint. Loopback only;
 each run is bounded by ``--deadline`` (clients) plus a few seconds of set-up and tear-down.
@@ -44,6 +45,7 @@ from tests.support.faultbench_scenarios import (  # noqa: E402
     scenarios,
 )
 from tests.support.faultbench_traffic import RetryPolicy  # noqa: E402
+from tests.support.private_postgres import version as postgres_version  # noqa: E402
 
 COLUMNS = [
     ("fault", "what was done to the relay, its store or its upstream during the load"),
@@ -81,7 +83,8 @@ def machine_facts() -> list[str]:
     redis_version = subprocess.run([redis_exe, "--version"], capture_output=True, text=True,
                                    check=False, timeout=10).stdout.split(" sha=")[0]
     return [f"machine: nproc {os.cpu_count()}, {cpu}, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, {redis_version}",
+            f"Python {platform.python_version()}, {redis_version}, "
+            f"PostgreSQL {postgres_version()}",
             f"source: {source_revision()}"]
 
 
@@ -171,6 +174,12 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
         "`unknown_policy = suppress`, `store_down = fail_closed`",
         "- store: a redis-server owned by the run, AOF with `appendfsync always`, "
         "`noeviction` (like the compose stack); stopped with SIGTERM, restarted on its data",
+        "- store of the `pg-*` runs: a private PostgreSQL server owned by the run (its own "
+        "cluster copied from one `initdb` with the schema of `dedup-relay db upgrade`, a free "
+        "loopback port, trust auth, `fsync = on`, `synchronous_commit = on`); restarted with "
+        "`pg_ctl restart -m fast`, stopped with `pg_ctl stop -m immediate` and started on its "
+        "data (crash recovery), or its postmaster killed with SIGKILL and started again once "
+        f"its backends exited; stopped for {args.pg_down:g} s in `pg-down`",
         f"- upstream: an aiosmtpd sink in the bench process; each reply takes 0-{LATENCY_S:g} s; "
         "faults are dealt in shuffled blocks of 20 transactions (exact ratios per block); "
         "it logs each accepted (recipient, X-Dedupe-Key) before it replies",
@@ -198,7 +207,7 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
 async def run_all(args: argparse.Namespace, workroot: Path) -> list[RunResult]:
     """Run the chosen scenarios one after the other, printing each run's counts."""
     chosen = [dataclasses.replace(s, relay=dataclasses.replace(s.relay, workers=args.workers))
-              for s in scenarios(redis_down_s=args.redis_down)
+              for s in scenarios(redis_down_s=args.redis_down, pg_down_s=args.pg_down)
               if not args.only or s.name in args.only.split(",")]
     results = []
     for scenario in chosen:
@@ -219,7 +228,11 @@ def main() -> None:
                         help="seconds after the first arrival by which every client must end")
     parser.add_argument("--redis-down", type=float, default=10.0,
                         help="seconds Redis stays stopped")
-    parser.add_argument("--only", default="", help="comma-separated scenario names")
+    parser.add_argument("--pg-down", type=float, default=3.0,
+                        help="seconds PostgreSQL stays stopped (pg-down)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated scenario names (the PostgreSQL store's: pg-baseline, "
+                             "pg-restart, pg-down, pg-sigkill)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=RelayConfig().workers,
                         help="worker processes of each relay (serve --workers)")

@@ -1,5 +1,5 @@
 """The fault bench's servers: a faulty upstream sink (aiosmtpd, in the bench's loop), a
-bench-owned redis-server, and `python -m relay serve` processes.
+bench-owned redis-server or PostgreSQL server, and `python -m relay serve` processes.
 
 The traffic and the checker are in ``faultbench_traffic``, the runs that combine them in
 ``faultbench_scenarios``; ``tests/system/test_faults.py`` (short) and ``tools/faultbench.py`` (long)
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import redis.asyncio
 from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from tests.support.private_postgres import PrivatePostgres
 
 REPO = Path(__file__).resolve().parents[2]
 _KEY_HEADER = re.compile(rb"^X-Dedupe-Key:[ \t]*(.*?)\r?$", re.I | re.M)
@@ -370,6 +372,10 @@ class BenchRedis:
             await _end(self.proc, signal.SIGTERM, 10)
             self.proc = None
 
+    async def close(self) -> None:
+        """The end of the run: a graceful stop (the data dir is the run's)."""
+        await self.stop()
+
     async def pause(self, seconds: float) -> None:
         """Make the server answer nothing for ``seconds`` (DEBUG SLEEP: a stalled Redis); returns
         at once, the pause goes on."""
@@ -385,6 +391,52 @@ class BenchRedis:
         _PAUSES.add(task)
         task.add_done_callback(_PAUSES.discard)
         await asyncio.sleep(0.05)  # the DEBUG SLEEP reached the server
+
+
+@dataclass
+class BenchPostgres:
+    """A private PostgreSQL server of the run (``tests/support/private_postgres.py``: a copy of
+    a template cluster holding the store's schema, fsync and synchronous_commit on, a free
+    port), driven from the bench's loop; its log is copied to ``work_dir/postgres.log`` at
+    :meth:`close`. Each call waits ``pg_ctl``'s bounded wait at most, in a thread.
+    """
+
+    work_dir: Path
+    server: PrivatePostgres | None = None
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise RuntimeError("the bench PostgreSQL was never started")
+        return self.server.url
+
+    async def start(self) -> None:
+        """Start the server (creating its cluster the first time) and wait until it accepts."""
+        if self.server is None:
+            self.server = await asyncio.to_thread(PrivatePostgres)
+        await asyncio.to_thread(self.server.start)
+
+    async def stop(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m MODE`` (``fast``: clean shutdown; ``immediate``: no checkpoint)."""
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop, mode)
+
+    async def restart(self, mode: str = "fast") -> None:
+        """``pg_ctl restart -m MODE``, same port and data."""
+        if self.server is not None:
+            await asyncio.to_thread(self.server.restart, mode)
+
+    async def kill(self) -> None:
+        """SIGKILL to the postmaster; returns once every process of the server is gone."""
+        if self.server is not None:
+            await asyncio.to_thread(self.server.kill)
+
+    async def close(self) -> None:
+        """Stop the server whatever state it is in, keep its log, remove its cluster."""
+        if self.server is None:
+            return
+        server, self.server = self.server, None
+        await asyncio.to_thread(server.close, log_to=self.work_dir / "postgres.log")
 
 
 # ------------------------------------------------------------------------------------------

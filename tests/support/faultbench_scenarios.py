@@ -1,5 +1,6 @@
-"""The fault bench's runs: one relay process in front of a faulty sink, a bench-owned Redis,
-messages arriving at a steady rate from retrying clients, and one fault injected mid-load.
+"""The fault bench's runs: one relay process in front of a faulty sink, a bench-owned Redis
+(or PostgreSQL server: the ``pg-*`` scenarios), messages arriving at a steady rate from retrying
+clients, and one fault injected mid-load.
 
 :func:`run_scenario` is what ``tests/system/test_faults.py`` (30-60 messages per fault) and
 ``tools/faultbench.py`` (hundreds, writes docs/reliability.md) both call.
@@ -12,6 +13,7 @@ import contextlib
 import json
 import random
 import signal
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.support.faultbench_lib import (
+    BenchPostgres,
     BenchRedis,
     Faults,
     RelayConfig,
@@ -45,10 +48,23 @@ SETTLE_S = 1.2  # after the load: upstream transactions still running land at th
 class Bench:
     """The parts of one run, handed to the fault action."""
 
-    store: BenchRedis
+    store: BenchRedis | BenchPostgres
     sink: Sink
     relay: RelayProcess
     notes: list[str] = field(default_factory=list)
+    marks: dict[str, float] = field(default_factory=dict)  # moments of the fault (unix time)
+
+    def redis(self) -> BenchRedis:
+        """The run's store, which this action needs to be Redis."""
+        if not isinstance(self.store, BenchRedis):
+            raise TypeError(f"this fault needs the Redis store, the run has {self.store!r}")
+        return self.store
+
+    def postgres(self) -> BenchPostgres:
+        """The run's store, which this action needs to be PostgreSQL."""
+        if not isinstance(self.store, BenchPostgres):
+            raise TypeError(f"this fault needs the PostgreSQL store, the run has {self.store!r}")
+        return self.store
 
 
 Action = Callable[[Bench], Awaitable[None]]
@@ -69,6 +85,7 @@ class Scenario:
     # the clients' attempts then go to the two relays in turn
     second_clock_offset_s: float | None = None
     policy: RetryPolicy | None = None  # the clients' retries (None: the run's default)
+    store: str = "redis"  # redis | postgres: the server the relay's --store names
 
 
 async def restart_redis(bench: Bench) -> None:
@@ -100,7 +117,7 @@ def store_paused_during_settle(*, hold_s: float, pause_s: float) -> Action:
         await asyncio.wait_for(taken.wait(), 10)
         stopping = asyncio.create_task(bench.relay.signal_and_wait(signal.SIGTERM))
         await asyncio.sleep(hold_s * 0.6)
-        await bench.store.pause(pause_s)
+        await bench.redis().pause(pause_s)
         code = await stopping
         bench.notes.append(f"relay exited {code} after SIGTERM; redis paused {pause_s:g} s "
                            f"before the upstream's reply (held {bench.sink.handler.held_keys})")
@@ -128,11 +145,52 @@ def relay_signalled(sig: signal.Signals, *, hold_s: float | None = None) -> Acti
     return action
 
 
+def postgres_restarted(mode: str = "fast") -> Action:
+    """PostgreSQL restarted (``pg_ctl restart -m MODE``) on the same port and data."""
+
+    async def action(bench: Bench) -> None:
+        bench.marks["store down"] = time.time()
+        await bench.postgres().restart(mode)
+        bench.marks["store back"] = time.time()
+        took = bench.marks["store back"] - bench.marks["store down"]
+        bench.notes.append(f"postgresql restarted (-m {mode}) in {took:.2f} s")
+
+    return action
+
+
+def postgres_stopped(seconds: float, mode: str = "immediate") -> Action:
+    """PostgreSQL stopped (``pg_ctl stop -m MODE``; ``immediate``: no checkpoint, its
+    backends dropped at once, crash recovery at the start) for ``seconds``, then started again
+    on the same port and data."""
+
+    async def action(bench: Bench) -> None:
+        bench.marks["store down"] = time.time()
+        await bench.postgres().stop(mode)
+        await asyncio.sleep(seconds)
+        await bench.postgres().start()
+        bench.marks["store back"] = time.time()
+        took = bench.marks["store back"] - bench.marks["store down"]
+        bench.notes.append(f"postgresql stopped (-m {mode}), down {took:.2f} s")
+
+    return action
+
+
+async def kill_postgres(bench: Bench) -> None:
+    """SIGKILL to the PostgreSQL postmaster; once its backends are gone, started again (crash
+    recovery) on the same port and data."""
+    bench.marks["store down"] = time.time()
+    await bench.postgres().kill()
+    await bench.postgres().start()
+    bench.marks["store back"] = time.time()
+    took = bench.marks["store back"] - bench.marks["store down"]
+    bench.notes.append(f"postgresql postmaster killed (SIGKILL), back after {took:.2f} s")
+
+
 LATENCY_S = 0.1  # every scenario's sink answers each command within 0-100 ms, like a smarthost
 
 
-def scenarios(*, redis_down_s: float = 10.0) -> list[Scenario]:
-    """Every fault of the bench, the control run first."""
+def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Scenario]:
+    """Every fault of the bench, the control run first; the PostgreSQL store's last."""
     plain = Faults(slow_s=LATENCY_S)
     return [
         Scenario("baseline", "no fault (control)", faults=plain),
@@ -185,6 +243,16 @@ def scenarios(*, redis_down_s: float = 10.0) -> list[Scenario]:
         Scenario("relay-sigkill-after-dot",
                  "relay SIGKILL just after upstream took a message (reply held), restarted",
                  faults=plain, action=relay_signalled(signal.SIGKILL, hold_s=0.5)),
+        Scenario("pg-baseline", "PostgreSQL store, no fault (control)", faults=plain,
+                 store="postgres"),
+        Scenario("pg-restart", "PostgreSQL store restarted mid-load (pg_ctl restart -m fast)",
+                 faults=plain, action=postgres_restarted("fast"), store="postgres"),
+        Scenario("pg-down", f"PostgreSQL store stopped for {pg_down_s:g} s mid-load "
+                 "(pg_ctl stop -m immediate), then started",
+                 faults=plain, action=postgres_stopped(pg_down_s, "immediate"),
+                 store="postgres"),
+        Scenario("pg-sigkill", "PostgreSQL postmaster killed (SIGKILL) mid-load, then started",
+                 faults=plain, action=kill_postgres, store="postgres"),
     ]
 
 
@@ -197,6 +265,7 @@ class RunResult:
     notes: list[str]
     workdir: Path
     relay_exit_codes: list[int] = field(default_factory=list)
+    marks: dict[str, float] = field(default_factory=dict)  # the fault's moments (unix time)
 
     def line(self) -> str:
         return f"[{self.scenario.name}] {self.counts.summary()} notes={self.notes}"
@@ -236,7 +305,8 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
     msgs = make_messages(messages, tag, big_every=scenario.big_every,
                          big_bytes=scenario.big_bytes)
-    store = BenchRedis(workdir / "redis")
+    store: BenchRedis | BenchPostgres = (
+        BenchPostgres(workdir) if scenario.store == "postgres" else BenchRedis(workdir / "redis"))
     sink: Sink | None = None
     relay: RelayProcess | None = None
     second: RelayProcess | None = None
@@ -280,11 +350,12 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     counts.wall_s = wall_s
     notes = [*bench.notes, f"sink fates {dict(bench.sink.handler.fates)}"]
     return RunResult(scenario=scenario, counts=counts, notes=notes, workdir=workdir,
-                     relay_exit_codes=list(bench.relay.exit_codes))
+                     relay_exit_codes=list(bench.relay.exit_codes), marks=dict(bench.marks))
 
 
-async def _stop_all(relay: RelayProcess | None, sink: Sink | None, store: BenchRedis) -> None:
-    """Stop the relay, the sink and Redis, each whatever happened to the others."""
+async def _stop_all(relay: RelayProcess | None, sink: Sink | None,
+                    store: BenchRedis | BenchPostgres) -> None:
+    """Stop the relay, the sink and the store, each whatever happened to the others."""
     try:
         if relay is not None:
             await relay.stop()
@@ -293,7 +364,7 @@ async def _stop_all(relay: RelayProcess | None, sink: Sink | None, store: BenchR
             if sink is not None:
                 sink.close()
         finally:
-            await store.stop()
+            await store.close()
 
 
 def evidence(result: RunResult, limit: int = 16) -> list[str]:
