@@ -10,16 +10,20 @@ Every target listens on a free loopback port and relays to one shared sink, Post
 ``smtp-sink`` (C, event driven; the "sink alone" row is the load sent straight to it, the
 ceiling of this machine's load generator and sink). Targets: a private Postfix instance
 (its own config and queue directory under a temp dir, ``relayhost = [127.0.0.1]:SINK``), the
-naive relay of ``bench/naive_relay.py``, dedup-relay with a Redis store and with the embedded
-SQLite store. The Redis targets use a private ``redis-server`` (no persistence) so that its
-``used_memory`` growth per fingerprint is clean. Each repetition shuffles the target order,
+naive relay of ``bench/naive_relay.py``, dedup-relay with a Redis store, with the embedded
+SQLite store and with a PostgreSQL store. The Redis targets use a private ``redis-server`` (no
+persistence) so that its ``used_memory`` growth per fingerprint is clean; the PostgreSQL target a
+private PostgreSQL server (``tests/support/private_postgres.py``: its own cluster, a free port,
+PostgreSQL's default durability: ``fsync`` and ``synchronous_commit`` on) with a fresh database
+per start, its schema made by ``dedup-relay db upgrade``. Each repetition shuffles the target order,
 starts each target, runs every scenario against it, and stops it. Medians and min-max spreads
 over the repetitions are written to the top section of ``docs/benchmarks.md``.
 
 Units: rates in messages per second, latencies in milliseconds, CPU in milliseconds of user plus
 system time per accepted message (all processes of the target: Postfix's whole process tree),
 peak RSS in MiB (sum over the target's processes, sampled every 0.2 s), Redis memory in bytes
-per fingerprint (``used_memory`` growth over the keys added in the cell).
+per fingerprint (``used_memory`` growth over the keys added in the cell). The Redis and
+PostgreSQL servers' CPU per message are columns of their own (not in the target's CPU).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from pathlib import Path
 import redis
 
 from bench.load import LoadResult, run_load
+from tests.support.private_postgres import PrivatePostgres, bin_dir
+from tests.support.private_postgres import version as postgres_version
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -211,18 +217,22 @@ class Target:
     """
 
     name: str
-    kind: str  # sink | postfix | naive | relay-redis | relay-sqlite
+    kind: str  # sink | postfix | naive | relay-redis | relay-sqlite | relay-postgres
     workers: int | None = None
     flags: tuple[str, ...] = ()
     memory_only: bool = False
     port: int = 0
     pid: int = 0
     uses_redis: bool = False
+    uses_postgres: bool = False
     proc: subprocess.Popen[bytes] | None = None
     tmp: Path | None = None
+    pg_db: str = ""
+    pg: PrivatePostgres | None = None
 
-    def start(self, sink: Sink, store: PrivateRedis) -> None:
-        """Start the target on a free port, relaying to ``sink``."""
+    def start(self, sink: Sink, store: PrivateRedis, pg: PrivatePostgres | None = None) -> None:
+        """Start the target on a free port, relaying to ``sink`` (a PostgreSQL target: on a
+        fresh database of ``pg``, its schema made by ``dedup-relay db upgrade``)."""
         if self.kind == "sink":
             self.port, self.pid = sink.port, sink.proc.pid
             return
@@ -239,8 +249,12 @@ class Target:
                    "--redis", store.url, "--prefix", store.prefix]
             env["PYTHONPATH"] = str(REPO)
         else:
-            url = (store.url if self.kind == "relay-redis"
-                   else f"sqlite:///{self.tmp / 'dedup.db'}")
+            if self.kind == "relay-postgres":
+                url = self._fresh_database(pg, env)
+            elif self.kind == "relay-redis":
+                url = store.url
+            else:
+                url = f"sqlite:///{self.tmp / 'dedup.db'}"
             cmd = [str(VENV_BIN / "dedup-relay"), "serve", "--listen", f"127.0.0.1:{self.port}",
                    "--upstream", f"127.0.0.1:{sink.port}", "--metrics-listen", "off",
                    "--store", url, "--store-prefix", store.prefix,
@@ -254,6 +268,19 @@ class Target:
                                      stderr=open(self.tmp / "stderr.log", "wb"))  # noqa: SIM115
         self.pid = self.proc.pid
         wait_port(self.port)
+
+    def _fresh_database(self, pg: PrivatePostgres | None, env: dict[str, str]) -> str:
+        """A new database on ``pg`` with the store's schema (``dedup-relay db upgrade``); its
+        URL."""
+        if pg is None:
+            raise RuntimeError(f"{self.name}: no PostgreSQL server started")
+        self.pg, self.pg_db = pg, f"bench_{uuid.uuid4().hex[:10]}"
+        subprocess.run([str(bin_dir() / "createdb"), "-h", "127.0.0.1", "-p", str(pg.port),
+                        "-U", "postgres", self.pg_db], check=True, timeout=30)
+        url = f"postgresql://postgres@127.0.0.1:{pg.port}/{self.pg_db}"
+        subprocess.run([str(VENV_BIN / "dedup-relay"), "db", "upgrade", "--store", url],
+                       check=True, timeout=60, env=env, stdout=subprocess.DEVNULL)
+        return url
 
     def _start_postfix(self, sink: Sink) -> None:
         assert self.tmp is not None
@@ -297,9 +324,14 @@ class Target:
                 time.sleep(0.05)
         elif self.proc is not None:
             stop_process(self.proc)
+        if self.pg is not None and self.pg_db:
+            subprocess.run([str(bin_dir() / "dropdb"), "-h", "127.0.0.1", "-p",
+                            str(self.pg.port), "-U", "postgres", "--if-exists", self.pg_db],
+                           timeout=60, check=False, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        self.proc, self.tmp = None, None
+        self.proc, self.tmp, self.pg, self.pg_db = None, None, None, ""
 
 
 def queued(queue_dir: Path) -> int:
@@ -406,6 +438,7 @@ class Cell:
     pss_mib: float
     redis_cpu_ms: float | None
     failed: int
+    pg_cpu_ms: float | None = None
 
 
 async def _sample_memory(root: int, peak: list[float], stop: asyncio.Event) -> None:
@@ -433,11 +466,18 @@ async def smtp_source(port: int, messages: int, sessions: int) -> LoadResult:
                       wall_s=wall)
 
 
+def pg_cpu_s(pg: PrivatePostgres | None) -> float:
+    """CPU seconds of the PostgreSQL server: its postmaster's process tree (backends,
+    checkpointer, WAL writer...; exited backends through the postmaster's cutime/cstime)."""
+    return tree_cpu_s(pg.pid) if pg is not None and pg.pid is not None else 0.0
+
+
 async def measure(target: Target, scenario: Scenario, messages: int,
-                  store: PrivateRedis) -> Cell:
+                  store: PrivateRedis, pg: PrivatePostgres | None = None) -> Cell:
     """Run one cell against a started target."""
     cpu0 = tree_cpu_s(target.pid)
     redis_cpu0 = tree_cpu_s(store.proc.pid)
+    pg_cpu0 = pg_cpu_s(pg)
     peak = [0.0, 0.0]
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_memory(target.pid, peak, stop))
@@ -453,6 +493,7 @@ async def measure(target: Target, scenario: Scenario, messages: int,
     wall = time.perf_counter() - started
     cpu = tree_cpu_s(target.pid) - cpu0
     redis_cpu = tree_cpu_s(store.proc.pid) - redis_cpu0
+    pg_cpu = pg_cpu_s(pg) - pg_cpu0
     stop.set()
     await sampler
     ok = max(result.accepted, 1)
@@ -464,7 +505,8 @@ async def measure(target: Target, scenario: Scenario, messages: int,
     return Cell(rate=result.accepted / wall, p50_ms=p50, p99_ms=p99, cpu_ms=cpu * 1000 / ok,
                 rss_mib=peak[0], pss_mib=peak[1],
                 redis_cpu_ms=redis_cpu * 1000 / ok if target.uses_redis else None,
-                failed=result.sent - result.accepted + (0 if drained else result.accepted))
+                failed=result.sent - result.accepted + (0 if drained else result.accepted),
+                pg_cpu_ms=pg_cpu * 1000 / ok if target.uses_postgres else None)
 
 
 # --------------------------------------------------------------------------- report
@@ -498,7 +540,7 @@ def _ratio(x: float, ref: float) -> str:
 METRICS: list[tuple[str, str, int]] = [
     ("msgs/s", "rate", 0), ("p50 ms", "p50_ms", 1), ("p99 ms", "p99_ms", 1),
     ("CPU ms/msg", "cpu_ms", 2), ("peak RSS MiB", "rss_mib", 0), ("peak PSS MiB", "pss_mib", 0),
-    ("Redis CPU ms/msg", "redis_cpu_ms", 2),
+    ("Redis CPU ms/msg", "redis_cpu_ms", 2), ("PostgreSQL CPU ms/msg", "pg_cpu_ms", 2),
 ]
 
 
@@ -567,6 +609,7 @@ def machine() -> list[str]:
         f"- Python: {platform.python_version()}",
         f"- Postfix: {version(['/usr/sbin/postconf', '-d', 'mail_version'])}",
         f"- Redis: {redis_version}",
+        f"- PostgreSQL: {postgres_version()}",
     ]
 
 
@@ -651,7 +694,9 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         "Latency: connect (or MAIL on a reused connection) to the reply to the final dot. CPU:",
         "user + system time of the target's processes (`/proc/PID/stat`, Postfix's whole process",
         "tree including exited children) per accepted message; Redis CPU is the private",
-        "`redis-server`'s (its own column, not in the target's CPU). Peak RSS and PSS: sums over",
+        "`redis-server`'s and PostgreSQL CPU the private PostgreSQL server's (postmaster,",
+        "backends, WAL writer, checkpointer...), each in its own column, not in the target's",
+        "CPU. Peak RSS and PSS: sums over",
         "the target's processes, sampled every 0.2 s (the RSS sum counts pages shared by Postfix's",
         "processes once per process, PSS splits them). 'sink alone' is the load sent straight to",
         "`smtp-sink`: the ceiling of this load generator and sink on this machine (its CPU is the",
@@ -667,9 +712,12 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         "(`bench/naive_relay.py`: one aiosmtpd process, one `SET NX PX` per recipient, up to 20",
         "pooled aiosmtplib upstream connections); dedup-relay as committed, its defaults except",
         "`--max-connections-per-ip 200`, `--log-level WARNING`, `--metrics-listen off`, with the",
-        f"private Redis or a fresh SQLite file: by default one worker per CPU ({os.cpu_count()}),",
-        "once with `--workers 1` (Redis), and once on asyncio's event loop instead of uvloop",
-        "(`--event-loop asyncio`, Redis).",
+        "private Redis, a fresh SQLite file or a fresh database on a private PostgreSQL",
+        f"{postgres_version()} server (its schema from `dedup-relay db upgrade`; PostgreSQL's",
+        "default durability, `fsync = on` and `synchronous_commit = on`: every store call's",
+        "commit waits for its WAL flush, as a durable store must): by default one worker per",
+        f"CPU ({os.cpu_count()}), once with `--workers 1` (Redis), and once on asyncio's event",
+        "loop instead of uvloop (`--event-loop asyncio`, Redis).",
         "",
         "Postfix runs with its defaults, `in_flow_delay = 1s` included: when its queue manager",
         "falls behind, `smtpd` holds a message up to 1 s before accepting it, which is Postfix's",
@@ -732,6 +780,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         Target("naive relay", "naive", uses_redis=True),
         Target("dedup-relay, Redis", "relay-redis", uses_redis=True),
         Target("dedup-relay, SQLite", "relay-sqlite"),
+        Target("dedup-relay, PostgreSQL", "relay-postgres", uses_postgres=True),
         Target("dedup-relay, Redis, --workers 1", "relay-redis", workers=1, uses_redis=True),
         Target("dedup-relay, Redis, asyncio loop", "relay-redis", uses_redis=True,
                flags=("--event-loop", "asyncio")),
@@ -742,6 +791,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         targets.append(Target(f"dedup-relay, Redis, --workers {n}", "relay-redis", workers=n,
                               uses_redis=True))
         targets.append(Target(f"dedup-relay, SQLite, --workers {n}", "relay-sqlite", workers=n))
+        targets.append(Target(f"dedup-relay, PostgreSQL, --workers {n}", "relay-postgres",
+                              workers=n, uses_postgres=True))
     scale = 0.2 if args.quick else args.scale
     scenarios = SCENARIOS
     counts = {s.name: max(20, int(s.messages * scale)) for s in scenarios}
@@ -795,17 +846,21 @@ async def run(plan: Plan, seed: int) -> tuple[dict[tuple[str, str], list[Cell]],
     workdir = Path(tempfile.mkdtemp(prefix="bench-run-"))
     sink = Sink()
     store = PrivateRedis(workdir)
+    pg: PrivatePostgres | None = None
     try:
+        if any(t.uses_postgres for t in plan.targets):
+            pg = PrivatePostgres(schema=False)
+            pg.start()
         for rep in range(plan.reps):
             order = [t for t in plan.targets if not t.memory_only]
             rng.shuffle(order)
             print(f"repetition {rep + 1}/{plan.reps}: {', '.join(t.name for t in order)}")
             for target in order:
                 try:
-                    target.start(sink, store)
+                    target.start(sink, store, pg)
                     await warm_up(target)
                     for sc in plan.scenarios:
-                        cell = await measure(target, sc, plan.counts[sc.name], store)
+                        cell = await measure(target, sc, plan.counts[sc.name], store, pg)
                         results.setdefault((target.name, sc.name), []).append(cell)
                         print(f"  {target.name:34} {sc.name[:52]:52} {cell.rate:7.0f} msg/s "
                               f"p50 {_fmt(cell.p50_ms)} ms cpu {cell.cpu_ms:.2f} ms/msg"
@@ -817,6 +872,8 @@ async def run(plan: Plan, seed: int) -> tuple[dict[tuple[str, str], list[Cell]],
                 memory[target.name] = await fp_memory(target, sink, store, plan.fp_keys)
                 print(f"  {target.name}: {memory[target.name]}", flush=True)
     finally:
+        if pg is not None:
+            pg.close()
         store.stop()
         sink.stop()
         shutil.rmtree(workdir, ignore_errors=True)
