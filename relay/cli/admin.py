@@ -14,10 +14,12 @@ flight (``--force``), 78 invalid configuration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -37,7 +39,7 @@ from relay.admin import (
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
-from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, setting_names
+from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, redact_url, setting_names
 from relay.core.errors import (
     ConfigError,
     InvalidAddressError,
@@ -45,9 +47,11 @@ from relay.core.errors import (
     StartupError,
     StoreError,
 )
-from relay.core.interfaces import FingerprintStore, State
+from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, State
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
+from relay.store.postgres.ledger_read import LedgerReader
+from relay.store.postgres.migrations import SchemaError
 from relay.store.sqlite import sqlite_path_from_url
 
 _T = TypeVar("_T")
@@ -75,8 +79,15 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _settings(config_file: Path | None, store: str | None) -> Settings:
-    return load(config_file, {"store": store}, base=AdminSettings)
+def _ledger_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--ledger", default=None, metavar="URL",
+                        help="the audit ledger's URL, as for serve (postgresql://USER@HOST:"
+                             "PORT/DB) [env: RELAY_LEDGER]")(func)
+
+
+def _settings(config_file: Path | None, store: str | None, ledger: str | None = None
+              ) -> Settings:
+    return load(config_file, {"store": store, "ledger": ledger}, base=AdminSettings)
 
 
 def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
@@ -148,40 +159,54 @@ def register(main: click.Group) -> None:
 
     @main.command("release", epilog=epilog())
     @_store_options
+    @_ledger_option
     @_selection_options
     @_decision_options
-    def release_command(config_file: Path | None, store: str | None, rcpt: str | None,
-                        templates: tuple[str, ...], keys: tuple[str, ...],
+    def release_command(config_file: Path | None, store: str | None, ledger: str | None,
+                        rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
                         auth_user: str | None, store_key: str | None, reason: str,
                         force: bool, log_format: str) -> None:
-        """Delete a fingerprint, so the next attempt is relayed (audited)."""
-        settings, key = _decision_setup(config_file, store, rcpt, templates, keys, auth_user,
-                                        store_key, reason, log_format)
-        before, deleted = _run_on_store(settings, lambda store: release(
-            store, key, reason=reason, lease_s=settings.lease, force=force))
+        """Delete a fingerprint, so the next attempt is relayed (audited; with a ledger
+        configured, also a `released` row there, or nothing done when it does not answer)."""
+        settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
+                                        auth_user, store_key, reason, log_format)
+        row = _OperatorRow(settings, LedgerAction.RELEASE, key, rcpt, templates, keys)
+        (before, deleted), unrecorded = _run_audited(
+            settings, lambda store: release(store, key, reason=reason, lease_s=settings.lease,
+                                            force=force),
+            lambda done: row.entry() if done[1] else None)
         click.echo(json.dumps({"released": deleted,
                                "previous": describe(key, before, settings.lease)}))
+        _fail_if_unrecorded(unrecorded, "released")
         if not deleted:
             sys.exit(int(ExitCode.NOT_FOUND))
 
     @main.command("mark-sent", epilog=epilog())
     @_store_options
+    @_ledger_option
     @_selection_options
     @_decision_options
-    def mark_sent_command(config_file: Path | None, store: str | None, rcpt: str | None,
-                          templates: tuple[str, ...], keys: tuple[str, ...],
+    def mark_sent_command(config_file: Path | None, store: str | None, ledger: str | None,
+                          rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
                           auth_user: str | None, store_key: str | None, reason: str,
                           force: bool, log_format: str) -> None:
         """Record a fingerprint as SENT for the dedup window: the upstream did deliver it, so
-        retries are duplicates (audited)."""
-        settings, key = _decision_setup(config_file, store, rcpt, templates, keys, auth_user,
-                                        store_key, reason, log_format)
+        retries are duplicates (audited; with a ledger configured, also a `marked_sent` row
+        there, or nothing done when it does not answer)."""
+        settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
+                                        auth_user, store_key, reason, log_format)
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
-        before = _run_on_store(settings, lambda store: mark_sent(
-            store, key, reason=reason, lease_s=settings.lease, window_s=window_s, force=force,
-            keep_expiry=store_key is not None))
+        # the reply the record now holds (relay.admin.mark_sent writes it)
+        row = _OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt, templates, keys,
+                           reply=f"marked sent by an operator: {reason}")
+        before, unrecorded = _run_audited(
+            settings, lambda store: mark_sent(
+                store, key, reason=reason, lease_s=settings.lease, window_s=window_s,
+                force=force, keep_expiry=store_key is not None),
+            lambda _: row.entry())
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
+        _fail_if_unrecorded(unrecorded, "marked sent")
 
     _register_stats(main)
     _register_hash_password(main)
@@ -277,11 +302,12 @@ def _decision_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _decision_setup(config_file: Path | None, store: str | None, rcpt: str | None,
-                    templates: tuple[str, ...], keys: tuple[str, ...], auth_user: str | None,
-                    store_key: str | None, reason: str, log_format: str) -> tuple[Settings, str]:
+def _decision_setup(config_file: Path | None, store: str | None, ledger: str | None,
+                    rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
+                    auth_user: str | None, store_key: str | None, reason: str,
+                    log_format: str) -> tuple[Settings, str]:
     """Settings, logging and the selected key of a release / mark-sent; exits 2 on bad input."""
-    settings = _settings(config_file, store)
+    settings = _settings(config_file, store, ledger)
     if not reason.strip():
         fail(ExitCode.USAGE, "--reason must say why (it goes into the audit line)")
     _quiet_logging(log_format)
@@ -294,15 +320,84 @@ def _quiet_logging(log_format: str) -> None:
     setup_logging("ERROR", log_format)
 
 
+_OUTCOMES = {LedgerAction.RELEASE: "released", LedgerAction.MARK_SENT: "marked_sent"}
+
+
+class _OperatorRow:
+    """The ledger row of a release / mark-sent: the store key, the recipient when given with
+    ``--rcpt`` (else ""), the template and key as the relay normalizes them, decided now by
+    ``HOSTNAME/cli``."""
+
+    def __init__(self, settings: Settings, action: LedgerAction, key: str, rcpt: str | None,
+                 templates: tuple[str, ...], keys: tuple[str, ...], reply: str = "") -> None:
+        headers = header_values(keys, templates, max_chars=settings.max_key_chars)
+        self._fields: dict[str, Any] = {
+            "outcome": _OUTCOMES[action], "action": action, "recipient": rcpt or "",
+            "store_key": key, "template": headers.template, "dedupe_key": headers.key,
+            "reply": reply}
+
+    def entry(self) -> LedgerEntry:
+        """The row, decided now."""
+        return LedgerEntry(decided_at=time.time(), **self._fields)
+
+
+def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:
+    """Exit 3 when the audit row of an action that was done did not land."""
+    if error is not None:
+        fail(ExitCode.STORE_FAILED, f"the record was {done}, but its audit row was not "
+                                    f"written to the ledger: {error}")
+
+
+def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]],
+                 audit: Callable[[_T], LedgerEntry | None]) -> tuple[_T, StoreError | None]:
+    """:func:`_run_on_store` with the audit ledger, when one is configured: the ledger must
+    answer (schema current) before the store is touched, else exit 3 with nothing done; then
+    ``audit(result)`` (None: nothing to record) is written. Returns the action's result and
+    the error of that write (None: written, or no ledger)."""
+    if settings.ledger is None:
+        return _run_on_store(settings, action), None
+    url = settings.ledger
+    click.echo(f"dedup-relay: ledger: {redact_url(url)}", err=True)
+
+    async def audited() -> tuple[_T, StoreError | None]:
+        from relay.app import build_store, ledger_options  # the relay's own, when needed
+
+        try:
+            reader = await LedgerReader.open(url, timeout_s=max(5.0, settings.store_timeout))
+        except (StoreError, SchemaError) as exc:
+            raise _LedgerRefused(str(exc)) from exc
+        try:
+            store = await build_store(settings)
+            try:
+                result = await action(store)
+            finally:
+                await store.close()
+            entry = audit(result)
+            if entry is None:
+                return result, None
+            options = dataclasses.replace(ledger_options(settings),
+                                          instance=f"{settings.hostname}/cli")
+            try:
+                await reader.write([entry], options)
+            except StoreError as exc:
+                return result, exc
+            return result, None
+        finally:
+            await reader.close()
+
+    try:
+        return _run(settings, audited)
+    except _LedgerRefused as exc:
+        fail(ExitCode.STORE_FAILED, f"audit ledger failed, nothing done (an operator action "
+                                    f"is not left unrecorded): {exc}")
+
+
+class _LedgerRefused(Exception):
+    """The ledger did not answer (or its schema is missing or old) before the action."""
+
+
 def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]]) -> _T:
     """Open the relay's store, run ``action`` on it, close it; exit 3 when the store fails."""
-
-    if settings.store.startswith("sqlite:///"):
-        path = Path(sqlite_path_from_url(settings.store))
-        if not path.is_file():  # opening would create an empty one and report "absent"
-            fail(ExitCode.CONFIG, f"no database at {path}: run where the relay runs, or pass "
-                                   f"the relay's store ({setting_names('store')})")
-    click.echo(f"dedup-relay: store: {store_label(settings)}", err=True)
 
     async def run() -> _T:
         from relay.app import build_store  # the relay's own store factory, imported when needed
@@ -313,6 +408,18 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
         finally:
             await store.close()
 
+    return _run(settings, run)
+
+
+def _run(settings: Settings, run: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """Say which store is used, run ``run()`` in an event loop; exit 3 when the store fails
+    (2, 4 and 78 for the other refusals)."""
+    if settings.store.startswith("sqlite:///"):
+        path = Path(sqlite_path_from_url(settings.store))
+        if not path.is_file():  # opening would create an empty one and report "absent"
+            fail(ExitCode.CONFIG, f"no database at {path}: run where the relay runs, or pass "
+                                   f"the relay's store ({setting_names('store')})")
+    click.echo(f"dedup-relay: store: {store_label(settings)}", err=True)
     try:
         return asyncio.run(run())
     except StoreError as exc:

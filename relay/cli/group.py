@@ -1,7 +1,8 @@
 """The ``dedup-relay`` command group: ``serve``, ``check-config`` and ``healthcheck``
 (:mod:`relay.cli.serve`), ``hash-password`` and the admin commands ``fingerprint``,
 ``inspect``, ``release``, ``mark-sent`` (:mod:`relay.cli.admin`), ``reload``
-(:mod:`relay.cli.reload`), ``db upgrade`` (:mod:`relay.cli.db`).
+(:mod:`relay.cli.reload`), ``db upgrade`` (:mod:`relay.cli.db`), ``history`` and ``in-doubt``
+(:mod:`relay.cli.ledger`).
 
 The commands only turn flags into settings (:mod:`relay.cli.options`: one flag per setting,
 also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config`` TOML file) and call
@@ -16,6 +17,7 @@ from relay import __version__
 from relay.cli.admin import register as register_admin_commands
 from relay.cli.db import register as register_db_commands
 from relay.cli.exit_codes import ExitCode, epilog
+from relay.cli.ledger import register as register_ledger_commands
 from relay.cli.reload import register as register_reload_command
 from relay.cli.serve import register as register_serve_commands
 
@@ -32,3 +34,4 @@ register_serve_commands(main)
 register_admin_commands(main)
 register_reload_command(main)
 register_db_commands(main)
+register_ledger_commands(main)

@@ -1,0 +1,233 @@
+"""Audit ledger commands (issue 13; design.md §6.7): ``dedup-relay history`` (the ledger rows of
+one fingerprint, oldest first) and ``dedup-relay in-doubt`` (the in-doubt decisions no later row
+resolved, with what an operator needs to look them up in the smarthost's log).
+
+Both read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``,
+``--ledger``), so a key given as ``--rcpt/--template/--key`` is the store key the relay uses.
+Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done (also when no row matched), 2 bad
+input, 3 the ledger failed, did not answer, or its schema is missing or old (the message names
+``dedup-relay db upgrade --ledger``), 78 invalid configuration or no ledger configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+import click
+
+from relay.cli.admin import (
+    _ledger_option,
+    _quiet_logging,
+    _selected_key,
+    _selection_options,
+    _settings,
+    _store_options,
+)
+from relay.cli.exit_codes import ExitCode, epilog
+from relay.cli.options import fail
+from relay.config import Settings, redact_url, setting_names
+from relay.core.errors import StoreError
+from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
+from relay.store.postgres.migrations import SchemaError
+
+_T = TypeVar("_T")
+
+DEFAULT_LIMIT = 1000
+"""Most rows a command prints unless ``--limit`` says otherwise."""
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", re.IGNORECASE)
+
+
+class Duration(click.ParamType[float, object]):
+    """A duration in seconds from ``90s``, ``30m``, ``1h``, ``2d`` or a bare number of hours
+    (as ``stats --older-than HOURS`` takes it); never negative."""
+
+    name = "duration"
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        """``value`` in seconds; a usage error (exit 2) for anything else."""
+        if isinstance(value, int | float):
+            return float(value) * 3600.0
+        found = _DURATION.fullmatch(str(value))
+        if found is None:
+            self.fail(f"{value!r} is no duration: a number with s, m, h or d (a bare number "
+                      "counts hours), e.g. 30m or 1h", param, ctx)
+        return float(found.group(1)) * _UNITS.get(found.group(2).lower() or "h", 3600.0)
+
+
+def iso(at: datetime) -> str:
+    """``at`` as ISO 8601 UTC to the millisecond: ``2026-12-02T01:07:39.725Z``."""
+    return at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def history_json(row: HistoryRow) -> dict[str, object]:
+    """One ledger row as ``history --json`` prints it: ``outcome``, ``at`` (``decided_at``),
+    ``reply`` first, then the rest of the row (``key``: the ``dedupe_key`` column)."""
+    return {
+        "outcome": row.outcome, "at": iso(row.decided_at), "reply": row.reply,
+        "recorded_at": iso(row.recorded_at), "action": row.action, "store_key": row.store_key,
+        "recipient": row.recipient, "template": row.template, "key": row.dedupe_key,
+        "upstream_queue_id": row.upstream_queue_id, "upstream": row.upstream,
+        "message_id": row.message_id, "queue_id": row.queue_id,
+        "client_reply": row.client_reply, "instance": row.instance,
+    }
+
+
+def in_doubt_json(row: InDoubtRow) -> dict[str, object]:
+    """One unresolved in-doubt decision as ``in-doubt --json`` prints it (``age_s``: seconds
+    since it was decided, by the database's clock)."""
+    return {
+        "store_key": row.store_key, "recipient": row.recipient, "template": row.template,
+        "at": iso(row.decided_at), "age_s": round(row.age_s, 3),
+        "upstream_queue_id": row.upstream_queue_id, "message_id": row.message_id,
+        "queue_id": row.queue_id, "upstream": row.upstream, "instance": row.instance,
+        "client_reply": row.client_reply, "reply": row.reply, "key": row.dedupe_key,
+        "recorded_at": iso(row.recorded_at),
+    }
+
+
+def register(main: click.Group) -> None:
+    """Add ``history`` and ``in-doubt`` to the ``dedup-relay`` group."""
+
+    @main.command("history", epilog=epilog())
+    @_store_options
+    @_ledger_option
+    @_selection_options
+    @click.option("--json", "as_json", is_flag=True,
+                  help="print a JSON array of the rows (for scripts) instead of lines")
+    @click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT,
+                  show_default=True, help="print at most this many rows (the oldest)")
+    def history_command(config_file: Path | None, store: str | None, ledger: str | None,
+                        rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
+                        auth_user: str | None, store_key: str | None, as_json: bool,
+                        limit: int) -> None:
+        """Print the audit ledger's rows of one fingerprint, oldest first: every decision the
+        relay took for it (outcome, upstream reply, queue id, Message-ID) and every release
+        or mark-sent."""
+        settings = _settings(config_file, store, ledger)
+        _quiet_logging("text")
+        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+        url = _ledger_url(settings)
+        rows = _run_on_ledger(url, lambda reader: reader.history(key, limit=limit))
+        _say_if_cut(len(rows), limit)
+        if as_json:
+            click.echo(json.dumps([history_json(row) for row in rows], ensure_ascii=False))
+            return
+        if not rows:
+            click.echo(f"dedup-relay: no rows for {key} in the ledger", err=True)
+            return
+        for row in rows:
+            click.echo(_history_line(row))
+
+    @main.command("in-doubt", epilog=epilog())
+    @_store_options
+    @_ledger_option
+    @click.option("--older-than", "older_than_s", type=Duration(), default="0s",
+                  metavar="DURATION",
+                  help="only decisions at least this old: 30m, 1h, 2d (a bare number counts "
+                       "hours, as for stats) [default: 0, all]")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="print a JSON array (for scripts) instead of lines")
+    @click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT,
+                  show_default=True, help="print at most this many (the oldest)")
+    def in_doubt_command(config_file: Path | None, store: str | None, ledger: str | None,
+                         older_than_s: float, as_json: bool, limit: int) -> None:
+        """List the in-doubt (unknown) decisions no later row resolved (not sent again,
+        released or marked sent), oldest first, with the upstream queue id and Message-ID to
+        look up in the smarthost's log; then settle each with `dedup-relay mark-sent` (it was
+        delivered) or `dedup-relay release` (it was not)."""
+        settings = _settings(config_file, store, ledger)
+        _quiet_logging("text")
+        url = _ledger_url(settings)
+        rows = _run_on_ledger(url, lambda reader: reader.in_doubt(
+            older_than_s=older_than_s, limit=limit))
+        _say_if_cut(len(rows), limit)
+        if as_json:
+            click.echo(json.dumps([in_doubt_json(row) for row in rows], ensure_ascii=False))
+            return
+        if not rows:
+            click.echo("dedup-relay: no unresolved in-doubt decisions in the ledger", err=True)
+            return
+        for row in rows:
+            click.echo(_in_doubt_line(row))
+        click.echo(
+            f"\n{len(rows)} in-doubt decision(s): the upstream took the message and its answer "
+            "was lost. Look each up in the smarthost's log by its queue id or Message-ID, "
+            "then:\n"
+            "  delivered:     dedup-relay mark-sent --store-key KEY --reason '...'\n"
+            "  not delivered: dedup-relay release --store-key KEY --reason '...'")
+
+
+def _ledger_url(settings: Settings) -> str:
+    """The ledger's URL; exits 78 when none is configured."""
+    if settings.ledger is None:
+        fail(ExitCode.CONFIG, "no audit ledger configured: pass its URL with "
+                              f"{setting_names('ledger')} (postgresql://USER@HOST:PORT/DB)")
+    click.echo(f"dedup-relay: ledger: {redact_url(settings.ledger)}", err=True)
+    return settings.ledger
+
+
+def _run_on_ledger(url: str, action: Callable[[LedgerReader], Awaitable[_T]]) -> _T:
+    """Open the ledger at ``url``, run ``action`` on it, close it; exit 3 when it fails or
+    its schema is missing or old."""
+
+    async def run() -> _T:
+        reader = await LedgerReader.open(url)
+        try:
+            return await action(reader)
+        finally:
+            await reader.close()
+
+    try:
+        return asyncio.run(run())
+    except StoreError as exc:
+        fail(ExitCode.STORE_FAILED, f"audit ledger failed: {exc}")
+    except SchemaError as exc:
+        fail(ExitCode.STORE_FAILED, f"audit ledger: {exc}")
+
+
+def _say_if_cut(rows: int, limit: int) -> None:
+    if rows >= limit:
+        click.echo(f"dedup-relay: showing the first {limit} rows (--limit)", err=True)
+
+
+def _or_dash(text: str | None) -> str:
+    return text if text else "-"
+
+
+def _history_line(row: HistoryRow) -> str:
+    """``AT  OUTCOME  RECIPIENT  reply: ...  [queue id, Message-ID, upstream, instance]``."""
+    extra = [f"{name} {value}" for name, value in (
+        ("upstream-queue-id", row.upstream_queue_id), ("message-id", row.message_id),
+        ("upstream", row.upstream), ("queue-id", row.queue_id), ("by", row.instance))
+        if value]
+    return (f"{iso(row.decided_at)}  {row.outcome:<16} {_or_dash(row.recipient):<24} "
+            f"reply: {_or_dash(row.reply)}" + (f"  [{', '.join(extra)}]" if extra else ""))
+
+
+def _in_doubt_line(row: InDoubtRow) -> str:
+    """``AT (AGE ago)  STORE_KEY  RECIPIENT  queue id ...  Message-ID ...  via UPSTREAM``."""
+    return (f"{iso(row.decided_at)} ({_age(row.age_s)} ago)  {row.store_key}  "
+            f"{_or_dash(row.recipient)}  upstream-queue-id {_or_dash(row.upstream_queue_id)}  "
+            f"message-id {_or_dash(row.message_id)}  queue-id {_or_dash(row.queue_id)}  "
+            f"via {_or_dash(row.upstream)}  by {_or_dash(row.instance)}")
+
+
+def _age(seconds: float) -> str:
+    """``seconds`` as ``45s``, ``12m``, ``3h05m`` or ``2d04h``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

@@ -1,0 +1,178 @@
+"""The audit ledger as the admin commands read and write it (issue 13; design.md §6.7):
+``dedup-relay history``, ``dedup-relay in-doubt`` and the operator rows of ``release`` and
+``mark-sent``.
+
+:class:`LedgerReader` holds one connection (no pool, no background task: a command's life is
+one question) to the database of ``dedup_relay_ledger`` (:mod:`.migrations`), opened with the
+schema checked. Rows come back as :class:`HistoryRow` / :class:`InDoubtRow`, times as the
+database holds them (UTC), ages by the database's clock (as :data:`.ledger.UNRESOLVED_WHERE`
+counts them for the gauge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import LedgerEntry
+from relay.store.postgres import migrations
+from relay.store.postgres.ledger import UNRESOLVED_WHERE, LedgerOptions, insert_rows, row_of
+from relay.store.postgres.migrations import LEDGER as _L_
+
+__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader"]
+
+_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError, ValueError)
+
+_FIELDS = ("decided_at, recorded_at, action, outcome, store_key, recipient, template, "
+           "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "
+           "client_reply, instance")
+
+# $1 store key, $2 most rows: the oldest first (decided_at, then the order they landed)
+_HISTORY = f"""
+SELECT {_FIELDS} FROM {_L_} WHERE store_key = $1
+ORDER BY decided_at, recorded_at, row_id LIMIT $2
+"""
+
+# $1 min age in ms (UNRESOLVED_WHERE), $2 most rows: the oldest first
+_IN_DOUBT = f"""
+SELECT {_FIELDS}, extract(epoch FROM now() - u.decided_at)::float8 AS age_s
+FROM {_L_} u WHERE {UNRESOLVED_WHERE}
+ORDER BY u.decided_at, u.recorded_at, u.row_id LIMIT $2
+"""
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One ledger row. ``decided_at``: the relay's (or the admin command's) clock when it
+    decided; ``recorded_at``: the database's when the row landed (both UTC). ``store_key`` is
+    None for a decision without a fingerprint; ``dedupe_key`` as the ledger keeps it (SHA-256
+    hex, HMAC or plain, per ``ledger_keys``), None without one; ``recipient`` masked or full
+    per ``ledger_recipients``. The other texts are "" when there was none."""
+
+    decided_at: datetime
+    recorded_at: datetime
+    action: str
+    outcome: str
+    store_key: str | None
+    recipient: str
+    template: str
+    dedupe_key: str | None
+    reply: str
+    upstream_queue_id: str
+    upstream: str
+    message_id: str
+    queue_id: str
+    client_reply: str
+    instance: str
+
+
+@dataclass(frozen=True)
+class InDoubtRow(HistoryRow):
+    """An unresolved in-doubt (``unknown``) decision; ``age_s``: seconds since it was decided,
+    by the database's clock."""
+
+    age_s: float = 0.0
+
+
+def _history_row(record: Any) -> HistoryRow:
+    return HistoryRow(**{name: record[name] for name in HistoryRow.__dataclass_fields__})
+
+
+def _in_doubt_row(record: Any) -> InDoubtRow:
+    return InDoubtRow(**{name: record[name] for name in InDoubtRow.__dataclass_fields__})
+
+
+class LedgerReader:
+    """One connection to the ledger's database. Build it with :meth:`open`; ``await
+    close()``. Every method raises :class:`StoreError` (op ``ledger ...``) when the database
+    fails or does not answer within the timeout."""
+
+    def __init__(self, conn: asyncpg.Connection, timeout_s: float) -> None:
+        self._conn = conn
+        self._timeout_s = timeout_s
+
+    @classmethod
+    async def open(cls, url: str, *, timeout_s: float = 10.0) -> LedgerReader:
+        """Connect to ``url`` (a ``postgresql://`` URL, libpq's query parameters passed
+        through) and check the ledger's schema. Raises :class:`StoreError` (op ``ledger
+        open``) when the database refuses or does not answer within ``timeout_s`` seconds,
+        :class:`migrations.SchemaError` (naming ``dedup-relay db upgrade --ledger``) when the
+        schema is missing, old or newer than this code."""
+        conn: asyncpg.Connection | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = await asyncpg.connect(url)
+                await migrations.check(conn, "ledger")
+        except migrations.SchemaError:
+            await _close(conn)
+            raise
+        except TimeoutError as exc:
+            await _close(conn)
+            raise StoreError("ledger open", f"PostgreSQL did not answer within "
+                                            f"{timeout_s:g} s") from exc
+        except _ERRORS as exc:
+            await _close(conn)
+            raise StoreError("ledger open", f"{type(exc).__name__}: {exc}") from exc
+        return cls(conn, timeout_s)
+
+    async def close(self) -> None:
+        """Close the connection (never raises)."""
+        await _close(self._conn)
+
+    async def history(self, store_key: str, *, limit: int) -> list[HistoryRow]:
+        """The rows of ``store_key``, oldest first (by ``decided_at``, then ``recorded_at``),
+        at most ``limit``."""
+        records = await self._call("ledger history", _HISTORY, store_key, limit)
+        return [_history_row(r) for r in records]
+
+    async def in_doubt(self, *, older_than_s: float, limit: int) -> list[InDoubtRow]:
+        """The in-doubt (``unknown``) decisions with a fingerprint that no later row of their
+        store key resolved (:data:`.ledger.RESOLVING`), decided at least ``older_than_s``
+        seconds ago; oldest first, at most ``limit``."""
+        records = await self._call("ledger in-doubt", _IN_DOUBT,
+                                   max(0, int(older_than_s * 1000)), limit)
+        return [_in_doubt_row(r) for r in records]
+
+    async def write(self, entries: Sequence[LedgerEntry], options: LedgerOptions) -> None:
+        """Write ``entries`` now, in one statement (an operator action's audit row), recipient
+        masked and key hashed per ``options``; an entry without a recipient keeps ``""``."""
+        rows = []
+        for entry in entries:
+            row = row_of(entry, options)
+            if not entry.recipient:  # masking would make "***" of nothing
+                row = (*row[:5], "", *row[6:])
+            rows.append(row)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await insert_rows(self._conn, rows)
+        except TimeoutError as exc:
+            raise StoreError("ledger write", f"PostgreSQL did not answer within "
+                                             f"{self._timeout_s:g} s") from exc
+        except _ERRORS as exc:
+            raise StoreError("ledger write", f"{type(exc).__name__}: {exc}") from exc
+
+    async def _call(self, op_name: str, query: str, *args: object) -> list[Any]:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return list(await self._conn.fetch(query, *args))
+        except TimeoutError as exc:
+            raise StoreError(op_name, f"PostgreSQL did not answer within "
+                                      f"{self._timeout_s:g} s") from exc
+        except _ERRORS as exc:
+            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _close(conn: asyncpg.Connection | None) -> None:
+    """Close ``conn`` within a second, else drop it."""
+    if conn is None:
+        return
+    try:
+        await asyncio.wait_for(conn.close(), timeout=1.0)
+    except _ERRORS:
+        conn.terminate()
