@@ -539,7 +539,12 @@ class Relay:
         """Open the store, build the parts and start listening (SMTP and metrics)."""
         s = self.settings
         self.store = await build_store(s)
-        self.ledger = await build_ledger(s, self.metrics)
+        try:
+            self.ledger = await build_ledger(s, self.metrics)
+        except BaseException:  # a missing ledger schema: the store opened above is closed
+            await self.store.close()
+            self.store = None
+            raise
         self.metrics.declare_upstreams(entry.label for entry in s.upstream)
         self.upstream = upstream = build_upstream(s, self.metrics)
         self.dsn = build_dsn_sender(s, self.upstream, self.metrics)

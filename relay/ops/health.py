@@ -134,15 +134,21 @@ class HealthMonitor:
         return ComponentStatus(True, None, time.time())
 
     def status(self) -> dict[str, ComponentStatus]:
-        """The last probe result of every component."""
-        return dict(self._status)
+        """The last probe result of every component; the ledger's reads down as soon as its
+        writer failed, without waiting for the next probe."""
+        status = dict(self._status)
+        ledger = self._ledger
+        if ledger is not None and ledger.report().get("state") != "up":
+            status["ledger"] = ComponentStatus(False, "its last write failed", time.time())
+        return status
 
     @property
     def ready(self) -> bool:
         """True when every component answered its last probe (the ledger only when it is
         required)."""
-        optional = "ledger" if self._ledger is not None and not self._ledger.required else ""
-        return bool(self._status) and all(s.ok for name, s in self._status.items()
+        ledger = self._ledger
+        optional = "ledger" if ledger is not None and not ledger.required else ""
+        return bool(self._status) and all(s.ok for name, s in self.status().items()
                                           if name != optional)
 
     def ledger(self) -> dict[str, object]:
