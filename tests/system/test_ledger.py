@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -23,9 +25,10 @@ import pytest
 from relay.app import Relay
 from relay.store.postgres import migrations
 from tests.support.clients import message, send
+from tests.support.metrics import readyz
 from tests.support.net import free_port
 from tests.support.postgres import private_schema, run_apart
-from tests.support.relays import MakeRelay
+from tests.support.relays import REDIS_URL, MakeRelay, start_serve
 from tests.support.sink import Sink
 
 A, B, C, D = ("ann.lee@example.net", "bob@example.net", "cy@example.net", "dee@example.net")
@@ -186,3 +189,34 @@ def test_the_ledger_setting_takes_only_postgresql() -> None:
     with pytest.raises(ValidationError, match="ledger must be a postgresql"):
         Settings(**base, ledger="redis://127.0.0.1:6379/0")
     assert Settings(**base, ledger="").ledger is None
+
+
+async def test_a_serve_process_with_two_workers_writes_every_row_and_flushes_on_sigterm(
+        sink: Sink, ledger_url: str, tmp_path: Path) -> None:
+    """`serve --workers 2 --ledger URL`: 6 messages over several connections, then SIGTERM
+    right after the last reply: all 6 rows are in the ledger once the process exited 0 (written
+    by the workers; a row still queued gets the bounded flush at shutdown); /readyz names the ledger up, required false."""
+    relay = await start_serve(tmp_path, "--store", REDIS_URL, "--store-prefix",
+                              f"t:{uuid.uuid4().hex}:", "--upstream", f"127.0.0.1:{sink.port}",
+                              "--ledger", ledger_url, "--metrics-listen", "127.0.0.1:0",
+                              "--health-interval", "0.2", workers=2)
+    try:
+        assert relay.metrics_port is not None
+        for i in range(6):
+            assert (await send(relay.port, [f"w{i}@example.net"], message(key=f"w{i}"))).code \
+                == 250
+        deadline = time.monotonic() + 10
+        while True:  # the supervisor reads the workers' gauges
+            status, body = await asyncio.to_thread(readyz, relay.metrics_port)
+            if "ledger" in body.get("components", {}) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 200, body
+        assert body["ledger"]["state"] == "up" and body["ledger"]["required"] is False, body
+        assert body["ledger"]["dropped"] == 0, body
+    finally:
+        code = await asyncio.to_thread(relay.stop)
+    assert code == 0
+    got = await rows(ledger_url)
+    assert sorted(r["outcome"] for r in got) == ["relayed"] * 6
+    assert len({r["instance"] for r in got}) >= 1
