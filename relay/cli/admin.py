@@ -9,6 +9,12 @@ start with the relay's ``store_prefix`` (a store shared with an application hold
 too). Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done, 1 nothing there (inspect:
 absent; release: nothing deleted), 2 bad input, 3 the store failed, 4 refused: the record is in
 flight (``--force``), 78 invalid configuration.
+
+With an audit ledger configured (``--ledger``, ``RELAY_LEDGER`` or ``ledger`` in the file),
+``release`` and ``mark-sent`` also write their row there (:mod:`relay.cli.ledger` reads them):
+the ledger must answer, with its schema current, before the store is touched (else exit 3 and
+nothing done: an operator's action is never left unrecorded); a row that fails to land after
+the action is said on stderr, exit 3. A release that deleted nothing writes no row.
 """
 
 from __future__ import annotations

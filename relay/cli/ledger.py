@@ -115,11 +115,10 @@ def register(main: click.Group) -> None:
         settings = _settings(config_file, store, ledger)
         _quiet_logging("text")
         key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
-        url = _ledger_url(settings)
-        rows = _run_on_ledger(url, lambda reader: reader.history(key, limit=limit))
+        rows = _run_on_ledger(settings, lambda reader: reader.history(key, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
-            click.echo(json.dumps([history_json(row) for row in rows], ensure_ascii=False))
+            click.echo(json.dumps([history_json(row) for row in rows]))
             return
         if not rows:
             click.echo(f"dedup-relay: no rows for {key} in the ledger", err=True)
@@ -146,12 +145,11 @@ def register(main: click.Group) -> None:
         delivered) or `dedup-relay release` (it was not)."""
         settings = _settings(config_file, store, ledger)
         _quiet_logging("text")
-        url = _ledger_url(settings)
-        rows = _run_on_ledger(url, lambda reader: reader.in_doubt(
+        rows = _run_on_ledger(settings, lambda reader: reader.in_doubt(
             older_than_s=older_than_s, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
-            click.echo(json.dumps([in_doubt_json(row) for row in rows], ensure_ascii=False))
+            click.echo(json.dumps([in_doubt_json(row) for row in rows]))
             return
         if not rows:
             click.echo("dedup-relay: no unresolved in-doubt decisions in the ledger", err=True)
@@ -175,12 +173,13 @@ def _ledger_url(settings: Settings) -> str:
     return settings.ledger
 
 
-def _run_on_ledger(url: str, action: Callable[[LedgerReader], Awaitable[_T]]) -> _T:
-    """Open the ledger at ``url``, run ``action`` on it, close it; exit 3 when it fails or
-    its schema is missing or old."""
+def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitable[_T]]) -> _T:
+    """Open the ledger ``settings`` name, run ``action`` on it, close it; exit 78 when none is
+    configured, 3 when it fails or its schema is missing or old."""
+    url = _ledger_url(settings)
 
     async def run() -> _T:
-        reader = await LedgerReader.open(url)
+        reader = await LedgerReader.open(url, timeout_s=max(5.0, settings.store_timeout))
         try:
             return await action(reader)
         finally:

@@ -259,3 +259,34 @@ def _inspect(path: str, key: str) -> Record:
 
     run_apart(_on_sqlite(path, read))
     return got[0]
+
+
+async def _refuse_inserts(url: str) -> None:
+    """Make every insert into the ledger's table fail (a trigger raising), schema intact."""
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await conn.execute("""
+            CREATE FUNCTION refuse_row() RETURNS trigger LANGUAGE plpgsql AS
+            $$ BEGIN RAISE EXCEPTION 'ledger refuses rows'; END $$;
+            CREATE TRIGGER refuse BEFORE INSERT ON dedup_relay_ledger
+            FOR EACH ROW EXECUTE FUNCTION refuse_row();""")
+    finally:
+        await conn.close()
+
+
+def test_a_row_that_does_not_land_after_the_action_is_said(
+        ledger_url: str, sqlite_store: str, tmp_path: Path) -> None:
+    """The ledger answers, then refuses the row: the release is done (stdout says so, the
+    record is gone) and the command says its row was not written, exit 3."""
+    key = store_key()
+    path = str(tmp_path / "d.db")
+    run_apart(_on_sqlite(path, lambda store: store.force_mark_sent(
+        key, reply="250 kept", window_s=3600)))
+    run_apart(_refuse_inserts(ledger_url))
+    done = run_cli("release", "--store-key", key, "--reason", "x", cwd=tmp_path,
+                   env={"RELAY_STORE": sqlite_store, "RELAY_LEDGER": ledger_url})
+    assert done.returncode == 3, done
+    assert json.loads(done.stdout)["released"] is True
+    assert "audit row was not written" in done.stderr and "ledger refuses rows" in done.stderr
+    assert _inspect(path, key).state is State.ABSENT
+    assert rows_in(ledger_url) == []
