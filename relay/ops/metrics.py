@@ -125,7 +125,8 @@ class PrometheusMetrics:
         self._ledger_dropped = Counter(
             "relay_ledger_dropped",
             "Audit ledger rows dropped: full (the queue was full while the ledger was slow or "
-            "down) or shutdown (not written before the relay stopped)", ["reason"],
+            "down), shutdown (not written before the relay stopped) or rejected (the database "
+            "refused the row's data)", ["reason"],
             registry=registry)
         self._ledger_queued = Gauge(
             "relay_ledger_queue_rows", "Audit ledger rows waiting to be written",
@@ -265,7 +266,7 @@ class PrometheusMetrics:
 
     def declare_ledger(self) -> None:
         """Show the audit ledger's series from the start (at 0): the relay has a ledger."""
-        for reason in ("full", "shutdown"):
+        for reason in ("full", "shutdown", "rejected"):
             self._ledger_dropped.labels(reason)
         self.component_up("ledger", True)
 
@@ -274,7 +275,8 @@ class PrometheusMetrics:
         self._ledger_written.inc(rows)
 
     def ledger_dropped(self, reason: str, rows: int) -> None:
-        """Count ``rows`` audit ledger rows dropped for ``reason`` (full, shutdown)."""
+        """Count ``rows`` audit ledger rows dropped for ``reason`` (full, shutdown,
+        rejected)."""
         self._ledger_dropped.labels(reason).inc(rows)
 
     def ledger_queued(self, rows: int) -> None:

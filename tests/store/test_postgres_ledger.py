@@ -6,6 +6,7 @@ drops and counts, and `db upgrade --ledger` on an empty database and on the curr
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -220,3 +221,24 @@ async def test_a_mark_sent_from_a_host_whose_clock_is_behind_still_resolves(
         assert await ledger.refresh_in_doubt() == 0
     finally:
         await ledger.close()
+
+
+async def test_a_row_the_database_refuses_is_dropped_alone(
+        url: str, conn: asyncpg.Connection) -> None:
+    """A batch with one row PostgreSQL refuses for its data (a NaN time: SQLSTATE 22008) does
+    not hold the queue: the other rows land, that one is counted rejected, the ledger is up."""
+    metrics = Counted()
+    ledger = await PostgresLedger.open(url, metrics=metrics, options=LedgerOptions(),
+                                       cleanup_interval_s=None, gauge_interval_s=None)
+    try:
+        ledger.record([entry("relayed", key="p1"), entry("relayed", key="p2", at=float("nan")),
+                       entry("relayed", key="p3")])
+        for _ in range(200):
+            if metrics.written == 2:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await ledger.close()
+    keys = await conn.fetch("SELECT store_key FROM dedup_relay_ledger ORDER BY store_key")
+    assert [r["store_key"] for r in keys] == ["p1", "p3"]
+    assert metrics.dropped == {"rejected": 1} and metrics.up["ledger"] is True

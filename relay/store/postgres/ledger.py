@@ -91,6 +91,14 @@ _COUNT_UNRESOLVED = f"SELECT count(*) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
 _ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
+def _refused_data(exc: StoreError) -> bool:
+    """Whether ``exc`` is the database refusing the rows themselves (SQLSTATE class 22, data
+    exception, or 23, integrity constraint), which no retry changes."""
+    cause = exc.__cause__
+    state = getattr(cause, "sqlstate", None) if isinstance(cause, asyncpg.PostgresError) else None
+    return isinstance(state, str) and state[:2] in ("22", "23")
+
+
 class LedgerMetrics(Protocol):
     """What the ledger reports (implemented by :class:`relay.ops.metrics.PrometheusMetrics`)."""
 
@@ -99,7 +107,8 @@ class LedgerMetrics(Protocol):
         ...
 
     def ledger_dropped(self, reason: str, rows: int) -> None:
-        """Count ``rows`` rows dropped: ``full`` (the queue was full) or ``shutdown``."""
+        """Count ``rows`` rows dropped: ``full`` (the queue was full), ``shutdown`` or
+        ``rejected`` (the database refused the row's data)."""
         ...
 
     def ledger_queued(self, rows: int) -> None:
@@ -367,7 +376,7 @@ class PostgresLedger:
             return
         if self._dropped == 0 or reason == "shutdown":
             log.error("audit ledger: dropped %d row(s) (%s)", rows,
-                      "queue full" if reason == "full" else "relay stopping")
+                      {"full": "queue full", "shutdown": "relay stopping"}.get(reason, reason))
         self._dropped += rows
         self._metrics.ledger_dropped(reason, rows)
 
@@ -384,7 +393,10 @@ class PostgresLedger:
 
     async def _writer(self) -> None:
         """Write queued rows in batches until cancelled; a failed batch stays at the head of
-        the queue and is tried again after a pause (the same row ids: no copy)."""
+        the queue and is tried again after a pause (the same row ids: no copy). A batch the
+        database refuses for its data (SQLSTATE class 22 or 23: no retry would change that) is
+        written row by row, and the rows it refuses are dropped (``reason="rejected"``): one
+        bad row never holds the queue (and a required ledger's relay) up for good."""
         pause = RETRY_MIN_S
         while True:
             if not self._queue:
@@ -395,19 +407,50 @@ class PostgresLedger:
             try:
                 await self._call("ledger write",
                                  lambda conn, rows=batch: insert_rows(conn, rows))
+                written = len(batch)
             except StoreError as exc:
-                self._set_up(False, str(exc))
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, RETRY_MAX_S)
+                if not _refused_data(exc):
+                    self._set_up(False, str(exc))
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, RETRY_MAX_S)
+                    continue
+                try:
+                    written = await self._write_singly(batch)
+                except StoreError as again:
+                    self._set_up(False, str(again))
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, RETRY_MAX_S)
+                    continue
+            except Exception:  # a defect: logged, and the batch retried like a failure
+                log.exception("audit ledger writer: unexpected error")
+                self._set_up(False, "unexpected error (logged)")
+                await asyncio.sleep(RETRY_MAX_S)
                 continue
             pause = RETRY_MIN_S
             for _ in batch:  # record() only appends: the head is still this batch
                 self._queue.popleft()
             if not self._queue:
                 self._drained.set()
-            self._metrics.ledger_written(len(batch))
+            self._metrics.ledger_written(written)
             self._metrics.ledger_queued(len(self._queue))
             self._set_up(True)
+
+    async def _write_singly(self, batch: Sequence[tuple[Any, ...]]) -> int:
+        """Write ``batch`` one row per statement, dropping (and counting) the rows the
+        database refuses for their data; return how many were written. Raises
+        :class:`StoreError` for any other failure (the rows are then kept)."""
+        written = 0
+        for row in batch:
+            try:
+                await self._call("ledger write", lambda conn, one=row: insert_rows(conn, [one]))
+            except StoreError as exc:
+                if not _refused_data(exc):
+                    raise
+                log.error("audit ledger refused a row (%s): dropped", exc)
+                self._drop("rejected", 1)
+                continue
+            written += 1
+        return written
 
     async def _every(self, interval_s: float, job: Any, *, first: bool = False) -> None:
         """Run ``job()`` every ``interval_s`` seconds (at once first with ``first``); a
