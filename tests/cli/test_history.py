@@ -6,9 +6,11 @@ a ledger that does not answer, or lacks its schema, refuses before the store is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,8 +24,11 @@ from relay.store.postgres import migrations
 from relay.store.postgres.ledger import LedgerOptions, insert_rows, key_digest, row_of
 from relay.store.sqlite import SqliteStore
 from tests.support.cli import run_cli
+from tests.support.clients import message, send
 from tests.support.net import free_port
+from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.postgres import private_schema, run_apart
+from tests.support.relays import start_serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -290,3 +295,63 @@ def test_a_row_that_does_not_land_after_the_action_is_said(
     assert "audit row was not written" in done.stderr and "ledger refuses rows" in done.stderr
     assert _inspect(path, key).state is State.ABSENT
     assert rows_in(ledger_url) == []
+
+
+@dataclass(kw_only=True)
+class QueueingPeer(ScriptedPeer):
+    """A smarthost that names a queue id in its 250 to the dot, or (``lose``) reads the dot
+    and hangs up without a reply: the relay's attempt is in doubt."""
+
+    lose: bool = False
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        if not await self.read_to_dot(reader) or self.lose:
+            return False
+        writer.write(b"250 2.0.0 Ok: queued as 4Xb2Lk1Zz9z3\r\n")
+        return True
+
+
+async def test_history_and_in_doubt_of_a_serving_relay(ledger_url: str, tmp_path: Path) -> None:
+    """A relay process with --ledger: a send and its duplicate, then another key's send the
+    smarthost loses. `history --rcpt/--template/--key --json` prints relayed then suppressed
+    with the smarthost's reply on the first; `in-doubt --json` lists the lost one with its
+    Message-ID; after `mark-sent` it is resolved and in-doubt prints []."""
+    env = {"RELAY_LEDGER": ledger_url, "RELAY_STORE": f"sqlite:///{tmp_path / 'relay.db'}"}
+    async with serve_peer(QueueingPeer()) as peer:
+        relay = await start_serve(
+            tmp_path, "--upstream", f"127.0.0.1:{peer.port}", "--metrics-listen", "off",
+            "--shutdown-grace", "1", workers=1, env=env)
+        try:
+            data = message(key=KEY, template=TEMPLATE, extra="Message-ID: <one@app.test>\r\n")
+            assert (await send(relay.port, [RCPT], data)).code == 250
+            assert (await send(relay.port, [RCPT], data)).code == 250  # a duplicate
+            peer.lose = True
+            lost = message(key="order-4712", template=TEMPLATE,
+                           extra="Message-ID: <lost@app.test>\r\n")
+            assert (await send(relay.port, [RCPT], lost)).code != 250
+        finally:
+            await asyncio.to_thread(relay.stop)  # flushes the ledger's queue
+
+    done = await asyncio.to_thread(run_cli, "history", "--rcpt", RCPT, "--template", TEMPLATE,
+                                   "--key", KEY, "--json", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done
+    got = json.loads(done.stdout)
+    assert [r["outcome"] for r in got] == ["relayed", "suppressed"]
+    assert got[0]["reply"] == "250 2.0.0 Ok: queued as 4Xb2Lk1Zz9z3"
+    assert got[0]["upstream_queue_id"] == "4Xb2Lk1Zz9z3"
+    assert got[0]["message_id"] == "<one@app.test>" and got[1]["reply"] == ""
+    assert got[0]["at"] < got[1]["at"] and all(r["at"].endswith("Z") for r in got)
+
+    doubt = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
+    assert doubt.returncode == 0, doubt
+    [row] = json.loads(doubt.stdout)
+    assert (row["message_id"], row["recipient"], row["template"]) == (
+        "<lost@app.test>", "a***@example.net", TEMPLATE)
+    marked = await asyncio.to_thread(run_cli, "mark-sent", "--store-key", row["store_key"],
+                                     "--reason", "smarthost log: delivered", cwd=tmp_path,
+                                     env=env)
+    assert marked.returncode == 0, marked
+    after = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
+    assert (after.returncode, after.stdout.strip()) == (0, "[]"), after
