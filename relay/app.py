@@ -109,6 +109,9 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
     check(("store",), lambda: _store_files(s.store) if store else None)
+    if s.ledger is not None:
+        ledger = s.ledger
+        check(("ledger",), lambda: _postgres_files(ledger))
     check(("rate_limit",), functools.partial(_limits_kept, s))
     if s.settle_journal:
         journal = Path(s.settle_journal)

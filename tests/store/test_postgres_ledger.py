@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -24,6 +25,8 @@ from relay.store.postgres.ledger import (
     key_digest,
     row_of,
 )
+from tests.support.cli import run_cli
+from tests.support.net import free_port
 from tests.support.postgres import private_schema, run_apart
 
 
@@ -242,3 +245,16 @@ async def test_a_row_the_database_refuses_is_dropped_alone(
     keys = await conn.fetch("SELECT store_key FROM dedup_relay_ledger ORDER BY store_key")
     assert [r["store_key"] for r in keys] == ["p1", "p3"]
     assert metrics.dropped == {"rejected": 1} and metrics.up["ledger"] is True
+
+
+def test_check_config_checks_the_files_the_ledger_url_names(tmp_path: Path) -> None:
+    """`check-config` refuses a ledger URL naming a TLS file that does not exist (exit 78,
+    naming it) without connecting, and accepts one on a closed port."""
+    ok = run_cli("check-config", "--upstream", "maildir:md", "--ledger",
+                 f"postgresql://relay@127.0.0.1:{free_port()}/audit", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    missing = run_cli("check-config", "--upstream", "maildir:md", "--ledger",
+                      "postgresql://relay@127.0.0.1:5/audit?sslrootcert=/nope/ledger-ca.pem",
+                      cwd=tmp_path)
+    assert missing.returncode == 78, missing.stderr
+    assert "sslrootcert=/nope/ledger-ca.pem" in missing.stderr
