@@ -4,7 +4,8 @@ started, stopped, restarted and killed on request, always gone at the end.
 The fault bench (``tests/support/faultbench_lib.py``) and the benchmark (``bench/run.py``) use
 it instead of the shared server on 5432, which they must not stop. ``initdb`` runs once per
 process into a template directory (removed at exit); every :class:`PrivatePostgres` copies it,
-with the store's schema already applied (``dedup-relay db upgrade``) unless ``schema=False``.
+with the store's schema already applied (what ``dedup-relay db upgrade`` runs) unless
+``schema=False``.
 
 We usually run as root, which ``initdb`` and ``postgres`` refuse: as root every PostgreSQL
 command runs as the ``postgres`` OS user (``runuser -u postgres --``), and the cluster lives in
@@ -26,11 +27,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from tests.support.postgres import run_apart, upgrade_store
 
 OS_USER = "postgres"
 """The OS user PostgreSQL runs as when we are root (Debian's package creates it)."""
@@ -116,8 +118,9 @@ def _new_base(prefix: str) -> Path:
 
 def template(*, schema: bool = True) -> Path:
     """The data directory of this process's template cluster (``initdb`` once; with
-    ``schema`` also the store's tables, made by ``python -m relay db upgrade``). Removed at
-    interpreter exit. Raises :class:`PostgresError`."""
+    ``schema`` also the store's tables, made by the code of ``dedup-relay db upgrade``).
+    Removed at interpreter exit. Raises :class:`PostgresError` (asyncpg's errors when the
+    schema cannot be applied)."""
     with _TEMPLATE_LOCK:
         if schema not in _TEMPLATES:
             base = _new_base("pg-template-")
@@ -129,12 +132,8 @@ def template(*, schema: bool = True) -> Path:
                 server = PrivatePostgres(data_from=data, copy=False)
                 try:
                     server.start()
-                    upgrade = subprocess.run(
-                        [sys.executable, "-m", "relay", "db", "upgrade", "--store", server.url],
-                        capture_output=True, text=True, timeout=60, check=False)
-                    if upgrade.returncode != 0:
-                        raise PostgresError(f"db upgrade exited {upgrade.returncode}: "
-                                            f"{upgrade.stderr.strip()[-800:]}")
+                    # what `dedup-relay db upgrade --store URL` runs, without a process start
+                    run_apart(upgrade_store(server.url))
                 finally:
                     server.stop("fast")
                     (data / "postmaster.opts").unlink(missing_ok=True)
