@@ -112,7 +112,6 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     if s.ledger is not None:
         ledger = s.ledger
         check(("ledger",), lambda: _postgres_files(ledger))
-    check(("rate_limit",), functools.partial(_limits_kept, s))
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
@@ -121,14 +120,6 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         check(("pid_file",), lambda: _writable_file(pid_file, "the pid file"))
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-def _limits_kept(s: Settings) -> None:
-    """Raise ConfigError when rate limits are configured on a store that keeps no counters
-    (PostgreSQL: its limiter is Redis's or SQLite's), rather than not enforce them."""
-    if s.rate_limit and is_postgres_url(s.store):
-        raise ConfigError("the PostgreSQL store keeps no rate-limit counters: use Redis or "
-                          "SQLite")
 
 
 def _check_tls_files(s: Settings, check: Callable[[tuple[str, ...], Any], None]) -> None:
@@ -403,7 +394,7 @@ def build_rate_limits(settings: Settings) -> tuple[RateRule, ...]:
 def build_rate_limiter(store: FingerprintStore, prefix: str) -> RateLimiter | None:
     """The store's rate limiter (its counters under ``prefix``), built even with no limit
     configured (a reload may add some); None for a store that has none."""
-    if isinstance(store, RedisStore | SqliteStore):
+    if isinstance(store, RedisStore | SqliteStore | PostgresStore):
         return store.rate_limiter(prefix)
     return None
 

@@ -19,15 +19,18 @@ import asyncpg
 import pytest
 from pydantic import ValidationError
 
-from relay.config import Settings, redact_url
+from relay.config import RateLimit, Settings, redact_url
 from relay.core.errors import StartupError, StoreError
-from relay.core.interfaces import Settle, SettleOp, State
+from relay.core.interfaces import LimitCheck, Settle, SettleOp, State
 from relay.store.postgres import migrations
 from relay.store.postgres.store import PostgresStore
 from tests.support.cli import REPO, run_cli
+from tests.support.clients import message, send
 from tests.support.faultbench_lib import _libfaketime
 from tests.support.net import free_port
 from tests.support.postgres import private_schema
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 from tests.support.waiting import until
 
 
@@ -110,6 +113,76 @@ async def test_open_refuses_an_old_schema(url: str) -> None:
         await conn.close()
     with pytest.raises(StartupError, match="db upgrade"):
         await PostgresStore.open(url, cleanup_interval_s=None)
+
+
+async def _at_version_1(url: str) -> None:
+    """Make the empty schema at ``url`` what `db upgrade` of a relay before the rate limits
+    made: the store's step 1 and version 1."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(migrations._SCHEMA_TABLE_SQL)
+        await conn.execute(migrations.STEPS["store"][0])
+        await conn.execute("INSERT INTO dedup_relay_schema VALUES ('store', 1)")
+    finally:
+        await conn.close()
+
+
+async def test_a_schema_at_version_1_is_told_to_run_db_upgrade_then_upgrades_to_2(
+        empty_url: str, tmp_path: Path) -> None:
+    """A database upgraded before the rate limits (version 1): the store refuses to open,
+    naming both versions and the command; `db upgrade` takes it from 1 to 2 (the rate-limit
+    tables and functions), and the store then opens and limits."""
+    await _at_version_1(empty_url)
+    with pytest.raises(StartupError, match=r"at version 1, this relay needs 2: run "
+                                           r"`dedup-relay db upgrade --store URL`"):
+        await PostgresStore.open(empty_url, cleanup_interval_s=None)
+    done = run_cli("db", "upgrade", "--store", empty_url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "upgraded from version 1 to 2" in done.stdout, done.stdout
+    await _limits_work(empty_url)
+
+
+async def _limits_work(url: str) -> None:
+    store = await PostgresStore.open(url, cleanup_interval_s=None)
+    try:
+        one = LimitCheck("v2", "messages", "v2:m:upstream:x", 1, 60.0)
+        assert (await store.rate_limiter("p:").acquire([one])).allowed
+        assert (await store.rate_limiter("p:").acquire([one])).refused == one
+    finally:
+        await store.close()
+
+
+async def test_the_sql_script_takes_a_version_1_schema_to_2(empty_url: str) -> None:
+    """`db upgrade --sql` applied by a DBA on a database at version 1: every step again (step
+    1 changes nothing), version 2; the fingerprints already there stay."""
+    await _at_version_1(empty_url)
+    conn = await asyncpg.connect(empty_url)
+    try:
+        await conn.execute("INSERT INTO dedup_relay_fingerprints (key, state, expires_at) "
+                           "VALUES ('kept', 'sent', 'infinity')")
+        await conn.execute(migrations.script("store"))
+        assert await migrations.current(conn, "store") == 2
+        assert await conn.fetchval("SELECT count(*) FROM dedup_relay_fingerprints") == 1
+    finally:
+        await conn.close()
+    await _limits_work(empty_url)
+
+
+async def test_the_sql_script_never_lowers_a_newer_schema(url: str) -> None:
+    """On a database a newer relay upgraded (version 3 here) the script stops at its start:
+    an error, nothing applied, the version still 3 (it never writes a lower one)."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("UPDATE dedup_relay_schema SET version = 3 WHERE component = 'store'")
+        await conn.execute("DROP FUNCTION dedup_relay_rate_give_back")
+        with pytest.raises(asyncpg.RaiseError, match="at version 3, newer than this script's 2"):
+            await conn.execute(migrations.script("store"))
+        await conn.execute("ROLLBACK")  # what psql's COMMIT at the script's end does then
+        assert await migrations.current(conn, "store") == 3
+        assert not await conn.fetchval(
+            "SELECT to_regproc('dedup_relay_rate_give_back') IS NOT NULL")
+    finally:
+        await conn.close()
 
 
 async def _expired_rows(url: str, count: int, live: int = 0) -> None:
@@ -324,16 +397,25 @@ async def _in_doubt(store: PostgresStore) -> bool:
     return counts.sending_past_lease == 1
 
 
-def test_rate_limits_on_the_postgres_store_are_refused(tmp_path: Path) -> None:
-    """The PostgreSQL store has no rate-limit counters: a configured limit is refused (78)
-    rather than silently not enforced."""
+async def test_rate_limits_on_the_postgres_store_are_enforced(
+        url: str, tmp_path: Path, make_relay: MakeRelay, sink: Sink) -> None:
+    """A ``[[rate_limit]]`` with a PostgreSQL store passes `check-config` (it was refused, exit
+    78, while the store kept no counters), and a relay on the store enforces it: 2 messages a
+    minute, the third is answered 451 4.7.0 and not sent."""
     config = tmp_path / "relay.toml"
     config.write_text('upstream = "maildir:md"\n'
                       f'store = "postgresql://relay@127.0.0.1:{free_port()}/relay"\n'
                       '[[rate_limit]]\nscope = "upstream"\nmessages = 10\nper = 60\n')
     done = run_cli("check-config", "--config", str(config), cwd=tmp_path)
-    assert done.returncode == 78, done.stderr
-    assert "rate-limit counters" in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=url,
+                             rate_limit=(RateLimit(scope="upstream", messages=2, per=60,
+                                                   name="pg-quota"),))
+    replies = [await send(relay.port, ["user@example.net"], message(key=f"PG-RL-{n}"))
+               for n in range(3)]
+    assert [r.code for r in replies] == [250, 250, 451], replies
+    assert replies[2].text.startswith("4.7.0 rate limit pg-quota reached"), replies[2]
+    assert len(sink.handler.delivered) == 2
 
 
 def test_admin_commands_on_a_missing_schema_exit_3_naming_db_upgrade(

@@ -1,4 +1,5 @@
-"""The rate limiters of both stores (issue 12), on a real Redis and a real SQLite file: the
+"""The rate limiters of every store (issue 12), on a real Redis, a real SQLite file and a real
+PostgreSQL (a private schema): the
 sliding window (a burst of ``limit``, then room again as the oldest units leave the window),
 all or nothing across the limits of one call, a recipients limit's cost, keys and rows that
 expire, and times taken from the store's clock only. On the cluster fixture: one message's
@@ -18,9 +19,12 @@ import pytest
 import redis
 
 from relay.core.interfaces import LimitCheck, LimitVerdict, RateLimiter
+from relay.store.postgres import limits as postgres_limits
+from relay.store.postgres.store import PostgresStore
 from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
+from tests.support.postgres import private_schema
 from tests.support.redis_servers import Cluster, redis_cluster
 from tests.support.relays import REDIS_URL, delete_prefix
 from tests.support.waiting import until
@@ -34,28 +38,36 @@ def check(bucket: str, limit: int, per_s: float, cost: int = 1,
 
 @dataclass
 class Limiter:
-    """A limiter under test: ``kind`` (redis, sqlite), its key ``prefix``, the SQLite file."""
+    """A limiter under test: ``kind`` (redis, sqlite, postgres), its key ``prefix``, the
+    SQLite file, the PostgreSQL store."""
 
     kind: str
     limiter: RateLimiter
     prefix: str
     path: Path | None = None
+    postgres: PostgresStore | None = None
 
 
-@pytest.fixture(params=["redis", "sqlite"])
+@pytest.fixture(params=["redis", "sqlite", "postgres"])
 async def limiter(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Limiter]:
-    """A limiter on the shared Redis (a fresh prefix) or on a fresh SQLite file."""
+    """A limiter on the shared Redis (a fresh prefix), on a fresh SQLite file or in a private
+    PostgreSQL schema."""
     prefix = f"test:{uuid.uuid4().hex}:"
     if request.param == "redis":
         store = RedisStore.from_url(REDIS_URL)
         yield Limiter("redis", store.rate_limiter(prefix), prefix)
         await store.close()
         delete_prefix(REDIS_URL, prefix)
-    else:
+    elif request.param == "sqlite":
         path = tmp_path / "relay.db"
         sqlite = await SqliteStore.open(str(path))
         yield Limiter("sqlite", sqlite.rate_limiter(prefix), prefix, path)
         await sqlite.close()
+    else:
+        with private_schema() as url:
+            postgres = await PostgresStore.open(url, cleanup_interval_s=None)
+            yield Limiter("postgres", postgres.rate_limiter(prefix), prefix, postgres=postgres)
+            await postgres.close()
 
 
 def sqlite_buckets(path: Path) -> list[str]:
@@ -151,6 +163,9 @@ async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> No
     lim, prefix = limiter.limiter, limiter.prefix
     short = check("short", 5, 0.3)
     assert (await take(lim, short)).allowed
+    if limiter.postgres is not None:
+        await _postgres_rows_expire(limiter.postgres, prefix, short)
+        return
     if limiter.path is None:
         client = redis.Redis.from_url(REDIS_URL)
         key = limit_key(prefix, short)
@@ -171,6 +186,25 @@ async def test_every_key_and_row_expires_with_its_window(limiter: Limiter) -> No
         return all(":short:" not in bucket for bucket in sqlite_buckets(path))
 
     await until(purged, within_s=3.0, what="the expired row's purge")
+
+
+async def _postgres_rows_expire(store: PostgresStore, prefix: str, short: LimitCheck) -> None:
+    """The row of ``short`` (a 300 ms window) names its bucket hashed and expires one window
+    after the database's time of the call; once past it, the cleanup deletes it."""
+    pool = store._pool
+    [row] = await pool.fetch(
+        "SELECT bucket, extract(epoch FROM expires_at - at)::float8 AS life, "
+        "extract(epoch FROM now() - at)::float8 AS age FROM dedup_relay_rate_events")
+    assert row["bucket"] == postgres_limits.bucket_name(prefix, short)
+    assert row["bucket"].startswith(f"{prefix}rl:short:")
+    assert "upstream:x" not in row["bucket"]  # the bucket's value is hashed
+    assert abs(row["life"] - 0.3) < 1e-6 and abs(row["age"]) < 5, dict(row)
+
+    async def purged() -> bool:  # the store's cleanup deletes the rows past their window
+        await store.delete_expired_limits()
+        return not await pool.fetchval("SELECT count(*) FROM dedup_relay_rate_events")
+
+    await until(purged, within_s=3.0, what="the expired row's cleanup")
 
 
 async def test_two_stores_on_one_sqlite_file_share_the_limits(tmp_path: Path) -> None:

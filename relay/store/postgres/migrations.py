@@ -1,13 +1,13 @@
 """Versioned schema of the relay's PostgreSQL tables, per component, and the one way to apply it.
 
 The table ``dedup_relay_schema(component text primary key, version int)`` records how far each
-component's schema went. A component (``store``: the fingerprint table; ``ledger``: the audit
-ledger's) has ordered SQL steps in :data:`STEPS`; step ``n``
-(1-based) takes the schema from version ``n - 1`` to ``n``. :func:`upgrade` applies the missing
-steps in one transaction under an advisory lock (two relays upgrading at once wait for each
-other); :func:`check` raises :class:`SchemaError` naming ``dedup-relay db upgrade`` when the
-schema is missing or older than this code. Tables are created unqualified, in the first schema
-of the connection's ``search_path``.
+component's schema went. A component (``store``: the fingerprint table, and from version 2 the
+rate-limit counters; ``ledger``: the audit ledger's) has ordered SQL steps in :data:`STEPS`;
+step ``n`` (1-based) takes the schema from version ``n - 1`` to ``n``. :func:`upgrade` applies
+the missing steps in one transaction under an advisory lock (two relays upgrading at once wait
+for each other); :func:`check` raises :class:`SchemaError` naming ``dedup-relay db upgrade``
+when the schema is missing or older than this code. Tables are created unqualified, in the
+first schema of the connection's ``search_path``.
 
 The relay never changes the schema by itself: ``dedup-relay db upgrade --store URL`` runs
 :func:`upgrade`, ``--sql`` prints :func:`script` for a DBA to apply.
@@ -21,6 +21,14 @@ from typing import Protocol
 SCHEMA_TABLE = "dedup_relay_schema"
 FINGERPRINTS = "dedup_relay_fingerprints"
 LEDGER = "dedup_relay_ledger"
+RATE_EVENTS = "dedup_relay_rate_events"
+RATE_GIVEN_BACK = "dedup_relay_rate_given_back"
+RATE_ACQUIRE = "dedup_relay_rate_acquire"
+RATE_GIVE_BACK = "dedup_relay_rate_give_back"
+RATE_LOCK_SPACE = 0x646C7274
+"""The first key of the two-key ``pg_advisory_xact_lock(space, hashtext(bucket))`` that
+serializes the calls on one rate-limit bucket ("dlrt"; the two-key form never meets the
+one-key locks of :func:`upgrade`)."""
 
 _SCHEMA_TABLE_SQL = (
     f"CREATE TABLE IF NOT EXISTS {SCHEMA_TABLE} "
@@ -42,6 +50,107 @@ _STORE_STEPS: tuple[str, ...] = (
     lease_ms bigint
 );
 CREATE INDEX IF NOT EXISTS {FINGERPRINTS}_expires_at ON {FINGERPRINTS} (expires_at);""",
+    # 2: rate limits (issue 12, relay.store.postgres.limits). One row per acquire and bucket
+    # (the sliding-window log of the SQLite store's rate_events), ``at`` the database's clock
+    # read after the bucket's lock; ``call_id`` the relay's call, so a call given back after a
+    # timeout (a row in RATE_GIVEN_BACK, its tombstone) takes nothing when it lands later.
+    # The two functions run a call in one statement, one round trip: the advisory locks of its
+    # buckets in the order of their hashes (never a deadlock between two calls), then, under
+    # READ COMMITTED, statements that each see what the last holder of the locks committed.
+    f"""CREATE TABLE IF NOT EXISTS {RATE_EVENTS} (
+    bucket text NOT NULL,
+    at timestamptz NOT NULL,
+    cost integer NOT NULL,
+    expires_at timestamptz NOT NULL,
+    call_id text NOT NULL
+);
+CREATE INDEX IF NOT EXISTS {RATE_EVENTS}_bucket ON {RATE_EVENTS} (bucket, at) INCLUDE (cost);
+CREATE INDEX IF NOT EXISTS {RATE_EVENTS}_expires_at ON {RATE_EVENTS} (expires_at);
+CREATE TABLE IF NOT EXISTS {RATE_GIVEN_BACK} (
+    call_id text PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS {RATE_GIVEN_BACK}_expires_at ON {RATE_GIVEN_BACK} (expires_at);
+-- p_buckets[i], p_windows_ms[i], p_limits[i], p_costs[i]: the i-th check; p_call_id the call.
+-- Returns {{0, 0}} when every check had room and took its cost, else {{i, ms}}: the i-th check
+-- refused (nothing taken from any bucket), room again in ms milliseconds (-1: never, its
+-- cost alone is over its limit). A call given back takes nothing and returns {{0, 0}}.
+CREATE OR REPLACE FUNCTION {RATE_ACQUIRE}(p_buckets text[], p_windows_ms bigint[],
+        p_limits bigint[], p_costs bigint[], p_call_id text) RETURNS bigint[]
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    h integer;
+    t timestamptz;
+    used bigint;
+    need bigint;
+    freed bigint;
+    row_at timestamptz;
+    row_cost bigint;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- a snapshot taken before the locks would not see the last holder's rows
+        RAISE EXCEPTION 'rate limits need READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    FOR h IN SELECT DISTINCT hashtext(b) FROM unnest(p_buckets) AS b ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock({RATE_LOCK_SPACE}, h);
+    END LOOP;
+    IF EXISTS (SELECT 1 FROM {RATE_GIVEN_BACK} g WHERE g.call_id = p_call_id) THEN
+        RETURN ARRAY[0, 0]::bigint[];
+    END IF;
+    t := clock_timestamp();
+    DELETE FROM {RATE_EVENTS} e WHERE e.bucket = ANY(p_buckets) AND e.expires_at <= t;
+    FOR i IN 1 .. cardinality(p_buckets) LOOP
+        IF p_costs[i] > p_limits[i] THEN
+            RETURN ARRAY[i, -1]::bigint[];
+        END IF;
+        SELECT coalesce(sum(e.cost), 0) INTO used FROM {RATE_EVENTS} e
+        WHERE e.bucket = p_buckets[i] AND e.at > t - p_windows_ms[i] * interval '1 millisecond';
+        CONTINUE WHEN used + p_costs[i] <= p_limits[i];
+        -- room once the oldest rows holding ``need`` units left (each holds at least 1)
+        need := used + p_costs[i] - p_limits[i];
+        freed := 0;
+        FOR row_at, row_cost IN
+            SELECT e.at, e.cost FROM {RATE_EVENTS} e
+            WHERE e.bucket = p_buckets[i]
+              AND e.at > t - p_windows_ms[i] * interval '1 millisecond'
+            ORDER BY e.at LIMIT need
+        LOOP
+            freed := freed + row_cost;
+            IF freed >= need THEN
+                RETURN ARRAY[i, greatest(1, ceil(extract(epoch FROM row_at - t) * 1000)
+                                            + p_windows_ms[i])]::bigint[];
+            END IF;
+        END LOOP;
+        RETURN ARRAY[i, p_windows_ms[i]]::bigint[];
+    END LOOP;
+    INSERT INTO {RATE_EVENTS} (bucket, at, cost, expires_at, call_id)
+    SELECT u.b, t, u.c, t + u.w * interval '1 millisecond', p_call_id
+    FROM unnest(p_buckets, p_costs, p_windows_ms) AS u(b, c, w);
+    RETURN ARRAY[0, 0]::bigint[];
+END
+$fn$;
+-- Takes back what the call p_call_id took in p_buckets (after any call holding their locks
+-- ended) and leaves its tombstone for p_keep_ms milliseconds. Returns the rows deleted.
+CREATE OR REPLACE FUNCTION {RATE_GIVE_BACK}(p_buckets text[], p_call_id text,
+        p_keep_ms bigint) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    h integer;
+    n integer;
+BEGIN
+    FOR h IN SELECT DISTINCT hashtext(b) FROM unnest(p_buckets) AS b ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock({RATE_LOCK_SPACE}, h);
+    END LOOP;
+    DELETE FROM {RATE_EVENTS} e WHERE e.bucket = ANY(p_buckets) AND e.call_id = p_call_id;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    INSERT INTO {RATE_GIVEN_BACK} (call_id, expires_at)
+    VALUES (p_call_id, clock_timestamp() + p_keep_ms * interval '1 millisecond')
+    ON CONFLICT (call_id) DO UPDATE SET expires_at = greatest(
+        {RATE_GIVEN_BACK}.expires_at, EXCLUDED.expires_at);
+    RETURN n;
+END
+$fn$;""",
 )
 
 # The audit ledger (issue 13): one row per recipient decision, appended through the relay's
@@ -151,20 +260,36 @@ async def upgrade(conn: Connection, component: str) -> tuple[int, int]:
         if have < want:
             await conn.execute(
                 f"INSERT INTO {SCHEMA_TABLE} (component, version) VALUES ($1, $2) "
-                "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version",
+                "ON CONFLICT (component) DO UPDATE SET "
+                f"version = greatest({SCHEMA_TABLE}.version, EXCLUDED.version)",
                 component, want)
     return have, want
 
 
 def script(component: str) -> str:
-    """The SQL that :func:`upgrade` runs on an empty database, as one transaction a DBA can
-    apply with ``psql`` (each step is idempotent: ``IF NOT EXISTS``)."""
+    """The SQL that :func:`upgrade` runs, as one transaction a DBA can apply with ``psql`` on
+    a database at any version up to this code's: every step, each idempotent (``IF NOT
+    EXISTS``, ``CREATE OR REPLACE``), so the steps a database already has change nothing. On a
+    database whose schema is newer than this code it stops at its start (an exception: nothing
+    applied, as :func:`upgrade` refuses), and the version it records is never lower than the
+    one it found (``greatest``)."""
     want = latest(component)
-    parts = ["BEGIN;", f"SELECT pg_advisory_xact_lock({_LOCK_KEY});", _SCHEMA_TABLE_SQL + ";"]
+    parts = ["BEGIN;", f"SELECT pg_advisory_xact_lock({_LOCK_KEY});", _SCHEMA_TABLE_SQL + ";",
+             f"""DO $guard$
+DECLARE have integer;
+BEGIN
+    SELECT version INTO have FROM {SCHEMA_TABLE} WHERE component = '{component}';
+    IF have > {want} THEN
+        RAISE EXCEPTION 'the PostgreSQL {component} schema is at version %, newer than this '
+                        'script''s {want}: nothing applied', have;
+    END IF;
+END
+$guard$;"""]
     for number, step in enumerate(STEPS[component], start=1):
         parts.append(f"-- {component} step {number}")
         parts.append(step)
     parts.append(f"INSERT INTO {SCHEMA_TABLE} (component, version) VALUES ('{component}', "
-                 f"{want}) ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version;")
+                 f"{want}) ON CONFLICT (component) DO UPDATE SET version = "
+                 f"greatest({SCHEMA_TABLE}.version, EXCLUDED.version);")
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"

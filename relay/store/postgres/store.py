@@ -27,7 +27,8 @@ import asyncpg
 
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
-from relay.store.postgres import migrations
+from relay.store.postgres import limits, migrations
+from relay.store.postgres.limits import PostgresRateLimiter
 from relay.store.postgres.migrations import FINGERPRINTS as _T_
 
 log = logging.getLogger(__name__)
@@ -390,6 +391,12 @@ class PostgresStore:
             oldest_in_doubt_age_s=None if oldest is None or now is None else now - oldest,
             in_doubt_older=sum(int(r["older"]) for r in rows))
 
+    def rate_limiter(self, prefix: str) -> PostgresRateLimiter:
+        """The rate limiter on this store's database (:mod:`relay.store.postgres.limits`),
+        its buckets under ``prefix``, on this store's pool and ``op_timeout_s``."""
+        return PostgresRateLimiter(pool=self._pool, prefix=prefix,
+                                   op_timeout_s=self._op_timeout_s)
+
     async def ping(self) -> None:
         """Check that the database answers a query. Raises :class:`StoreError` (op ``ping``)."""
         await self._call("ping", lambda conn: conn.fetchval("SELECT 1"))
@@ -410,6 +417,23 @@ class PostgresStore:
                 break
         return total
 
+    async def delete_expired_limits(self, batch: int | None = None,
+                                    max_batches: int | None = None) -> int:
+        """Delete expired rate-limit rows (events of buckets no call touches any more, old
+        tombstones: :func:`relay.store.postgres.limits.delete_expired`), at most ``batch`` per
+        table and statement and ``max_batches`` rounds; return how many. Raises
+        :class:`StoreError` (op ``cleanup``)."""
+        size = self._cleanup_batch if batch is None else batch
+        rounds = self._cleanup_max_batches if max_batches is None else max_batches
+        total = 0
+        for _ in range(rounds):
+            deleted = await self._call("cleanup",
+                                       lambda conn: limits.delete_expired(conn, size))
+            total += deleted
+            if deleted < size:
+                break
+        return total
+
     async def close(self) -> None:
         """Stop the cleanup task and close the pool; later calls raise StoreError."""
         if self._closed:
@@ -425,11 +449,13 @@ class PostgresStore:
             self._pool.terminate()
 
     async def _cleanup_loop(self, interval_s: float) -> None:
-        """Delete expired rows every ``interval_s`` seconds, a bounded batch at a time."""
+        """Delete expired rows (fingerprints, then rate-limit rows) every ``interval_s``
+        seconds, a bounded batch at a time."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 deleted = await self.delete_expired()
+                deleted += await self.delete_expired_limits()
             except StoreError as exc:
                 log.debug("postgresql cleanup: %s", exc)
                 continue
