@@ -4,7 +4,7 @@
 :class:`relay.core.interfaces.LedgerEntry` per envelope recipient; :func:`upstream_queue_id`
 reads the smarthost's queue id off its reply to the final dot, so that an operator can find an
 in-doubt or disputed message in the smarthost's log. No I/O: the ledger adapter
-(:mod:`relay.ledger.postgres`) masks, hashes and writes them.
+(:mod:`relay.store.postgres.ledger`) masks, hashes and writes them.
 """
 
 from __future__ import annotations

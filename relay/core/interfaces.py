@@ -514,7 +514,7 @@ class LedgerEntry:
 
 class AuditLedger(Protocol):
     """Where the core hands its recipient decisions, off the hot path (a bounded queue written
-    in batches by the adapter, :mod:`relay.ledger.postgres`)."""
+    in batches by the adapter, :mod:`relay.store.postgres.ledger`)."""
 
     def record(self, entries: Sequence[LedgerEntry]) -> None:
         """Queue ``entries``; returns at once and never raises. A full queue drops them

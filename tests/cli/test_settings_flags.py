@@ -101,6 +101,13 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "duplicate_reply": ("550", "550"),
     "mode": ("shadow", "shadow"),
     "pid_file": ("relay.pid", "relay.pid"),
+    "ledger": ("postgresql://relay@db:5432/audit", "postgresql://relay@db:5432/audit"),
+    "ledger_required": (None, True),
+    "ledger_queue": ("50", 50),
+    "ledger_retention": ("86400", 86400.0),
+    "ledger_recipients": ("full", "full"),
+    "ledger_keys": ("plain", "plain"),
+    "in_doubt_alert_after": ("600", 600.0),
 }
 SECOND_RUN = {"upstream_password", "fingerprint_secret_file"}  # each excludes another setting
 
