@@ -1,0 +1,391 @@
+"""Attacks on the PostgreSQL store and the audit ledger's writer (issue 13) that found defects:
+each test fails on the code it was written against and is marked ``xfail(strict=True)`` until
+the lead fixes it (the reason names the defect).
+
+- A PostgreSQL that stops answering in the middle of a statement (a peer that keeps the TCP
+  connection open and never replies: a paused VM, a partition dropping packets) holds a store
+  call, and the ledger's writer, past the op timeout: the timeout cancels the query, then
+  asyncpg's pool waits, without a bound, for the server to acknowledge the cancellation before
+  it hands the connection back.
+- A required ledger that is down keeps the rows of every message it refuses: its queue grows
+  without a bound while clients retry.
+- ``close()`` does not wake a writer sleeping its retry pause: rows queued during an outage
+  are dropped at stop although the database is back.
+- A renew locks its rows in the order of the plan (a bitmap heap scan: physical order), a
+  reserve in key order: the two deadlock and PostgreSQL fails one of them.
+
+The peer that hangs or refuses is :class:`PgProxy`, a TCP proxy in the test's loop in front of
+the shared PostgreSQL (``RELAY_TEST_POSTGRES_URL``); each test works in a private schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from relay.core.errors import StoreError
+from relay.core.interfaces import LedgerEntry
+from relay.store.postgres import ledger as ledger_module
+from relay.store.postgres import migrations
+from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
+from relay.store.postgres.store import PostgresStore
+from tests.support.postgres import POSTGRES_URL, private_schema, run_apart
+
+
+class PgProxy:
+    """A TCP proxy on a free loopback port in front of ``host:port``, in the running loop.
+
+    ``hang()``: bytes are still read from both sides but no longer passed on, and new
+    connections are accepted and never answered (a peer that hangs, not one that refuses);
+    ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
+    traffic flows again (bytes held while hung are passed on). ``close()`` ends everything.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._refusing = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        """Listen on a free loopback port (``self.port``)."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def url(self, url: str) -> str:
+        """``url`` (a postgresql:// URL) pointed at this proxy."""
+        parts = urlsplit(url)
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
+
+    def hang(self) -> None:
+        """Stop passing bytes on (connections stay open)."""
+        self._flowing.clear()
+
+    def refuse(self) -> None:
+        """Close every connection; close new ones at once."""
+        self._refusing = True
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    def resume(self) -> None:
+        """Pass bytes on again and accept new connections normally."""
+        self._refusing = False
+        self._flowing.set()
+
+    async def close(self) -> None:
+        """Stop listening and end every connection and task."""
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if self._refusing:
+                writer.close()
+                return
+            self._writers.append(writer)
+            await self._flowing.wait()
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+            self._writers.append(up_writer)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError):
+            writer.close()
+        except asyncio.CancelledError:  # close(): the task ends quietly (asyncio's server
+            writer.close()  # callback would log a cancelled handler as an error)
+        finally:
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                if self._refusing:
+                    break
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    """A private schema with the store's and the ledger's tables."""
+    with private_schema() as url:
+        run_apart(_upgrade_ledger(url))
+        yield url
+
+
+async def _upgrade_ledger(url: str) -> None:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await migrations.upgrade(conn, "ledger")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[PgProxy]:
+    """A PgProxy in front of the test server (its host and port from the test URL)."""
+    parts = urlsplit(POSTGRES_URL)
+    p = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    await p.start()
+    yield p
+    p.resume()
+    await p.close()
+
+
+@dataclass
+class Counted:
+    """A LedgerMetrics that keeps what it was told; ``went_down`` is set at the first
+    ``component_up("ledger", False)``."""
+
+    written: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    queued: int = 0
+    up: bool = True
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ledger_written(self, rows: int) -> None:
+        self.written += rows
+
+    def ledger_dropped(self, reason: str, rows: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + rows
+
+    def ledger_queued(self, rows: int) -> None:
+        self.queued = rows
+
+    def component_up(self, component: str, up: bool) -> None:
+        self.up = up
+        if not up:
+            self.went_down.set()
+
+    def in_doubt_unresolved(self, count: int) -> None:
+        del count
+
+
+def entry(n: int) -> LedgerEntry:
+    """A relayed recipient's decision (row ``n``)."""
+    return LedgerEntry(decided_at=time.time(), outcome="relayed",
+                       recipient=f"user{n}@example.net", store_key=f"k:{n}", template="t",
+                       dedupe_key=f"key-{n}")
+
+
+async def count_rows(url: str) -> int:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM dedup_relay_ledger"))
+    finally:
+        await conn.close()
+
+
+# -- a PostgreSQL that hangs mid-statement -------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresStore._call (relay/store/postgres/store.py) is not bounded by op_timeout_s when "
+    "PostgreSQL stops answering mid-statement: asyncio.timeout cancels the query, then "
+    "`async with pool.acquire()` releases the connection, and asyncpg's release waits without "
+    "a bound for the server to acknowledge the cancellation (no acquire/release timeout, no "
+    "command_timeout for the CancelRequest)"))
+async def test_a_reserve_fails_within_the_op_timeout_when_postgres_hangs_mid_statement(
+        url: str, proxy: PgProxy) -> None:
+    """The store's connection is open and used; the peer then keeps the connection and never
+    answers. A reserve must raise StoreError within about its op timeout (0.5 s here), so the
+    core answers 451 and the client is not held: it is still waiting 3 s later."""
+    store = await PostgresStore.open(proxy.url(url), op_timeout_s=0.5, cleanup_interval_s=None)
+    try:
+        await store.ping()  # a pooled connection, established through the proxy
+        proxy.hang()
+        started = time.monotonic()
+        outcome = "hung for 3 s"
+        try:
+            await asyncio.wait_for(
+                store.reserve(["k:hang"], token="t1", lease_s=30.0), timeout=3.0)
+            outcome = "answered"
+        except StoreError:
+            outcome = f"StoreError after {time.monotonic() - started:.2f} s"
+        except TimeoutError:
+            pass
+        assert outcome.startswith("StoreError") and time.monotonic() - started < 2.0, outcome
+    finally:
+        proxy.resume()
+        await store.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresLedger._call (relay/store/postgres/ledger.py) hangs past op_timeout_s when "
+    "PostgreSQL stops answering mid-statement (asyncpg's pool release waits for the "
+    "cancellation without a bound): the writer never fails, so the ledger stays `up` and a "
+    "required ledger keeps admitting messages whose rows do not land"))
+async def test_a_required_ledger_says_down_when_postgres_hangs_mid_write(
+        url: str, proxy: PgProxy) -> None:
+    """A required ledger whose database hangs while a batch is in flight: within a few op
+    timeouts (0.5 s) it must read down and stop admitting (the relay answers 451 4.3.0 and
+    /readyz is 503). Here it still says up and admits 3 s later."""
+    metrics = Counted()
+    ledger = await PostgresLedger.open(
+        proxy.url(url), metrics=metrics, op_timeout_s=0.5,
+        options=LedgerOptions(required=True, queue_max=1000), cleanup_interval_s=None,
+        gauge_interval_s=None)
+    try:
+        ledger.record([entry(0)])
+        for _ in range(250):  # the first row lands: the pooled connection is open
+            if metrics.written:
+                break
+            await asyncio.sleep(0.02)
+        assert metrics.written == 1
+        proxy.hang()
+        ledger.record([entry(1)])
+        await asyncio.sleep(3.0)
+        state = (ledger.status().up, ledger.admits())
+        assert state == (False, False), f"(up, admits) = {state} 3 s into the hang"
+    finally:
+        proxy.resume()
+        await ledger.close(flush_s=2.0)
+
+
+# -- a required ledger that is down ----------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresLedger.record (relay/store/postgres/ledger.py) with required=True keeps every "
+    "row past queue_max, including the rows of the messages DedupCore.process refuses "
+    "451 4.3.0 because admits() is False: during an outage the queue grows with every retry "
+    "(memory, and after the outage the backlog of refusals must drain below queue_max before "
+    "admits() says yes again); design.md §6.7 bounds the overshoot by the messages in flight"))
+async def test_a_required_ledger_that_is_down_keeps_its_queue_bounded() -> None:
+    """The ledger's database refuses connections from the start (required, queue of 10 rows);
+    the core refuses 200 messages 451 and records each refusal. The queue may pass its bound
+    by the messages admitted before it went down (none here), not by every refusal."""
+    parts = urlsplit(POSTGRES_URL)
+    dead = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    await dead.start()
+    dead.refuse()
+    metrics = Counted()
+    ledger = await PostgresLedger.open(
+        dead.url(POSTGRES_URL), metrics=metrics, op_timeout_s=0.5,
+        options=LedgerOptions(required=True, queue_max=10), cleanup_interval_s=None,
+        gauge_interval_s=None)
+    try:
+        assert not ledger.admits()
+        for n in range(200):  # what DedupCore.process does for a message it may not admit
+            assert not ledger.admits()
+            ledger.record([entry(n)])
+            await asyncio.sleep(0)
+        assert ledger.status().queued <= 10, (
+            f"{ledger.status().queued} rows queued for a queue of 10, all of refused messages")
+    finally:
+        await ledger.close(flush_s=0)
+        await dead.close()
+
+
+# -- close() after an outage ---------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresLedger.close (relay/store/postgres/ledger.py) sets _wake, but a writer in its "
+    "retry pause sleeps on asyncio.sleep(pause), not on _wake: after an outage of 6 s or more "
+    "(pause 5 s = RETRY_MAX_S) the relay stopping once the database is back waits up to the "
+    "whole 5 s flush (LEDGER_FLUSH_S) for the writer to wake, and the rows not written by "
+    "then are dropped (reason shutdown) although the database answers"))
+async def test_close_after_an_outage_writes_the_queue_at_once(
+        url: str, proxy: PgProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's database refused long enough for the writer's pause to reach its 5 s
+    cap (RETRY_MIN_S is set to it here instead of waiting 6 s of doubling), then answers
+    again; the relay stops right then (close with the relay's 5 s flush). Every queued row
+    must land, and close must not wait out the pause."""
+    monkeypatch.setattr(ledger_module, "RETRY_MIN_S", ledger_module.RETRY_MAX_S)
+    metrics = Counted()
+    ledger = await PostgresLedger.open(
+        proxy.url(url), metrics=metrics, op_timeout_s=2.0, batch_rows=500,
+        options=LedgerOptions(queue_max=20000), cleanup_interval_s=None,
+        gauge_interval_s=None)
+    closed = False
+    try:
+        proxy.refuse()
+        for n in range(0, 4000, 100):
+            ledger.record([entry(i) for i in range(n, n + 100)])
+        await asyncio.wait_for(metrics.went_down.wait(), timeout=5.0)
+        proxy.resume()  # the database is back; the relay is told to stop now
+        started = time.monotonic()
+        await ledger.close(flush_s=5.0)  # relay.app.LEDGER_FLUSH_S
+        closed = True
+        took = time.monotonic() - started
+        landed = await count_rows(url)
+        assert (landed, metrics.dropped) == (4000, {}), (
+            f"{landed} rows landed, dropped {metrics.dropped}, close took {took:.2f} s")
+        assert took < 2.0, f"close took {took:.2f} s with the database answering"
+    finally:
+        if not closed:
+            await ledger.close(flush_s=0)
+
+
+# -- lock order ------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresStore.renew (relay/store/postgres/store.py _RENEW) locks its rows in the order "
+    "of its plan (Bitmap Heap Scan on the key = ANY index condition: physical order), while "
+    "_RESERVE locks in key order: a renew of a message's keys and a reserve of the same keys "
+    "by a retry on another relay deadlock, and PostgreSQL fails one after deadlock_timeout "
+    "(sorted(set(keys)) in Python does not order the locks). The same holds for any UPDATE "
+    "... WHERE key = ANY / FROM unnest whose plan is not an ordered index scan (_SETTLE)"))
+async def test_a_renew_and_a_reserve_of_the_same_keys_do_not_deadlock(url: str) -> None:
+    """Attempt X holds keys k:a and k:b (written b first, so b is first on disk) and renews
+    them while attempt Y (a retry of the same message on another relay) reserves them. Two
+    blocking transactions (row locks on k:a, then k:b, released in that order) fix the
+    interleaving the scheduler may produce: Y takes k:a and waits for k:b, the renew takes
+    k:b and waits for k:a. Both calls must answer; here PostgreSQL kills one (deadlock)."""
+    store = await PostgresStore.open(url, op_timeout_s=10.0, cleanup_interval_s=None)
+    holders: list[asyncpg.Connection] = []
+    try:
+        await store.reserve(["k:b"], token="X", lease_s=60.0)
+        await store.reserve(["k:a"], token="X", lease_s=60.0)
+        blocks = []
+        for key in ("k:a", "k:b"):
+            conn = await asyncpg.connect(url, timeout=10)
+            holders.append(conn)
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute(
+                "SELECT 1 FROM dedup_relay_fingerprints WHERE key = $1 FOR UPDATE", key)
+            blocks.append(tx)
+        renew = asyncio.ensure_future(store.renew(["k:a", "k:b"], token="X", lease_s=60.0))
+        await asyncio.sleep(0.3)  # the renew has k:... whichever its plan reaches first
+        reserve = asyncio.ensure_future(store.reserve(["k:a", "k:b"], token="Y", lease_s=60.0))
+        await asyncio.sleep(0.3)
+        await blocks[0].rollback()  # k:a free: Y (queued on it) or the renew takes it
+        await asyncio.sleep(0.3)
+        await blocks[1].rollback()
+        results = await asyncio.gather(renew, reserve, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, f"failed: {errors}"
+        assert results[0] == [True, True]
+    finally:
+        for conn in holders:
+            with contextlib.suppress(Exception):
+                await conn.close()
+        await store.close()
