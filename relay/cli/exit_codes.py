@@ -12,7 +12,7 @@ class ExitCode(IntEnum):
     OK = 0
     NOT_FOUND = 1  # inspect: absent; release: nothing deleted; healthcheck: not healthy
     USAGE = 2  # a flag or an input the command refuses (click's usage errors too)
-    STORE_FAILED = 3  # admin commands: the store did not answer or failed
+    STORE_FAILED = 3  # admin commands: the store (or the audit ledger) did not answer or failed
     IN_FLIGHT = 4  # release / mark-sent: refused, an attempt may still be delivering
     UNAVAILABLE = 69  # EX_UNAVAILABLE: serve cannot start (a port in use, the store not opened)
     CONFIG = 78  # EX_CONFIG: the settings are invalid (also a file they name is unusable)
@@ -22,7 +22,7 @@ MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "ok",
     ExitCode.NOT_FOUND: "not found (inspect: absent; release: nothing deleted) or not healthy",
     ExitCode.USAGE: "usage: a flag or input the command refuses",
-    ExitCode.STORE_FAILED: "the store failed (admin commands)",
+    ExitCode.STORE_FAILED: "the store or the audit ledger failed (admin commands)",
     ExitCode.IN_FLIGHT: "refused: the record is in flight (release, mark-sent; see --force)",
     ExitCode.UNAVAILABLE: "cannot start: a port in use, the store cannot be opened "
                           "(EX_UNAVAILABLE)",
