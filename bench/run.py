@@ -2,8 +2,8 @@
 
 One command (from the repository root)::
 
-    .venv/bin/python -m bench.run            # full run, about 7 minutes on 2 cores
-    .venv/bin/python -m bench.run --quick    # about 2 minutes
+    .venv/bin/python -m bench.run            # full run, 15-20 minutes on 2 cores
+    .venv/bin/python -m bench.run --quick    # about 6 minutes
     .venv/bin/python -m bench.run --no-write # print the tables, leave docs/benchmarks.md alone
 
 Every target listens on a free loopback port and relays to one shared sink, Postfix's
@@ -884,7 +884,7 @@ def main() -> int:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a fifth of the messages per cell, 20,000 fingerprints (about 2 min)")
+                        help="a fifth of the messages per cell, 20,000 fingerprints (about 6 min)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every cell's message count (full run: 1.0)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 3)")
