@@ -14,7 +14,7 @@ Defects proved (each test is ``xfail(strict=True)`` until the product is fixed):
    rule keeps its buckets while its label stays"), but the units already taken expire by the
    old window (SQLite ``expires_ms``, Redis PEXPIRE): right after the old window the relay
    lets through a second full quota inside the new window
-   (``test_a_reload_that_lengthens_the_window_keeps_the_units_taken``, both stores).
+   (``test_a_reload_that_lengthens_the_window_keeps_the_units_taken``, every store).
 3. A limit call that times out (the store's path stalls: the client is told 451 4.3.0,
    nothing is sent) is never undone: the script runs on Redis after all and takes a unit
    for a message that was not sent, so its retry is refused for the whole window
@@ -52,6 +52,7 @@ from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
 from tests.support.clients import message, send
+from tests.support.postgres import private_schema
 from tests.support.relays import REDIS_URL, MakeRelay, delete_prefix
 from tests.support.sink import Sink
 from tests.support.waiting import until
@@ -202,15 +203,22 @@ async def test_a_lost_reply_to_the_limit_script_takes_one_unit(
     assert len(sink.handler.delivered) == 2
 
 
-@pytest.fixture(params=["redis", "sqlite"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The shared Redis (the relay's prefix is random) or a fresh SQLite file."""
-    return REDIS_URL if request.param == "redis" else f"sqlite:///{tmp_path / 'relay.db'}"
+@pytest.fixture(params=["redis", "sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The shared Redis (the relay's prefix is random), a fresh SQLite file or a private
+    PostgreSQL schema."""
+    if request.param == "postgres":
+        with private_schema() as url:
+            yield url
+        return
+    yield REDIS_URL if request.param == "redis" else f"sqlite:///{tmp_path / 'relay.db'}"
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "relay/store/sqlite_limits.py:70 (expires_ms fixed at the window of the call) and "
-    "relay/store/redis/limits.py:98-99 (PEXPIRE of the call's window): after a reload that "
+    "relay/store/sqlite_limits.py:70 (expires_ms fixed at the window of the call), "
+    "relay/store/redis/limits.py:98-99 (PEXPIRE of the call's window) and the PostgreSQL "
+    "store's expires_at (schema step 2, relay/store/postgres/migrations.py, the same "
+    "semantics as SQLite's): after a reload that "
     "lengthens a label's window the units taken before it expire by the old window, so a "
     "second full quota goes through inside the new one"))
 async def test_a_reload_that_lengthens_the_window_keeps_the_units_taken(
