@@ -6,6 +6,12 @@ fails on the code it was written against and is ``xfail(strict=True)`` until fix
   StoreError within ``timeout_s``; a server that stops answering while the upgrade waits (for
   the advisory lock another upgrade holds, or for its own statements) holds it forever, and
   not even a cancellation from outside ends it.
+
+And one guard that passes on the code it was written against (commit c84d425) and fails when
+a timed-out call's connection is closed without cancelling its statement: a reserve that
+waited on another transaction's row lock past the op timeout must not land its PENDING after
+the core gave it up and released it (the client's retries would be told "in progress" until
+the lease ends).
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import asyncpg
 import pytest
 
 from relay.core.errors import StoreError
+from relay.core.interfaces import Settle, SettleOp
 from relay.store.postgres import migrations
-from relay.store.postgres.store import upgrade_schema
+from relay.store.postgres.store import PostgresStore, upgrade_schema
 from tests.store.test_postgres_attack import PgProxy
 from tests.support.postgres import POSTGRES_URL, private_schema
 
@@ -30,6 +37,13 @@ from tests.support.postgres import POSTGRES_URL, private_schema
 def url() -> Iterator[str]:
     """A private empty schema (no table: the upgrade has work to do)."""
     with private_schema(upgraded=False) as url:
+        yield url
+
+
+@pytest.fixture
+def store_url() -> Iterator[str]:
+    """A private schema with the store's tables."""
+    with private_schema() as url:
         yield url
 
 
@@ -95,3 +109,37 @@ async def test_db_upgrade_gives_up_within_its_timeout_when_postgres_hangs(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(upgrading), timeout=10.0)
         await holder.close()
+
+
+async def test_a_reserve_that_timed_out_on_a_row_lock_leaves_no_reservation_behind(
+        store_url: str) -> None:
+    """Another attempt's INSERT of the key is not committed yet, so this attempt's reserve
+    waits for it past the op timeout (0.5 s) and fails; the core then releases what the
+    reserve may have taken (compare-token: nothing yet). The other attempt rolls back. A
+    second later the key must not hold this attempt's PENDING: a statement the relay gave up
+    on must not go on to take the key (the old code's CancelRequest ended it in the server;
+    a connection closed without one leaves the backend waiting for the lock, and then it
+    inserts and commits)."""
+    store = await PostgresStore.open(store_url, op_timeout_s=0.5, cleanup_interval_s=None)
+    other = await asyncpg.connect(store_url, timeout=10)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute(
+            "INSERT INTO dedup_relay_fingerprints (key, state, token, expires_at) "
+            "VALUES ('k:lock', 'pending', 'other', now() + interval '1 minute')")
+        with pytest.raises(StoreError):
+            await store.reserve(["k:lock"], token="mine", lease_s=60.0)
+        # DedupCore._relay_dedup on a StoreError: Settler.release_quietly(keys, token)
+        await store.settle([SettleOp(key="k:lock", action=Settle.RELEASE)], token="mine",
+                           window_s=60.0)
+        await tx.rollback()
+        await asyncio.sleep(1.0)
+        rows = await other.fetch("SELECT state, token FROM dedup_relay_fingerprints "
+                                 "WHERE key = 'k:lock'")
+        assert [tuple(r) for r in rows] == [], (
+            f"the key holds {[tuple(r) for r in rows]} after its reserve failed and was "
+            "released: every retry is 'in progress' until the lease (60 s) ends")
+    finally:
+        await other.close()
+        await store.close()
