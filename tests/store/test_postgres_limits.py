@@ -108,22 +108,26 @@ async def test_calls_naming_buckets_in_opposite_orders_never_deadlock(url: str) 
                                     "WHERE bucket = $1", bucket_name(PREFIX, bucket)) == 10
 
 
-async def _waiting_on_advisory_locks(url: str) -> int:
-    return int(str(await _fetchval(
-        url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-             "AND classid = $1::bigint::oid", RATE_LOCK_SPACE)))
+async def _waiting(conn: asyncpg.Connection, bucket: str, count: int) -> bool:
+    """Whether ``count`` sessions wait for the lock of ``bucket`` (asked on ``conn``; other
+    tests' buckets, on the same server, have other locks)."""
+    return bool(await conn.fetchval(
+        "SELECT count(*) = $3 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+        "AND classid = $1::bigint::oid AND objid = (hashtext($2)::bigint & 4294967295)::oid",
+        RATE_LOCK_SPACE, bucket, count))
 
 
 async def test_a_call_that_runs_after_its_timeout_is_given_back(url: str) -> None:
-    """The bucket's lock is held elsewhere, so the call (limit 1) times out after 1 s while
-    its statement waits; the limiter gives the call back, whose give-back queues behind it.
+    """The bucket's lock is held elsewhere, so the call (limit 1) times out after 1.5 s while
+    its statement waits; the limiter gives the call back, whose give-back queues behind it
+    (for at most 1.5 s too).
     The lock is released: the late statement takes its unit, the give-back deletes it at
     once. The client was told the store failed and nothing was sent, so the bucket is empty
     and the next call is allowed."""
     one = check("late", 1)
     store = await PostgresStore.open(url, cleanup_interval_s=None, pool_size=4,
-                                     op_timeout_s=1.0)
-    holder = await asyncpg.connect(url)
+                                     op_timeout_s=1.5)
+    holder, watcher = await asyncpg.connect(url), await asyncpg.connect(url)
     try:
         tx = holder.transaction()
         await tx.start()
@@ -131,9 +135,10 @@ async def test_a_call_that_runs_after_its_timeout_is_given_back(url: str) -> Non
                              RATE_LOCK_SPACE, bucket_name(PREFIX, one))
         call = asyncio.create_task(store.rate_limiter(PREFIX).acquire([one]))
         # the call's statement and then its give-back wait for the lock
-        await until(lambda: _waiting(url, 1), within_s=5.0,
+        bucket = bucket_name(PREFIX, one)
+        await until(lambda: _waiting(watcher, bucket, 1), within_s=5.0,
                     what="the call waiting for the bucket's lock")
-        await until(lambda: _waiting(url, 2), within_s=5.0,
+        await until(lambda: _waiting(watcher, bucket, 2), within_s=5.0,
                     what="the give-back waiting behind the call")
         await tx.rollback()
         with pytest.raises(StoreError, match="rate_limit"):
@@ -144,12 +149,8 @@ async def test_a_call_that_runs_after_its_timeout_is_given_back(url: str) -> Non
         assert (await store.rate_limiter(PREFIX).acquire([one])).allowed
     finally:
         await holder.close()
+        await watcher.close()
         await store.close()
-
-
-async def _waiting(url: str, count: int) -> bool:
-    """Whether ``count`` sessions wait for a rate-limit bucket's lock."""
-    return await _waiting_on_advisory_locks(url) == count
 
 
 @dataclass
@@ -157,12 +158,14 @@ class HoldingProxy:
     """A TCP proxy on 127.0.0.1:``port`` to the test PostgreSQL. Armed, it holds the next
     request a client sends for ``hold_s`` seconds before forwarding it (with whatever the
     client sends after it, in order), also when the client has gone meanwhile: then it keeps
-    the server's side open until the server answered (``late_answered`` set)."""
+    the server's side open until the server answered (``late_answered`` set). With ``hang``
+    it drops whatever any client sends from then on, the connections left open."""
 
     target: tuple[str, int]
     port: int = 0
     hold_s: float = 1.0
     armed: bool = False
+    hang: bool = False  # forward nothing more from any client: a server that stopped answering
     late_answered: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -189,6 +192,8 @@ class HoldingProxy:
         self._spawn(self._down(up_reader, writer, held))
         with contextlib.suppress(OSError, ConnectionError):
             while data := await reader.read(65536):
+                if self.hang:
+                    continue
                 if self.armed:
                     self.armed = False
                     await asyncio.sleep(self.hold_s)
@@ -246,6 +251,31 @@ async def test_a_call_that_reaches_the_database_after_its_give_back_takes_nothin
                                     "WHERE bucket = $1", bucket_name(PREFIX, one)) == 0
         assert (await limiter.acquire([one])).allowed
     finally:
+        await store.close()
+        await proxy.close()
+
+
+async def test_a_database_that_stops_answering_fails_the_call_within_its_bounds(
+        url: str) -> None:
+    """The database stops answering mid-call (the proxy forwards nothing more, connections
+    open): the call fails within its timeout plus its give-back's (0.3 s each), although
+    the give-back hangs too on a pooled connection. Neither connection is waited for."""
+    parts = urlsplit(url)
+    proxy = HoldingProxy((parts.hostname or "127.0.0.1", parts.port or 5432))
+    await proxy.start()
+    store = await PostgresStore.open(_through(url, proxy.port), cleanup_interval_s=None,
+                                     pool_size=2, op_timeout_s=0.3)
+    try:
+        limiter = store.rate_limiter(PREFIX)
+        # two connections open and idle in the pool: the give-back takes the second one
+        await asyncio.gather(limiter.acquire([check("w1", 9)]), limiter.acquire([check("w2", 9)]))
+        proxy.hang = True
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="rate_limit"):
+            await asyncio.wait_for(limiter.acquire([check("hung", 1)]), timeout=5.0)
+        assert time.monotonic() - started < 1.5
+    finally:
+        proxy.hang = False
         await store.close()
         await proxy.close()
 

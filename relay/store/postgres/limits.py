@@ -151,13 +151,20 @@ class PostgresRateLimiter:
         is answered 4yz and not sent, so its units must not count), within ``op_timeout_s``;
         a database that does not answer keeps them: they leave with their window."""
         keep_ms = max(_ms(c.per_s) for c in checks)
+        conn: Any = None
+        done = False
         try:
             async with asyncio.timeout(self._op_timeout_s):
-                async with self._pool.acquire() as conn:
-                    await conn.fetchval(_GIVE_BACK, buckets, call_id, keep_ms)
+                conn = await self._pool.acquire()
+                await conn.fetchval(_GIVE_BACK, buckets, call_id, keep_ms)
+                done = True
         except (TimeoutError, *_ERRORS) as exc:
             log.warning("rate limit: cannot give back the units of a failed call (%s): they "
                         "count until their window ends", type(exc).__name__)
+        finally:
+            if conn is not None and not done:
+                conn.terminate()  # never wait for a server that may be hanging
+            await self._release(conn)
 
 
 async def delete_expired(conn: asyncpg.Connection, batch: int) -> int:
