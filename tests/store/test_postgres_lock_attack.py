@@ -1,0 +1,85 @@
+"""Lock-order attacks on the PostgreSQL store (issue 13), beside the renew/reserve deadlock of
+tests/store/test_postgres_attack.py; each test fails on the code it was written against and is
+``xfail(strict=True)`` until fixed.
+
+- The cleanup (``_CLEANUP``: ``DELETE ... WHERE ctid = ANY(ARRAY(...))``) locks the expired
+  rows in physical (ctid) order; a reserve taking over expired rows locks them in key order.
+  Every relay process runs the cleanup every 5 s; a multi-recipient message sent again once
+  its records expired (the next newsletter, a resend after the window) reserves expired rows
+  that the cleanup is deleting: the two deadlock, and PostgreSQL fails one after
+  ``deadlock_timeout`` (1 s by default) -- here the reserve, which the client sees as 451.
+
+Two blocking transactions (row locks released in key order) fix the interleaving that the
+scheduler may otherwise produce; each test runs in a private schema of the shared server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+
+from relay.store.postgres.store import PostgresStore
+from tests.support.postgres import private_schema
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    """A private schema with the store's tables."""
+    with private_schema() as url:
+        yield url
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresStore._CLEANUP (relay/store/postgres/store.py) deletes expired rows in ctid "
+    "order (a TID scan of the subselect's ctids) while _RESERVE takes expired rows over in "
+    "key order: a cleanup round and a reserve of two expired keys stored in the other order "
+    "deadlock, and PostgreSQL fails one (here the reserve: 451 for a message that only "
+    "needed fresh records). Lock the cleanup's rows in key order (SELECT ... ORDER BY key "
+    "FOR UPDATE SKIP LOCKED), or let it skip rows others hold"))
+async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: str) -> None:
+    """Keys k:b and k:a hold SENT records whose window passed (k:b first on disk). A cleanup
+    round and a reserve of both keys (the message sent again) run while two transactions
+    hold the rows; when those let go (k:a first), both calls must answer: the reserve takes
+    both keys (or the cleanup deleted them first, and the reserve inserts them)."""
+    store = await PostgresStore.open(url, op_timeout_s=10.0, cleanup_interval_s=None)
+    admin = await asyncpg.connect(url, timeout=10)
+    holders: list[asyncpg.Connection] = []
+    try:
+        for key in ("k:b", "k:a"):
+            await admin.execute(
+                "INSERT INTO dedup_relay_fingerprints (key, state, at, reply, expires_at) "
+                "VALUES ($1, 'sent', now() - interval '2 days', '250 ok', "
+                "now() - interval '1 hour')", key)
+        blocks = []
+        for key in ("k:a", "k:b"):
+            conn = await asyncpg.connect(url, timeout=10)
+            holders.append(conn)
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute(
+                "SELECT 1 FROM dedup_relay_fingerprints WHERE key = $1 FOR UPDATE", key)
+            blocks.append(tx)
+        cleanup = asyncio.ensure_future(store.delete_expired())
+        await asyncio.sleep(0.3)  # the cleanup waits for its first row (k:b, by ctid)
+        reserve = asyncio.ensure_future(
+            store.reserve(["k:a", "k:b"], token="again", lease_s=60.0))
+        await asyncio.sleep(0.3)  # the reserve waits for k:a
+        for tx in blocks:
+            await tx.rollback()
+            await asyncio.sleep(0.3)
+        results = await asyncio.gather(cleanup, reserve, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, f"failed: {errors}"
+        reservations = results[1]
+        assert isinstance(reservations, list)
+        assert [r.reserved for r in reservations] == [True, True]
+    finally:
+        for conn in holders:
+            with contextlib.suppress(Exception):
+                await conn.close()
+        await admin.close()
+        await store.close()
