@@ -1,13 +1,19 @@
-"""Lock-order attacks on the PostgreSQL store (issue 13), beside the renew/reserve deadlock of
-tests/store/test_postgres_attack.py; each test fails on the code it was written against and is
-``xfail(strict=True)`` until fixed.
+"""Lock-order and readiness attacks on the PostgreSQL store (issue 13), beside the
+renew/reserve deadlock of tests/store/test_postgres_attack.py; each test fails on the code it
+was written against and is ``xfail(strict=True)`` until fixed.
 
 - The cleanup (``_CLEANUP``: ``DELETE ... WHERE ctid = ANY(ARRAY(...))``) locks the expired
   rows in physical (ctid) order; a reserve taking over expired rows locks them in key order.
   Every relay process runs the cleanup every 5 s; a multi-recipient message sent again once
   its records expired (the next newsletter, a resend after the window) reserves expired rows
   that the cleanup is deleting: the two deadlock, and PostgreSQL fails one after
-  ``deadlock_timeout`` (1 s by default) -- here the reserve, which the client sees as 451.
+  ``deadlock_timeout`` (1 s by default) -- the cleanup or the reserve, which the client then
+  sees as 451.
+
+- ``PostgresStore.ping`` (the store's readiness probe) is ``SELECT 1``: a database that takes
+  no writes (a hot standby after a failover, a multi-host URL without
+  ``target_session_attrs=read-write``, ``default_transaction_read_only`` set for maintenance)
+  answers it, so ``/readyz`` says 200 while every reserve fails and every message gets 451.
 
 Two blocking transactions (row locks released in key order) fix the interleaving that the
 scheduler may otherwise produce; each test runs in a private schema of the shared server.
@@ -22,6 +28,7 @@ from collections.abc import Iterator
 import asyncpg
 import pytest
 
+from relay.core.errors import StoreError
 from relay.store.postgres.store import PostgresStore
 from tests.support.postgres import private_schema
 
@@ -37,8 +44,8 @@ def url() -> Iterator[str]:
     "PostgresStore._CLEANUP (relay/store/postgres/store.py) deletes expired rows in ctid "
     "order (a TID scan of the subselect's ctids) while _RESERVE takes expired rows over in "
     "key order: a cleanup round and a reserve of two expired keys stored in the other order "
-    "deadlock, and PostgreSQL fails one (here the reserve: 451 for a message that only "
-    "needed fresh records). Lock the cleanup's rows in key order (SELECT ... ORDER BY key "
+    "deadlock, and PostgreSQL fails one of them (when it is the reserve: 451 for a message "
+    "that only needed fresh records). Lock the cleanup's rows in key order (SELECT ... ORDER BY key "
     "FOR UPDATE SKIP LOCKED), or let it skip rows others hold"))
 async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: str) -> None:
     """Keys k:b and k:a hold SENT records whose window passed (k:b first on disk). A cleanup
@@ -82,4 +89,24 @@ async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: st
             with contextlib.suppress(Exception):
                 await conn.close()
         await admin.close()
+        await store.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresStore.ping (relay/store/postgres/store.py) runs SELECT 1, which a read-only "
+    "database (hot standby, default_transaction_read_only) answers: the health probe says the "
+    "store is up and /readyz 200 while every reserve fails (SQLSTATE 25006) and the relay "
+    "answers every message 451; probe writability (SHOW transaction_read_only / "
+    "pg_is_in_recovery())"))
+async def test_the_store_probe_fails_when_the_database_takes_no_writes(url: str) -> None:
+    """The same schema through a session that is read-only (what a hot standby gives): the
+    reserve fails, and the probe that /readyz reads must fail too."""
+    store = await PostgresStore.open(f"{url}&default_transaction_read_only=on",
+                                     op_timeout_s=5.0, cleanup_interval_s=None)
+    try:
+        with pytest.raises(StoreError, match="read-only"):
+            await store.reserve(["k:ro"], token="t", lease_s=60.0)
+        with pytest.raises(StoreError):
+            await store.ping()
+    finally:
         await store.close()
