@@ -45,8 +45,8 @@ def url() -> Iterator[str]:
     "order (a TID scan of the subselect's ctids) while _RESERVE takes expired rows over in "
     "key order: a cleanup round and a reserve of two expired keys stored in the other order "
     "deadlock, and PostgreSQL fails one of them (when it is the reserve: 451 for a message "
-    "that only needed fresh records). Lock the cleanup's rows in key order (SELECT ... ORDER BY key "
-    "FOR UPDATE SKIP LOCKED), or let it skip rows others hold"))
+    "that only needed fresh records). Lock the cleanup's rows in key order (SELECT ... "
+    "ORDER BY key FOR UPDATE SKIP LOCKED), or let it skip rows others hold"))
 async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: str) -> None:
     """Keys k:b and k:a hold SENT records whose window passed (k:b first on disk). A cleanup
     round and a reserve of both keys (the message sent again) run while two transactions
