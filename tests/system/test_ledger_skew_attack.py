@@ -1,0 +1,96 @@
+"""The audit ledger's order under clock skew between relays (issue 13), as ``dedup-relay
+history`` reads it; ``xfail(strict=True)`` until fixed.
+
+Two relays share one store (Redis: every deciding time is the store's) and one ledger. Relay A's
+wall clock runs 10 minutes ahead. A relays a message; then B is handed the same message and
+suppresses it as a duplicate. ``history`` orders a key's rows by ``decided_at`` (each relay's
+own clock), so it shows the duplicate suppressed before the copy that was sent: the audit
+trail says the opposite of what happened, although both rows landed in order seconds apart and
+the store itself never trusted the relays' clocks (design.md §7.5).
+
+The skew is the core's clock (``DedupCore._clock``, what a row's ``decided_at`` is read from)
+of an in-loop relay, set 600 s ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+
+from relay.store.postgres import migrations
+from relay.store.postgres.ledger_read import LedgerReader
+from tests.support.clients import message, send
+from tests.support.postgres import private_schema, run_apart
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
+
+RCPT = "user@example.net"
+
+
+async def _upgrade_ledger(url: str) -> None:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await migrations.upgrade(conn, "ledger")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def ledger_url() -> Iterator[str]:
+    """A private schema holding the ledger's table."""
+    with private_schema(upgraded=False) as url:
+        run_apart(_upgrade_ledger(url))
+        yield url
+
+
+async def _outcomes(ledger_url: str, count: int) -> tuple[str, list[str]]:
+    """The store key of the ledger's rows and their outcomes as ``history`` lists them, once
+    ``count`` rows landed (within 10 s)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        conn = await asyncpg.connect(ledger_url, timeout=10)
+        try:
+            keys = [r["store_key"] for r in await conn.fetch(
+                "SELECT store_key FROM dedup_relay_ledger")]
+        finally:
+            await conn.close()
+        if len(keys) >= count or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert len(keys) == count and len(set(keys)) == 1, keys
+    reader = await LedgerReader.open(ledger_url)
+    try:
+        rows = await reader.history(keys[0], limit=10)
+    finally:
+        await reader.close()
+    return keys[0], [row.outcome for row in rows]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "dedup-relay history (relay/store/postgres/ledger_read.py _HISTORY) orders a key's rows "
+    "by decided_at, each relay's own wall clock (relay/core/dedup.py DedupCore._clock): with "
+    "one relay 10 min ahead, a duplicate suppressed by another relay after the send is listed "
+    "before the send. The ledger could date rows in the database's clock (e.g. correct "
+    "decided_at by the offset the writer measures against now() at each batch) or order by "
+    "recorded_at where the rows' clocks disagree"))
+async def test_history_lists_a_send_before_its_duplicate_when_the_sender_runs_ahead(
+        make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
+    """Relay A (clock +600 s) relays; relay B (same store, same ledger) then suppresses the
+    same message; both rows land within a second. history must list relayed, then
+    suppressed."""
+    a = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url)
+    b = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
+                         store_prefix=a.settings.store_prefix)
+    assert a.core is not None
+    a.core._clock = lambda: time.time() + 600.0  # A's wall clock runs 10 minutes ahead
+    data = message(key="skew-1")
+    assert (await send(a.port, [RCPT], data)).code == 250
+    await _outcomes(ledger_url, 1)  # A's row landed before B decides
+    assert (await send(b.port, [RCPT], data)).code == 250
+    assert sink.handler.copies_to(RCPT) == 1
+    _, outcomes = await _outcomes(ledger_url, 2)
+    assert outcomes == ["relayed", "suppressed"], outcomes
