@@ -204,12 +204,6 @@ async def count_rows(url: str) -> int:
 # -- a PostgreSQL that hangs mid-statement -------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore._call (relay/store/postgres/store.py) is not bounded by op_timeout_s when "
-    "PostgreSQL stops answering mid-statement: asyncio.timeout cancels the query, then "
-    "`async with pool.acquire()` releases the connection, and asyncpg's release waits without "
-    "a bound for the server to acknowledge the cancellation (no acquire/release timeout, no "
-    "command_timeout for the CancelRequest)"))
 async def test_a_reserve_fails_within_the_op_timeout_when_postgres_hangs_mid_statement(
         url: str, proxy: PgProxy) -> None:
     """The store's connection is open and used; the peer then keeps the connection and never
@@ -235,11 +229,6 @@ async def test_a_reserve_fails_within_the_op_timeout_when_postgres_hangs_mid_sta
         await store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresLedger._call (relay/store/postgres/ledger.py) hangs past op_timeout_s when "
-    "PostgreSQL stops answering mid-statement (asyncpg's pool release waits for the "
-    "cancellation without a bound): the writer never fails, so the ledger stays `up` and a "
-    "required ledger keeps admitting messages whose rows do not land"))
 async def test_a_required_ledger_says_down_when_postgres_hangs_mid_write(
         url: str, proxy: PgProxy) -> None:
     """A required ledger whose database hangs while a batch is in flight: within a few op
@@ -270,12 +259,6 @@ async def test_a_required_ledger_says_down_when_postgres_hangs_mid_write(
 # -- a required ledger that is down ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresLedger.record (relay/store/postgres/ledger.py) with required=True keeps every "
-    "row past queue_max, including the rows of the messages DedupCore.process refuses "
-    "451 4.3.0 because admits() is False: during an outage the queue grows with every retry "
-    "(memory, and after the outage the backlog of refusals must drain below queue_max before "
-    "admits() says yes again); design.md §6.7 bounds the overshoot by the messages in flight"))
 async def test_a_required_ledger_that_is_down_keeps_its_queue_bounded() -> None:
     """The ledger's database refuses connections from the start (required, queue of 10 rows);
     the core refuses 200 messages 451 and records each refusal. The queue may pass its bound
@@ -293,7 +276,7 @@ async def test_a_required_ledger_that_is_down_keeps_its_queue_bounded() -> None:
         assert not ledger.admits()
         for n in range(200):  # what DedupCore.process does for a message it may not admit
             assert not ledger.admits()
-            ledger.record([entry(n)])
+            ledger.record([entry(n)], admitted=False)  # as DedupCore.process records it
             await asyncio.sleep(0)
         assert ledger.status().queued <= 10, (
             f"{ledger.status().queued} rows queued for a queue of 10, all of refused messages")
@@ -305,12 +288,6 @@ async def test_a_required_ledger_that_is_down_keeps_its_queue_bounded() -> None:
 # -- close() after an outage ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresLedger.close (relay/store/postgres/ledger.py) sets _wake, but a writer in its "
-    "retry pause sleeps on asyncio.sleep(pause), not on _wake: after an outage of 6 s or more "
-    "(pause 5 s = RETRY_MAX_S) the relay stopping once the database is back waits up to the "
-    "whole 5 s flush (LEDGER_FLUSH_S) for the writer to wake, and the rows not written by "
-    "then are dropped (reason shutdown) although the database answers"))
 async def test_close_after_an_outage_writes_the_queue_at_once(
         url: str, proxy: PgProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ledger's database refused long enough for the writer's pause to reach its 5 s
@@ -346,13 +323,6 @@ async def test_close_after_an_outage_writes_the_queue_at_once(
 # -- lock order ------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore.renew (relay/store/postgres/store.py _RENEW) locks its rows in the order "
-    "of its plan (Bitmap Heap Scan on the key = ANY index condition: physical order), while "
-    "_RESERVE locks in key order: a renew of a message's keys and a reserve of the same keys "
-    "by a retry on another relay deadlock, and PostgreSQL fails one after deadlock_timeout "
-    "(sorted(set(keys)) in Python does not order the locks). The same holds for any UPDATE "
-    "... WHERE key = ANY / FROM unnest whose plan is not an ordered index scan (_SETTLE)"))
 async def test_a_renew_and_a_reserve_of_the_same_keys_do_not_deadlock(url: str) -> None:
     """Attempt X holds keys k:a and k:b (written b first, so b is first on disk) and renews
     them while attempt Y (a retry of the same message on another relay) reserves them. Two

@@ -64,13 +64,6 @@ async def transaction(port: int, key: str, wait_s: float) -> str:
         await client.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore._call (relay/store/postgres/store.py) is not bounded by store_timeout when "
-    "PostgreSQL hangs mid-statement: after asyncio.timeout cancels the reserve, "
-    "`async with pool.acquire()` waits in asyncpg's PoolConnectionHolder.release for the "
-    "cancellation to be acknowledged, without a bound (Pool.acquire() without a timeout, no "
-    "command_timeout for the CancelRequest): the client's final dot is held until the server "
-    "answers again or TCP gives up"))
 async def test_a_relay_answers_451_within_the_store_timeout_when_postgres_hangs(
         make_relay: MakeRelay, sink: Sink, url: str, proxy: PgProxy) -> None:
     """A relay on PostgreSQL (store_timeout 0.5 s) relays one message; then PostgreSQL keeps

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-from asyncpg.exceptions import InternalClientError
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp
@@ -201,11 +200,6 @@ async def proxy(schema_url: str) -> AsyncIterator[ShutdownProxy]:
     await p.close()
 
 
-@pytest.mark.xfail(strict=True, raises=InternalClientError, reason=(
-    "relay/store/postgres/store.py: _ERRORS lacks asyncpg's InternalClientError (and its "
-    "ProtocolError), so a call on a pooled connection that has read the server's shutdown "
-    "message raises 'cannot switch to state N; another operation (2) is in progress' "
-    "instead of StoreError"))
 async def test_a_shutdown_message_on_an_idle_pooled_connection_is_a_store_error(
         proxy: ShutdownProxy, schema_url: str) -> None:
     """A store call on a pooled connection whose backend has announced a shutdown fails as
@@ -223,12 +217,6 @@ async def test_a_shutdown_message_on_an_idle_pooled_connection_is_a_store_error(
         await store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "relay/store/postgres/store.py lets asyncpg's InternalClientError out of settle: the "
-    "SENT mark after the upstream's 250 escapes the settler (which never raises on a "
-    "StoreError and owes the mark), so the client is answered '451 4.3.0 Internal error' for "
-    "a message the upstream took, the record stays SENDING and reads as in doubt once its "
-    "lease ends (unknown_policy = send would relay the client's retry a second time)"))
 async def test_a_shutdown_while_the_upstream_holds_its_reply_keeps_the_250(
         proxy: ShutdownProxy, schema_url: str, tmp_path: Path) -> None:
     """PostgreSQL announces its shutdown while the upstream holds its reply to the final dot:

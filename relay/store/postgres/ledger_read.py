@@ -22,12 +22,13 @@ import asyncpg
 from relay.core.errors import StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
+from relay.store.postgres.calls import ERRORS
 from relay.store.postgres.ledger import UNRESOLVED_WHERE, LedgerOptions, insert_rows, row_of
 from relay.store.postgres.migrations import LEDGER as _L_
 
 __all__ = ["HistoryRow", "InDoubtRow", "LedgerReader"]
 
-_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError, ValueError)
+_ERRORS = (*ERRORS, ValueError)
 
 _FIELDS = ("decided_at, recorded_at, action, outcome, store_key, recipient, template, "
            "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "

@@ -39,6 +39,7 @@ import asyncpg
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import LimitCheck, LimitVerdict
+from relay.store.postgres.calls import ERRORS
 from relay.store.postgres.migrations import (
     RATE_ACQUIRE,
     RATE_EVENTS,
@@ -57,7 +58,7 @@ DELETE FROM {table} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT $1)) AND expires_at <= now()
 """ for table in (RATE_EVENTS, RATE_GIVEN_BACK))
 
-_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, UnicodeError)
+_ERRORS = (*ERRORS, UnicodeError)
 _ERROR_TEXT_MAX = 300
 
 

@@ -154,11 +154,12 @@ $fn$;""",
 )
 
 # The audit ledger (issue 13): one row per recipient decision, appended through the relay's
-# bounded queue (relay.store.postgres.ledger), or per operator action (release, mark-sent). ``row_id``
-# is the relay's, so a batch written again after a lost reply adds nothing. ``decided_at`` is the
-# relay's clock when it answered (or the admin command's); ``recorded_at`` the database's when
-# the row landed (retention counts from it). ``store_key`` is NULL for a decision without a
-# fingerprint (no key, an exempt template, a message refused before one was derived).
+# bounded queue (relay.store.postgres.ledger), or per operator action (release, mark-sent).
+# ``row_id`` is the relay's, so a batch written again after a lost reply adds nothing.
+# ``decided_at`` is the relay's clock when it answered (or the admin command's);
+# ``recorded_at`` the database's when the row landed (retention counts from it).
+# ``store_key`` is NULL for a decision without a fingerprint (no key, an exempt template, a
+# message refused before one was derived).
 _LEDGER_STEPS: tuple[str, ...] = (
     f"""CREATE TABLE IF NOT EXISTS {LEDGER} (
     row_id uuid PRIMARY KEY,

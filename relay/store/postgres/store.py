@@ -28,6 +28,7 @@ import asyncpg
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
 from relay.store.postgres import limits, migrations
+from relay.store.postgres.calls import ERRORS, bounded_call, open_pool
 from relay.store.postgres.limits import PostgresRateLimiter
 from relay.store.postgres.migrations import FINGERPRINTS as _T_
 
@@ -81,6 +82,17 @@ FROM input LEFT JOIN taken ON taken.key = input.k LEFT JOIN seen ON seen.key = i
 ORDER BY input.ord
 """
 
+# The rows of ``keys`` (an SQL set), locked in key order before a statement changes any of them:
+# an UPDATE or DELETE locks rows in the order of its plan (a bitmap heap scan: the order on
+# disk), a reserve inserts in key order, so without this a renew or a settle and a retry's
+# reserve of the same keys could each hold one and wait for the other (PostgreSQL then fails
+# one: a deadlock, found by an attack test). ORDER BY with FOR UPDATE takes each lock as the
+# sorted rows are read (LockRows above Sort); MATERIALIZED keeps it one step the statement's
+# changes join (a row is changed only once the CTE locked it).
+_LOCKED = f"""locked AS MATERIALIZED (
+    SELECT f.key FROM {_T_} f WHERE f.key IN {{keys}} ORDER BY f.key FOR UPDATE OF f
+)"""
+
 # $1 keys, $2 token, $3 actions, $4 replies, $5 SENDING leases in ms (NULL: none kept), $6 the
 # windows in ms. PENDING|SENDING(token) -> SENT | UNKNOWN | SENDING (SENDING(token) again: a
 # retry, left as it is) | deleted. One row per op in order: whether it applied.
@@ -88,9 +100,9 @@ _SETTLE = f"""
 WITH ops AS (
     SELECT * FROM unnest($1::text[], $3::text[], $4::text[], $5::bigint[], $6::bigint[])
         WITH ORDINALITY AS o(key, action, reply, lease_ms, window_ms, ord)
-), released AS (
-    DELETE FROM {_T_} f USING ops
-    WHERE ops.action = 'release' AND f.key = ops.key AND {_OURS}
+), {_LOCKED.format(keys="(SELECT key FROM ops)")}, released AS (
+    DELETE FROM {_T_} f USING ops, locked
+    WHERE ops.action = 'release' AND f.key = ops.key AND locked.key = f.key AND {_OURS}
     RETURNING f.key
 ), changed AS (
     UPDATE {_T_} f SET
@@ -102,8 +114,8 @@ WITH ops AS (
                           ELSE now() + ops.window_ms {_MS} END,
         lease_ms = CASE WHEN ops.action <> 'sending' THEN NULL
                         WHEN f.state = 'sending' THEN f.lease_ms ELSE ops.lease_ms END
-    FROM ops
-    WHERE ops.action <> 'release' AND f.key = ops.key AND {_OURS}
+    FROM ops, locked
+    WHERE ops.action <> 'release' AND f.key = ops.key AND locked.key = f.key AND {_OURS}
     RETURNING f.key
 )
 SELECT (ops.action = 'release' AND ops.key IN (SELECT key FROM released))
@@ -115,13 +127,15 @@ FROM ops ORDER BY ops.ord
 # lives a lease from now again; SENDING(token) gets now as its heartbeat, the lease, and an
 # expiry no sooner than the window from now. Returns the keys still this attempt's.
 _RENEW = f"""
+WITH {_LOCKED.format(keys="(SELECT unnest($1::text[]))")}
 UPDATE {_T_} f SET
     expires_at = CASE WHEN f.state = 'pending' THEN now() + $3::bigint {_MS}
                       WHEN $4::bigint > 0 THEN greatest(f.expires_at, now() + $4::bigint {_MS})
                       ELSE f.expires_at END,
     at = CASE WHEN f.state = 'sending' THEN now() ELSE f.at END,
     lease_ms = CASE WHEN f.state = 'sending' THEN $3::bigint ELSE f.lease_ms END
-WHERE f.key = ANY($1::text[]) AND {_OURS}
+FROM locked
+WHERE f.key = locked.key AND {_OURS}
 RETURNING f.key
 """
 
@@ -169,7 +183,7 @@ DELETE FROM {_T_} WHERE ctid = ANY(ARRAY(
 
 _ACTIONS = {Settle.SENT: "sent", Settle.UNKNOWN: "unknown", Settle.SENDING: "sending",
             Settle.RELEASE: "release"}
-_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+_ERRORS = ERRORS
 
 
 def is_postgres_url(url: str) -> bool:
@@ -257,12 +271,7 @@ class PostgresStore:
         the store fails its calls until it does. Raises :class:`StoreError` for a URL asyncpg
         refuses. ``cleanup_interval_s`` (None: no cleanup task) is the pause between
         cleanup rounds."""
-        try:
-            pool = asyncpg.create_pool(url, min_size=0, max_size=pool_size,
-                                       max_inactive_connection_lifetime=60.0)
-            await pool
-        except (*_ERRORS, ValueError) as exc:
-            raise StoreError("open", f"{type(exc).__name__}: {exc}") from exc
+        pool = await open_pool(url, max_size=pool_size, op_name="open")
         store = cls(pool, op_timeout_s=op_timeout_s, cleanup_interval_s=cleanup_interval_s)
         if check_schema:
             try:
@@ -474,15 +483,7 @@ class PostgresStore:
         if self._closed:
             raise StoreError(op_name, "the PostgreSQL store is closed")
         limit_s = self._op_timeout_s if timeout_s is None else timeout_s
-        try:
-            async with asyncio.timeout(limit_s):
-                async with self._pool.acquire() as conn:
-                    return await fn(conn)
-        except TimeoutError as exc:
-            raise StoreError(op_name, f"PostgreSQL did not answer within {limit_s:g} s") \
-                from exc
-        except _ERRORS as exc:
-            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
+        return await bounded_call(self._pool, op_name, fn, limit_s)
 
 
 def _reservation(row: Any, token: str, lease_ms: int) -> Reservation | None:
