@@ -153,6 +153,42 @@ async def test_a_call_that_runs_after_its_timeout_is_given_back(url: str) -> Non
         await store.close()
 
 
+async def test_a_give_back_that_times_out_still_lands_after_its_call(url: str) -> None:
+    """The bucket's lock is held past both the call's timeout and its give-back's (0.5 s
+    each): both connections are closed, but both backends still wait for the lock, in the
+    order they came. When it is released the call takes its unit and the give-back, after it,
+    deletes it: nothing is left, the next call (limit 1) is allowed."""
+    one = check("stuck", 1)
+    store = await PostgresStore.open(url, cleanup_interval_s=None, pool_size=2,
+                                     op_timeout_s=0.5)
+    holder, watcher = await asyncpg.connect(url), await asyncpg.connect(url)
+    try:
+        limiter = store.rate_limiter(PREFIX)  # two connections ready: the give-back's is open
+        await asyncio.gather(limiter.acquire([check("w1", 9)]), limiter.acquire([check("w2", 9)]))
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))",
+                             RATE_LOCK_SPACE, bucket_name(PREFIX, one))
+        with pytest.raises(StoreError, match="rate_limit"):
+            await limiter.acquire([one])
+        assert await _waiting(watcher, bucket_name(PREFIX, one), 2)  # the call, the give-back
+        await tx.rollback()
+        await until(lambda: _waiting(watcher, bucket_name(PREFIX, one), 0), within_s=5.0,
+                    what="no session waiting for the bucket's lock")
+        await until(lambda: _given_back(watcher), within_s=5.0, what="the give-back's commit")
+        assert await watcher.fetchval("SELECT count(*) FROM dedup_relay_rate_events "
+                                      "WHERE bucket = $1", bucket_name(PREFIX, one)) == 0
+        assert (await limiter.acquire([one])).allowed
+    finally:
+        await holder.close()
+        await watcher.close()
+        await store.close()
+
+
+async def _given_back(conn: asyncpg.Connection) -> bool:
+    return bool(await conn.fetchval("SELECT count(*) = 1 FROM dedup_relay_rate_given_back"))
+
+
 @dataclass
 class HoldingProxy:
     """A TCP proxy on 127.0.0.1:``port`` to the test PostgreSQL. Armed, it holds the next
