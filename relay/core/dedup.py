@@ -174,7 +174,8 @@ class DedupCore:
         that cannot take rows makes the message ``451 4.3.0`` before anything is reserved.
         """
         ledger = self._ledger
-        if ledger is not None and not ledger.admits():
+        admitted = ledger is None or ledger.admits()
+        if not admitted:
             log.warning("audit ledger unavailable and required: answering 451",
                         extra={"queue_id": msg.queue_id})
             decision = self._finish(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
@@ -187,7 +188,8 @@ class DedupCore:
                 keys=decision.keys, template=decision.template,
                 dedupe_key=decision.dedupe_key, rcpt_replies=decision.rcpt_replies,
                 final_reply=decision.upstream_reply, client_reply=decision.reply,
-                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id))
+                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id),
+                admitted=admitted)
         return decision
 
     async def _decide(self, msg: InboundMessage) -> Decision:

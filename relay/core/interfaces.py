@@ -516,9 +516,12 @@ class AuditLedger(Protocol):
     """Where the core hands its recipient decisions, off the hot path (a bounded queue written
     in batches by the adapter, :mod:`relay.store.postgres.ledger`)."""
 
-    def record(self, entries: Sequence[LedgerEntry]) -> None:
+    def record(self, entries: Sequence[LedgerEntry], *, admitted: bool = True) -> None:
         """Queue ``entries``; returns at once and never raises. A full queue drops them
-        (counted in ``relay_ledger_dropped_total``) unless the ledger is required."""
+        (counted in ``relay_ledger_dropped_total``) unless the ledger is required and they
+        are the rows of a message it ``admitted`` (:meth:`admits` said yes for it); the rows
+        of a message refused because the ledger could not take rows are kept only while
+        there is room."""
         ...
 
     def admits(self) -> bool:

@@ -151,11 +151,15 @@ async def test_a_required_ledger_that_does_not_answer_refuses_messages(
     """ledger_required = true and the ledger down: 451 4.3.0, nothing relayed or reserved."""
     dead = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=dead,
-                             ledger_required=True)
+                             ledger_required=True, ledger_queue=2)
     got = await send(relay.port, [A], message(key="k-req"))
     assert got.code == 451 and "4.3.0" in got.text and "ledger" in got.text.lower(), got
     assert sink.handler.delivered == []
     assert metric(relay, "relay_recipients_total", outcome="refused_temp") == 1
+    for i in range(4):  # the client retries: the refusals' rows stay within the bound
+        assert (await send(relay.port, [A], message(key="k-req"))).code == 451
+    assert relay.ledger is not None and relay.ledger.report()["queued"] == 2
+    assert metric(relay, "relay_ledger_dropped_total", reason="full") == 3
 
 
 async def test_a_required_ledger_that_answers_relays(

@@ -32,6 +32,8 @@ from relay.core.address import mask_address
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
+from relay.store.postgres.calls import ERRORS as _ERRORS
+from relay.store.postgres.calls import bounded_call, open_pool
 from relay.store.postgres.migrations import LEDGER as _L_
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,6 @@ AND NOT EXISTS (
 """
 _COUNT_UNRESOLVED = f"SELECT count(*) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
 
-_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
 def _refused_data(exc: StoreError) -> bool:
@@ -207,6 +208,7 @@ class PostgresLedger:
         self._batch_rows = batch_rows
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()  # set by close(): the writer's retry pause ends
         self._drained = asyncio.Event()  # set when a write empties the queue
         self._up = True  # until a write fails: a ledger is not known down before it is used
         self._dropped = 0
@@ -232,12 +234,7 @@ class PostgresLedger:
         old; a database that does not answer is logged, the rows queue until it does (and a
         required ledger refuses messages meanwhile). :class:`StoreError` for a URL asyncpg
         refuses."""
-        try:
-            pool = asyncpg.create_pool(url, min_size=0, max_size=POOL_SIZE,
-                                       max_inactive_connection_lifetime=60.0)
-            await pool
-        except (*_ERRORS, ValueError) as exc:
-            raise StoreError("ledger open", f"{type(exc).__name__}: {exc}") from exc
+        pool = await open_pool(url, max_size=POOL_SIZE, op_name="ledger open")
         ledger = cls(pool, metrics=metrics, options=options, op_timeout_s=op_timeout_s,
                      **kwargs)
         if check_schema:
@@ -256,13 +253,16 @@ class PostgresLedger:
 
     # -- AuditLedger ---------------------------------------------------------------------------
 
-    def record(self, entries: Sequence[LedgerEntry]) -> None:
-        """Queue one row per entry (see the module docstring); never raises."""
+    def record(self, entries: Sequence[LedgerEntry], *, admitted: bool = True) -> None:
+        """Queue one row per entry (see the module docstring); never raises. With a
+        required ledger the rows of an ``admitted`` message are kept past the bound, those
+        of a message it refused only while there is room."""
         if not entries:
             return
         rows = [row_of(entry, self._options) for entry in entries]
         room = self._options.queue_max - len(self._queue)
-        if self._closing or (not self._options.required and room < len(rows)):
+        bounded = not self._options.required or not admitted
+        if self._closing or (bounded and room < len(rows)):
             kept = 0 if self._closing else max(0, room)
             self._queue.extend(rows[:kept])
             self._drop("shutdown" if self._closing else "full", len(rows) - kept)
@@ -350,9 +350,11 @@ class PostgresLedger:
             return
         self._closing = True
         self._wake.set()
+        self._stopping.set()
         if self._queue and flush_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), timeout=flush_s)
+                async with asyncio.timeout(flush_s):
+                    await self._drained.wait()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -365,7 +367,8 @@ class PostgresLedger:
             self._queue.clear()
             self._metrics.ledger_queued(0)
         try:
-            await asyncio.wait_for(self._pool.close(), timeout=max(1.0, self._op_timeout_s))
+            async with asyncio.timeout(max(1.0, self._op_timeout_s)):
+                await self._pool.close()
         except _ERRORS:
             self._pool.terminate()
 
@@ -411,20 +414,20 @@ class PostgresLedger:
             except StoreError as exc:
                 if not _refused_data(exc):
                     self._set_up(False, str(exc))
-                    await asyncio.sleep(pause)
+                    await self._pause(pause)
                     pause = min(pause * 2, RETRY_MAX_S)
                     continue
                 try:
                     written = await self._write_singly(batch)
                 except StoreError as again:
                     self._set_up(False, str(again))
-                    await asyncio.sleep(pause)
+                    await self._pause(pause)
                     pause = min(pause * 2, RETRY_MAX_S)
                     continue
             except Exception:  # a defect: logged, and the batch retried like a failure
                 log.exception("audit ledger writer: unexpected error")
                 self._set_up(False, "unexpected error (logged)")
-                await asyncio.sleep(RETRY_MAX_S)
+                await self._pause(RETRY_MAX_S)
                 continue
             pause = RETRY_MIN_S
             for _ in batch:  # record() only appends: the head is still this batch
@@ -434,6 +437,18 @@ class PostgresLedger:
             self._metrics.ledger_written(written)
             self._metrics.ledger_queued(len(self._queue))
             self._set_up(True)
+
+    async def _pause(self, seconds: float) -> None:
+        """The writer's pause after a failure: ``seconds``, or until :meth:`close` asks for
+        the queue (the database may be back: the rows get their flush at once)."""
+        if self._stopping.is_set():
+            await asyncio.sleep(0.05)  # closing: try again soon, within close()'s flush bound
+            return
+        # asyncio.timeout, not wait_for: on 3.11 wait_for returns normally when the event is
+        # set as the task is cancelled (close() does both), and the cancellation is lost
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
 
     async def _write_singly(self, batch: Sequence[tuple[Any, ...]]) -> int:
         """Write ``batch`` one row per statement, dropping (and counting) the rows the
@@ -465,14 +480,7 @@ class PostgresLedger:
             await asyncio.sleep(interval_s)
 
     async def _call(self, op_name: str, fn: Any) -> Any:
-        """Run ``fn(conn)`` on a pooled connection within the op timeout; every failure
-        becomes :class:`StoreError` naming ``op_name``."""
-        try:
-            async with asyncio.timeout(self._op_timeout_s):
-                async with self._pool.acquire() as conn:
-                    return await fn(conn)
-        except TimeoutError as exc:
-            raise StoreError(op_name, f"PostgreSQL did not answer within "
-                                      f"{self._op_timeout_s:g} s") from exc
-        except _ERRORS as exc:
-            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
+        """Run ``fn(conn)`` on a pooled connection within the op timeout
+        (:func:`relay.store.postgres.calls.bounded_call`); every failure becomes
+        :class:`StoreError` naming ``op_name``."""
+        return await bounded_call(self._pool, op_name, fn, self._op_timeout_s)
