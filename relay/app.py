@@ -109,9 +109,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
     check(("store",), lambda: _store_files(s.store) if store else None)
-    if s.ledger is not None:
-        ledger = s.ledger
-        check(("ledger",), lambda: _postgres_files(ledger))
+    check(("ledger",), lambda: _postgres_files(s.ledger or ""))
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
