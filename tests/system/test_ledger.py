@@ -156,7 +156,7 @@ async def test_a_required_ledger_that_does_not_answer_refuses_messages(
     assert got.code == 451 and "4.3.0" in got.text and "ledger" in got.text.lower(), got
     assert sink.handler.delivered == []
     assert metric(relay, "relay_recipients_total", outcome="refused_temp") == 1
-    for i in range(4):  # the client retries: the refusals' rows stay within the bound
+    for _ in range(4):  # the client retries: the refusals' rows stay within the bound
         assert (await send(relay.port, [A], message(key="k-req"))).code == 451
     assert relay.ledger is not None and relay.ledger.report()["queued"] == 2
     assert metric(relay, "relay_ledger_dropped_total", reason="full") == 3
@@ -199,7 +199,8 @@ async def test_a_serve_process_with_two_workers_writes_every_row_and_flushes_on_
         sink: Sink, ledger_url: str, tmp_path: Path) -> None:
     """`serve --workers 2 --ledger URL`: 6 messages over several connections, then SIGTERM
     right after the last reply: all 6 rows are in the ledger once the process exited 0 (written
-    by the workers; a row still queued gets the bounded flush at shutdown); /readyz names the ledger up, required false."""
+    by the workers; a row still queued gets the bounded flush at shutdown); /readyz names the
+    ledger up, required false."""
     relay = await start_serve(tmp_path, "--store", REDIS_URL, "--store-prefix",
                               f"t:{uuid.uuid4().hex}:", "--upstream", f"127.0.0.1:{sink.port}",
                               "--ledger", ledger_url, "--metrics-listen", "127.0.0.1:0",
