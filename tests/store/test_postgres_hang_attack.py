@@ -7,11 +7,11 @@ fails on the code it was written against and is ``xfail(strict=True)`` until fix
   the advisory lock another upgrade holds, or for its own statements) holds it forever, and
   not even a cancellation from outside ends it.
 
-And one guard that passes on the code it was written against (commit c84d425) and fails when
-a timed-out call's connection is closed without cancelling its statement: a reserve that
-waited on another transaction's row lock past the op timeout must not land its PENDING after
-the core gave it up and released it (the client's retries would be told "in progress" until
-the lease ends).
+- A reserve that waited on another transaction's row lock past the op timeout must not land
+  its PENDING after the core gave it up and released it (the client's retries would be told
+  "in progress" until the lease ends). This held at commit c84d425 (asyncpg sent a
+  CancelRequest); since 9338a62 a timed-out connection is terminated without one, and the
+  server-side statement goes on.
 """
 
 from __future__ import annotations
@@ -111,6 +111,14 @@ async def test_db_upgrade_gives_up_within_its_timeout_when_postgres_hangs(
         await holder.close()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "relay/store/postgres/calls.py bounded_call (commit 9338a62) terminates a timed-out "
+    "connection without cancelling its statement: the backend of a reserve waiting on another "
+    "transaction's row lock goes on waiting, then inserts PENDING(token) and commits, after "
+    "the call raised StoreError and after DedupCore's release_quietly found nothing to "
+    "release; the key answers every retry 'in progress' until the lease ends. Bound the "
+    "statement in the server too (statement_timeout / lock_timeout in the pool's "
+    "server_settings), or send a bounded CancelRequest before terminating"))
 async def test_a_reserve_that_timed_out_on_a_row_lock_leaves_no_reservation_behind(
         store_url: str) -> None:
     """Another attempt's INSERT of the key is not committed yet, so this attempt's reserve
