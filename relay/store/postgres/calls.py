@@ -15,6 +15,7 @@ only transaction-scoped), and asyncpg still rolls back a transaction left open.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -74,14 +75,23 @@ async def bounded_call(pool: asyncpg.Pool, op_name: str,
         raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
     finally:
         if conn is not None:
-            if not done and not conn.is_closed():
+            if not done:
                 # timed out, cancelled or failed mid-call: the server may be hanging; a
                 # PostgresError left the connection usable, but a fresh one costs little
-                conn.terminate()
+                _terminate(conn)
             try:
                 await pool.release(conn, timeout=limit_s)
             except ERRORS:
-                conn.terminate()
+                _terminate(conn)
             except asyncio.CancelledError:
-                conn.terminate()
+                _terminate(conn)
                 raise
+
+
+def _terminate(conn: Any) -> None:
+    """Close ``conn`` at once, without a word to the server; nothing when it is closed
+    already or was handed back to the pool meanwhile (a release that completed as it was
+    cancelled: asyncpg then refuses with InterfaceError)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        if not conn.is_closed():
+            conn.terminate()
