@@ -15,6 +15,12 @@ was written against and is ``xfail(strict=True)`` until fixed.
   ``target_session_attrs=read-write``, ``default_transaction_read_only`` set for maintenance)
   answers it, so ``/readyz`` says 200 while every reserve fails and every message gets 451.
 
+- A reserve with ``resend_unknown`` (unknown_policy = send) that waits for the row of an
+  attempt whose UNKNOWN settle is committing takes the record over (its ``ON CONFLICT ... WHERE``
+  sees the committed UNKNOWN) but reports what its statement's snapshot saw (``seen``: the
+  attempt's PENDING), so the Reservation says reserved with nothing found: the core relays a
+  possible duplicate without its warning and without ``relay_unknown_resent_total``.
+
 Two blocking transactions (row locks released in key order) fix the interleaving that the
 scheduler may otherwise produce; each test runs in a private schema of the shared server.
 """
@@ -29,6 +35,7 @@ import asyncpg
 import pytest
 
 from relay.core.errors import StoreError
+from relay.core.interfaces import Settle, SettleOp, State
 from relay.store.postgres.store import PostgresStore
 from tests.support.postgres import private_schema
 
@@ -109,4 +116,43 @@ async def test_the_store_probe_fails_when_the_database_takes_no_writes(url: str)
         with pytest.raises(StoreError):
             await store.ping()
     finally:
+        await store.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PostgresStore.reserve (relay/store/postgres/store.py _RESERVE / _reservation) reports "
+    "the `seen` CTE's snapshot (taken before the statement waited for the row lock) beside "
+    "`taken`, which ON CONFLICT evaluated on the committed row: a reserve with resend_unknown "
+    "that took over a record another attempt settled UNKNOWN while it waited says "
+    "reserved=True, found=None, so DedupCore relays a possible duplicate without the "
+    "'relaying again although an earlier attempt is in doubt' warning and without "
+    "relay_unknown_resent_total. Return the row as ON CONFLICT saw it (e.g. RETURNING the old "
+    "state from a locked read, or read it again under the lock when `seen` is not what "
+    "was taken)"))
+async def test_a_reserve_that_takes_over_an_unknown_record_says_it_found_one(url: str) -> None:
+    """Attempt X holds k:u (PENDING); its UNKNOWN settle is held behind a row lock; attempt
+    Y's reserve (resend_unknown) starts meanwhile and waits behind it. When the lock goes,
+    X's UNKNOWN lands and Y takes the record over: Y's reservation must say it found UNKNOWN."""
+    store = await PostgresStore.open(url, op_timeout_s=10.0, cleanup_interval_s=None)
+    blocker = await asyncpg.connect(url, timeout=10)
+    try:
+        [first] = await store.reserve(["k:u"], token="X", lease_s=60.0)
+        assert first.reserved
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute(
+            "SELECT 1 FROM dedup_relay_fingerprints WHERE key = 'k:u' FOR UPDATE")
+        settle = asyncio.ensure_future(store.settle(
+            [SettleOp(key="k:u", action=Settle.UNKNOWN)], token="X", window_s=600.0))
+        await asyncio.sleep(0.3)  # X's settle waits for the row
+        reserve = asyncio.ensure_future(
+            store.reserve(["k:u"], token="Y", lease_s=60.0, resend_unknown=True))
+        await asyncio.sleep(0.3)  # Y's reserve took its snapshot (PENDING X) and waits
+        await tx.rollback()
+        settled, [taken] = await asyncio.gather(settle, reserve)
+        assert settled == [True]
+        assert taken.reserved  # Y holds the key now, over X's UNKNOWN
+        assert taken.found is not None and taken.found.state is State.UNKNOWN, taken
+    finally:
+        await blocker.close()
         await store.close()
