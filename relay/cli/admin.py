@@ -63,14 +63,14 @@ from relay.store.sqlite import sqlite_path_from_url
 _T = TypeVar("_T")
 
 
-def _store_options(func: Callable[..., Any]) -> Callable[..., Any]:
+def store_options(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--store", default=None,
                         help=f"store URL, as for serve [default: {DEFAULT_STORE_URL}; env: "
                              "RELAY_STORE]")(func)
     return config_option(func)
 
 
-def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
+def selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--rcpt", help="envelope recipient (RCPT TO address)"),
         click.option("--template", "templates", multiple=True,
@@ -85,18 +85,18 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _ledger_option(func: Callable[..., Any]) -> Callable[..., Any]:
+def ledger_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--ledger", default=None, metavar="URL",
                         help="the audit ledger's URL, as for serve (postgresql://USER@HOST:"
                              "PORT/DB) [env: RELAY_LEDGER]")(func)
 
 
-def _settings(config_file: Path | None, store: str | None, ledger: str | None = None
+def admin_settings(config_file: Path | None, store: str | None, ledger: str | None = None
               ) -> Settings:
     return load(config_file, {"store": store, "ledger": ledger}, base=AdminSettings)
 
 
-def _selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+def selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
                   keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
     if store_key is not None:
         if rcpt is not None or keys or templates or auth_user:
@@ -132,7 +132,7 @@ def register(main: click.Group) -> None:
     """Add the admin commands to the ``dedup-relay`` group."""
 
     @main.command("fingerprint", epilog=epilog())
-    @_store_options
+    @store_options
     @click.option("--rcpt", required=True, help="envelope recipient (RCPT TO address)")
     @click.option("--template", "templates", multiple=True,
                   help="X-Template value (repeat for several occurrences)")
@@ -143,30 +143,30 @@ def register(main: click.Group) -> None:
                             templates: tuple[str, ...], keys: tuple[str, ...],
                             auth_user: str | None) -> None:
         """Print the fingerprint and store key the relay uses for one recipient."""
-        settings = _settings(config_file, store)
+        settings = admin_settings(config_file, store)
         fp, key = _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates,
                                                        keys=keys, auth_user=auth_user))
         click.echo(json.dumps({"fingerprint": fp, "key": key}))
 
     @main.command("inspect", epilog=epilog())
-    @_store_options
-    @_selection_options
+    @store_options
+    @selection_options
     def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
                         templates: tuple[str, ...], keys: tuple[str, ...],
                         auth_user: str | None, store_key: str | None) -> None:
         """Print what the store holds for a fingerprint (exit 1 when nothing)."""
-        settings = _settings(config_file, store)
-        _quiet_logging("text")
-        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+        settings = admin_settings(config_file, store)
+        quiet_logging("text")
+        key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
         record = _run_on_store(settings, lambda store: store.inspect(key))
         click.echo(json.dumps(describe(key, record, settings.lease)))
         if record.state is State.ABSENT:
             sys.exit(int(ExitCode.NOT_FOUND))
 
     @main.command("release", epilog=epilog())
-    @_store_options
-    @_ledger_option
-    @_selection_options
+    @store_options
+    @ledger_option
+    @selection_options
     @_decision_options
     def release_command(config_file: Path | None, store: str | None, ledger: str | None,
                         rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
@@ -188,9 +188,9 @@ def register(main: click.Group) -> None:
             sys.exit(int(ExitCode.NOT_FOUND))
 
     @main.command("mark-sent", epilog=epilog())
-    @_store_options
-    @_ledger_option
-    @_selection_options
+    @store_options
+    @ledger_option
+    @selection_options
     @_decision_options
     def mark_sent_command(config_file: Path | None, store: str | None, ledger: str | None,
                           rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
@@ -224,7 +224,7 @@ PROGRESS_EVERY = 100_000
 
 def _register_stats(main: click.Group) -> None:
     @main.command("stats", epilog=epilog())
-    @_store_options
+    @store_options
     @click.option("--json", "as_json", is_flag=True,
                   help="print one JSON object (for scripts) instead of a table")
     @click.option("--older-than", "older_than_h", type=click.FloatRange(min=0), default=24,
@@ -242,8 +242,8 @@ def _register_stats(main: click.Group) -> None:
         """Count the store's fingerprint records by state (pending, sending, sent, unknown),
         the records in doubt and the oldest of them. Redis: a bounded SCAN of the relay's
         key prefix; SQLite: one query."""
-        settings = _settings(config_file, store)
-        _quiet_logging("text")
+        settings = admin_settings(config_file, store)
+        quiet_logging("text")
         shown = sys.stderr.isatty() if progress is None else progress
         counts = _run_on_store(settings, lambda store: count_states(
             store, settings, older_than_h=older_than_h, max_keys=max_keys,
@@ -313,15 +313,15 @@ def _decision_setup(config_file: Path | None, store: str | None, ledger: str | N
                     auth_user: str | None, store_key: str | None, reason: str,
                     log_format: str) -> tuple[Settings, str]:
     """Settings, logging and the selected key of a release / mark-sent; exits 2 on bad input."""
-    settings = _settings(config_file, store, ledger)
+    settings = admin_settings(config_file, store, ledger)
     if not reason.strip():
         fail(ExitCode.USAGE, "--reason must say why (it goes into the audit line)")
-    _quiet_logging(log_format)
+    quiet_logging(log_format)
     logging.getLogger("relay.audit").setLevel(logging.INFO)
-    return settings, _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+    return settings, selected_key(settings, rcpt, templates, keys, auth_user, store_key)
 
 
-def _quiet_logging(log_format: str) -> None:
+def quiet_logging(log_format: str) -> None:
     """Only errors from the store's start-up checks: a command's output is its answer."""
     setup_logging("ERROR", log_format)
 

@@ -22,12 +22,12 @@ from typing import TypeVar
 import click
 
 from relay.cli.admin import (
-    _ledger_option,
-    _quiet_logging,
-    _selected_key,
-    _selection_options,
-    _settings,
-    _store_options,
+    admin_settings,
+    ledger_option,
+    quiet_logging,
+    selected_key,
+    selection_options,
+    store_options,
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
@@ -98,9 +98,9 @@ def register(main: click.Group) -> None:
     """Add ``history`` and ``in-doubt`` to the ``dedup-relay`` group."""
 
     @main.command("history", epilog=epilog())
-    @_store_options
-    @_ledger_option
-    @_selection_options
+    @store_options
+    @ledger_option
+    @selection_options
     @click.option("--json", "as_json", is_flag=True,
                   help="print a JSON array of the rows (for scripts) instead of lines")
     @click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT,
@@ -112,9 +112,9 @@ def register(main: click.Group) -> None:
         """Print the audit ledger's rows of one fingerprint, oldest first: every decision the
         relay took for it (outcome, upstream reply, queue id, Message-ID) and every release
         or mark-sent."""
-        settings = _settings(config_file, store, ledger)
-        _quiet_logging("text")
-        key = _selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+        settings = admin_settings(config_file, store, ledger)
+        quiet_logging("text")
+        key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
         rows = _run_on_ledger(settings, lambda reader: reader.history(key, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
@@ -127,8 +127,8 @@ def register(main: click.Group) -> None:
             click.echo(_history_line(row))
 
     @main.command("in-doubt", epilog=epilog())
-    @_store_options
-    @_ledger_option
+    @store_options
+    @ledger_option
     @click.option("--older-than", "older_than_s", type=Duration(), default="0s",
                   metavar="DURATION",
                   help="only decisions at least this old: 30m, 1h, 2d (a bare number counts "
@@ -143,8 +143,8 @@ def register(main: click.Group) -> None:
         released or marked sent), oldest first, with the upstream queue id and Message-ID to
         look up in the smarthost's log; then settle each with `dedup-relay mark-sent` (it was
         delivered) or `dedup-relay release` (it was not)."""
-        settings = _settings(config_file, store, ledger)
-        _quiet_logging("text")
+        settings = admin_settings(config_file, store, ledger)
+        quiet_logging("text")
         rows = _run_on_ledger(settings, lambda reader: reader.in_doubt(
             older_than_s=older_than_s, limit=limit))
         _say_if_cut(len(rows), limit)
