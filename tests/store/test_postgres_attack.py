@@ -1,6 +1,7 @@
 """Attacks on the PostgreSQL store and the audit ledger's writer (issue 13) that found defects:
-each test fails on the code it was written against and is marked ``xfail(strict=True)`` until
-the lead fixes it (the reason names the defect).
+each test failed on the code it was written against (commit c84d425) and passes since the fixes
+of 9338a62 (bounded calls, renew/settle lock order) and 042d8a3 (close wakes the writer, a
+required ledger bounds the rows of the messages it refused).
 
 - A PostgreSQL that stops answering in the middle of a statement (a peer that keeps the TCP
   connection open and never replies: a paused VM, a partition dropping packets) holds a store
