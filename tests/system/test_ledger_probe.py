@@ -1,0 +1,134 @@
+"""Defects a black-box probe of the audit ledger (issue 13) found, as an operator meets them
+(each xfail strict until fixed; they failed on the code they were written against, 90cd676).
+
+- ``ledger_required = true`` with no ``ledger`` configured is accepted: ``check-config`` says
+  ok (exit 0) and ``serve`` relays with no audit trail at all, silently. A fail-closed setting
+  that cannot apply should be refused as invalid configuration (exit 78) like every other
+  setting that names something missing.
+- The ledger row of an in-doubt decision (``outcome = unknown``) has ``upstream = ""``: the
+  README tells the operator to look the Message-ID up "in the smarthost's log", and with
+  several upstreams (failover) the row is the only place that could say which one took the
+  final dot. The relay knows it; the row drops it because no reply came.
+- ``dedup-relay in-doubt --older-than 3000000d`` exits 3 ("audit ledger failed: ...
+  DatetimeFieldOverflowError") although the ledger is fine: a duration out of range is bad
+  input (exit 2), as the README's exit codes say ("a duration it cannot read").
+- ``dedup-relay history`` does not check the files its ledger URL names: with a ``passfile=``
+  that does not exist it connects anyway (exit 0 on a trust-auth server; on a server asking
+  for a password, exit 3 "password authentication failed"), where ``check-config`` and
+  ``serve`` refuse the same URL as invalid configuration (exit 78, "passfile=...: no such
+  file"), which the README's exit codes for history/in-doubt also promise ("78 ... invalid
+  settings").
+
+The CLI cases run ``python -m relay`` as a process against the shared PostgreSQL on
+127.0.0.1:5432 (a private schema holding the ledger's table); the in-doubt row is written by
+an in-process relay in front of the test sink, whose reply to the final dot comes too late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from relay.store.postgres import migrations
+from tests.support.cli import run_cli
+from tests.support.clients import message, send
+from tests.support.postgres import private_schema, run_apart
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
+
+
+async def _upgrade_ledger(url: str) -> None:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await migrations.upgrade(conn, "ledger")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def ledger_url() -> Iterator[str]:
+    """A private schema holding the ledger's table (and no store table)."""
+    with private_schema(upgraded=False) as url:
+        run_apart(_upgrade_ledger(url))
+        yield url
+
+
+async def _rows(url: str, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The ledger's rows at ``url`` (oldest first) once there are ``count``; fails after
+    ``timeout_s`` seconds with what there is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        conn = await asyncpg.connect(url, timeout=10)
+        try:
+            got = [dict(r) for r in await conn.fetch(
+                "SELECT * FROM dedup_relay_ledger ORDER BY decided_at, recorded_at")]
+        finally:
+            await conn.close()
+        if len(got) >= count or time.monotonic() > deadline:
+            assert len(got) == count, got
+            return got
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.xfail(strict=True, reason="ledger_required without a ledger is accepted silently "
+                                       "(check-config exit 0, serve relays with no audit rows)")
+def test_ledger_required_without_a_ledger_is_invalid_configuration(tmp_path: Path) -> None:
+    """check-config --ledger-required with no --ledger/RELAY_LEDGER/`ledger`: exit 78 naming
+    the ledger setting, not 'configuration ok'."""
+    done = run_cli("check-config", "--store", f"sqlite:///{tmp_path / 'd.db'}",
+                   "--upstream", "127.0.0.1:25", "--ledger-required", cwd=tmp_path)
+    assert done.returncode == 78, (done.returncode, done.stdout, done.stderr)
+    assert "ledger" in done.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="an in-doubt (unknown) ledger row has upstream '': the "
+                                       "operator cannot tell which smarthost's log to search")
+async def test_in_doubt_row_names_the_upstream_that_took_the_final_dot(
+        make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
+    """The smarthost takes the final dot and answers too late: the relay answers 451 and
+    writes an `unknown` row; that row's `upstream` is the upstream it sent to."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
+                             upstream_timeout=0.6)
+    sink.handler.hang_after_dot_s = 2.0
+    doubt = await send(relay.port, ["cy@example.net"],
+                       message(key="order-3", extra="Message-ID: <d1@app.example>\r\n"))
+    assert doubt.code == 451, doubt
+    sink.handler.hang_after_dot_s = 0.0
+    (row,) = await _rows(ledger_url, 1)
+    assert row["outcome"] == "unknown"
+    assert row["message_id"] == "<d1@app.example>"
+    assert row["upstream"] == f"127.0.0.1:{sink.port}", row
+
+
+@pytest.mark.xfail(strict=True, reason="in-doubt --older-than beyond PostgreSQL's range exits 3 "
+                                       "(ledger failed) instead of 2 (bad input)")
+def test_in_doubt_older_than_out_of_range_is_bad_input(tmp_path: Path, ledger_url: str) -> None:
+    """A duration PostgreSQL cannot subtract from now() is the operator's input, not the
+    ledger failing: exit 2."""
+    done = run_cli("in-doubt", "--ledger", ledger_url, "--older-than", "3000000d", "--json",
+                   cwd=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="history does not check the ledger URL's passfile "
+                                       "(connects anyway, or exit 3 on auth) instead of 78")
+def test_history_with_a_missing_passfile_is_invalid_configuration(tmp_path: Path,
+                                                                  ledger_url: str) -> None:
+    """`passfile=` naming no file: check-config refuses it (78, 'no such file'); history,
+    reading the same settings, says the same rather than trying to connect."""
+    missing = tmp_path / "no-pgpass"
+    sep = "&" if "?" in ledger_url else "?"
+    url = f"{ledger_url}{sep}passfile={missing}"
+    checked = run_cli("check-config", "--store", f"sqlite:///{tmp_path / 'd.db'}",
+                      "--upstream", "127.0.0.1:25", "--ledger", url, cwd=tmp_path)
+    assert checked.returncode == 78 and "no such file" in checked.stderr, checked.stderr
+    done = run_cli("history", "--ledger", url, "--store-key", "email:fp:00", "--json",
+                   cwd=tmp_path)
+    assert done.returncode == 78, (done.returncode, done.stdout, done.stderr)
+    assert "passfile" in done.stderr
