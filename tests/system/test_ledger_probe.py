@@ -18,6 +18,13 @@
   ``serve`` refuse the same URL as invalid configuration (exit 78, "passfile=...: no such
   file"), which the README's exit codes for history/in-doubt also promise ("78 ... invalid
   settings").
+- An in-doubt decision whose store record has expired (the dedup window passed before an
+  operator got to it: default window 24 h, alert after 1 h) can no longer be settled
+  truthfully: ``release`` deletes nothing, so it writes no ledger row (exit 1), and the
+  decision stays in ``dedup-relay in-doubt`` and in ``relay_ledger_in_doubt_unresolved``
+  (the alert keeps firing) until the ledger's retention (400 days) deletes it. The only way
+  out is ``mark-sent``, which records a delivery the smarthost's log denies and suppresses
+  the next real attempt for a window.
 
 The CLI cases run ``python -m relay`` as a process against the shared PostgreSQL on
 127.0.0.1:5432 (a private schema holding the ledger's table); the in-doubt row is written by
@@ -34,12 +41,13 @@ from typing import Any
 
 import asyncpg
 import pytest
+import redis
 
 from relay.store.postgres import migrations
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
 from tests.support.postgres import private_schema, run_apart
-from tests.support.relays import MakeRelay
+from tests.support.relays import REDIS_URL, MakeRelay
 from tests.support.sink import Sink
 
 
@@ -132,3 +140,38 @@ def test_history_with_a_missing_passfile_is_invalid_configuration(tmp_path: Path
                    cwd=tmp_path)
     assert done.returncode == 78, (done.returncode, done.stdout, done.stderr)
     assert "passfile" in done.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="release of an in-doubt decision whose store record "
+                                       "expired writes no row: it stays in in-doubt (and the "
+                                       "alert) for the ledger's retention")
+async def test_release_settles_an_in_doubt_decision_whose_record_expired(
+        make_relay: MakeRelay, sink: Sink, ledger_url: str, tmp_path: Path) -> None:
+    """In doubt, then the record leaves the store (its dedup window passed: the key deleted
+    here, as Redis's expiry does); the operator finds "never received" in the smarthost's
+    log and runs `release --store-key KEY`: the decision is settled, `in-doubt` lists
+    nothing."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
+                             upstream_timeout=0.6)
+    sink.handler.hang_after_dot_s = 2.0
+    doubt = await send(relay.port, ["late@example.net"], message(key="order-5"))
+    assert doubt.code == 451, doubt
+    sink.handler.hang_after_dot_s = 0.0
+    (row,) = await _rows(ledger_url, 1)
+    key = row["store_key"]
+    assert row["outcome"] == "unknown" and key
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        assert client.delete(key) == 1  # the dedup window passed
+    finally:
+        client.close()
+    env = {"RELAY_STORE": REDIS_URL, "RELAY_STORE_PREFIX": relay.settings.store_prefix,
+           "RELAY_LEDGER": ledger_url}
+    before = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
+    assert before.returncode == 0 and key in before.stdout, before
+    released = await asyncio.to_thread(
+        run_cli, "release", "--store-key", key, "--reason", "smarthost log: never received",
+        cwd=tmp_path, env=env)
+    after = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
+    assert after.returncode == 0, after
+    assert after.stdout.strip() == "[]", (released.returncode, released.stderr, after.stdout)
