@@ -65,13 +65,6 @@ async def _waiting_for_advisory_lock(conn: asyncpg.Connection) -> bool:
         "AND objid = $1::bigint % 4294967296", migrations._LOCK_KEY))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "upgrade_schema (relay/store/postgres/store.py) runs migrations.upgrade in "
-    "`async with conn.transaction()` under asyncio.timeout(timeout_s) with a bare asyncpg "
-    "connection: when the timeout cancels a statement the server does not answer, the "
-    "transaction's rollback waits for the server to acknowledge the cancellation, without a "
-    "bound (no command_timeout, and `finally: await conn.close()` waits the same way): "
-    "`dedup-relay db upgrade --timeout` never returns while the server hangs"))
 async def test_db_upgrade_gives_up_within_its_timeout_when_postgres_hangs(
         url: str, proxy: PgProxy) -> None:
     """Another upgrade holds the schema's advisory lock, so this one waits on it; then the
@@ -111,14 +104,6 @@ async def test_db_upgrade_gives_up_within_its_timeout_when_postgres_hangs(
         await holder.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "relay/store/postgres/calls.py bounded_call (commit 9338a62) terminates a timed-out "
-    "connection without cancelling its statement: the backend of a reserve waiting on another "
-    "transaction's row lock goes on waiting, then inserts PENDING(token) and commits, after "
-    "the call raised StoreError and after DedupCore's release_quietly found nothing to "
-    "release; the key answers every retry 'in progress' until the lease ends. Bound the "
-    "statement in the server too (statement_timeout / lock_timeout in the pool's "
-    "server_settings), or send a bounded CancelRequest before terminating"))
 async def test_a_reserve_that_timed_out_on_a_row_lock_leaves_no_reservation_behind(
         store_url: str) -> None:
     """Another attempt's INSERT of the key is not committed yet, so this attempt's reserve

@@ -47,13 +47,6 @@ def url() -> Iterator[str]:
         yield url
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore._CLEANUP (relay/store/postgres/store.py) deletes expired rows in ctid "
-    "order (a TID scan of the subselect's ctids) while _RESERVE takes expired rows over in "
-    "key order: a cleanup round and a reserve of two expired keys stored in the other order "
-    "deadlock, and PostgreSQL fails one of them (when it is the reserve: 451 for a message "
-    "that only needed fresh records). Lock the cleanup's rows in key order (SELECT ... "
-    "ORDER BY key FOR UPDATE SKIP LOCKED), or let it skip rows others hold"))
 async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: str) -> None:
     """Keys k:b and k:a hold SENT records whose window passed (k:b first on disk). A cleanup
     round and a reserve of both keys (the message sent again) run while two transactions
@@ -99,12 +92,6 @@ async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: st
         await store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore.ping (relay/store/postgres/store.py) runs SELECT 1, which a read-only "
-    "database (hot standby, default_transaction_read_only) answers: the health probe says the "
-    "store is up and /readyz 200 while every reserve fails (SQLSTATE 25006) and the relay "
-    "answers every message 451; probe writability (SHOW transaction_read_only / "
-    "pg_is_in_recovery())"))
 async def test_the_store_probe_fails_when_the_database_takes_no_writes(url: str) -> None:
     """The same schema through a session that is read-only (what a hot standby gives): the
     reserve fails, and the probe that /readyz reads must fail too."""
@@ -119,16 +106,6 @@ async def test_the_store_probe_fails_when_the_database_takes_no_writes(url: str)
         await store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PostgresStore.reserve (relay/store/postgres/store.py _RESERVE / _reservation) reports "
-    "the `seen` CTE's snapshot (taken before the statement waited for the row lock) beside "
-    "`taken`, which ON CONFLICT evaluated on the committed row: a reserve with resend_unknown "
-    "that took over a record another attempt settled UNKNOWN while it waited says "
-    "reserved=True, found=None, so DedupCore relays a possible duplicate without the "
-    "'relaying again although an earlier attempt is in doubt' warning and without "
-    "relay_unknown_resent_total. Return the row as ON CONFLICT saw it (e.g. RETURNING the old "
-    "state from a locked read, or read it again under the lock when `seen` is not what "
-    "was taken)"))
 async def test_a_reserve_that_takes_over_an_unknown_record_says_it_found_one(url: str) -> None:
     """Attempt X holds k:u (PENDING); its UNKNOWN settle is held behind a row lock; attempt
     Y's reserve (resend_unknown) starts meanwhile and waits behind it. When the lock goes,

@@ -41,17 +41,42 @@ async def _no_reset(conn: Any) -> None:
     del conn
 
 
-async def open_pool(url: str, *, max_size: int, op_name: str) -> asyncpg.Pool:
-    """A pool of at most ``max_size`` connections to ``url`` (none opened yet). Raises
-    :class:`StoreError` naming ``op_name`` for a URL asyncpg refuses."""
+def statement_timeout_ms(limit_s: float) -> int:
+    """The server-side ``statement_timeout`` of calls bounded by ``limit_s`` seconds: a bit
+    shorter than the relay's bound, so a statement the relay stopped waiting for (its
+    connection terminated: PostgreSQL may not notice a closed socket while the statement
+    waits for a lock) has ended, committed or not, before the relay's cleanup after the
+    failure runs (a reserve's release of what it may have taken), never after it."""
+    return max(100, int(limit_s * 800))
+
+
+async def open_pool(url: str, *, max_size: int, op_name: str,
+                    limit_s: float | None = None) -> asyncpg.Pool:
+    """A pool of at most ``max_size`` connections to ``url`` (none opened yet); with
+    ``limit_s`` (the calls' bound, seconds) its sessions' ``statement_timeout`` is
+    :func:`statement_timeout_ms` of it (a longer call raises it for itself: :func:`longer`).
+    Raises :class:`StoreError` naming ``op_name`` for a URL asyncpg refuses."""
+    settings = ({} if limit_s is None
+                else {"statement_timeout": str(statement_timeout_ms(limit_s))})
     try:
         pool = asyncpg.create_pool(url, min_size=0, max_size=max_size,
                                    max_inactive_connection_lifetime=INACTIVE_S,
-                                   reset=_no_reset)
+                                   reset=_no_reset, server_settings=settings)
         await pool
     except (*ERRORS, ValueError) as exc:
         raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
     return pool
+
+
+def longer(fn: Callable[[asyncpg.Connection], Awaitable[_R]],
+           limit_s: float) -> Callable[[asyncpg.Connection], Awaitable[_R]]:
+    """``fn`` run in a transaction whose ``statement_timeout`` fits ``limit_s`` seconds (an
+    admin command's count, a cleanup round) instead of the pool's."""
+    async def run(conn: asyncpg.Connection) -> _R:
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL statement_timeout = {statement_timeout_ms(limit_s)}")
+            return await fn(conn)
+    return run
 
 
 async def bounded_call(pool: asyncpg.Pool, op_name: str,

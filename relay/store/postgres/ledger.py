@@ -67,7 +67,7 @@ ON CONFLICT (row_id) DO NOTHING
 _CLEANUP = f"""
 DELETE FROM {_L_} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {_L_} WHERE recorded_at < now() - $2::bigint * interval '1 millisecond'
-    LIMIT $1))
+    LIMIT $1 FOR UPDATE SKIP LOCKED))
 """
 
 RESOLVING = ("relayed", "would_suppress", "released", "marked_sent")
@@ -234,7 +234,8 @@ class PostgresLedger:
         old; a database that does not answer is logged, the rows queue until it does (and a
         required ledger refuses messages meanwhile). :class:`StoreError` for a URL asyncpg
         refuses."""
-        pool = await open_pool(url, max_size=POOL_SIZE, op_name="ledger open")
+        pool = await open_pool(url, max_size=POOL_SIZE, op_name="ledger open",
+                               limit_s=op_timeout_s)
         ledger = cls(pool, metrics=metrics, options=options, op_timeout_s=op_timeout_s,
                      **kwargs)
         if check_schema:

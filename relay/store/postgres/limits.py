@@ -55,7 +55,8 @@ _GIVE_BACK = f"SELECT {RATE_GIVE_BACK}($1::text[], $2::text, $3::bigint)"
 # $1 most rows to delete (see relay.store.postgres.store's _CLEANUP)
 _CLEANUP = tuple(f"""
 DELETE FROM {table} WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT $1)) AND expires_at <= now()
+    SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
+    AND expires_at <= now()
 """ for table in (RATE_EVENTS, RATE_GIVEN_BACK))
 
 _ERRORS = (*ERRORS, UnicodeError)

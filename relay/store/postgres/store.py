@@ -28,7 +28,7 @@ import asyncpg
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
 from relay.store.postgres import limits, migrations
-from relay.store.postgres.calls import ERRORS, bounded_call, open_pool
+from relay.store.postgres.calls import ERRORS, bounded_call, longer, open_pool
 from relay.store.postgres.limits import PostgresRateLimiter
 from relay.store.postgres.migrations import FINGERPRINTS as _T_
 
@@ -55,8 +55,10 @@ _OURS = ("f.state IN ('pending', 'sending') AND f.token = $2 AND f.expires_at > 
 
 # $1 keys, $2 token, $3 lease ms, $4 take over a record in doubt. One row per key in order:
 # whether this attempt holds PENDING(token) now (inserted, an expired row or a record in doubt
-# taken over, or its own PENDING: a retried reserve), and the row as it was before (``seen``,
-# the statement's snapshot: what a loser found). Rows are locked in key order (no deadlock
+# taken over, or its own PENDING: a retried reserve), ``took_at``: the time of a record in doubt
+# it took over (kept in ``at`` of the new PENDING row, read back by RETURNING: what the row held
+# once its lock was ours), and the row as it was before (``seen``, the statement's snapshot,
+# read before any wait for a lock: what a loser found). Rows are locked in key order (no deadlock
 # between two multi-key reserves).
 _RESERVE = f"""
 WITH input AS (
@@ -67,17 +69,19 @@ WITH input AS (
     INSERT INTO {_T_} AS f (key, state, token, expires_at)
     SELECT DISTINCT k, 'pending', $2, now() + $3::bigint {_MS} FROM input ORDER BY k
     ON CONFLICT (key) DO UPDATE
-    SET state = 'pending', token = EXCLUDED.token, at = NULL, reply = NULL,
-        expires_at = EXCLUDED.expires_at, lease_ms = NULL
+    SET state = 'pending', token = EXCLUDED.token,
+        at = CASE WHEN f.expires_at > now() AND f.state IN ('unknown', 'sending')
+                  THEN coalesce(f.at, now()) END,
+        reply = NULL, expires_at = EXCLUDED.expires_at, lease_ms = NULL
     WHERE f.expires_at <= now()
        OR (f.state = 'pending' AND f.token = EXCLUDED.token)
        OR ($4::boolean AND (f.state = 'unknown'
            OR (f.state = 'sending' AND f.token <> '' AND f.at IS NOT NULL
                AND now() - f.at >= coalesce(f.lease_ms, $3::bigint) {_MS})))
-    RETURNING f.key
+    RETURNING f.key, extract(epoch FROM f.at)::float8 AS took_at
 )
-SELECT input.k AS key, taken.key IS NOT NULL AS reserved, seen.state, seen.token, seen.at,
-       seen.reply, seen.expires_at, seen.lease_ms, {_NOW} AS now
+SELECT input.k AS key, taken.key IS NOT NULL AS reserved, taken.took_at, seen.state,
+       seen.token, seen.at, seen.reply, seen.expires_at, seen.lease_ms, {_NOW} AS now
 FROM input LEFT JOIN taken ON taken.key = input.k LEFT JOIN seen ON seen.key = input.k
 ORDER BY input.ord
 """
@@ -175,11 +179,17 @@ GROUP BY reads
 """
 
 # $1 most rows to delete. The ctid subselect bounds the work of one statement; a row taken
-# over since the subselect read it has another ctid (and a later expiry) and stays.
+# over since the subselect read it has another ctid (and a later expiry) and stays. SKIP
+# LOCKED: the cleanup never waits for a row lock, so it never deadlocks with a reserve taking
+# the same expired rows over in key order (an attack test: PostgreSQL failed one of them).
 _CLEANUP = f"""
 DELETE FROM {_T_} WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {_T_} WHERE expires_at <= now() LIMIT $1)) AND expires_at <= now()
+    SELECT ctid FROM {_T_} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
+    AND expires_at <= now()
 """
+
+_WRITABLE = ("SELECT NOT pg_is_in_recovery() "
+             "AND current_setting('transaction_read_only') = 'off'")
 
 _ACTIONS = {Settle.SENT: "sent", Settle.UNKNOWN: "unknown", Settle.SENDING: "sending",
             Settle.RELEASE: "release"}
@@ -271,7 +281,7 @@ class PostgresStore:
         the store fails its calls until it does. Raises :class:`StoreError` for a URL asyncpg
         refuses. ``cleanup_interval_s`` (None: no cleanup task) is the pause between
         cleanup rounds."""
-        pool = await open_pool(url, max_size=pool_size, op_name="open")
+        pool = await open_pool(url, max_size=pool_size, op_name="open", limit_s=op_timeout_s)
         store = cls(pool, op_timeout_s=op_timeout_s, cleanup_interval_s=cleanup_interval_s)
         if check_schema:
             try:
@@ -407,8 +417,13 @@ class PostgresStore:
                                    op_timeout_s=self._op_timeout_s)
 
     async def ping(self) -> None:
-        """Check that the database answers a query. Raises :class:`StoreError` (op ``ping``)."""
-        await self._call("ping", lambda conn: conn.fetchval("SELECT 1"))
+        """Check that the database answers and takes writes (a hot standby, or a session
+        with ``default_transaction_read_only``, answers ``SELECT 1`` while every reserve
+        fails). Raises :class:`StoreError` (op ``ping``)."""
+        writable = await self._call("ping", lambda conn: conn.fetchval(_WRITABLE))
+        if writable is not True:
+            raise StoreError("ping", "the database takes no writes (a read-only session or a "
+                                     "standby in recovery)")
 
     async def delete_expired(self, batch: int | None = None,
                              max_batches: int | None = None) -> int:
@@ -483,6 +498,8 @@ class PostgresStore:
         if self._closed:
             raise StoreError(op_name, "the PostgreSQL store is closed")
         limit_s = self._op_timeout_s if timeout_s is None else timeout_s
+        if limit_s > self._op_timeout_s:  # past the sessions' statement_timeout
+            fn = longer(fn, limit_s)
         return await bounded_call(self._pool, op_name, fn, limit_s)
 
 
@@ -490,14 +507,19 @@ def _reservation(row: Any, token: str, lease_ms: int) -> Reservation | None:
     """One key's :class:`Reservation` from a reserve row; None when a concurrent transaction
     changed the key between the statement's snapshot and its insert (ask again)."""
     key = row["key"]
+    if row["reserved"]:
+        # what the row held when this statement took it (not the snapshot, read before the
+        # statement may have waited for the row's lock): a record in doubt taken over keeps
+        # its time in ``at`` (``took_at``); anything else taken was absent or expired, or was
+        # this attempt's own PENDING (a retried reserve)
+        took_at = row["took_at"]
+        if took_at is None:
+            return Reservation(key=key, reserved=True)
+        return Reservation(key=key, reserved=True, found=Record(
+            State.UNKNOWN, at=took_at, age_s=row["now"] - took_at))
+    del token
     live = row["state"] is not None and row["expires_at"] > row["now"]
     found = _record(row, lease_ms) if live else None
-    if row["reserved"]:
-        if found is not None and found.state is State.PENDING and found.token == token:
-            found = None  # its own PENDING: a retried reserve
-        return Reservation(key=key, reserved=True,
-                           found=found if found is not None and found.state is State.UNKNOWN
-                           else None)
     if found is None:
         return None
     return Reservation(key=key, reserved=False, found=found)
@@ -507,17 +529,34 @@ async def upgrade_schema(url: str, component: str = "store", *,
                          timeout_s: float = 30.0) -> tuple[int, int]:
     """Bring ``component``'s schema at ``url`` to this code's version (``dedup-relay db
     upgrade``); return (version before, after). Raises :class:`StoreError` when the database
-    fails or does not answer within ``timeout_s`` seconds, :class:`migrations.SchemaError`
-    when it holds a newer schema than this code."""
+    fails or does not answer within ``timeout_s`` seconds (a server that hangs mid-statement
+    included: the connection is then closed without a word, so neither the rollback nor the
+    close waits for it), :class:`migrations.SchemaError` when it holds a newer schema than
+    this code."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    conn: asyncpg.Connection | None = None
     try:
-        async with asyncio.timeout(timeout_s):
-            conn = await asyncpg.connect(url)
-            try:
-                return await migrations.upgrade(conn, component)
-            finally:
-                await conn.close()
+        conn = await asyncpg.connect(url, timeout=timeout_s)
+        work = asyncio.ensure_future(migrations.upgrade(conn, component))
+        done, _ = await asyncio.wait({work}, timeout=max(0.0, deadline - loop.time()))
+        if not done:  # the server hangs: end the connection, then the task fails at once
+            conn.terminate()
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise TimeoutError
+        return work.result()
     except TimeoutError as exc:
         raise StoreError("upgrade", f"PostgreSQL did not answer within {timeout_s:g} s") \
             from exc
     except (*_ERRORS, ValueError) as exc:
         raise StoreError("upgrade", f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if conn is not None and not conn.is_closed():
+            try:
+                await asyncio.wait_for(conn.close(), timeout=1.0)
+            except _ERRORS:
+                conn.terminate()
+            except asyncio.CancelledError:
+                conn.terminate()
+                raise
