@@ -59,13 +59,6 @@ async def _row_count(url: str) -> int:
         await conn.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the ledger's in-doubt follow-up (relay/store/postgres/ledger.py UNRESOLVED_WHERE, "
-    "used by `dedup-relay in-doubt` and relay_ledger_in_doubt_unresolved) counts only rows "
-    "with outcome `unknown`; a relay that died after the final dot writes none, and the "
-    "retry's `suppressed_unknown` (or `held`) row -- the evidence that a record is in doubt "
-    "and a client was told 250 -- is not counted: in-doubt lists nothing, the alert never "
-    "fires"))
 async def test_in_doubt_lists_a_record_left_in_doubt_by_a_relay_that_died_after_the_dot(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """The dead relay's SENDING record (lease 1 s, no heartbeat since) is in doubt; the

@@ -70,25 +70,31 @@ DELETE FROM {_L_} WHERE ctid = ANY(ARRAY(
     LIMIT $1 FOR UPDATE SKIP LOCKED))
 """
 
+IN_DOUBT = ("unknown", "suppressed_unknown", "held")
+"""Outcomes that say a fingerprint's record is in doubt: the final dot went out and no reply
+came (``unknown``), or a retry found a record in doubt (``suppressed_unknown``, ``held``): a
+relay that died after its final dot writes no ``unknown`` row, and its client's retry is the
+ledger's only evidence."""
+
 RESOLVING = ("relayed", "would_suppress", "released", "marked_sent")
 """Outcomes of a later row for the same store key that resolve an in-doubt (``unknown``)
 decision: the record was sent again, released or marked sent by an operator."""
 
-# in-doubt decisions (outcome unknown, with a fingerprint) no later row of the same store key
-# resolved, decided at least $1 ms ago. "Later" by either clock: the deciding relay's
-# (decided_at) or the database's (recorded_at): an operator's mark-sent from a host whose clock
-# is behind the relay's still resolves the decision it answers (it was written after it), and
-# a resend decided later whose row landed first (the other relay's queue waited out an outage)
-# too.
+# rows saying a fingerprint is in doubt (IN_DOUBT, with a store key) that no later row of the
+# same store key resolved, decided at least $1 ms ago. "Later" by either clock: the deciding
+# relay's (decided_at) or the database's (recorded_at): an operator's mark-sent from a host
+# whose clock is behind the relay's still resolves the decision it answers (it was written
+# after it), and a resend decided later whose row landed first (the other relay's queue waited
+# out an outage) too. Counted per store key (a record in doubt has one row per retry).
 UNRESOLVED_WHERE = f"""
-u.outcome = 'unknown' AND u.store_key IS NOT NULL
+u.outcome IN ({", ".join(f"'{o}'" for o in IN_DOUBT)}) AND u.store_key IS NOT NULL
 AND u.decided_at <= now() - $1::bigint * interval '1 millisecond'
 AND NOT EXISTS (
     SELECT 1 FROM {_L_} r WHERE r.store_key = u.store_key
     AND (r.decided_at > u.decided_at OR r.recorded_at > u.recorded_at)
     AND r.outcome IN ({", ".join(f"'{o}'" for o in RESOLVING)}))
 """
-_COUNT_UNRESOLVED = f"SELECT count(*) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
+_COUNT_UNRESOLVED = f"SELECT count(DISTINCT u.store_key) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
 
 
 

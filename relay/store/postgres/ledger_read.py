@@ -40,11 +40,17 @@ SELECT {_FIELDS} FROM {_L_} WHERE store_key = $1
 ORDER BY decided_at, recorded_at, row_id LIMIT $2
 """
 
-# $1 min age in ms (UNRESOLVED_WHERE), $2 most rows: the oldest first
+# $1 min age in ms (UNRESOLVED_WHERE), $2 most rows: one row per store key in doubt (its
+# ``unknown`` row when there is one: the transaction's own Message-ID and reply; else its
+# earliest retry's), the oldest first
 _IN_DOUBT = f"""
-SELECT {_FIELDS}, extract(epoch FROM now() - u.decided_at)::float8 AS age_s
-FROM {_L_} u WHERE {UNRESOLVED_WHERE}
-ORDER BY u.decided_at, u.recorded_at, u.row_id LIMIT $2
+SELECT * FROM (
+    SELECT DISTINCT ON (u.store_key) {_FIELDS},
+           extract(epoch FROM now() - u.decided_at)::float8 AS age_s
+    FROM {_L_} u WHERE {UNRESOLVED_WHERE}
+    ORDER BY u.store_key, u.outcome <> 'unknown', u.decided_at, u.recorded_at
+) AS each_key
+ORDER BY decided_at, recorded_at LIMIT $2
 """
 
 
@@ -133,9 +139,11 @@ class LedgerReader:
         return [_history_row(r) for r in records]
 
     async def in_doubt(self, *, older_than_s: float, limit: int) -> list[InDoubtRow]:
-        """The in-doubt (``unknown``) decisions with a fingerprint that no later row of their
-        store key resolved (:data:`.ledger.RESOLVING`), decided at least ``older_than_s``
-        seconds ago; oldest first, at most ``limit``."""
+        """The fingerprints in doubt (a row of :data:`.ledger.IN_DOUBT`: ``unknown``, or a
+        retry's ``suppressed_unknown`` / ``held``) that no later row of their store key
+        resolved (:data:`.ledger.RESOLVING`), decided at least ``older_than_s`` seconds ago;
+        one row per store key (its ``unknown`` row when there is one), oldest first, at most
+        ``limit``."""
         records = await self._call("ledger in-doubt", _IN_DOUBT,
                                    max(0, int(older_than_s * 1000)), limit)
         return [_in_doubt_row(r) for r in records]
