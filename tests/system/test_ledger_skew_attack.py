@@ -70,13 +70,6 @@ async def _outcomes(ledger_url: str, count: int) -> tuple[str, list[str]]:
     return keys[0], [row.outcome for row in rows]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dedup-relay history (relay/store/postgres/ledger_read.py _HISTORY) orders a key's rows "
-    "by decided_at, each relay's own wall clock (relay/core/dedup.py DedupCore._clock): with "
-    "one relay 10 min ahead, a duplicate suppressed by another relay after the send is listed "
-    "before the send. The ledger could date rows in the database's clock (e.g. correct "
-    "decided_at by the offset the writer measures against now() at each batch) or order by "
-    "recorded_at where the rows' clocks disagree"))
 async def test_history_lists_a_send_before_its_duplicate_when_the_sender_runs_ahead(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """Relay A (clock +600 s) relays; relay B (same store, same ledger) then suppresses the
@@ -85,8 +78,10 @@ async def test_history_lists_a_send_before_its_duplicate_when_the_sender_runs_ah
     a = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url)
     b = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
                          store_prefix=a.settings.store_prefix)
-    assert a.core is not None
-    a.core._clock = lambda: time.time() + 600.0  # A's wall clock runs 10 minutes ahead
+    assert a.core is not None and a.ledger is not None
+    ahead = lambda: time.time() + 600.0  # noqa: E731  # A's host clock runs 10 minutes ahead
+    a.core._clock = ahead  # the clock of A's decisions ...
+    a.ledger._clock = ahead  # ... and of its ledger writer: one host clock
     data = message(key="skew-1")
     assert (await send(a.port, [RCPT], data)).code == 250
     await _outcomes(ledger_url, 1)  # A's row landed before B decides

@@ -21,8 +21,9 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,13 +54,23 @@ COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient"
            "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
            "client_reply", "instance")
 
+# $16: the writer's clock (unix seconds) when it sent the statement. A deciding clock a second
+# or more off the database's is corrected: ``decided_at`` is then its time plus that offset,
+# measured by this very statement (now() less $16), so rows of relays whose clocks disagree
+# still sort in the order their decisions were taken (an attack test: a relay 10 min ahead
+# listed a duplicate before its send). Under a second the relay's time is kept as it is: the
+# measurement's own error (the latency, the statement's preparation on a new connection) is
+# milliseconds, and would shift every row of clocks that agree. The core and the writer of one
+# process read one clock.
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
-SELECT r, to_timestamp(d), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
+SELECT r, to_timestamp(d) + off.shift, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
 FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
             $13::text[], $14::text[], $15::text[])
-     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i)
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i),
+     (SELECT CASE WHEN abs(extract(epoch FROM now()) - $16::float8) >= 1
+                  THEN now() - to_timestamp($16::float8) ELSE interval '0' END AS shift) AS off
 ON CONFLICT (row_id) DO NOTHING
 """
 
@@ -181,11 +192,14 @@ def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
             _clean(options.instance))
 
 
-async def insert_rows(conn: asyncpg.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
-    """Write ``rows`` (tuples of :data:`COLUMNS`) in one statement; asyncpg errors pass
-    through."""
+async def insert_rows(conn: asyncpg.Connection, rows: Sequence[tuple[Any, ...]], *,
+                      clock: Callable[[], float] = time.time) -> None:
+    """Write ``rows`` (tuples of :data:`COLUMNS`, ``decided_at`` on ``clock``: unix seconds)
+    in one statement, ``decided_at`` moved onto the database's clock (see :data:`_INSERT`);
+    asyncpg errors pass through."""
     if rows:
-        await conn.execute(_INSERT, *(list(column) for column in zip(*rows, strict=True)))
+        await conn.execute(_INSERT, *(list(column) for column in zip(*rows, strict=True)),
+                           clock())
 
 
 @dataclass(frozen=True)
@@ -206,7 +220,9 @@ class PostgresLedger:
     def __init__(self, pool: asyncpg.Pool, *, metrics: LedgerMetrics, options: LedgerOptions,
                  op_timeout_s: float = 5.0, batch_rows: int = BATCH_ROWS,
                  cleanup_interval_s: float | None = CLEANUP_INTERVAL_S,
-                 gauge_interval_s: float | None = GAUGE_INTERVAL_S) -> None:
+                 gauge_interval_s: float | None = GAUGE_INTERVAL_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # the clock of the entries' decided_at (the core's)
         self._pool = pool
         self._metrics = metrics
         self._options = options
@@ -325,7 +341,8 @@ class PostgresLedger:
         """Write ``entries`` at once, bypassing the queue (an admin command's audit row).
         Raises :class:`StoreError`."""
         rows = [row_of(entry, self._options) for entry in entries]
-        await self._call("ledger write", lambda conn: insert_rows(conn, rows))
+        await self._call("ledger write",
+                         lambda conn: insert_rows(conn, rows, clock=self._clock))
 
     async def cleanup(self) -> int:
         """Delete rows older than the retention, in at most ``CLEANUP_MAX_BATCHES``
@@ -416,7 +433,8 @@ class PostgresLedger:
             batch = [self._queue[i] for i in range(min(self._batch_rows, len(self._queue)))]
             try:
                 await self._call("ledger write",
-                                 lambda conn, rows=batch: insert_rows(conn, rows))
+                                 lambda conn, rows=batch: insert_rows(conn, rows,
+                                                                      clock=self._clock))
                 written = len(batch)
             except StoreError as exc:
                 if not _refused_data(exc):
@@ -464,7 +482,8 @@ class PostgresLedger:
         written = 0
         for row in batch:
             try:
-                await self._call("ledger write", lambda conn, one=row: insert_rows(conn, [one]))
+                await self._call("ledger write", lambda conn, one=row: insert_rows(
+                    conn, [one], clock=self._clock))
             except StoreError as exc:
                 if not _refused_data(exc):
                     raise
