@@ -154,7 +154,7 @@ async def _not_in_flight(store: FingerprintStore, key: str, lease_s: float,
 def _audit(message: str, event: str, key: str, before: Record, lease_s: float, reason: str,
            operator: str | None, **fields: object) -> None:
     audit.warning(message, extra={
-        "event": event, "operator": operator or _os_user(), "reason": reason,
+        "event": event, "operator": operator or os_user(), "reason": reason,
         **fields, "previous": describe(key, before, lease_s),
     })
 
@@ -226,7 +226,7 @@ def _number(value: float) -> float | int:
     return int(value) if value == int(value) else value
 
 
-def _os_user() -> str:
+def os_user() -> str:
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # no name for the uid (containers)

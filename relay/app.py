@@ -109,7 +109,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
         auth_file = s.auth_file
         check(("auth_file",), lambda: CredentialFile.load(auth_file))
     check(("store",), lambda: _store_files(s.store) if store else None)
-    check(("ledger",), lambda: _postgres_files(s.ledger or ""))
+    check(("ledger",), lambda: postgres_files(s.ledger or ""))
     if s.settle_journal:
         journal = Path(s.settle_journal)
         check(("settle_journal",), lambda: _writable_file(journal, "the settle journal"))
@@ -171,7 +171,7 @@ def _store_files(store: str) -> None:
     """Raise ConfigError unless the files a store URL names are usable: a Redis URL's TLS
     files readable and its ``ssl_ca_certs`` PEM certificates; a SQLite file's directory."""
     if is_postgres_url(store):
-        _postgres_files(store)
+        postgres_files(store)
         return
     if not store.startswith("redis"):
         _sqlite_file(Path(sqlite_path_from_url(store)))
@@ -183,7 +183,7 @@ def _store_files(store: str) -> None:
             _ca_file(value)
 
 
-def _postgres_files(store: str) -> None:
+def postgres_files(store: str) -> None:
     """Raise ConfigError unless the files a postgresql:// URL names (``sslrootcert``,
     ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``) are readable (no connection opened)."""
     for name, value in parse_qsl(urlsplit(store).query):

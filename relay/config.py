@@ -659,6 +659,10 @@ class Settings(BaseSettings):
                     f"template_policy.{index} (match {entry.match!r}): dedup_window "
                     f"({entry.dedup_window:g} s) must not be shorter than the lease "
                     f"({self.lease:g} s)", "template_policy", "lease")
+        if self.ledger_required and self.ledger is None:
+            raise SettingsRuleError(
+                "ledger_required is set but no ledger is: name the audit ledger's database "
+                "(postgresql://...) or leave ledger_required off", "ledger_required", "ledger")
         if self.fingerprint_secret_file is not None and self.fingerprint_secret is not None:
             raise SettingsRuleError("give fingerprint_secret_file or fingerprint_secret, not both",
                                     "fingerprint_secret_file", "fingerprint_secret")

@@ -38,6 +38,7 @@ from relay.admin import (
     describe,
     key_for,
     mark_sent,
+    os_user,
     release,
     stats_report,
     stats_table,
@@ -176,11 +177,17 @@ def register(main: click.Group) -> None:
         configured, also a `released` row there, or nothing done when it does not answer)."""
         settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
                                         auth_user, store_key, reason, log_format)
-        row = _OperatorRow(settings, LedgerAction.RELEASE, key, rcpt, templates, keys)
+        row = _OperatorRow(settings, LedgerAction.RELEASE, key, rcpt, templates, keys,
+                           reply=f"released by {os_user()}: {reason}")
+        # written whether or not a record was there: the operator's decision settles an
+        # in-doubt ledger entry also when its record already left the store (its window
+        # passed), which in-doubt and its alert would otherwise list for the retention
         (before, deleted), unrecorded = _run_audited(
             settings, lambda store: release(store, key, reason=reason, lease_s=settings.lease,
                                             force=force),
-            lambda done: row.entry() if done[1] else None)
+            lambda done: row.entry() if done[1] else row.entry(
+                reply=f"nothing to release (no record: its window passed, or released "
+                      f"before); settled by {os_user()}: {reason}"))
         click.echo(json.dumps({"released": deleted,
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "released")
@@ -204,7 +211,7 @@ def register(main: click.Group) -> None:
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
         # the reply the record now holds (relay.admin.mark_sent writes it)
         row = _OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt, templates, keys,
-                           reply=f"marked sent by an operator: {reason}")
+                           reply=f"marked sent by an operator: {reason} ({os_user()})")
         before, unrecorded = _run_audited(
             settings, lambda store: mark_sent(
                 store, key, reason=reason, lease_s=settings.lease, window_s=window_s,
@@ -321,6 +328,17 @@ def _decision_setup(config_file: Path | None, store: str | None, ledger: str | N
     return settings, selected_key(settings, rcpt, templates, keys, auth_user, store_key)
 
 
+def check_ledger_files(url: str) -> None:
+    """Exit 78 unless the files the ledger URL names (``sslrootcert``, ``passfile``...) are
+    readable, as ``check-config`` and ``serve`` require (before any connection)."""
+    from relay.app import postgres_files  # the relay's own check, imported when needed
+
+    try:
+        postgres_files(url)
+    except ConfigError as exc:
+        fail(ExitCode.CONFIG, f"{setting_names('ledger')}: {exc}")
+
+
 def quiet_logging(log_format: str) -> None:
     """Only errors from the store's start-up checks: a command's output is its answer."""
     setup_logging("ERROR", log_format)
@@ -342,9 +360,12 @@ class _OperatorRow:
             "store_key": key, "template": headers.template, "dedupe_key": headers.key,
             "reply": reply}
 
-    def entry(self) -> LedgerEntry:
-        """The row, decided now."""
-        return LedgerEntry(decided_at=time.time(), **self._fields)
+    def entry(self, reply: str | None = None) -> LedgerEntry:
+        """The row, decided now (with ``reply`` instead of the one given, when given)."""
+        fields = dict(self._fields)
+        if reply is not None:
+            fields["reply"] = reply
+        return LedgerEntry(decided_at=time.time(), **fields)
 
 
 def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:
@@ -364,6 +385,7 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
         return _run_on_store(settings, action), None
     url = settings.ledger
     click.echo(f"dedup-relay: ledger: {redact_url(url)}", err=True)
+    check_ledger_files(url)
 
     async def audited() -> tuple[_T, StoreError | None]:
         from relay.app import build_store, ledger_options  # the relay's own, when needed

@@ -23,6 +23,7 @@ import click
 
 from relay.cli.admin import (
     admin_settings,
+    check_ledger_files,
     ledger_option,
     quiet_logging,
     selected_key,
@@ -42,6 +43,8 @@ DEFAULT_LIMIT = 1000
 """Most rows a command prints unless ``--limit`` says otherwise."""
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_DURATION_S = 100 * 366 * 86400.0
+"""The longest ``--older-than`` (100 years): beyond PostgreSQL's intervals, and any row."""
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", re.IGNORECASE)
 
 
@@ -55,12 +58,17 @@ class Duration(click.ParamType[float, object]):
                 ctx: click.Context | None) -> float:
         """``value`` in seconds; a usage error (exit 2) for anything else."""
         if isinstance(value, int | float):
-            return float(value) * 3600.0
-        found = _DURATION.fullmatch(str(value))
-        if found is None:
-            self.fail(f"{value!r} is no duration: a number with s, m, h or d (a bare number "
-                      "counts hours), e.g. 30m or 1h", param, ctx)
-        return float(found.group(1)) * _UNITS.get(found.group(2).lower() or "h", 3600.0)
+            seconds = float(value) * 3600.0
+        else:
+            found = _DURATION.fullmatch(str(value))
+            if found is None:
+                self.fail(f"{value!r} is no duration: a number with s, m, h or d (a bare "
+                          "number counts hours), e.g. 30m or 1h", param, ctx)
+            seconds = float(found.group(1)) * _UNITS.get(found.group(2).lower() or "h", 3600.0)
+        if seconds > MAX_DURATION_S:
+            self.fail(f"{value!r} is longer than {MAX_DURATION_S // 86400:.0f} days (the "
+                      "ledger keeps nothing that old)", param, ctx)
+        return seconds
 
 
 def iso(at: datetime) -> str:
@@ -170,7 +178,9 @@ def _ledger_url(settings: Settings) -> str:
         fail(ExitCode.CONFIG, "no audit ledger configured: pass its URL with "
                               f"{setting_names('ledger')} (postgresql://USER@HOST:PORT/DB)")
     click.echo(f"dedup-relay: ledger: {redact_url(settings.ledger)}", err=True)
+    check_ledger_files(settings.ledger)
     return settings.ledger
+
 
 
 def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitable[_T]]) -> _T:

@@ -111,8 +111,11 @@ def _split(path: str) -> tuple[str, str | None]:
 
 
 def mask_address(address: str) -> str:
-    """Mask the local part of ``address``: ``john.doe@example.com`` -> ``j***@example.com``."""
+    """Mask the local part of ``address``: ``john.doe@example.com`` -> ``j***@example.com``;
+    a local part of one character, or a quoted one, is masked whole (``***@example.com``):
+    its first character would be all of it, or a quote."""
     local, at, domain = address.rpartition("@")
     if not at:
         return address[:1] + "***"
-    return f"{local[:1]}***@{domain}"
+    shown = local[:1] if len(local) > 1 and not local.startswith('"') else ""
+    return f"{shown}***@{domain}"

@@ -93,6 +93,7 @@ class Decision:
     dedupe_key: str | None = None
     rcpt_replies: Mapping[str, SmtpReply] = field(default_factory=dict)
     upstream: str = ""
+    relayed_to: frozenset[str] = frozenset()  # the recipients of the upstream transaction
 
 
 class DedupCore:
@@ -188,7 +189,8 @@ class DedupCore:
                 keys=decision.keys, template=decision.template,
                 dedupe_key=decision.dedupe_key, rcpt_replies=decision.rcpt_replies,
                 final_reply=decision.upstream_reply, client_reply=decision.reply,
-                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id),
+                upstream=decision.upstream, relayed_to=decision.relayed_to,
+                content=msg.content, queue_id=msg.queue_id),
                 admitted=admitted)
         return decision
 
@@ -483,7 +485,8 @@ class DedupCore:
         rcpt_replies = {rcpt: got.reply for rcpt, got in result.recipients.items()
                         if got.from_upstream}
         return dataclasses.replace(decision, rcpt_replies=rcpt_replies,
-                                   upstream=result.upstream)
+                                   upstream=result.upstream,
+                                   relayed_to=frozenset(result.recipients))
 
     def _finish(self, reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome],
                 upstream_reply: SmtpReply | None = None) -> Decision:

@@ -138,8 +138,10 @@ class HealthMonitor:
         writer failed, without waiting for the next probe."""
         status = dict(self._status)
         ledger = self._ledger
-        if ledger is not None and ledger.report().get("state") != "up":
-            status["ledger"] = ComponentStatus(False, "its last write failed", time.time())
+        report = ledger.report() if ledger is not None else {}
+        if ledger is not None and report.get("state") != "up":
+            status["ledger"] = ComponentStatus(
+                False, str(report.get("error") or "its last write or probe failed"), time.time())
         return status
 
     @property

@@ -17,7 +17,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from relay.admin import FingerprintInput, key_for
+from relay.admin import FingerprintInput, key_for, os_user
 from relay.config import AdminSettings, load_settings
 from relay.core.interfaces import LedgerAction, LedgerEntry, Record, State
 from relay.store.postgres import migrations
@@ -193,7 +193,9 @@ def test_mark_sent_and_release_write_their_rows(ledger_url: str, sqlite_store: s
                                                 tmp_path: Path) -> None:
     """mark-sent and then release of a key given with --rcpt/--template/--key: each acts on
     the store and writes its row (action, outcome, store key, masked recipient, template,
-    hashed key, HOSTNAME/cli); a release that deletes nothing writes no row."""
+    hashed key, HOSTNAME/cli, the reason and the OS user in ``reply``); a release that deletes
+    nothing still writes its row (exit 1): the operator's decision settles an in-doubt entry
+    whose record already left the store."""
     key = store_key()
     env = {"RELAY_LEDGER": ledger_url, "RELAY_STORE": sqlite_store, "RELAY_HOSTNAME": "ops.test"}
     select = ("--rcpt", RCPT, "--template", TEMPLATE, "--key", KEY)
@@ -206,20 +208,24 @@ def test_mark_sent_and_release_write_their_rows(ledger_url: str, sqlite_store: s
     assert released.returncode == 0, released
     assert json.loads(released.stdout)["previous"]["state"] == "sent"
     again = run_cli("release", "--store-key", key, "--reason", "twice", cwd=tmp_path, env=env)
-    assert again.returncode == 1, again  # nothing deleted: no row
+    assert again.returncode == 1, again  # nothing deleted: its row says so
 
     rows = rows_in(ledger_url)
     assert [(r["action"], r["outcome"]) for r in rows] == [
-        ("mark_sent", "marked_sent"), ("release", "released")]
-    mark, rel = rows
+        ("mark_sent", "marked_sent"), ("release", "released"), ("release", "released")]
+    mark, rel, nothing = rows
     assert (mark["store_key"], mark["recipient"], mark["template"], mark["dedupe_key"]) == (
         key, "a***@example.net", TEMPLATE, key_digest(KEY, None))
-    assert mark["reply"] == "marked sent by an operator: smarthost log: delivered"
+    user = os_user()
+    assert mark["reply"] == f"marked sent by an operator: smarthost log: delivered ({user})"
     assert (rel["store_key"], rel["recipient"], rel["template"], rel["dedupe_key"],
-            rel["reply"]) == (key, "", "", None, "")
+            rel["reply"]) == (key, "", "", None, f"released by {user}: customer asked again")
+    said = str(nothing["reply"])
+    assert said.startswith("nothing to release") and "twice" in said
     assert mark["instance"] == rel["instance"] == "ops.test/cli"
     now = datetime.now(tz=UTC)
-    assert all(abs((now - r["decided_at"]).total_seconds()) < 30 for r in rows)  # type: ignore[operator]
+    assert all(abs((now - r["decided_at"]).total_seconds()) < 30  # type: ignore[operator]
+               for r in rows)
 
 
 def test_a_ledger_that_does_not_answer_refuses_before_the_store(

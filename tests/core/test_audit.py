@@ -50,3 +50,13 @@ def test_one_row_per_distinct_recipient_with_its_reply() -> None:
         ("b@x", "refused_perm", "550 5.1.1 unknown user", "")]
     assert {r.message_id for r in rows} == {"<m@x>"}
     assert {r.client_reply for r in rows} == {"250 2.0.0 Ok"}
+
+
+def test_masking_hides_a_one_character_or_quoted_local_part() -> None:
+    """``j***@`` shows one character of a longer local part; one of a single character, or a
+    quoted one, is hidden whole (its first character would be all of it, or a quote)."""
+    from relay.core.address import mask_address
+
+    assert mask_address("john.doe@example.com") == "j***@example.com"
+    assert mask_address("J@example.com") == "***@example.com"
+    assert mask_address('"john doe"@example.com') == "***@example.com"

@@ -29,7 +29,7 @@ from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp
 from relay.store.postgres import migrations
 from relay.store.postgres.store import PostgresStore, upgrade_schema
-from tests.store.test_postgres_attack import PgProxy
+from tests.support.pg_proxy import PgProxy
 from tests.support.postgres import POSTGRES_URL, private_schema
 
 

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.store.test_postgres_attack import PgProxy
 from tests.support.clients import RawClient, message
+from tests.support.pg_proxy import PgProxy
 from tests.support.postgres import POSTGRES_URL, private_schema
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink

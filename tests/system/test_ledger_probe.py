@@ -84,8 +84,6 @@ async def _rows(url: str, count: int, timeout_s: float = 10.0) -> list[dict[str,
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="ledger_required without a ledger is accepted silently "
-                                       "(check-config exit 0, serve relays with no audit rows)")
 def test_ledger_required_without_a_ledger_is_invalid_configuration(tmp_path: Path) -> None:
     """check-config --ledger-required with no --ledger/RELAY_LEDGER/`ledger`: exit 78 naming
     the ledger setting, not 'configuration ok'."""
@@ -95,8 +93,6 @@ def test_ledger_required_without_a_ledger_is_invalid_configuration(tmp_path: Pat
     assert "ledger" in done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="an in-doubt (unknown) ledger row has upstream '': the "
-                                       "operator cannot tell which smarthost's log to search")
 async def test_in_doubt_row_names_the_upstream_that_took_the_final_dot(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """The smarthost takes the final dot and answers too late: the relay answers 451 and
@@ -114,8 +110,6 @@ async def test_in_doubt_row_names_the_upstream_that_took_the_final_dot(
     assert row["upstream"] == f"127.0.0.1:{sink.port}", row
 
 
-@pytest.mark.xfail(strict=True, reason="in-doubt --older-than beyond PostgreSQL's range exits 3 "
-                                       "(ledger failed) instead of 2 (bad input)")
 def test_in_doubt_older_than_out_of_range_is_bad_input(tmp_path: Path, ledger_url: str) -> None:
     """A duration PostgreSQL cannot subtract from now() is the operator's input, not the
     ledger failing: exit 2."""
@@ -124,8 +118,6 @@ def test_in_doubt_older_than_out_of_range_is_bad_input(tmp_path: Path, ledger_ur
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="history does not check the ledger URL's passfile "
-                                       "(connects anyway, or exit 3 on auth) instead of 78")
 def test_history_with_a_missing_passfile_is_invalid_configuration(tmp_path: Path,
                                                                   ledger_url: str) -> None:
     """`passfile=` naming no file: check-config refuses it (78, 'no such file'); history,
@@ -142,9 +134,6 @@ def test_history_with_a_missing_passfile_is_invalid_configuration(tmp_path: Path
     assert "passfile" in done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="release of an in-doubt decision whose store record "
-                                       "expired writes no row: it stays in in-doubt (and the "
-                                       "alert) for the ledger's retention")
 async def test_release_settles_an_in_doubt_decision_whose_record_expired(
         make_relay: MakeRelay, sink: Sink, ledger_url: str, tmp_path: Path) -> None:
     """In doubt, then the record leaves the store (its dedup window passed: the key deleted

@@ -233,6 +233,7 @@ class PostgresLedger:
         self._stopping = asyncio.Event()  # set by close(): the writer's retry pause ends
         self._drained = asyncio.Event()  # set when a write empties the queue
         self._up = True  # until a write fails: a ledger is not known down before it is used
+        self._error = ""  # why it is down (the last failure), for /readyz
         self._dropped = 0
         self._closing = False
         loop = asyncio.get_running_loop()
@@ -320,8 +321,12 @@ class PostgresLedger:
         """The ``ledger`` part of the ``/readyz`` body: ``state`` (``up`` / ``down``),
         ``required``, rows ``queued`` and ``dropped`` by this process."""
         status = self.status()
-        return {"state": "up" if status.up else "down", "required": status.required,
-                "queued": status.queued, "dropped": status.dropped}
+        report: dict[str, object] = {
+            "state": "up" if status.up else "down", "required": status.required,
+            "queued": status.queued, "dropped": status.dropped}
+        if not status.up:
+            report["error"] = self._error[:300]
+        return report
 
     async def ping(self) -> None:
         """Raise :class:`StoreError` unless the ledger is writable: the last batch landed, or
@@ -416,6 +421,7 @@ class PostgresLedger:
                 log.error("audit ledger write failed (%s): rows queue (%d now)", error,
                           len(self._queue))
         self._up = up
+        self._error = "" if up else error
         self._metrics.component_up("ledger", up)
 
     async def _writer(self) -> None:

@@ -1,0 +1,98 @@
+"""A TCP proxy in front of the test PostgreSQL that can make it hang or refuse (the attack
+tests of issue 13: a server that stops answering mid-statement keeps its connections open)."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit, urlunsplit
+
+
+class PgProxy:
+    """A TCP proxy on a free loopback port in front of ``host:port``, in the running loop.
+
+    ``hang()``: bytes are still read from both sides but no longer passed on, and new
+    connections are accepted and never answered (a peer that hangs, not one that refuses);
+    ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
+    traffic flows again (bytes held while hung are passed on). ``close()`` ends everything.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._refusing = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        """Listen on a free loopback port (``self.port``)."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def url(self, url: str) -> str:
+        """``url`` (a postgresql:// URL) pointed at this proxy."""
+        parts = urlsplit(url)
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
+
+    def hang(self) -> None:
+        """Stop passing bytes on (connections stay open)."""
+        self._flowing.clear()
+
+    def refuse(self) -> None:
+        """Close every connection; close new ones at once."""
+        self._refusing = True
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    def resume(self) -> None:
+        """Pass bytes on again and accept new connections normally."""
+        self._refusing = False
+        self._flowing.set()
+
+    async def close(self) -> None:
+        """Stop listening and end every connection and task."""
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if self._refusing:
+                writer.close()
+                return
+            self._writers.append(writer)
+            await self._flowing.wait()
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+            self._writers.append(up_writer)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError):
+            writer.close()
+        except asyncio.CancelledError:  # close(): the task ends quietly (asyncio's server
+            writer.close()  # callback would log a cancelled handler as an error)
+        finally:
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                if self._refusing:
+                    break
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
