@@ -60,7 +60,7 @@ def redact_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     authority, slash, tail = rest.partition("/")
     creds, at, hosts = authority.rpartition("@")
-    if at:
+    if at and ":" in creds:  # a user without a password is shown as it is
         user = creds.split(":", 1)[0]
         authority = f"{user}:***@{hosts}"
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")

@@ -236,6 +236,8 @@ def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
     ("redis+sentinel://u:p@s1:1,s2:2/m?sentinel_password=t",
      "redis+sentinel://u:***@s1:1,s2:2/m?sentinel_password=***"),
     ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
+    ("postgresql://relay@db:5432/audit", "postgresql://relay@db:5432/audit"),
+    ("postgresql://relay:s3cret@db:5432/audit", "postgresql://relay:***@db:5432/audit"),
 ])
 def test_redact_url_hides_passwords(url: str, shown: str) -> None:
     """Store URLs in logs and check-config output carry no password."""
