@@ -13,6 +13,16 @@ before the copy that was sent, the symptom e1a9432 fixed for a clock that stays 
 
 The outage is :class:`tests.support.pg_proxy.PgProxy` refusing A's ledger connections; the
 clock is the core's and the ledger writer's of an in-loop relay (one host clock).
+
+a7581d2 makes ``release`` write its ``released`` row also when it deleted nothing (for a record
+that already left the store). But nothing is also deleted when the record changed between the
+command's inspect and its compare-and-delete, and it may still be in doubt: attempt X's UNKNOWN
+settle was owed (the store did not answer at its dot) and lands while the operator releases
+the SENDING record X left past its lease. The command answers ``"released": false`` (exit 4),
+yet its row ("nothing to release (no record: ...)") resolves X's ``unknown`` row: ``in-doubt``
+and the gauge no longer list a fingerprint whose record is UNKNOWN in the store, and whose
+retries are suppressed for the window. That case runs the ``release`` command as a process on a
+PostgreSQL store (the lock of X's settle, held by the test, orders the race).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -27,6 +38,7 @@ import pytest
 
 from relay.store.postgres import migrations
 from relay.store.postgres.ledger_read import LedgerReader
+from tests.support.cli import run_cli
 from tests.support.clients import message, send
 from tests.support.pg_proxy import PgProxy
 from tests.support.postgres import private_schema, run_apart
@@ -110,3 +122,80 @@ async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
         assert outcomes == ["relayed", "suppressed"], outcomes
     finally:
         await proxy.close()
+
+
+@pytest.fixture
+def both_url() -> Iterator[str]:
+    """A private schema holding the store's and the ledger's tables."""
+    with private_schema() as url:
+        run_apart(_upgrade_ledger(url))
+        yield url
+
+
+async def _in_doubt(url: str) -> list[str | None]:
+    """The store keys ``dedup-relay in-doubt`` lists (any age)."""
+    reader = await LedgerReader.open(url)
+    try:
+        return [row.store_key for row in await reader.in_doubt(older_than_s=0, limit=10)]
+    finally:
+        await reader.close()
+
+
+async def _waiting_for_a_row_lock(conn: asyncpg.Connection, within_s: float) -> bool:
+    """Whether a session waits for a lock with a ``FOR UPDATE`` query (polled up to
+    ``within_s`` seconds)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%FOR UPDATE%' AND pid <> pg_backend_pid()"):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a7581d2: release writes its released row whenever nothing was deleted, also when the "
+    "compare-and-delete failed because the record changed and is still in doubt: the "
+    "unknown decision leaves in-doubt and the gauge; fix: write the row only when the record "
+    "was deleted or absent under the row lock (force_release could say which)"))
+async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
+        both_url: str, tmp_path: Path) -> None:
+    """X's record is SENDING past its lease (in doubt; its ``unknown`` row is in the ledger);
+    X's owed UNKNOWN settle holds the row when the operator's release reads it, and commits
+    while the release waits for the row. The release deletes nothing (exit 4): the record is
+    UNKNOWN in the store, so ``in-doubt`` must still list its key."""
+    key = "race:k1"
+    conn = await asyncpg.connect(both_url, timeout=10)
+    settle = await asyncpg.connect(both_url, timeout=10)
+    try:
+        await conn.execute(
+            "INSERT INTO dedup_relay_fingerprints (key, state, token, at, expires_at, lease_ms) "
+            "VALUES ($1, 'sending', 'X', now() - interval '2 minutes', "
+            "now() + interval '1 hour', 60000)", key)
+        await conn.execute(
+            "INSERT INTO dedup_relay_ledger (row_id, decided_at, action, outcome, store_key, "
+            "recipient, message_id) VALUES (gen_random_uuid(), now() - interval '2 minutes', "
+            "'decide', 'unknown', $1, 'u***@example.net', '<m1@example.com>')", key)
+        assert await _in_doubt(both_url) == [key]
+        tx = settle.transaction()
+        await tx.start()  # X's owed UNKNOWN settle, landing
+        await settle.execute(
+            "UPDATE dedup_relay_fingerprints SET state = 'unknown', token = NULL, at = now(), "
+            "lease_ms = NULL WHERE key = $1", key)
+        env = {"RELAY_STORE": both_url, "RELAY_LEDGER": both_url,
+               "RELAY_STORE_PREFIX": "race:"}
+        released = asyncio.ensure_future(asyncio.to_thread(
+            run_cli, "release", "--store-key", key, "--reason", "smarthost log: not received",
+            cwd=tmp_path, env=env))
+        assert await _waiting_for_a_row_lock(conn, 20.0), "the release never waited for X"
+        await tx.commit()
+        done = await released
+        assert '"released": false' in done.stdout, (done.returncode, done.stdout, done.stderr)
+        assert await conn.fetchval("SELECT state FROM dedup_relay_fingerprints WHERE key = $1",
+                                   key) == "unknown"  # still in doubt in the store
+        listed = await _in_doubt(both_url)
+        assert listed == [key], (listed, done.stdout)
+    finally:
+        await settle.close()
+        await conn.close()
