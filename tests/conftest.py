@@ -23,6 +23,7 @@ import uvloop
 from relay.app import Relay
 from relay.config import Settings
 from tests.support.net import free_port
+from tests.support.postgres import ledger_schema
 from tests.support.relays import REDIS_URL, MakeRelay, PrivateRedis, delete_prefix
 from tests.support.sink import Sink, start_sink
 
@@ -93,6 +94,13 @@ async def make_relay() -> AsyncIterator[MakeRelay]:
 async def relay(make_relay: MakeRelay, sink: Sink) -> Relay:
     """A relay in front of ``sink`` with the default test settings."""
     return await make_relay(upstream=f"127.0.0.1:{sink.port}")
+
+
+@pytest.fixture
+def ledger_url() -> Iterator[str]:
+    """A private PostgreSQL schema holding the audit ledger's table (dropped afterwards)."""
+    with ledger_schema() as url:
+        yield url
 
 
 @pytest.fixture

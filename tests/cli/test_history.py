@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +20,6 @@ import pytest
 from relay.admin import FingerprintInput, key_for, os_user
 from relay.config import AdminSettings, load_settings
 from relay.core.interfaces import LedgerAction, LedgerEntry, Record, State
-from relay.store.postgres import migrations
 from relay.store.postgres.ledger import LedgerOptions, insert_rows, key_digest, row_of
 from relay.store.sqlite import SqliteStore
 from tests.support.cli import run_cli
@@ -34,14 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 RCPT, KEY, TEMPLATE = "ann.lee@example.net", "order-4711", "receipt"
 T0 = 1_796_000_000.125  # 2026-11-30T...: whole milliseconds survive the ledger's timestamptz
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
 
 
 async def _insert(url: str, entries: list[LedgerEntry]) -> None:
@@ -71,14 +62,6 @@ def rows_in(url: str) -> list[dict[str, object]]:
 
     run_apart(read())
     return out[0]
-
-
-@pytest.fixture
-def ledger_url() -> Iterator[str]:
-    """A private schema holding the ledger's table."""
-    with private_schema(upgraded=False) as url:
-        run_apart(_upgrade_ledger(url))
-        yield url
 
 
 @pytest.fixture

@@ -34,38 +34,24 @@ import pytest
 from relay.core.errors import StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import ledger as ledger_module
-from relay.store.postgres import migrations
 from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
 from relay.store.postgres.store import PostgresStore
-from tests.support.pg_proxy import PgProxy
-from tests.support.postgres import POSTGRES_URL, private_schema, run_apart
+from tests.support.pg_proxy import PgProxy, pg_proxy
+from tests.support.postgres import POSTGRES_URL, ledger_schema
 
 
 @pytest.fixture
 def url() -> Iterator[str]:
     """A private schema with the store's and the ledger's tables."""
-    with private_schema() as url:
-        run_apart(_upgrade_ledger(url))
+    with ledger_schema(store=True) as url:
         yield url
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
 
 
 @pytest.fixture
 async def proxy() -> AsyncIterator[PgProxy]:
-    """A PgProxy in front of the test server (its host and port from the test URL)."""
-    parts = urlsplit(POSTGRES_URL)
-    p = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    await p.start()
-    yield p
-    p.resume()
-    await p.close()
+    """A PgProxy in front of the test server; resumed and closed at the end."""
+    async with pg_proxy() as running:
+        yield running
 
 
 @dataclass

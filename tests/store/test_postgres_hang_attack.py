@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -29,8 +28,8 @@ from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp
 from relay.store.postgres import migrations
 from relay.store.postgres.store import PostgresStore, upgrade_schema
-from tests.support.pg_proxy import PgProxy
-from tests.support.postgres import POSTGRES_URL, private_schema
+from tests.support.pg_proxy import PgProxy, pg_proxy
+from tests.support.postgres import private_schema
 
 
 @pytest.fixture
@@ -50,12 +49,8 @@ def store_url() -> Iterator[str]:
 @pytest.fixture
 async def proxy() -> AsyncIterator[PgProxy]:
     """A PgProxy in front of the test server; resumed and closed at the end."""
-    parts = urlsplit(POSTGRES_URL)
-    p = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    await p.start()
-    yield p
-    p.resume()
-    await p.close()
+    async with pg_proxy() as running:
+        yield running
 
 
 async def _waiting_for_advisory_lock(conn: asyncpg.Connection) -> bool:

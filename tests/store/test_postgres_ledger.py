@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +17,6 @@ import asyncpg
 import pytest
 
 from relay.core.interfaces import LedgerEntry
-from relay.store.postgres import migrations
 from relay.store.postgres.ledger import (
     LedgerOptions,
     PostgresLedger,
@@ -27,22 +26,13 @@ from relay.store.postgres.ledger import (
 )
 from tests.support.cli import run_cli
 from tests.support.net import free_port
-from tests.support.postgres import private_schema, run_apart
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
+from tests.support.postgres import private_schema
 
 
 @pytest.fixture
-def url() -> Iterator[str]:
-    with private_schema(upgraded=False) as url:
-        run_apart(_upgrade_ledger(url))
-        yield url
+def url(ledger_url: str) -> str:
+    """The ledger's schema (tests/conftest.py's ``ledger_url``)."""
+    return ledger_url
 
 
 @dataclass

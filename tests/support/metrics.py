@@ -9,6 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -46,3 +47,10 @@ def readyz(metrics_port: int) -> tuple[int, dict[str, Any]]:
             return int(reply.status), json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return int(exc.code), json.loads(exc.read())
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` with ``labels`` in an in-process relay's
+    ``registry`` (0 when it has none yet)."""
+    value = registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value

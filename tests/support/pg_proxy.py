@@ -4,7 +4,11 @@ tests of issue 13: a server that stops answering mid-statement keeps its connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
+
+from tests.support.postgres import POSTGRES_URL
 
 
 class PgProxy:
@@ -96,3 +100,17 @@ class PgProxy:
             pass
         finally:
             writer.close()
+
+
+@contextlib.asynccontextmanager
+async def pg_proxy() -> AsyncIterator[PgProxy]:
+    """A started :class:`PgProxy` in front of the test PostgreSQL (``RELAY_TEST_POSTGRES_URL``'s
+    host and port); resumed and closed at the end."""
+    parts = urlsplit(POSTGRES_URL)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.resume()
+        await proxy.close()

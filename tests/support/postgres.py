@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 from uuid import uuid4
@@ -78,3 +79,45 @@ def private_schema(*, upgraded: bool = True) -> Iterator[str]:
         yield url
     finally:
         run_apart(_run(f"DROP SCHEMA {schema} CASCADE"))
+
+
+async def upgrade_ledger(url: str) -> None:
+    """Create the audit ledger's table at ``url`` (what ``dedup-relay db upgrade --ledger``
+    does)."""
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        await migrations.upgrade(conn, "ledger")
+    finally:
+        await conn.close()
+
+
+@contextlib.contextmanager
+def ledger_schema(*, store: bool = False) -> Iterator[str]:
+    """Yield the URL of a new private schema holding the ledger's table (and the store's
+    with ``store``); drop it afterwards."""
+    with private_schema(upgraded=store) as url:
+        run_apart(upgrade_ledger(url))
+        yield url
+
+
+async def ledger_rows(url: str) -> list[dict[str, Any]]:
+    """Every ledger row at ``url``, oldest first (as ``history`` orders them)."""
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        got = await conn.fetch(
+            "SELECT * FROM dedup_relay_ledger ORDER BY decided_at, recorded_at")
+    finally:
+        await conn.close()
+    return [dict(row) for row in got]
+
+
+async def wait_ledger_rows(url: str, count: int,
+                           timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The ledger's rows at ``url`` (oldest first) once there are at least ``count`` (the
+    writer is asynchronous), or what there is after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await ledger_rows(url)
+        if len(got) >= count or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.05)

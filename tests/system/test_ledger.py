@@ -15,66 +15,31 @@ import hashlib
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 from relay.app import Relay
-from relay.store.postgres import migrations
 from tests.support.clients import message, send
-from tests.support.metrics import readyz
+from tests.support.metrics import readyz, sample
 from tests.support.net import free_port
-from tests.support.postgres import private_schema, run_apart
+from tests.support.postgres import ledger_rows, private_schema, wait_ledger_rows
 from tests.support.relays import REDIS_URL, MakeRelay, start_serve
 from tests.support.sink import Sink
 
 A, B, C, D = ("ann.lee@example.net", "bob@example.net", "cy@example.net", "dee@example.net")
 
 
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-def ledger_url() -> Iterator[str]:
-    """A private schema holding the ledger's table (and no store table)."""
-    with private_schema(upgraded=False) as url:
-        run_apart(_upgrade_ledger(url))
-        yield url
-
-
-async def rows(url: str) -> list[dict[str, Any]]:
-    """Every ledger row at ``url``, oldest first."""
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        got = await conn.fetch(
-            "SELECT * FROM dedup_relay_ledger ORDER BY decided_at, recorded_at")
-    finally:
-        await conn.close()
-    return [dict(row) for row in got]
-
-
-async def wait_rows(url: str, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The ledger's rows once there are ``count`` of them (fails past ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = await rows(url)
-        if len(got) >= count or time.monotonic() > deadline:
-            assert len(got) == count, got
-            return got
-        await asyncio.sleep(0.05)
+async def wait_count(url: str, count: int) -> list[dict[str, Any]]:
+    """The ledger's rows once there are ``count`` (exactly that many)."""
+    got = await wait_ledger_rows(url, count)
+    assert len(got) == count, got
+    return got
 
 
 def metric(relay: Relay, name: str, **labels: str) -> float:
-    value = relay.registry.get_sample_value(name, labels or None)
-    return 0.0 if value is None else value
+    return sample(relay.registry, name, **labels)
 
 
 async def test_rows_of_a_send_a_duplicate_a_refusal_and_an_in_doubt_message(
@@ -94,7 +59,7 @@ async def test_rows_of_a_send_a_duplicate_a_refusal_and_an_in_doubt_message(
     doubt = await send(relay.port, [C], message(key="order-3"))
     assert doubt.code == 451, doubt
     sink.handler.hang_after_dot_s = 0.0
-    got = await wait_rows(ledger_url, 4)
+    got = await wait_count(ledger_url, 4)
     by_outcome = {row["outcome"]: row for row in got}
     assert [row["outcome"] for row in got] == ["relayed", "suppressed", "refused_perm",
                                                "unknown"]
@@ -125,7 +90,7 @@ async def test_full_recipients_and_plain_keys_when_asked(
                              ledger_recipients="full", ledger_keys="plain")
     assert (await send(relay.port, [A], message(key="order-9"))).code == 250
     assert (await send(relay.port, [D], message(key=None))).code == 250
-    got = await wait_rows(ledger_url, 2)
+    got = await wait_count(ledger_url, 2)
     assert [(r["recipient"], r["dedupe_key"], r["outcome"]) for r in got] == [
         (A, "order-9", "relayed"), (D, None, "no_key")]
     assert got[1]["store_key"] is None
@@ -168,7 +133,7 @@ async def test_a_required_ledger_that_answers_relays(
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
                              ledger_required=True)
     assert (await send(relay.port, [A], message(key="k-up"))).code == 250
-    [row] = await wait_rows(ledger_url, 1)
+    [row] = await wait_count(ledger_url, 1)
     assert row["outcome"] == "relayed"
 
 
@@ -222,6 +187,6 @@ async def test_a_serve_process_with_two_workers_writes_every_row_and_flushes_on_
     finally:
         code = await asyncio.to_thread(relay.stop)
     assert code == 0
-    got = await rows(ledger_url)
+    got = await ledger_rows(ledger_url)
     assert sorted(r["outcome"] for r in got) == ["relayed"] * 6
     assert len({r["instance"] for r in got}) >= 1

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
-from urllib.parse import urlsplit
 
 import pytest
 
 from tests.support.clients import RawClient, message
-from tests.support.pg_proxy import PgProxy
-from tests.support.postgres import POSTGRES_URL, private_schema
+from tests.support.pg_proxy import PgProxy, pg_proxy
+from tests.support.postgres import private_schema
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
 
@@ -38,12 +37,8 @@ def url() -> Iterator[str]:
 @pytest.fixture
 async def proxy() -> AsyncIterator[PgProxy]:
     """A PgProxy in front of the test server; resumed and closed at the end."""
-    parts = urlsplit(POSTGRES_URL)
-    p = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    await p.start()
-    yield p
-    p.resume()
-    await p.close()
+    async with pg_proxy() as running:
+        yield running
 
 
 async def transaction(port: int, key: str, wait_s: float) -> str:

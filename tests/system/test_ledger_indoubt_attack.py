@@ -18,37 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import asyncpg
-import pytest
 
 from relay.core.interfaces import Settle, SettleOp
 from relay.core.keys import recipient_keys
-from relay.store.postgres import migrations
 from relay.store.postgres.ledger_read import LedgerReader
 from tests.support.clients import message, send
-from tests.support.postgres import private_schema, run_apart
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
 
 RCPT = "user@example.net"
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-def ledger_url() -> Iterator[str]:
-    """A private schema holding the ledger's table."""
-    with private_schema(upgraded=False) as url:
-        run_apart(_upgrade_ledger(url))
-        yield url
 
 
 async def _row_count(url: str) -> int:

@@ -18,21 +18,12 @@ from collections.abc import Callable, Iterator
 import asyncpg
 import pytest
 
-from relay.app import Relay
-from relay.store.postgres import migrations
 from tests.support.clients import message, send
-from tests.support.metrics import readyz
+from tests.support.metrics import readyz, sample
+from tests.support.postgres import upgrade_ledger
 from tests.support.private_postgres import PrivatePostgres
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
 
 
 @pytest.fixture
@@ -41,7 +32,7 @@ def server() -> Iterator[PrivatePostgres]:
     pg = PrivatePostgres(schema=False)
     try:
         pg.start()
-        asyncio.run(_upgrade_ledger(pg.url))
+        asyncio.run(upgrade_ledger(pg.url))
         yield pg
     finally:
         pg.close()
@@ -73,11 +64,6 @@ async def wait_count(url: str, want: int, timeout_s: float = 15.0) -> int:
         await asyncio.sleep(0.1)
 
 
-def metric(relay: Relay, name: str, **labels: str) -> float:
-    value = relay.registry.get_sample_value(name, labels or None)
-    return 0.0 if value is None else value
-
-
 async def test_relaying_goes_on_while_the_ledger_is_stopped_and_the_rows_land_after(
         make_relay: MakeRelay, sink: Sink, server: PrivatePostgres) -> None:
     """3 messages with the ledger up, 5 while it is stopped (all 250, all delivered, /readyz
@@ -105,8 +91,8 @@ async def test_relaying_goes_on_while_the_ledger_is_stopped_and_the_rows_land_af
     await asyncio.sleep(0.5)
     assert await count_rows(server.url) == 8  # a batch retried after the outage: no copy
     assert relay.ledger.report()["state"] == "up"
-    assert metric(relay, "relay_ledger_dropped_total", reason="full") == 0
-    assert metric(relay, "relay_ledger_rows_total") == 8
+    assert sample(relay.registry, "relay_ledger_dropped_total", reason="full") == 0
+    assert sample(relay.registry, "relay_ledger_rows_total") == 8
 
 
 async def test_a_required_ledger_refuses_while_stopped_and_relays_after(
@@ -144,4 +130,4 @@ async def test_rows_queued_when_the_relay_stops_with_the_ledger_down_are_counted
     started = time.monotonic()
     await relay.ledger.close(flush_s=0.5)
     assert time.monotonic() - started < 5
-    assert metric(relay, "relay_ledger_dropped_total", reason="shutdown") == 2
+    assert sample(relay.registry, "relay_ledger_dropped_total", reason="shutdown") == 2

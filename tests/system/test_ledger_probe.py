@@ -35,36 +35,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import pytest
 import redis
 
-from relay.store.postgres import migrations
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
-from tests.support.postgres import private_schema, run_apart
 from tests.support.relays import REDIS_URL, MakeRelay
 from tests.support.sink import Sink
-
-
-async def _upgrade_ledger(url: str) -> None:
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        await migrations.upgrade(conn, "ledger")
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-def ledger_url() -> Iterator[str]:
-    """A private schema holding the ledger's table (and no store table)."""
-    with private_schema(upgraded=False) as url:
-        run_apart(_upgrade_ledger(url))
-        yield url
 
 
 async def _rows(url: str, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
