@@ -18,8 +18,9 @@ fixed.
   (400 days of rows by default) instead of its in-doubt rows, under the ledger sessions'
   ``statement_timeout`` (0.8 x max(5 s, store_timeout)). On a big ledger the count is
   cancelled every time, logged at DEBUG only, and the gauge keeps its last value (0 from the
-  start): ``DedupRelayInDoubtUnresolved`` never fires.
-
+  start): ``DedupRelayInDoubtUnresolved`` never fires (measured here: 400000 rows take 80-140 ms
+  warm, so about 12-20 million rows, 400 days at 30000-50000 recipients a day, fill the 4 s
+  warm, far fewer from disk).
 - The sessions' ``statement_timeout`` goes to the server as a startup parameter
   (``server_settings``). PgBouncer, the pooler the README tells operators to put in front
   ("size max_connections ... or put a pooler in front", session mode or 1.21+ transaction

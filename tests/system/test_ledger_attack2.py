@@ -24,7 +24,7 @@ a7581d2 makes ``release`` write its ``released`` row also when it deleted nothin
 that already left the store). But nothing is also deleted when the record changed between the
 command's inspect and its compare-and-delete, and it may still be in doubt: attempt X's UNKNOWN
 settle was owed (the store did not answer at its dot) and lands while the operator releases
-the SENDING record X left past its lease. The command answers ``"released": false`` (exit 4),
+the SENDING record X left past its lease. The command answers ``"released": false`` (exit 1),
 yet its row ("nothing to release (no record: ...)") resolves X's ``unknown`` row: ``in-doubt``
 and the gauge no longer list a fingerprint whose record is UNKNOWN in the store, and whose
 retries are suppressed for the window. That case runs the ``release`` command as a process on a
@@ -204,7 +204,7 @@ async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
         both_url: str, tmp_path: Path) -> None:
     """X's record is SENDING past its lease (in doubt; its ``unknown`` row is in the ledger);
     X's owed UNKNOWN settle holds the row when the operator's release reads it, and commits
-    while the release waits for the row. The release deletes nothing (exit 4): the record is
+    while the release waits for the row. The release deletes nothing (exit 1): the record is
     UNKNOWN in the store, so ``in-doubt`` must still list its key."""
     key = "race:k1"
     conn = await asyncpg.connect(both_url, timeout=10)
