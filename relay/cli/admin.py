@@ -179,15 +179,17 @@ def register(main: click.Group) -> None:
                                         auth_user, store_key, reason, log_format)
         row = _OperatorRow(settings, LedgerAction.RELEASE, key, rcpt, templates, keys,
                            reply=f"released by {os_user()}: {reason}")
-        # written whether or not a record was there: the operator's decision settles an
-        # in-doubt ledger entry also when its record already left the store (its window
-        # passed), which in-doubt and its alert would otherwise list for the retention
+        # written also when there was no record: the operator's decision settles an in-doubt
+        # ledger entry whose record already left the store (its window passed), which
+        # in-doubt and its alert would otherwise list for the retention; not when the record
+        # changed under the compare-and-delete (it may still be in doubt: nothing settled)
         (before, deleted), unrecorded = _run_audited(
             settings, lambda store: release(store, key, reason=reason, lease_s=settings.lease,
                                             force=force),
             lambda done: row.entry() if done[1] else row.entry(
                 reply=f"nothing to release (no record: its window passed, or released "
-                      f"before); settled by {os_user()}: {reason}"))
+                      f"before); settled by {os_user()}: {reason}")
+            if done[0].state is State.ABSENT else None)
         click.echo(json.dumps({"released": deleted,
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "released")

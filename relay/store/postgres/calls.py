@@ -41,27 +41,41 @@ async def _no_reset(conn: Any) -> None:
     del conn
 
 
+ACQUIRE_SHARE = 0.4
+"""The share of a call's bound it may spend waiting for a pooled connection (connecting
+included); the statement then has at least the rest, more than :data:`STATEMENT_SHARE`."""
+STATEMENT_SHARE = 0.5
+"""The sessions' ``statement_timeout`` as a share of the calls' bound."""
+
+
 def statement_timeout_ms(limit_s: float) -> int:
-    """The server-side ``statement_timeout`` of calls bounded by ``limit_s`` seconds: a bit
-    shorter than the relay's bound, so a statement the relay stopped waiting for (its
-    connection terminated: PostgreSQL may not notice a closed socket while the statement
-    waits for a lock) has ended, committed or not, before the relay's cleanup after the
-    failure runs (a reserve's release of what it may have taken), never after it."""
-    return max(100, int(limit_s * 800))
+    """The server-side ``statement_timeout`` of calls bounded by ``limit_s`` seconds: with the
+    wait for a connection bounded by :data:`ACQUIRE_SHARE` of it, a statement the relay stopped
+    waiting for (its connection terminated: PostgreSQL may not notice a closed socket while
+    the statement waits for a lock) has ended, committed or not, before the relay gives up and
+    runs its cleanup after the failure (a reserve's release of what it may have taken), never
+    after it (an attack test: an orphan PENDING for a lease)."""
+    return max(100, int(limit_s * STATEMENT_SHARE * 1000))
 
 
 async def open_pool(url: str, *, max_size: int, op_name: str,
                     limit_s: float | None = None) -> asyncpg.Pool:
     """A pool of at most ``max_size`` connections to ``url`` (none opened yet); with
-    ``limit_s`` (the calls' bound, seconds) its sessions' ``statement_timeout`` is
-    :func:`statement_timeout_ms` of it (a longer call raises it for itself: :func:`longer`).
-    Raises :class:`StoreError` naming ``op_name`` for a URL asyncpg refuses."""
-    settings = ({} if limit_s is None
-                else {"statement_timeout": str(statement_timeout_ms(limit_s))})
+    ``limit_s`` (the calls' bound, seconds) each new session runs ``SET statement_timeout``
+    to :func:`statement_timeout_ms` of it (a SET, not a startup parameter, which poolers
+    such as PgBouncer refuse; a longer call raises it for itself: :func:`longer`). Raises
+    :class:`StoreError` naming ``op_name`` for a URL asyncpg refuses."""
+    init = None
+    if limit_s is not None:
+        statement = f"SET statement_timeout = {statement_timeout_ms(limit_s)}"
+
+        async def set_timeout(conn: asyncpg.Connection) -> None:
+            await conn.execute(statement)
+        init = set_timeout
     try:
         pool = asyncpg.create_pool(url, min_size=0, max_size=max_size,
                                    max_inactive_connection_lifetime=INACTIVE_S,
-                                   reset=_no_reset, server_settings=settings)
+                                   reset=_no_reset, init=init)
         await pool
     except (*ERRORS, ValueError) as exc:
         raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
@@ -90,7 +104,8 @@ async def bounded_call(pool: asyncpg.Pool, op_name: str,
     done = False
     try:
         async with asyncio.timeout(limit_s):
-            conn = await pool.acquire()
+            async with asyncio.timeout(limit_s * ACQUIRE_SHARE):
+                conn = await pool.acquire()
             result = await fn(conn)
             done = True
             return result

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
 from relay.store.postgres.calls import ERRORS as _ERRORS
-from relay.store.postgres.calls import bounded_call, open_pool
+from relay.store.postgres.calls import bounded_call, longer, open_pool
 from relay.store.postgres.migrations import LEDGER as _L_
 
 log = logging.getLogger(__name__)
@@ -49,28 +50,25 @@ CLEANUP_INTERVAL_S = 60.0
 CLEANUP_BATCH = 5000
 CLEANUP_MAX_BATCHES = 20
 GAUGE_INTERVAL_S = 30.0
+BACKGROUND_TIMEOUT_S = 30.0
+"""Bound of a cleanup statement or an in-doubt count (seconds): background work, not a
+message's path, and a large ledger's count reads more than a write."""
 
 COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient", "template",
            "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
            "client_reply", "instance")
 
-# $16: the writer's clock (unix seconds) when it sent the statement. A deciding clock a second
-# or more off the database's is corrected: ``decided_at`` is then its time plus that offset,
-# measured by this very statement (now() less $16), so rows of relays whose clocks disagree
-# still sort in the order their decisions were taken (an attack test: a relay 10 min ahead
-# listed a duplicate before its send). Under a second the relay's time is kept as it is: the
-# measurement's own error (the latency, the statement's preparation on a new connection) is
-# milliseconds, and would shift every row of clocks that agree. The core and the writer of one
-# process read one clock.
+# $16: the offset in seconds of the database's clock from the clock the rows' decided_at were
+# read on (:func:`clock_offset`); ``decided_at`` is stored on the database's clock, so rows of
+# relays whose clocks disagree still sort in the order their decisions were taken (an attack
+# test: a relay 10 min ahead listed a duplicate before its send).
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
-SELECT r, to_timestamp(d) + off.shift, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
+SELECT r, to_timestamp(d + $16::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
 FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
             $13::text[], $14::text[], $15::text[])
-     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i),
-     (SELECT CASE WHEN abs(extract(epoch FROM now()) - $16::float8) >= 1
-                  THEN now() - to_timestamp($16::float8) ELSE interval '0' END AS shift) AS off
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i)
 ON CONFLICT (row_id) DO NOTHING
 """
 
@@ -192,14 +190,28 @@ def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
             _clean(options.instance))
 
 
+OFFSET_EVERY_S = 60.0
+"""How often a writer measures its clock's offset from the database's again (seconds)."""
+
+
+async def clock_offset(conn: asyncpg.Connection, clock: Callable[[], float]) -> float:
+    """The database's clock less ``clock`` (seconds), measured with one query as NTP does: the
+    database's time against the midpoint of the local times before and after (error at most
+    half the round trip). asyncpg errors pass through."""
+    before = clock()
+    database = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8")
+    after = clock()
+    return float(database) - (before + after) / 2
+
+
 async def insert_rows(conn: asyncpg.Connection, rows: Sequence[tuple[Any, ...]], *,
-                      clock: Callable[[], float] = time.time) -> None:
-    """Write ``rows`` (tuples of :data:`COLUMNS`, ``decided_at`` on ``clock``: unix seconds)
-    in one statement, ``decided_at`` moved onto the database's clock (see :data:`_INSERT`);
+                      offset_s: float = 0.0) -> None:
+    """Write ``rows`` (tuples of :data:`COLUMNS`) in one statement, their ``decided_at`` moved
+    by ``offset_s`` seconds onto the database's clock (:func:`clock_offset`; 0: as they are);
     asyncpg errors pass through."""
     if rows:
         await conn.execute(_INSERT, *(list(column) for column in zip(*rows, strict=True)),
-                           clock())
+                           offset_s)
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,8 @@ class PostgresLedger:
                  gauge_interval_s: float | None = GAUGE_INTERVAL_S,
                  clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # the clock of the entries' decided_at (the core's)
+        self._offset_s = 0.0  # the database's clock less the monotonic one (the writer's)
+        self._offset_at = -math.inf  # when (time.monotonic()); -inf: not yet
         self._pool = pool
         self._metrics = metrics
         self._options = options
@@ -283,7 +297,7 @@ class PostgresLedger:
         of a message it refused only while there is room."""
         if not entries:
             return
-        rows = [row_of(entry, self._options) for entry in entries]
+        rows = self._rows(entries)
         room = self._options.queue_max - len(self._queue)
         bounded = not self._options.required or not admitted
         if self._closing or (bounded and room < len(rows)):
@@ -345,9 +359,8 @@ class PostgresLedger:
     async def write_now(self, entries: Sequence[LedgerEntry]) -> None:
         """Write ``entries`` at once, bypassing the queue (an admin command's audit row).
         Raises :class:`StoreError`."""
-        rows = [row_of(entry, self._options) for entry in entries]
-        await self._call("ledger write",
-                         lambda conn: insert_rows(conn, rows, clock=self._clock))
+        rows = self._rows(entries)
+        await self._call("ledger write", lambda conn: self._insert(conn, rows))
 
     async def cleanup(self) -> int:
         """Delete rows older than the retention, in at most ``CLEANUP_MAX_BATCHES``
@@ -356,7 +369,7 @@ class PostgresLedger:
         retention_ms = int(self._options.retention_s * 1000)
         for _ in range(CLEANUP_MAX_BATCHES):
             status = await self._call("ledger cleanup", lambda conn: conn.execute(
-                _CLEANUP, CLEANUP_BATCH, retention_ms))
+                _CLEANUP, CLEANUP_BATCH, retention_ms), timeout_s=BACKGROUND_TIMEOUT_S)
             deleted = int(status.split()[-1])
             total += deleted
             if deleted < CLEANUP_BATCH:
@@ -367,7 +380,8 @@ class PostgresLedger:
         """Count the unresolved in-doubt decisions older than ``in_doubt_after_s`` into the
         gauge; return the count. Raises :class:`StoreError`."""
         count = await self._call("ledger in-doubt", lambda conn: conn.fetchval(
-            _COUNT_UNRESOLVED, int(self._options.in_doubt_after_s * 1000)))
+            _COUNT_UNRESOLVED, int(self._options.in_doubt_after_s * 1000)),
+            timeout_s=BACKGROUND_TIMEOUT_S)
         value = int(count) if isinstance(count, int) else 0
         self._metrics.in_doubt_unresolved(value)
         return value
@@ -439,8 +453,7 @@ class PostgresLedger:
             batch = [self._queue[i] for i in range(min(self._batch_rows, len(self._queue)))]
             try:
                 await self._call("ledger write",
-                                 lambda conn, rows=batch: insert_rows(conn, rows,
-                                                                      clock=self._clock))
+                                 lambda conn, rows=batch: self._insert(conn, rows))
                 written = len(batch)
             except StoreError as exc:
                 if not _refused_data(exc):
@@ -469,6 +482,28 @@ class PostgresLedger:
             self._metrics.ledger_queued(len(self._queue))
             self._set_up(True)
 
+    def _rows(self, entries: Sequence[LedgerEntry]) -> list[tuple[Any, ...]]:
+        """The rows of ``entries``, their ``decided_at`` moved from the deciding clock (the
+        core's wall clock, read a moment ago) onto this process's monotonic clock: a row that
+        waits in the queue through an outage keeps its place in time across a step of the
+        wall clock (NTP, an operator) before it is written (an attack test)."""
+        wall, mono = self._clock(), time.monotonic()
+        rows = []
+        for entry in entries:
+            row = row_of(entry, self._options)
+            rows.append((row[0], mono - (wall - entry.decided_at), *row[2:]))
+        return rows
+
+    async def _insert(self, conn: asyncpg.Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Write ``rows`` (``decided_at`` on the monotonic clock) with this process's offset
+        of the database's clock from the monotonic one, measured again on ``conn`` every
+        :data:`OFFSET_EVERY_S` (one estimate for every batch between: the rows of one relay
+        keep their order, which a per-batch measurement's noise could swap)."""
+        if time.monotonic() - self._offset_at > OFFSET_EVERY_S:
+            self._offset_s = await clock_offset(conn, time.monotonic)
+            self._offset_at = time.monotonic()
+        await insert_rows(conn, rows, offset_s=self._offset_s)
+
     async def _pause(self, seconds: float) -> None:
         """The writer's pause after a failure: ``seconds``, or until :meth:`close` asks for
         the queue (the database may be back: the rows get their flush at once)."""
@@ -488,8 +523,8 @@ class PostgresLedger:
         written = 0
         for row in batch:
             try:
-                await self._call("ledger write", lambda conn, one=row: insert_rows(
-                    conn, [one], clock=self._clock))
+                await self._call("ledger write",
+                                 lambda conn, one=row: self._insert(conn, [one]))
             except StoreError as exc:
                 if not _refused_data(exc):
                     raise
@@ -511,8 +546,12 @@ class PostgresLedger:
                 log.debug("audit ledger %s: %s", getattr(job, "__name__", "job"), exc)
             await asyncio.sleep(interval_s)
 
-    async def _call(self, op_name: str, fn: Any) -> Any:
-        """Run ``fn(conn)`` on a pooled connection within the op timeout
-        (:func:`relay.store.postgres.calls.bounded_call`); every failure becomes
+    async def _call(self, op_name: str, fn: Any, *, timeout_s: float | None = None) -> Any:
+        """Run ``fn(conn)`` on a pooled connection within the op timeout, or ``timeout_s``
+        seconds when longer (its statements then get a statement_timeout to match:
+        :func:`relay.store.postgres.calls.longer`); every failure becomes
         :class:`StoreError` naming ``op_name``."""
-        return await bounded_call(self._pool, op_name, fn, self._op_timeout_s)
+        limit_s = self._op_timeout_s
+        if timeout_s is not None and timeout_s > limit_s:
+            fn, limit_s = longer(fn, timeout_s), timeout_s
+        return await bounded_call(self._pool, op_name, fn, limit_s)

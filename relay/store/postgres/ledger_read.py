@@ -12,6 +12,7 @@ counts them for the gauge).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +24,13 @@ from relay.core.errors import StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
 from relay.store.postgres.calls import ERRORS
-from relay.store.postgres.ledger import UNRESOLVED_WHERE, LedgerOptions, insert_rows, row_of
+from relay.store.postgres.ledger import (
+    UNRESOLVED_WHERE,
+    LedgerOptions,
+    clock_offset,
+    insert_rows,
+    row_of,
+)
 from relay.store.postgres.migrations import LEDGER as _L_
 
 __all__ = ["HistoryRow", "InDoubtRow", "LedgerReader"]
@@ -159,7 +166,8 @@ class LedgerReader:
             rows.append(row)
         try:
             async with asyncio.timeout(self._timeout_s):
-                await insert_rows(self._conn, rows)
+                offset_s = await clock_offset(self._conn, time.time)
+                await insert_rows(self._conn, rows, offset_s=offset_s)
         except TimeoutError as exc:
             raise StoreError("ledger write", f"PostgreSQL did not answer within "
                                              f"{self._timeout_s:g} s") from exc

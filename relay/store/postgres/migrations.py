@@ -181,8 +181,8 @@ _LEDGER_STEPS: tuple[str, ...] = (
 );
 CREATE INDEX IF NOT EXISTS {LEDGER}_store_key ON {LEDGER} (store_key, decided_at);
 CREATE INDEX IF NOT EXISTS {LEDGER}_recorded_at ON {LEDGER} (recorded_at);
-CREATE INDEX IF NOT EXISTS {LEDGER}_unknown ON {LEDGER} (decided_at)
-    WHERE outcome = 'unknown' AND store_key IS NOT NULL;""",
+CREATE INDEX IF NOT EXISTS {LEDGER}_in_doubt ON {LEDGER} (decided_at)
+    WHERE outcome IN ('unknown', 'suppressed_unknown', 'held') AND store_key IS NOT NULL;""",
 )
 
 STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS, "ledger": _LEDGER_STEPS}
