@@ -15,9 +15,9 @@ The outage is :class:`tests.support.pg_proxy.PgProxy` refusing A's ledger connec
 clock is the core's and the ledger writer's of an in-loop relay (one host clock).
 
 The correction applies from a measured offset of one second: a relay whose clock is about a
-second off (0.98 s ahead, then 1.02 s after NTP slewed it by 40 ms, or the same offset read
-with a few ms more or less latency) writes one batch as it is and the next moved back by a
-second; its own rows then swap: a duplicate it suppressed 0.3 s after the send is listed
+second off (0.95 s ahead, then 1.25 s after a small step; or one offset near 1 s read with
+a few ms more or less latency) writes one batch as it is and the next moved back by its
+offset; its own rows then swap: a duplicate it suppressed right after the send is listed
 before the send.
 
 a7581d2 makes ``release`` write its ``released`` row also when it deleted nothing (for a record
@@ -137,11 +137,12 @@ async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
     "within a relay instance"))
 async def test_one_relays_rows_keep_their_order_when_its_offset_crosses_a_second(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
-    """Relay A's clock runs 0.98 s ahead when it relays, 1.02 s ahead 0.3 s later when it
-    suppresses the copy (a 40 ms correction). history must list relayed, then suppressed."""
+    """Relay A's clock runs 0.95 s ahead when it relays, 1.25 s ahead when it suppresses the
+    copy right after (its send's row written meanwhile). history must list relayed, then
+    suppressed."""
     a = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url)
     assert a.core is not None and a.ledger is not None
-    offset = [0.98]
+    offset = [0.95]
 
     def clock() -> float:
         return time.time() + offset[0]
@@ -149,10 +150,16 @@ async def test_one_relays_rows_keep_their_order_when_its_offset_crosses_a_second
     a.core._clock = clock
     a.ledger._clock = clock
     data = message(key="offset-1")
-    assert (await send(a.port, [RCPT], data)).code == 250
-    assert len(await _rows(ledger_url, 1)) == 1
-    offset[0] = 1.02
-    await asyncio.sleep(0.3)
+    watcher = await asyncpg.connect(ledger_url, timeout=10)
+    try:
+        assert (await send(a.port, [RCPT], data)).code == 250
+        deadline = time.monotonic() + 5.0
+        while not await watcher.fetchval("SELECT count(*) FROM dedup_relay_ledger"):
+            assert time.monotonic() < deadline, "the send's row never landed"
+            await asyncio.sleep(0.005)  # polls the database
+    finally:
+        await watcher.close()
+    offset[0] = 1.25
     assert (await send(a.port, [RCPT], data)).code == 250
     assert sink.handler.copies_to(RCPT) == 1
     keys = await _rows(ledger_url, 2)
