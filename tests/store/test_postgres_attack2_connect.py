@@ -96,12 +96,6 @@ class _SlowSetUp:
             writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "d1eb76f bounds pool.acquire() at 0.4 of the call's bound, and acquire() of a new "
-    "connection is its whole set-up: a database whose set-up takes longer is never reached "
-    "although set-up plus statement fit in the bound; fix: bound only the wait for a busy "
-    "pool, or keep connections open (min_size), or let the statement_timeout be what is "
-    "left of the bound (SET LOCAL per call)"))
 async def test_a_store_whose_connection_set_up_takes_half_the_bound_is_reached(
         url: str) -> None:
     """Connection set-up 0.55 s, store bound 1 s: of three calls in a row, at least the

@@ -85,11 +85,6 @@ async def _rows(ledger_url: str, count: int) -> list[str]:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "e1a9432 corrects decided_at by the offset measured when the batch is written, not when "
-    "the row was decided: a row queued through a ledger outage across a clock step keeps the "
-    "old error; fix: carry the decision's monotonic time and write now() less the time "
-    "elapsed since (or measure the offset at the decision)"))
 async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """A (clock +600 s) relays while its ledger is unreachable; A's clock is corrected; the
@@ -130,11 +125,6 @@ async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
         await proxy.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "e1a9432 shifts decided_at only when the measured offset is 1 s or more: a relay whose "
-    "clock sits near 1 s off has batches shifted and batches not, and its own rows swap by up "
-    "to a second; fix: no threshold (always the measured offset), or order by recorded_at "
-    "within a relay instance"))
 async def test_one_relays_rows_keep_their_order_when_its_offset_crosses_a_second(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """Relay A's clock runs 0.95 s ahead when it relays, 1.25 s ahead when it suppresses the
@@ -202,11 +192,6 @@ async def _waiting_for_a_row_lock(conn: asyncpg.Connection, within_s: float) -> 
     return False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a7581d2: release writes its released row whenever nothing was deleted, also when the "
-    "compare-and-delete failed because the record changed and is still in doubt: the "
-    "unknown decision leaves in-doubt and the gauge; fix: write the row only when the record "
-    "was deleted or absent under the row lock (force_release could say which)"))
 async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
         both_url: str, tmp_path: Path) -> None:
     """X's record is SENDING past its lease (in doubt; its ``unknown`` row is in the ledger);

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -103,9 +104,8 @@ async def bounded_call(pool: asyncpg.Pool, op_name: str,
     conn: Any = None
     done = False
     try:
-        async with asyncio.timeout(limit_s):
-            async with asyncio.timeout(limit_s * ACQUIRE_SHARE):
-                conn = await pool.acquire()
+        conn = await _acquire(pool, op_name, limit_s * ACQUIRE_SHARE)
+        async with asyncio.timeout(limit_s * (1 - ACQUIRE_SHARE)):
             result = await fn(conn)
             done = True
             return result
@@ -126,6 +126,37 @@ async def bounded_call(pool: asyncpg.Pool, op_name: str,
             except asyncio.CancelledError:
                 _terminate(conn)
                 raise
+
+
+async def _acquire(pool: asyncpg.Pool, op_name: str, limit_s: float) -> Any:
+    """A pooled connection within ``limit_s`` seconds, or :class:`StoreError`. A connection
+    still being opened when the wait ends is not abandoned: it goes to the pool when it is
+    ready, for the next call (a database slow to connect, a long way off, would otherwise
+    never be reached: every call would cancel its connect and the next start over)."""
+    acquiring = asyncio.ensure_future(pool.acquire())
+    try:
+        async with asyncio.timeout(limit_s):
+            return await asyncio.shield(acquiring)
+    except TimeoutError as exc:
+        acquiring.add_done_callback(functools.partial(_hand_back, pool))
+        raise StoreError(op_name, f"no PostgreSQL connection within {limit_s:g} s (every "
+                                  "pooled one busy, or the database slow to connect)") from exc
+    except asyncio.CancelledError:
+        acquiring.add_done_callback(functools.partial(_hand_back, pool))
+        raise
+
+
+def _hand_back(pool: asyncpg.Pool, acquiring: asyncio.Future[Any]) -> None:
+    """Return the connection an abandoned wait got (when it got one) to ``pool``."""
+    if acquiring.cancelled() or acquiring.exception() is not None:
+        return
+    task = asyncio.ensure_future(pool.release(acquiring.result()))
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen: never logged
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
 
 
 def _terminate(conn: Any) -> None:
