@@ -88,8 +88,11 @@ def register(main: click.Group) -> None:
             loop_factory(uvloop_wanted=settings.event_loop == "uvloop", required=True)
         except StartupError as exc:
             fail(ExitCode.CONFIG, f"invalid configuration:\nevent_loop: {exc}")
+        ledger = (f", ledger {redact_url(settings.ledger)}"
+                  f"{' (required)' if settings.ledger_required else ''}"
+                  if settings.ledger is not None else "")
         click.echo(f"configuration ok: listen {settings.listen}, upstream "
-                   f"{settings.upstream_summary}, store {redact_url(settings.store)}")
+                   f"{settings.upstream_summary}, store {redact_url(settings.store)}{ledger}")
 
     @main.command("healthcheck", cls=SettingsCommand, epilog=epilog())
     @click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")

@@ -239,10 +239,14 @@ async def test_a_row_the_database_refuses_is_dropped_alone(
 
 def test_check_config_checks_the_files_the_ledger_url_names(tmp_path: Path) -> None:
     """`check-config` refuses a ledger URL naming a TLS file that does not exist (exit 78,
-    naming it) without connecting, and accepts one on a closed port."""
+    naming it) without connecting, and accepts one on a closed port, naming it in its
+    "configuration ok" line."""
+    port = free_port()
     ok = run_cli("check-config", "--upstream", "maildir:md", "--ledger",
-                 f"postgresql://relay@127.0.0.1:{free_port()}/audit", cwd=tmp_path)
+                 f"postgresql://relay@127.0.0.1:{port}/audit", "--ledger-required",
+                 cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+    assert f"ledger postgresql://relay@127.0.0.1:{port}/audit (required)" in ok.stdout
     missing = run_cli("check-config", "--upstream", "maildir:md", "--ledger",
                       "postgresql://relay@127.0.0.1:5/audit?sslrootcert=/nope/ledger-ca.pem",
                       cwd=tmp_path)
