@@ -52,7 +52,7 @@ from relay.ops.logs import set_level, setup_logging
 from relay.ops.metrics import (
     ConfigReloadMetrics,
     components_up,
-    ledger_dropped,
+    ledger_totals,
     upstreams_up,
     worker_gone,
     workers_registry,
@@ -182,14 +182,16 @@ class WorkersReadiness:
 
     def ledger(self) -> dict[str, object]:
         """The audit ledger over the workers: ``state`` (``up`` in every live worker, else
-        ``down``), ``required`` and the rows ``dropped`` by all of them; {} without one."""
+        ``down``), ``required``, the rows ``queued`` in them and ``dropped`` by all of them;
+        {} without one."""
         sup = self._supervisor
         if sup.settings.ledger is None or sup.metrics_dir is None:
             return {}
         up = components_up(sup.metrics_dir).get("ledger")
+        dropped, queued = ledger_totals(sup.metrics_dir)
         return {"state": "up" if up in (None, 1.0) else "down",
-                "required": sup.settings.ledger_required,
-                "dropped": ledger_dropped(sup.metrics_dir)}
+                "required": sup.settings.ledger_required, "queued": queued,
+                "dropped": dropped}
 
     def upstreams(self) -> dict[str, dict[str, object]]:
         """Each upstream by name: ``ready`` when it is in every live worker

@@ -353,14 +353,18 @@ def components_up(path: str) -> dict[str, float]:
     return {}
 
 
-def ledger_dropped(path: str) -> int:
-    """``relay_ledger_dropped_total`` summed over every worker (live or gone) of the
-    multiprocess directory ``path``."""
+def ledger_totals(path: str) -> tuple[int, int]:
+    """``relay_ledger_dropped_total`` summed over every worker (live or gone) and
+    ``relay_ledger_queue_rows`` over the live ones, of the multiprocess directory ``path``:
+    (dropped, queued)."""
+    dropped = queued = 0
     collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
     for metric in collector.collect():  # type: ignore[no-untyped-call]
         if metric.name == "relay_ledger_dropped":
-            return int(sum(s.value for s in metric.samples if s.name.endswith("_total")))
-    return 0
+            dropped = int(sum(s.value for s in metric.samples if s.name.endswith("_total")))
+        elif metric.name == "relay_ledger_queue_rows":
+            queued = int(sum(s.value for s in metric.samples))
+    return dropped, queued
 
 
 def upstreams_up(path: str) -> dict[str, float]:

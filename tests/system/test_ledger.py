@@ -183,7 +183,7 @@ async def test_a_serve_process_with_two_workers_writes_every_row_and_flushes_on_
             await asyncio.sleep(0.1)
         assert status == 200, body
         assert body["ledger"]["state"] == "up" and body["ledger"]["required"] is False, body
-        assert body["ledger"]["dropped"] == 0, body
+        assert body["ledger"]["dropped"] == 0 and body["ledger"]["queued"] == 0, body
     finally:
         code = await asyncio.to_thread(relay.stop)
     assert code == 0
