@@ -1,0 +1,111 @@
+"""Third attack on the audit ledger of issue 13 (ledger.py at 77fc212): each test fails on the
+code it was written against and is ``xfail(strict=True)`` until fixed.
+
+- An in-doubt decision counts as resolved by a later ``relayed`` / ``would_suppress`` /
+  ``released`` / ``marked_sent`` row of its store key, "later" by ``decided_at`` OR by
+  ``recorded_at`` (:data:`relay.store.postgres.ledger.UNRESOLVED_WHERE`). ``recorded_at`` says
+  when a row landed, not when it was decided: a relay whose queue waited out an outage lands an
+  OLD decision late, and that old ``relayed`` row then "resolves" every in-doubt decision of
+  the same store key taken meanwhile by another relay. Sequence: relay X relays K (its row
+  queued, X cannot reach the ledger); an operator releases K (the client asked for a resend;
+  his row lands); relay Y sends K again and gets no reply to the final dot (``unknown``, its
+  row lands: K is in doubt, ``in-doubt`` lists it); X's ledger comes back and its old
+  ``relayed`` row lands. ``in-doubt`` then lists nothing and the gauge reads 0: the alert
+  ``DedupRelayInDoubtUnresolved`` never fires for a message whose delivery nobody knows. Since
+  b9355e5 every row's ``decided_at`` is on the database's clock (the relay's monotonic clock
+  plus a measured offset, the CLI's wall clock plus its own), so the ``recorded_at`` half of
+  the rule no longer buys what it was added for (a mark-sent from a host whose clock is
+  behind), and only hides decisions.
+
+The outage is :class:`tests.support.pg_proxy.PgProxy` refusing X's ledger connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from relay.core.interfaces import LedgerAction, LedgerEntry
+from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
+from relay.store.postgres.ledger_read import LedgerReader
+from tests.support.pg_proxy import pg_proxy
+from tests.support.postgres import wait_ledger_rows
+
+
+class _Metrics:
+    """A :class:`relay.store.postgres.ledger.LedgerMetrics` that keeps the in-doubt gauge."""
+
+    def __init__(self) -> None:
+        self.in_doubt = -1
+
+    def ledger_written(self, rows: int) -> None:
+        """Nothing."""
+
+    def ledger_dropped(self, reason: str, rows: int) -> None:
+        """Nothing."""
+
+    def ledger_queued(self, rows: int) -> None:
+        """Nothing."""
+
+    def component_up(self, component: str, up: bool) -> None:
+        """Nothing."""
+
+    def in_doubt_unresolved(self, count: int) -> None:
+        """Keep ``count``."""
+        self.in_doubt = count
+
+
+def _entry(outcome: str, *, action: LedgerAction = LedgerAction.RELAY) -> LedgerEntry:
+    """A row of dr:K decided now."""
+    return LedgerEntry(decided_at=time.time(), outcome=outcome, recipient="j@example.com",
+                       store_key="dr:K", template="t", dedupe_key="order-1", action=action)
+
+
+async def _open(url: str, instance: str, metrics: _Metrics) -> PostgresLedger:
+    return await PostgresLedger.open(
+        url, metrics=metrics, options=LedgerOptions(instance=instance, in_doubt_after_s=0.0),
+        op_timeout_s=2.0, cleanup_interval_s=None, gauge_interval_s=None)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "UNRESOLVED_WHERE takes a row that LANDED later (recorded_at) as resolving: an old "
+    "relayed row that waited out its relay's ledger outage hides a later unknown decision "
+    "from in-doubt and the gauge"))
+async def test_an_old_row_landing_late_does_not_resolve_a_later_unknown(
+        ledger_url: str) -> None:
+    """Relay X's ``relayed`` row of dr:K waits in X's queue (its ledger refused); an
+    operator's ``released`` row and relay Y's ``unknown`` row of dr:K land, decided after
+    it; X's ledger comes back and its row lands. The ``unknown`` decision was taken after
+    every other row of dr:K: ``in-doubt`` lists it and the gauge counts it, before and after
+    X's row landed."""
+    y_metrics = _Metrics()
+    async with pg_proxy() as proxy:
+        x = await _open(proxy.url(ledger_url), "x/1", _Metrics())
+        y = await _open(ledger_url, "y/1", y_metrics)
+        try:
+            proxy.refuse()
+            x.record([_entry("relayed")])  # X relayed dr:K; its row waits
+            await asyncio.sleep(0.3)
+            assert not x.status().up and x.status().queued == 1
+            await y.write_now([_entry("released", action=LedgerAction.RELEASE)])
+            await asyncio.sleep(0.05)
+            y.record([_entry("unknown")])  # Y's resend: no reply to the final dot
+            await wait_ledger_rows(ledger_url, 2)
+            await asyncio.sleep(0.05)
+            assert await y.refresh_in_doubt() == 1  # in doubt: listed and counted
+            proxy.resume()
+            rows = await wait_ledger_rows(ledger_url, 3)
+            assert [r["outcome"] for r in rows] == ["relayed", "released", "unknown"]
+            reader = await LedgerReader.open(ledger_url)
+            try:
+                listed = await reader.in_doubt(older_than_s=0.0, limit=10)
+            finally:
+                await reader.close()
+            counted = await y.refresh_in_doubt()
+            assert ([r.outcome for r in listed], counted) == (["unknown"], 1), (
+                "X's old relayed row, landed late, hid Y's later unknown decision")
+        finally:
+            await x.close(flush_s=0)
+            await y.close(flush_s=0)
