@@ -108,10 +108,6 @@ class _Failover:
             writer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "139006e: a connect that outlived its call's share runs on to asyncpg's 60 s connect "
-    "timeout holding a pool slot: after a failover that repoints the address, every slot "
-    "waits on the old one and every call fails though the new primary answers"))
 async def test_the_store_answers_soon_after_a_failover_to_a_new_address(url: str) -> None:
     """Pool of 3, op timeout 1 s. While the old address drops packets, 3 concurrent pings
     fail (StoreError within about 1 s). The new primary then answers every new connection:

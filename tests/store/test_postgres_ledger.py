@@ -194,28 +194,6 @@ def test_db_upgrade_ledger_on_an_empty_database_and_on_the_current_schema() -> N
     assert "dedup_relay_fingerprints" not in sql.stdout
 
 
-async def test_a_mark_sent_from_a_host_whose_clock_is_behind_still_resolves(
-        url: str, conn: asyncpg.Connection) -> None:
-    """The relay's clock an hour ahead wrote the unknown row; the operator's mark-sent, written
-    after it, carries an earlier decided_at: it resolves the decision all the same (recorded
-    later by the database's clock)."""
-    db_now = float(await conn.fetchval("SELECT extract(epoch FROM now())"))
-    options = LedgerOptions()
-    await insert_rows(conn, [row_of(entry("unknown", key="s", at=db_now - 7200 + 3600),
-                                    options)])
-    await conn.execute("UPDATE dedup_relay_ledger SET decided_at = decided_at - interval "
-                       "'2 hours'")  # old enough for the gauge by any clock
-    await insert_rows(conn, [row_of(entry("marked_sent", key="s", at=db_now - 20000),
-                                    options)])
-    ledger = await PostgresLedger.open(url, metrics=Counted(),
-                                       options=LedgerOptions(in_doubt_after_s=60.0),
-                                       cleanup_interval_s=None, gauge_interval_s=None)
-    try:
-        assert await ledger.refresh_in_doubt() == 0
-    finally:
-        await ledger.close()
-
-
 async def test_a_row_the_database_refuses_is_dropped_alone(
         url: str, conn: asyncpg.Connection) -> None:
     """A batch with one row PostgreSQL refuses for its data (a NaN time: SQLSTATE 22008) does

@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from relay.core.interfaces import LedgerAction, LedgerEntry
 from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
 from relay.store.postgres.ledger_read import LedgerReader
@@ -69,10 +67,6 @@ async def _open(url: str, instance: str, metrics: _Metrics) -> PostgresLedger:
         op_timeout_s=2.0, cleanup_interval_s=None, gauge_interval_s=None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "UNRESOLVED_WHERE takes a row that LANDED later (recorded_at) as resolving: an old "
-    "relayed row that waited out its relay's ledger outage hides a later unknown decision "
-    "from in-doubt and the gauge"))
 async def test_an_old_row_landing_late_does_not_resolve_a_later_unknown(
         ledger_url: str) -> None:
     """Relay X's ``relayed`` row of dr:K waits in X's queue (its ledger refused); an

@@ -67,16 +67,21 @@ async def open_pool(url: str, *, max_size: int, op_name: str,
     such as PgBouncer refuse; a longer call raises it for itself: :func:`longer`). Raises
     :class:`StoreError` naming ``op_name`` for a URL asyncpg refuses."""
     init = None
+    extra: dict[str, Any] = {}
     if limit_s is not None:
         statement = f"SET statement_timeout = {statement_timeout_ms(limit_s)}"
 
         async def set_timeout(conn: asyncpg.Connection) -> None:
-            await conn.execute(statement)
+            await conn.execute(statement, timeout=limit_s)
         init = set_timeout
+        # a connect outlives a call's wait (it is handed to the pool when ready), but not
+        # the bound itself: a blackholed address holds a pool slot that long, not asyncpg's
+        # 60 s default (an attack test: after a failover every slot was stuck connecting)
+        extra["timeout"] = limit_s
     try:
         pool = asyncpg.create_pool(url, min_size=0, max_size=max_size,
                                    max_inactive_connection_lifetime=INACTIVE_S,
-                                   reset=_no_reset, init=init)
+                                   reset=_no_reset, init=init, **extra)
         await pool
     except (*ERRORS, ValueError) as exc:
         raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc

@@ -90,17 +90,16 @@ RESOLVING = ("relayed", "would_suppress", "released", "marked_sent")
 decision: the record was sent again, released or marked sent by an operator."""
 
 # rows saying a fingerprint is in doubt (IN_DOUBT, with a store key) that no later row of the
-# same store key resolved, decided at least $1 ms ago. "Later" by either clock: the deciding
-# relay's (decided_at) or the database's (recorded_at): an operator's mark-sent from a host
-# whose clock is behind the relay's still resolves the decision it answers (it was written
-# after it), and a resend decided later whose row landed first (the other relay's queue waited
-# out an outage) too. Counted per store key (a record in doubt has one row per retry).
+# same store key resolved, decided at least $1 ms ago. "Later" by decided_at alone, which every
+# writer puts on the database's clock (relays and the admin commands alike): when a row landed
+# says nothing of when it was decided (an attack test: a relay's old `relayed` row, queued
+# through an outage, landed after a newer `unknown` and hid it). Counted per store key (a
+# record in doubt has one row per retry).
 UNRESOLVED_WHERE = f"""
 u.outcome IN ({", ".join(f"'{o}'" for o in IN_DOUBT)}) AND u.store_key IS NOT NULL
 AND u.decided_at <= now() - $1::bigint * interval '1 millisecond'
 AND NOT EXISTS (
-    SELECT 1 FROM {_L_} r WHERE r.store_key = u.store_key
-    AND (r.decided_at > u.decided_at OR r.recorded_at > u.recorded_at)
+    SELECT 1 FROM {_L_} r WHERE r.store_key = u.store_key AND r.decided_at > u.decided_at
     AND r.outcome IN ({", ".join(f"'{o}'" for o in RESOLVING)}))
 """
 _COUNT_UNRESOLVED = f"SELECT count(DISTINCT u.store_key) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
