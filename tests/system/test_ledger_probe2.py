@@ -102,8 +102,6 @@ async def _v1_schema(url: str) -> None:
     await _run(step_1 + ";INSERT INTO dedup_relay_schema VALUES ('store', 1)", url)  # noqa: S608
 
 
-@pytest.mark.xfail(strict=True, reason="probe2: a store slow to connect at start-up is never "
-                   "checked for its schema (serve runs on version 1, /readyz 200)")
 async def test_a_store_slow_to_connect_at_start_up_still_has_its_schema_checked(
         tmp_path: Path) -> None:
     """Store schema version 1 behind a proxy that takes 0.6 s to open a connection,
@@ -153,9 +151,6 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
 
 
-@pytest.mark.xfail(strict=True, reason="probe2: ledger_required on a read-only ledger session "
-                   "relays each worker's first message (the ledger reads as up until a write "
-                   "fails)")
 async def test_ledger_required_on_a_read_only_ledger_relays_nothing(
         ledger_url: str, make_relay: MakeRelay, sink: Sink) -> None:
     """The ledger's table exists but its sessions take no writes (a standby-like session):
@@ -198,8 +193,6 @@ async def test_readyz_ledger_part_carries_the_error_with_two_workers(
         await asyncio.to_thread(served.stop)
 
 
-@pytest.mark.xfail(strict=True, reason="probe2: a ledger slow to connect at start-up is never "
-                   "checked for its schema (serve runs without the ledger's table)")
 async def test_a_ledger_slow_to_connect_at_start_up_still_has_its_schema_checked(
         tmp_path: Path) -> None:
     """A ledger database without the ledger's table behind a proxy that takes 2.5 s to open a

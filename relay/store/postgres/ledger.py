@@ -50,6 +50,10 @@ CLEANUP_INTERVAL_S = 60.0
 CLEANUP_BATCH = 5000
 CLEANUP_MAX_BATCHES = 20
 GAUGE_INTERVAL_S = 30.0
+STARTUP_CHECK_S = 15.0
+"""Bound of the schema check at start-up, seconds (a connect included)."""
+_WRITABLE = ("SELECT NOT pg_is_in_recovery() "
+             "AND current_setting('transaction_read_only') = 'off'")
 BACKGROUND_TIMEOUT_S = 30.0
 """Bound of a cleanup statement or an in-doubt count (seconds): background work, not a
 message's path, and a large ledger's count reads more than a write."""
@@ -247,6 +251,7 @@ class PostgresLedger:
         self._drained = asyncio.Event()  # set when a write empties the queue
         self._up = True  # until a write fails: a ledger is not known down before it is used
         self._error = ""  # why it is down (the last failure), for /readyz
+        self._schema_checked = False  # open() checked it, or a probe did since
         self._dropped = 0
         self._closing = False
         loop = asyncio.get_running_loop()
@@ -274,18 +279,23 @@ class PostgresLedger:
                                limit_s=op_timeout_s)
         ledger = cls(pool, metrics=metrics, options=options, op_timeout_s=op_timeout_s,
                      **kwargs)
-        if check_schema:
-            try:
-                await ledger._call("ledger check_schema",
-                                   lambda conn: migrations.check(conn, "ledger"))
-            except migrations.SchemaError as exc:
-                await ledger.close(flush_s=0)
-                raise StartupError(str(exc)) from exc
-            except StoreError as exc:
-                ledger._set_up(False, str(exc))
-                log.warning("audit ledger not reachable at start-up (%s): rows queue until "
-                            "it answers%s", exc, "; messages are refused meanwhile "
-                            "(ledger_required)" if options.required else "")
+        if not check_schema:
+            ledger._schema_checked = True
+            return ledger
+        try:  # not a message's path: a database slow to connect gets longer than a write
+            await ledger._call("ledger check_schema",
+                               lambda conn: migrations.check(conn, "ledger"),
+                               timeout_s=max(STARTUP_CHECK_S, op_timeout_s))
+            ledger._schema_checked = True
+            await ledger.ping()  # takes writes? (a read-only server: down from the start)
+        except migrations.SchemaError as exc:
+            await ledger.close(flush_s=0)
+            raise StartupError(str(exc)) from exc
+        except StoreError as exc:
+            ledger._set_up(False, str(exc))
+            log.warning("audit ledger not usable at start-up (%s): rows queue until it "
+                        "is%s", exc, "; messages are refused meanwhile (ledger_required)"
+                        if options.required else "")
         return ledger
 
     # -- AuditLedger ---------------------------------------------------------------------------
@@ -343,12 +353,23 @@ class PostgresLedger:
 
     async def ping(self) -> None:
         """Raise :class:`StoreError` unless the ledger is writable: the last batch landed, or
-        (nothing waiting) the database answers a query."""
+        (nothing waiting) the database answers, takes writes (not a read-only session or a
+        standby) and, when start-up could not tell, holds this relay's schema."""
         if self._queue and not self._up:
             raise StoreError("ledger", f"{len(self._queue)} row(s) waiting, the last write "
                                        "failed")
         try:
-            await self._call("ledger ping", lambda conn: conn.fetchval("SELECT 1"))
+            if not self._schema_checked:
+                await self._call("ledger ping", lambda conn: migrations.check(conn, "ledger"))
+                self._schema_checked = True
+            writable = await self._call("ledger ping", lambda conn: conn.fetchval(_WRITABLE))
+            if writable is not True:
+                raise StoreError("ledger ping", "the database takes no writes (a read-only "
+                                                "session or a standby in recovery)")
+        except migrations.SchemaError as exc:
+            log.error("audit ledger: %s", exc)
+            self._set_up(False, str(exc))
+            raise StoreError("ledger ping", str(exc)) from exc
         except StoreError as exc:
             self._set_up(False, str(exc))
             raise

@@ -43,6 +43,8 @@ CLEANUP_INTERVAL_S = 5.0
 CLEANUP_BATCH = 1000
 CLEANUP_MAX_BATCHES = 10
 """A cleanup round deletes at most ``CLEANUP_BATCH * CLEANUP_MAX_BATCHES`` expired rows."""
+STARTUP_CHECK_S = 15.0
+"""Bound of the schema check at start-up, seconds (a connect included)."""
 _COUNT_TIMEOUT_S = 120.0  # bound of count_states, a read of every row (an admin command's)
 _RESERVE_ATTEMPTS = 5  # rounds for keys a concurrent transaction changed under a reserve
 
@@ -261,6 +263,7 @@ class PostgresStore:
         self._pool = pool
         self._op_timeout_s = op_timeout_s
         self._closed = False
+        self._schema_checked = False  # open() checked it, or a probe did since
         self._cleanup_batch = cleanup_batch
         self._cleanup_max_batches = cleanup_max_batches
         self._cleanup: asyncio.Task[None] | None = None
@@ -283,16 +286,20 @@ class PostgresStore:
         cleanup rounds."""
         pool = await open_pool(url, max_size=pool_size, op_name="open", limit_s=op_timeout_s)
         store = cls(pool, op_timeout_s=op_timeout_s, cleanup_interval_s=cleanup_interval_s)
-        if check_schema:
-            try:
-                await store._call("check_schema",
-                                  lambda conn: migrations.check(conn, "store"))
-            except migrations.SchemaError as exc:
-                await store.close()
-                raise StartupError(str(exc)) from exc
-            except StoreError as exc:
-                log.warning("postgresql not reachable at start-up (%s); the schema is checked "
-                            "at none of the calls: will fail closed until it answers", exc)
+        if not check_schema:
+            store._schema_checked = True
+            return store
+        try:  # not a message's path: a database slow to connect gets longer than a call
+            await store._call("check_schema", lambda conn: migrations.check(conn, "store"),
+                              timeout_s=max(STARTUP_CHECK_S, op_timeout_s))
+            store._schema_checked = True
+        except migrations.SchemaError as exc:
+            await store.close()
+            raise StartupError(str(exc)) from exc
+        except StoreError as exc:
+            log.warning("postgresql not reachable at start-up (%s); its schema is checked by "
+                        "the first readiness probe it answers (the store's calls fail until "
+                        "then, answered per store_down)", exc)
         return store
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
@@ -419,7 +426,16 @@ class PostgresStore:
     async def ping(self) -> None:
         """Check that the database answers and takes writes (a hot standby, or a session
         with ``default_transaction_read_only``, answers ``SELECT 1`` while every reserve
-        fails). Raises :class:`StoreError` (op ``ping``)."""
+        fails), and, when start-up could not, that its schema is this relay's (a missing or
+        old one fails every probe, logged at ERROR, naming ``dedup-relay db upgrade``).
+        Raises :class:`StoreError` (op ``ping``)."""
+        if not self._schema_checked:
+            try:
+                await self._call("ping", lambda conn: migrations.check(conn, "store"))
+            except migrations.SchemaError as exc:
+                log.error("postgresql store: %s", exc)
+                raise StoreError("ping", str(exc)) from exc
+            self._schema_checked = True
         writable = await self._call("ping", lambda conn: conn.fetchval(_WRITABLE))
         if writable is not True:
             raise StoreError("ping", "the database takes no writes (a read-only session or a "
