@@ -20,7 +20,6 @@ are not slowed.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -28,6 +27,7 @@ import pytest
 
 from relay.core.errors import StoreError
 from relay.store.postgres.store import PostgresStore
+from tests.support.pg_proxy import PgProxy
 from tests.support.postgres import private_schema
 
 CONNECT_DELAY_S = 0.55
@@ -43,68 +43,15 @@ def url() -> Iterator[str]:
         yield url
 
 
-class _SlowSetUp:
-    """A TCP proxy on a free loopback port in front of ``host:port`` that waits ``delay_s``
-    seconds after accepting a connection before it connects it through."""
-
-    def __init__(self, host: str, port: int, delay_s: float) -> None:
-        self._target = (host, port)
-        self._delay_s = delay_s
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        """Listen on a free loopback port (``self.port``)."""
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        """Stop listening and end every connection."""
-        if self._server is not None:
-            self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        up_writer: asyncio.StreamWriter | None = None
-        try:
-            await asyncio.sleep(self._delay_s)
-            up_reader, up_writer = await asyncio.open_connection(*self._target)
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-            if up_writer is not None:
-                up_writer.close()
-            self._tasks.discard(task)
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
-
-
 async def test_a_store_whose_connection_set_up_takes_half_the_bound_is_reached(
         url: str) -> None:
     """Connection set-up 0.55 s, store bound 1 s: of three calls in a row, at least the
     last must answer (before d1eb76f the first did, in about 0.6 s)."""
     parts = urlsplit(url)
-    proxy = _SlowSetUp(parts.hostname or "127.0.0.1", parts.port or 5432, CONNECT_DELAY_S)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432,
+                    connect_delay_s=CONNECT_DELAY_S)
     await proxy.start()
-    user = f"{parts.username}@" if parts.username else ""
-    slow = parts._replace(netloc=f"{user}127.0.0.1:{proxy.port}").geturl()
+    slow = proxy.url(url)
     store = await PostgresStore.open(slow, op_timeout_s=OP_TIMEOUT_S, check_schema=False,
                                      cleanup_interval_s=None)
     errors: list[str] = []

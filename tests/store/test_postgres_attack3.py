@@ -23,14 +23,14 @@ Each test works in a private schema of the shared server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import pytest
 
 from relay.core.errors import StoreError
 from relay.store.postgres.store import PostgresStore
+from tests.support.pg_proxy import PgProxy
 from tests.support.postgres import POSTGRES_URL, private_schema
 
 OP_TIMEOUT_S = 1.0
@@ -46,73 +46,12 @@ def url() -> Iterator[str]:
         yield url
 
 
-class _Failover:
-    """A TCP proxy on a free loopback port. While ``partitioned`` it accepts connections and
-    reads them without a word (an address that drops packets); afterwards new connections
-    are piped to the shared server. A connection accepted while partitioned stays so."""
-
-    def __init__(self) -> None:
-        parts = urlsplit(POSTGRES_URL)
-        self._target = (parts.hostname or "127.0.0.1", parts.port or 5432)
-        self.partitioned = False
-        self.blackholed = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        """Listen on a free loopback port."""
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    def url(self, url: str) -> str:
-        """``url`` pointed at this proxy."""
-        parts = urlsplit(url)
-        user = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
-
-    async def close(self) -> None:
-        """Stop listening; end every connection and task."""
-        if self._server is not None:
-            self._server.close()
-        for writer in self._writers:
-            writer.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        if self.partitioned:
-            self.blackholed += 1
-            with contextlib.suppress(ConnectionError):
-                while await reader.read(65536):
-                    pass
-            return
-        up_reader, up_writer = await asyncio.open_connection(*self._target)
-        self._writers.append(up_writer)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
-                             return_exceptions=True)
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.close()
-
-
 async def test_the_store_answers_soon_after_a_failover_to_a_new_address(url: str) -> None:
     """Pool of 3, op timeout 1 s. While the old address drops packets, 3 concurrent pings
     fail (StoreError within about 1 s). The new primary then answers every new connection:
     within 3 s one ping succeeds."""
-    proxy = _Failover()
+    parts = urlsplit(POSTGRES_URL)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
     await proxy.start()
     store = await PostgresStore.open(proxy.url(url), op_timeout_s=OP_TIMEOUT_S,
                                      pool_size=POOL_SIZE, check_schema=False,

@@ -17,11 +17,18 @@ class PgProxy:
     ``hang()``: bytes are still read from both sides but no longer passed on, and new
     connections are accepted and never answered (a peer that hangs, not one that refuses);
     ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
-    traffic flows again (bytes held while hung are passed on). ``close()`` ends everything.
+    traffic flows again (bytes held while hung are passed on). ``partitioned`` (set it):
+    connections accepted meanwhile are read and never answered, also after it is cleared (an
+    address that drops packets; ``blackholed`` counts them). ``connect_delay_s``: each new
+    connection waits that long before it is connected through (a database slow to connect).
+    ``close()`` ends everything.
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, connect_delay_s: float = 0.0) -> None:
         self._target = (host, port)
+        self.connect_delay_s = connect_delay_s
+        self.partitioned = False
+        self.blackholed = 0
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._refusing = False
@@ -77,6 +84,13 @@ class PgProxy:
                 writer.close()
                 return
             self._writers.append(writer)
+            if self.partitioned:
+                self.blackholed += 1
+                while await reader.read(65536):
+                    pass
+                return
+            if self.connect_delay_s:
+                await asyncio.sleep(self.connect_delay_s)
             await self._flowing.wait()
             up_reader, up_writer = await asyncio.open_connection(*self._target)
             self._writers.append(up_writer)
