@@ -80,8 +80,8 @@ async def test_rows_of_a_send_a_duplicate_a_refusal_and_an_in_doubt_message(
     assert by_outcome["unknown"]["reply"] == ""
     assert by_outcome["unknown"]["client_reply"].startswith("451 ")
     deadline = time.monotonic() + 5  # the writer counts a batch once its INSERT returned
-    while metric(relay, "relay_ledger_rows_total") < 4 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)  # noqa: ASYNC110  # a counter, polled
+    while metric(relay, "relay_ledger_rows_total") < 4 and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)  # a counter, polled
     assert metric(relay, "relay_ledger_rows_total") == 4
 
 
