@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Any, TypeVar
 
 import asyncpg
@@ -35,6 +36,88 @@ fault bench: an uncaught one turned a delivered message's SENT settle into an in
 
 INACTIVE_S = 60.0
 """Seconds an idle pooled connection lives before it is closed."""
+
+STARTUP_CHECK_S = 15.0
+"""Bound of a schema check at start-up (the store's, the ledger's), seconds, a connect
+included: not a message's path, and a database slow to connect must still be checked."""
+
+WRITABLE = ("SELECT NOT pg_is_in_recovery() "
+            "AND current_setting('transaction_read_only') = 'off'")
+"""True when the session can write: a hot standby, or a session with
+``default_transaction_read_only``, answers ``SELECT 1`` while every write fails."""
+
+
+def milliseconds(seconds: float) -> int:
+    """A duration in seconds as whole milliseconds, at least 1 ms."""
+    return max(1, int(seconds * 1000))
+
+
+def storable(text: str) -> str:
+    """``text`` storable in a PostgreSQL text column: lone surrogates and NUL become U+FFFD."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+
+
+def deleted_rows(status: str) -> int:
+    """The row count of a ``DELETE n`` command status."""
+    return int(status.split()[-1])
+
+
+async def delete_in_batches(delete_batch: Callable[[], Awaitable[int]], *, batch: int,
+                            max_batches: int) -> int:
+    """Run ``delete_batch()`` (one bounded DELETE of at most ``batch`` rows; it returns how
+    many it deleted) until a round deletes fewer than ``batch`` or ``max_batches`` ran; return
+    how many in all (a cleanup's backlog is worked off in bounded steps)."""
+    total = 0
+    for _ in range(max_batches):
+        deleted = await delete_batch()
+        total += deleted
+        if deleted < batch:
+            break
+    return total
+
+
+class as_store_error:  # used as a function: ``with as_store_error(...):``
+    """Turn a timeout (the caller's bound of ``limit_s`` seconds) and ``errors`` raised in the
+    ``with`` block into :class:`StoreError` naming ``op_name``; nothing is swallowed."""
+
+    def __init__(self, op_name: str, limit_s: float,
+                 errors: tuple[type[BaseException], ...] = ERRORS) -> None:
+        self._op_name, self._limit_s, self._errors = op_name, limit_s, errors
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if isinstance(exc, TimeoutError):
+            raise StoreError(self._op_name, f"PostgreSQL did not answer within "
+                                            f"{self._limit_s:g} s") from exc
+        if isinstance(exc, self._errors):
+            raise StoreError(self._op_name, f"{type(exc).__name__}: {exc}") from exc
+
+
+async def close_connection(conn: asyncpg.Connection | None) -> None:
+    """Close ``conn`` (one of its own, not pooled) within a second, else drop it without a
+    word; None: nothing. A cancellation drops it and goes on."""
+    if conn is None or conn.is_closed():
+        return
+    try:
+        async with asyncio.timeout(1.0):
+            await conn.close()
+    except ERRORS:
+        conn.terminate()
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
+
+
+async def close_pool(pool: asyncpg.Pool, timeout_s: float) -> None:
+    """Close ``pool`` within ``timeout_s`` seconds, else terminate every connection."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await pool.close()
+    except ERRORS:
+        pool.terminate()
 
 
 async def _no_reset(conn: Any) -> None:
@@ -101,36 +184,42 @@ def longer(fn: Callable[[asyncpg.Connection], Awaitable[_R]],
 
 async def bounded_call(pool: asyncpg.Pool, op_name: str,
                        fn: Callable[[asyncpg.Connection], Awaitable[_R]],
-                       limit_s: float) -> _R:
+                       limit_s: float, *, session_limit_s: float | None = None) -> _R:
     """Run ``fn`` on a pooled connection, the wait for the connection included, within
-    ``limit_s`` seconds. Raises :class:`StoreError` naming ``op_name`` on any failure or
-    timeout; a connection whose call timed out or was cancelled is terminated, never waited
-    for."""
+    ``limit_s`` seconds; when that is longer than the bound the pool's sessions were opened
+    for (``session_limit_s``, their ``statement_timeout``), ``fn`` runs under :func:`longer`.
+    Raises :class:`StoreError` naming ``op_name`` on any failure or timeout; a connection
+    whose call timed out or was cancelled is terminated, never waited for."""
+    if session_limit_s is not None and limit_s > session_limit_s:
+        fn = longer(fn, limit_s)
     conn: Any = None
     done = False
     try:
-        conn = await _acquire(pool, op_name, limit_s * ACQUIRE_SHARE)
-        async with asyncio.timeout(limit_s * (1 - ACQUIRE_SHARE)):
-            result = await fn(conn)
-            done = True
-            return result
-    except TimeoutError as exc:
-        raise StoreError(op_name, f"PostgreSQL did not answer within {limit_s:g} s") from exc
-    except ERRORS as exc:
-        raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
+        with as_store_error(op_name, limit_s):
+            conn = await _acquire(pool, op_name, limit_s * ACQUIRE_SHARE)
+            async with asyncio.timeout(limit_s * (1 - ACQUIRE_SHARE)):
+                result = await fn(conn)
+                done = True
+                return result
     finally:
         if conn is not None:
             if not done:
                 # timed out, cancelled or failed mid-call: the server may be hanging; a
                 # PostgresError left the connection usable, but a fresh one costs little
-                _terminate(conn)
-            try:
-                await pool.release(conn, timeout=limit_s)
-            except ERRORS:
-                _terminate(conn)
-            except asyncio.CancelledError:
-                _terminate(conn)
-                raise
+                terminate(conn)
+            await release(pool, conn, limit_s)
+
+
+async def release(pool: asyncpg.Pool, conn: Any, limit_s: float) -> None:
+    """Hand ``conn`` back to ``pool`` within ``limit_s`` seconds (a terminated one is dropped
+    by it), else terminate it; a cancellation terminates it and goes on."""
+    try:
+        await pool.release(conn, timeout=limit_s)
+    except ERRORS:
+        terminate(conn)
+    except asyncio.CancelledError:
+        terminate(conn)
+        raise
 
 
 async def _acquire(pool: asyncpg.Pool, op_name: str, limit_s: float) -> Any:
@@ -164,7 +253,7 @@ def _hand_back(pool: asyncpg.Pool, acquiring: asyncio.Future[Any]) -> None:
 _BACKGROUND: set[asyncio.Task[None]] = set()
 
 
-def _terminate(conn: Any) -> None:
+def terminate(conn: Any) -> None:
     """Close ``conn`` at once, without a word to the server; nothing when it is closed
     already or was handed back to the pool meanwhile (a release that completed as it was
     cancelled: asyncpg then refuses with InterfaceError)."""

@@ -34,8 +34,16 @@ from relay.core.address import mask_address
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
-from relay.store.postgres.calls import ERRORS as _ERRORS
-from relay.store.postgres.calls import bounded_call, longer, open_pool
+from relay.store.postgres.calls import (
+    STARTUP_CHECK_S,
+    WRITABLE,
+    bounded_call,
+    close_pool,
+    delete_in_batches,
+    deleted_rows,
+    open_pool,
+    storable,
+)
 from relay.store.postgres.migrations import LEDGER as _L_
 
 log = logging.getLogger(__name__)
@@ -50,10 +58,6 @@ CLEANUP_INTERVAL_S = 60.0
 CLEANUP_BATCH = 5000
 CLEANUP_MAX_BATCHES = 20
 GAUGE_INTERVAL_S = 30.0
-STARTUP_CHECK_S = 15.0
-"""Bound of the schema check at start-up, seconds (a connect included)."""
-_WRITABLE = ("SELECT NOT pg_is_in_recovery() "
-             "AND current_setting('transaction_read_only') = 'off'")
 BACKGROUND_TIMEOUT_S = 30.0
 """Bound of a cleanup statement or an in-doubt count (seconds): background work, not a
 message's path, and a large ledger's count reads more than a write."""
@@ -109,7 +113,6 @@ AND NOT EXISTS (
 _COUNT_UNRESOLVED = f"SELECT count(DISTINCT u.store_key) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
 
 
-
 def _refused_data(exc: StoreError) -> bool:
     """Whether ``exc`` is the database refusing the rows themselves (SQLSTATE class 22, data
     exception, or 23, integrity constraint), which no retry changes."""
@@ -163,10 +166,8 @@ class LedgerOptions:
 
 
 def _clean(text: str | None) -> str | None:
-    """``text`` storable in a PostgreSQL text column (lone surrogates, NUL -> U+FFFD)."""
-    if text is None:
-        return None
-    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+    """``text`` storable in a text column (:func:`storable`), None as it is."""
+    return None if text is None else storable(text)
 
 
 def key_digest(key: str, secret: bytes | None) -> str:
@@ -180,9 +181,10 @@ def key_digest(key: str, secret: bytes | None) -> str:
 
 
 def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
-    """``entry`` as the values of :data:`COLUMNS`, recipient masked and key hashed per
-    ``options``."""
-    recipient = entry.recipient if options.recipients_full else mask_address(entry.recipient)
+    """``entry`` as the values of :data:`COLUMNS`, recipient masked (an empty one kept
+    empty) and key hashed per ``options``."""
+    recipient = (entry.recipient if options.recipients_full or not entry.recipient
+                 else mask_address(entry.recipient))  # "" (an operator's row) stays ""
     key = entry.dedupe_key
     if key is not None and not options.keys_plain:
         key = key_digest(key, options.secret)
@@ -362,7 +364,7 @@ class PostgresLedger:
             if not self._schema_checked:
                 await self._call("ledger ping", lambda conn: migrations.check(conn, "ledger"))
                 self._schema_checked = True
-            writable = await self._call("ledger ping", lambda conn: conn.fetchval(_WRITABLE))
+            writable = await self._call("ledger ping", lambda conn: conn.fetchval(WRITABLE))
             if writable is not True:
                 raise StoreError("ledger ping", "the database takes no writes (a read-only "
                                                 "session or a standby in recovery)")
@@ -385,16 +387,15 @@ class PostgresLedger:
     async def cleanup(self) -> int:
         """Delete rows older than the retention, in at most ``CLEANUP_MAX_BATCHES``
         statements of ``CLEANUP_BATCH`` rows; return how many. Raises :class:`StoreError`."""
-        total = 0
         retention_ms = int(self._options.retention_s * 1000)
-        for _ in range(CLEANUP_MAX_BATCHES):
-            status = await self._call("ledger cleanup", lambda conn: conn.execute(
-                _CLEANUP, CLEANUP_BATCH, retention_ms), timeout_s=BACKGROUND_TIMEOUT_S)
-            deleted = int(status.split()[-1])
-            total += deleted
-            if deleted < CLEANUP_BATCH:
-                break
-        return total
+
+        async def one() -> int:
+            return deleted_rows(await self._call(
+                "ledger cleanup", lambda conn: conn.execute(_CLEANUP, CLEANUP_BATCH,
+                                                            retention_ms),
+                timeout_s=BACKGROUND_TIMEOUT_S))
+        return await delete_in_batches(one, batch=CLEANUP_BATCH,
+                                       max_batches=CLEANUP_MAX_BATCHES)
 
     async def refresh_in_doubt(self) -> int:
         """Count the unresolved in-doubt decisions older than ``in_doubt_after_s`` into the
@@ -429,11 +430,7 @@ class PostgresLedger:
             self._drop("shutdown", len(self._queue))
             self._queue.clear()
             self._metrics.ledger_queued(0)
-        try:
-            async with asyncio.timeout(max(1.0, self._op_timeout_s)):
-                await self._pool.close()
-        except _ERRORS:
-            self._pool.terminate()
+        await close_pool(self._pool, max(1.0, self._op_timeout_s))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -472,22 +469,12 @@ class PostgresLedger:
                 continue
             batch = [self._queue[i] for i in range(min(self._batch_rows, len(self._queue)))]
             try:
-                await self._call("ledger write",
-                                 lambda conn, rows=batch: self._insert(conn, rows))
-                written = len(batch)
+                written = await self._write(batch)
             except StoreError as exc:
-                if not _refused_data(exc):
-                    self._set_up(False, str(exc))
-                    await self._pause(pause)
-                    pause = min(pause * 2, RETRY_MAX_S)
-                    continue
-                try:
-                    written = await self._write_singly(batch)
-                except StoreError as again:
-                    self._set_up(False, str(again))
-                    await self._pause(pause)
-                    pause = min(pause * 2, RETRY_MAX_S)
-                    continue
+                self._set_up(False, str(exc))
+                await self._pause(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
             except Exception:  # a defect: logged, and the batch retried like a failure
                 log.exception("audit ledger writer: unexpected error")
                 self._set_up(False, "unexpected error (logged)")
@@ -536,6 +523,18 @@ class PostgresLedger:
             async with asyncio.timeout(seconds):
                 await self._stopping.wait()
 
+    async def _write(self, batch: Sequence[tuple[Any, ...]]) -> int:
+        """Write ``batch`` in one statement, or, when the database refuses it for its data,
+        row by row (:meth:`_write_singly`); return how many rows were written. Raises
+        :class:`StoreError` for any other failure (the rows are then kept)."""
+        try:
+            await self._call("ledger write", lambda conn: self._insert(conn, batch))
+        except StoreError as exc:
+            if not _refused_data(exc):
+                raise
+            return await self._write_singly(batch)
+        return len(batch)
+
     async def _write_singly(self, batch: Sequence[tuple[Any, ...]]) -> int:
         """Write ``batch`` one row per statement, dropping (and counting) the rows the
         database refuses for their data; return how many were written. Raises
@@ -571,7 +570,6 @@ class PostgresLedger:
         seconds when longer (its statements then get a statement_timeout to match:
         :func:`relay.store.postgres.calls.longer`); every failure becomes
         :class:`StoreError` naming ``op_name``."""
-        limit_s = self._op_timeout_s
-        if timeout_s is not None and timeout_s > limit_s:
-            fn, limit_s = longer(fn, timeout_s), timeout_s
-        return await bounded_call(self._pool, op_name, fn, limit_s)
+        limit_s = self._op_timeout_s if timeout_s is None else max(timeout_s, self._op_timeout_s)
+        return await bounded_call(self._pool, op_name, fn, limit_s,
+                                  session_limit_s=self._op_timeout_s)

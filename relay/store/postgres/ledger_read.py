@@ -20,10 +20,9 @@ from typing import Any
 
 import asyncpg
 
-from relay.core.errors import StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
-from relay.store.postgres.calls import ERRORS
+from relay.store.postgres.calls import ERRORS, as_store_error, close_connection
 from relay.store.postgres.ledger import (
     UNRESOLVED_WHERE,
     LedgerOptions,
@@ -63,11 +62,12 @@ ORDER BY decided_at, recorded_at LIMIT $2
 
 @dataclass(frozen=True)
 class HistoryRow:
-    """One ledger row. ``decided_at``: the relay's (or the admin command's) clock when it
-    decided; ``recorded_at``: the database's when the row landed (both UTC). ``store_key`` is
-    None for a decision without a fingerprint; ``dedupe_key`` as the ledger keeps it (SHA-256
-    hex, HMAC or plain, per ``ledger_keys``), None without one; ``recipient`` masked or full
-    per ``ledger_recipients``. The other texts are "" when there was none."""
+    """One ledger row. ``decided_at``: when it was decided, on the database's clock (each
+    writer moves its own time onto it); ``recorded_at``: when the row landed (both UTC).
+    ``store_key`` is None for a decision without a fingerprint; ``dedupe_key`` as the ledger
+    keeps it (SHA-256 hex, HMAC or plain, per ``ledger_keys``), None without one;
+    ``recipient`` masked or full per ``ledger_recipients``. The other texts are "" when there
+    was none."""
 
     decided_at: datetime
     recorded_at: datetime
@@ -88,8 +88,9 @@ class HistoryRow:
 
 @dataclass(frozen=True)
 class InDoubtRow(HistoryRow):
-    """An unresolved in-doubt (``unknown``) decision; ``age_s``: seconds since it was decided,
-    by the database's clock."""
+    """The row of a fingerprint in doubt (``unknown``, or a retry's ``suppressed_unknown`` /
+    ``held``) no later row resolved; ``age_s``: seconds since it was decided, by the
+    database's clock."""
 
     age_s: float = 0.0
 
@@ -120,24 +121,18 @@ class LedgerReader:
         schema is missing, old or newer than this code."""
         conn: asyncpg.Connection | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                conn = await asyncpg.connect(url)
-                await migrations.check(conn, "ledger")
-        except migrations.SchemaError:
-            await _close(conn)
+            with as_store_error("ledger open", timeout_s, _ERRORS):
+                async with asyncio.timeout(timeout_s):
+                    conn = await asyncpg.connect(url)
+                    await migrations.check(conn, "ledger")
+        except BaseException:
+            await close_connection(conn)
             raise
-        except TimeoutError as exc:
-            await _close(conn)
-            raise StoreError("ledger open", f"PostgreSQL did not answer within "
-                                            f"{timeout_s:g} s") from exc
-        except _ERRORS as exc:
-            await _close(conn)
-            raise StoreError("ledger open", f"{type(exc).__name__}: {exc}") from exc
         return cls(conn, timeout_s)
 
     async def close(self) -> None:
         """Close the connection (never raises)."""
-        await _close(self._conn)
+        await close_connection(self._conn)
 
     async def history(self, store_key: str, *, limit: int) -> list[HistoryRow]:
         """The rows of ``store_key``, oldest first (by ``decided_at``, then ``recorded_at``),
@@ -157,39 +152,14 @@ class LedgerReader:
 
     async def write(self, entries: Sequence[LedgerEntry], options: LedgerOptions) -> None:
         """Write ``entries`` now, in one statement (an operator action's audit row), recipient
-        masked and key hashed per ``options``; an entry without a recipient keeps ``""``."""
-        rows = []
-        for entry in entries:
-            row = row_of(entry, options)
-            if not entry.recipient:  # masking would make "***" of nothing
-                row = (*row[:5], "", *row[6:])
-            rows.append(row)
-        try:
+        masked and key hashed per ``options`` (an entry without a recipient keeps ``""``)."""
+        rows = [row_of(entry, options) for entry in entries]
+        with as_store_error("ledger write", self._timeout_s, _ERRORS):
             async with asyncio.timeout(self._timeout_s):
                 offset_s = await clock_offset(self._conn, time.time)
                 await insert_rows(self._conn, rows, offset_s=offset_s)
-        except TimeoutError as exc:
-            raise StoreError("ledger write", f"PostgreSQL did not answer within "
-                                             f"{self._timeout_s:g} s") from exc
-        except _ERRORS as exc:
-            raise StoreError("ledger write", f"{type(exc).__name__}: {exc}") from exc
 
     async def _call(self, op_name: str, query: str, *args: object) -> list[Any]:
-        try:
+        with as_store_error(op_name, self._timeout_s, _ERRORS):
             async with asyncio.timeout(self._timeout_s):
                 return list(await self._conn.fetch(query, *args))
-        except TimeoutError as exc:
-            raise StoreError(op_name, f"PostgreSQL did not answer within "
-                                      f"{self._timeout_s:g} s") from exc
-        except _ERRORS as exc:
-            raise StoreError(op_name, f"{type(exc).__name__}: {exc}") from exc
-
-
-async def _close(conn: asyncpg.Connection | None) -> None:
-    """Close ``conn`` within a second, else drop it."""
-    if conn is None:
-        return
-    try:
-        await asyncio.wait_for(conn.close(), timeout=1.0)
-    except _ERRORS:
-        conn.terminate()

@@ -39,7 +39,8 @@ import asyncpg
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import LimitCheck, LimitVerdict
-from relay.store.postgres.calls import ERRORS
+from relay.store.postgres.calls import ERRORS, release, storable, terminate
+from relay.store.postgres.calls import milliseconds as _ms
 from relay.store.postgres.migrations import (
     RATE_ACQUIRE,
     RATE_EVENTS,
@@ -63,17 +64,11 @@ _ERRORS = (*ERRORS, UnicodeError)
 _ERROR_TEXT_MAX = 300
 
 
-def _ms(seconds: float) -> int:
-    """A duration in seconds as whole milliseconds, at least 1 ms."""
-    return max(1, int(seconds * 1000))
-
-
 def bucket_name(prefix: str, check: LimitCheck) -> str:
     """The ``bucket`` column of ``check``'s rows: ``<prefix>rl:<label>:<32 hex>`` (the bucket's
     value hashed; lone surrogates and NUL, which a text column refuses, as U+FFFD)."""
     digest = hashlib.sha256(check.bucket.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    name = f"{prefix}rl:{check.label}:{digest}"
-    return name.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
+    return storable(f"{prefix}rl:{check.label}:{digest}")
 
 
 class PostgresRateLimiter:
@@ -117,7 +112,7 @@ class PostgresRateLimiter:
                              f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]) from exc
         except BaseException:  # cancelled (a shutdown past its grace): do not reuse it
             if conn is not None:
-                conn.terminate()
+                terminate(conn)
                 await self._release(conn)
             raise
         await self._release(conn)
@@ -133,19 +128,15 @@ class PostgresRateLimiter:
         running) and, when the statement was sent, give the call back."""
         if conn is None:
             return  # no connection: the statement never left
-        conn.terminate()
+        terminate(conn)
         await self._release(conn)
         await self._give_back(buckets, call_id, checks)
 
     async def _release(self, conn: Any) -> None:
-        """Hand ``conn`` back to the pool (a terminated one is dropped by it); None: none."""
-        if conn is None:
-            return
-        try:
-            await self._pool.release(conn, timeout=self._op_timeout_s)
-        except (TimeoutError, *_ERRORS) as exc:
-            log.debug("rate limit: releasing a connection: %s", type(exc).__name__)
-            conn.terminate()
+        """Hand ``conn`` back to the pool (:func:`relay.store.postgres.calls.release`); None:
+        none."""
+        if conn is not None:
+            await release(self._pool, conn, self._op_timeout_s)
 
     async def _give_back(self, buckets: list[str], call_id: str,
                          checks: Sequence[LimitCheck]) -> None:
@@ -165,7 +156,7 @@ class PostgresRateLimiter:
                         "count until their window ends", type(exc).__name__)
         finally:
             if conn is not None and not done:
-                conn.terminate()  # never wait for a server that may be hanging
+                terminate(conn)  # never wait for a server that may be hanging
             await self._release(conn)
 
 

@@ -28,7 +28,20 @@ import asyncpg
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
 from relay.store.postgres import limits, migrations
-from relay.store.postgres.calls import ERRORS, bounded_call, longer, open_pool
+from relay.store.postgres.calls import (
+    ERRORS,
+    STARTUP_CHECK_S,
+    WRITABLE,
+    as_store_error,
+    bounded_call,
+    close_connection,
+    close_pool,
+    delete_in_batches,
+    deleted_rows,
+    open_pool,
+    storable,
+)
+from relay.store.postgres.calls import milliseconds as _ms
 from relay.store.postgres.limits import PostgresRateLimiter
 from relay.store.postgres.migrations import FINGERPRINTS as _T_
 
@@ -43,8 +56,6 @@ CLEANUP_INTERVAL_S = 5.0
 CLEANUP_BATCH = 1000
 CLEANUP_MAX_BATCHES = 10
 """A cleanup round deletes at most ``CLEANUP_BATCH * CLEANUP_MAX_BATCHES`` expired rows."""
-STARTUP_CHECK_S = 15.0
-"""Bound of the schema check at start-up, seconds (a connect included)."""
 _COUNT_TIMEOUT_S = 120.0  # bound of count_states, a read of every row (an admin command's)
 _RESERVE_ATTEMPTS = 5  # rounds for keys a concurrent transaction changed under a reserve
 
@@ -190,27 +201,14 @@ DELETE FROM {_T_} WHERE ctid = ANY(ARRAY(
     AND expires_at <= now()
 """
 
-_WRITABLE = ("SELECT NOT pg_is_in_recovery() "
-             "AND current_setting('transaction_read_only') = 'off'")
 
 _ACTIONS = {Settle.SENT: "sent", Settle.UNKNOWN: "unknown", Settle.SENDING: "sending",
             Settle.RELEASE: "release"}
-_ERRORS = ERRORS
 
 
 def is_postgres_url(url: str) -> bool:
     """Whether ``url`` names a PostgreSQL store (``postgresql://`` or ``postgres://``)."""
     return url.startswith(POSTGRES_SCHEMES)
-
-
-def _ms(seconds: float) -> int:
-    """A duration in seconds as whole milliseconds, at least 1 ms."""
-    return max(1, int(seconds * 1000))
-
-
-def _clean(text: str) -> str:
-    """``text`` storable in a PostgreSQL text column: lone surrogates and NUL become U+FFFD."""
-    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
 
 
 def _record(row: Any, lease_ms: int | None = None) -> Record:
@@ -340,7 +338,7 @@ class PostgresStore:
         order = sorted(range(len(ops)), key=lambda i: ops[i].key)
         sent = [ops[i] for i in order]
         args = ([op.key for op in sent], token, [_ACTIONS[op.action] for op in sent],
-                [_clean(op.reply) if op.action is Settle.SENT else None for op in sent],
+                [storable(op.reply) if op.action is Settle.SENT else None for op in sent],
                 [_ms(op.lease_s) if op.action is Settle.SENDING and op.lease_s > 0 else None
                  for op in sent],
                 [_ms(op.window_s if op.window_s > 0 else window_s) for op in sent])
@@ -390,7 +388,7 @@ class PostgresStore:
         """Set SENT(the database's now, ``reply``) for ``window_s`` seconds whatever ``key``
         held. Raises :class:`StoreError` (op ``force_mark_sent``)."""
         await self._call("force_mark_sent", lambda conn: conn.execute(
-            _FORCE_SENT, key, _clean(reply), _ms(window_s)))
+            _FORCE_SENT, key, storable(reply), _ms(window_s)))
 
     async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
                            max_keys: int | None = None,
@@ -436,7 +434,7 @@ class PostgresStore:
                 log.error("postgresql store: %s", exc)
                 raise StoreError("ping", str(exc)) from exc
             self._schema_checked = True
-        writable = await self._call("ping", lambda conn: conn.fetchval(_WRITABLE))
+        writable = await self._call("ping", lambda conn: conn.fetchval(WRITABLE))
         if writable is not True:
             raise StoreError("ping", "the database takes no writes (a read-only session or a "
                                      "standby in recovery)")
@@ -448,14 +446,11 @@ class PostgresStore:
         (op ``cleanup``)."""
         size = self._cleanup_batch if batch is None else batch
         rounds = self._cleanup_max_batches if max_batches is None else max_batches
-        total = 0
-        for _ in range(rounds):
-            status = await self._call("cleanup", lambda conn: conn.execute(_CLEANUP, size))
-            deleted = int(status.split()[-1])
-            total += deleted
-            if deleted < size:
-                break
-        return total
+
+        async def one() -> int:
+            return deleted_rows(await self._call(
+                "cleanup", lambda conn: conn.execute(_CLEANUP, size)))
+        return await delete_in_batches(one, batch=size, max_batches=rounds)
 
     async def delete_expired_limits(self, batch: int | None = None,
                                     max_batches: int | None = None) -> int:
@@ -465,14 +460,10 @@ class PostgresStore:
         :class:`StoreError` (op ``cleanup``)."""
         size = self._cleanup_batch if batch is None else batch
         rounds = self._cleanup_max_batches if max_batches is None else max_batches
-        total = 0
-        for _ in range(rounds):
-            deleted = await self._call("cleanup",
-                                       lambda conn: limits.delete_expired(conn, size))
-            total += deleted
-            if deleted < size:
-                break
-        return total
+
+        async def one() -> int:
+            return await self._call("cleanup", lambda conn: limits.delete_expired(conn, size))
+        return await delete_in_batches(one, batch=size, max_batches=rounds)
 
     async def close(self) -> None:
         """Stop the cleanup task and close the pool; later calls raise StoreError."""
@@ -483,10 +474,7 @@ class PostgresStore:
             self._cleanup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._cleanup
-        try:
-            await asyncio.wait_for(self._pool.close(), timeout=max(1.0, self._op_timeout_s))
-        except _ERRORS:
-            self._pool.terminate()
+        await close_pool(self._pool, max(1.0, self._op_timeout_s))
 
     async def _cleanup_loop(self, interval_s: float) -> None:
         """Delete expired rows (fingerprints, then rate-limit rows) every ``interval_s``
@@ -514,9 +502,8 @@ class PostgresStore:
         if self._closed:
             raise StoreError(op_name, "the PostgreSQL store is closed")
         limit_s = self._op_timeout_s if timeout_s is None else timeout_s
-        if limit_s > self._op_timeout_s:  # past the sessions' statement_timeout
-            fn = longer(fn, limit_s)
-        return await bounded_call(self._pool, op_name, fn, limit_s)
+        return await bounded_call(self._pool, op_name, fn, limit_s,
+                                  session_limit_s=self._op_timeout_s)
 
 
 def _reservation(row: Any, token: str, lease_ms: int) -> Reservation | None:
@@ -553,26 +540,15 @@ async def upgrade_schema(url: str, component: str = "store", *,
     deadline = loop.time() + timeout_s
     conn: asyncpg.Connection | None = None
     try:
-        conn = await asyncpg.connect(url, timeout=timeout_s)
-        work = asyncio.ensure_future(migrations.upgrade(conn, component))
-        done, _ = await asyncio.wait({work}, timeout=max(0.0, deadline - loop.time()))
-        if not done:  # the server hangs: end the connection, then the task fails at once
-            conn.terminate()
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            raise TimeoutError
-        return work.result()
-    except TimeoutError as exc:
-        raise StoreError("upgrade", f"PostgreSQL did not answer within {timeout_s:g} s") \
-            from exc
-    except (*_ERRORS, ValueError) as exc:
-        raise StoreError("upgrade", f"{type(exc).__name__}: {exc}") from exc
+        with as_store_error("upgrade", timeout_s, (*ERRORS, ValueError)):
+            conn = await asyncpg.connect(url, timeout=timeout_s)
+            work = asyncio.ensure_future(migrations.upgrade(conn, component))
+            done, _ = await asyncio.wait({work}, timeout=max(0.0, deadline - loop.time()))
+            if not done:  # the server hangs: end the connection, then the task fails at once
+                conn.terminate()
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise TimeoutError
+            return work.result()
     finally:
-        if conn is not None and not conn.is_closed():
-            try:
-                await asyncio.wait_for(conn.close(), timeout=1.0)
-            except _ERRORS:
-                conn.terminate()
-            except asyncio.CancelledError:
-                conn.terminate()
-                raise
+        await close_connection(conn)
