@@ -330,11 +330,13 @@ def _decision_setup(config_file: Path | None, store: str | None, ledger: str | N
     return settings, selected_key(settings, rcpt, templates, keys, auth_user, store_key)
 
 
-def check_ledger_files(url: str) -> None:
-    """Exit 78 unless the files the ledger URL names (``sslrootcert``, ``passfile``...) are
-    readable, as ``check-config`` and ``serve`` require (before any connection)."""
+def announce_ledger(url: str) -> None:
+    """Say which ledger a command uses (stderr, password masked); exit 78 unless the files
+    its URL names (``sslrootcert``, ``passfile``...) are readable, as ``check-config`` and
+    ``serve`` require (before any connection)."""
     from relay.app import postgres_files  # the relay's own check, imported when needed
 
+    click.echo(f"dedup-relay: ledger: {redact_url(url)}", err=True)
     try:
         postgres_files(url)
     except ConfigError as exc:
@@ -386,8 +388,7 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
     if settings.ledger is None:
         return _run_on_store(settings, action), None
     url = settings.ledger
-    click.echo(f"dedup-relay: ledger: {redact_url(url)}", err=True)
-    check_ledger_files(url)
+    announce_ledger(url)
 
     async def audited() -> tuple[_T, StoreError | None]:
         from relay.app import build_store, ledger_options  # the relay's own, when needed

@@ -23,7 +23,7 @@ import click
 
 from relay.cli.admin import (
     admin_settings,
-    check_ledger_files,
+    announce_ledger,
     ledger_option,
     quiet_logging,
     selected_key,
@@ -32,7 +32,7 @@ from relay.cli.admin import (
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
-from relay.config import Settings, redact_url, setting_names
+from relay.config import Settings, setting_names
 from relay.core.errors import StoreError
 from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
 from relay.store.postgres.migrations import SchemaError
@@ -177,10 +177,8 @@ def _ledger_url(settings: Settings) -> str:
     if settings.ledger is None:
         fail(ExitCode.CONFIG, "no audit ledger configured: pass its URL with "
                               f"{setting_names('ledger')} (postgresql://USER@HOST:PORT/DB)")
-    click.echo(f"dedup-relay: ledger: {redact_url(settings.ledger)}", err=True)
-    check_ledger_files(settings.ledger)
+    announce_ledger(settings.ledger)
     return settings.ledger
-
 
 
 def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitable[_T]]) -> _T:
