@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
 
 from relay.core.fingerprint import first_field
-from relay.core.interfaces import LedgerEntry, Outcome, SmtpReply
+from relay.core.interfaces import LedgerEntry, Outcome, RcptResult, SmtpReply
 
 __all__ = ["entries_for", "message_id", "upstream_queue_id"]
 
@@ -57,19 +56,18 @@ def message_id(content: bytes) -> str:
 
 def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, Outcome],
                 keys: Mapping[str, str], template: str, dedupe_key: str | None,
-                rcpt_replies: Mapping[str, SmtpReply], final_reply: SmtpReply | None,
+                rcpt_results: Mapping[str, RcptResult], final_reply: SmtpReply | None,
                 client_reply: SmtpReply, upstream: str, content: bytes,
-                queue_id: str, relayed_to: AbstractSet[str] = frozenset()
-                ) -> list[LedgerEntry]:
+                queue_id: str) -> list[LedgerEntry]:
     """One row per distinct recipient of a message the core decided on.
 
     ``now`` is the relay's clock (unix seconds); ``outcomes`` recipient -> outcome;
-    ``keys`` recipient -> store key (empty: no fingerprint); ``rcpt_replies`` the upstream's
-    reply that decided each recipient sent (a refusal at RCPT, or the reply to the final dot);
-    ``final_reply`` the reply to the final dot (its queue id goes into the rows of the
-    recipients it accepted); ``upstream`` the name of the upstream of the transaction, named
-    in the rows of the recipients in it (``relayed_to``, or with a reply of its own): an
-    in-doubt recipient has no reply, and its row must still say where the final dot went.
+    ``keys`` recipient -> store key (empty: no fingerprint); ``rcpt_results`` the upstream
+    transaction's result of each recipient in it (its reply, when the upstream sent one, is the
+    row's: a refusal at RCPT, or the reply to the final dot); ``final_reply`` the reply to the
+    final dot (its queue id goes into the rows of the recipients it accepted); ``upstream`` the
+    name of the upstream of the transaction, named in the rows of the recipients in it (an
+    in-doubt recipient has no reply, and its row must still say where the final dot went).
     A recipient without an outcome (the message was refused before a decision per recipient)
     gets none: the caller passes one for every recipient.
     """
@@ -80,14 +78,15 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
         outcome = outcomes.get(rcpt)
         if outcome is None:
             continue
-        reply = rcpt_replies.get(rcpt)
+        result = rcpt_results.get(rcpt)
+        reply = result.reply if result is not None and result.from_upstream else None
         accepted = reply is not None and 200 <= reply.code < 300
         out.append(LedgerEntry(
             decided_at=now, outcome=outcome.value, recipient=rcpt, store_key=keys.get(rcpt),
             template=template, dedupe_key=dedupe_key,
             reply=str(reply) if reply is not None else "",
             upstream_queue_id=queue if accepted else "",
-            upstream=upstream if reply is not None or rcpt in relayed_to else "",
+            upstream=upstream if result is not None else "",
             message_id=mid,
             queue_id=queue_id, client_reply=str(client_reply)))
     return out

@@ -34,6 +34,7 @@ from relay.core.interfaces import (
     OutboundMessage,
     Outcome,
     RateLimiter,
+    RcptResult,
     Reservation,
     Result,
     SettleOp,
@@ -87,13 +88,12 @@ class Decision:
     upstream_reply: SmtpReply | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
     # what the audit ledger records beside the outcomes (issue 13): the message's template and
-    # dedupe key as normalized (design.md §2), each relayed recipient's deciding upstream
-    # reply, and the name of the upstream that gave them
+    # dedupe key as normalized (design.md §2), the upstream transaction's result of each
+    # recipient in it, and the name of the upstream that gave them
     template: str = ""
     dedupe_key: str | None = None
-    rcpt_replies: Mapping[str, SmtpReply] = field(default_factory=dict)
+    rcpt_results: Mapping[str, RcptResult] = field(default_factory=dict)
     upstream: str = ""
-    relayed_to: frozenset[str] = frozenset()  # the recipients of the upstream transaction
 
 
 class DedupCore:
@@ -187,10 +187,9 @@ class DedupCore:
             ledger.record(entries_for(
                 now=self._clock(), rcpt_tos=msg.rcpt_tos, outcomes=decision.outcomes,
                 keys=decision.keys, template=decision.template,
-                dedupe_key=decision.dedupe_key, rcpt_replies=decision.rcpt_replies,
+                dedupe_key=decision.dedupe_key, rcpt_results=decision.rcpt_results,
                 final_reply=decision.upstream_reply, client_reply=decision.reply,
-                upstream=decision.upstream, relayed_to=decision.relayed_to,
-                content=msg.content, queue_id=msg.queue_id),
+                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id),
                 admitted=admitted)
         return decision
 
@@ -482,11 +481,8 @@ class DedupCore:
                                 upstream_reply)
         if result is None:
             return decision
-        rcpt_replies = {rcpt: got.reply for rcpt, got in result.recipients.items()
-                        if got.from_upstream}
-        return dataclasses.replace(decision, rcpt_replies=rcpt_replies,
-                                   upstream=result.upstream,
-                                   relayed_to=frozenset(result.recipients))
+        return dataclasses.replace(decision, rcpt_results=result.recipients,
+                                   upstream=result.upstream)
 
     def _finish(self, reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome],
                 upstream_reply: SmtpReply | None = None) -> Decision:

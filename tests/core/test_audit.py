@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relay.core.audit import entries_for, message_id, upstream_queue_id
-from relay.core.interfaces import Outcome, SmtpReply
+from relay.core.interfaces import Outcome, RcptResult, RcptStatus, SmtpReply
 
 
 @pytest.mark.parametrize(("reply", "queue_id"), [
@@ -42,7 +42,8 @@ def test_one_row_per_distinct_recipient_with_its_reply() -> None:
         now=1.0, rcpt_tos=["a@x", "b@x", "a@x"],
         outcomes={"a@x": Outcome.RELAYED, "b@x": Outcome.REFUSED_PERM},
         keys={"a@x": "fp:a", "b@x": "fp:b"}, template="t", dedupe_key="k",
-        rcpt_replies={"a@x": accepted, "b@x": refused}, final_reply=accepted,
+        rcpt_results={"a@x": RcptResult(RcptStatus.ACCEPTED, accepted),
+                      "b@x": RcptResult(RcptStatus.REFUSED, refused)}, final_reply=accepted,
         client_reply=SmtpReply(250, "2.0.0", "Ok"), upstream="smarthost",
         content=b"Message-ID: <m@x>\r\n\r\nbody\r\n", queue_id="qid")
     assert [(r.recipient, r.outcome, r.reply, r.upstream_queue_id) for r in rows] == [
