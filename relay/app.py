@@ -254,7 +254,7 @@ async def build_ledger(settings: Settings, metrics: PrometheusMetrics) -> Postgr
     metrics.declare_ledger()
     return await PostgresLedger.open(settings.ledger, metrics=metrics,
                                      options=ledger_options(settings),
-                                     op_timeout_s=max(5.0, settings.store_timeout))
+                                     op_timeout_s=settings.ledger_timeout)
 
 
 async def build_store(settings: Settings) -> FingerprintStore:

@@ -793,6 +793,12 @@ class Settings(BaseSettings):
         return split_host_port(self.listen, what="listen")
 
     @property
+    def ledger_timeout(self) -> float:
+        """Seconds a call on the audit ledger may take: ``store_timeout``, at least 5 s (the
+        ledger is off the message's path; its rows may wait)."""
+        return max(5.0, self.store_timeout)
+
+    @property
     def effective_workers(self) -> int:
         """How many worker processes serve: ``workers``, or when unset the number of CPUs this
         process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""

@@ -394,7 +394,7 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
         from relay.app import build_store, ledger_options  # the relay's own, when needed
 
         try:
-            reader = await LedgerReader.open(url, timeout_s=max(5.0, settings.store_timeout))
+            reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
         except (StoreError, SchemaError) as exc:
             raise _LedgerRefused(str(exc)) from exc
         try:

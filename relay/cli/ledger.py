@@ -187,7 +187,7 @@ def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitabl
     url = _ledger_url(settings)
 
     async def run() -> _T:
-        reader = await LedgerReader.open(url, timeout_s=max(5.0, settings.store_timeout))
+        reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
         try:
             return await action(reader)
         finally:
