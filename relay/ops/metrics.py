@@ -133,8 +133,9 @@ class PrometheusMetrics:
             registry=registry, multiprocess_mode="livesum")
         self._in_doubt_unresolved = Gauge(
             "relay_ledger_in_doubt_unresolved",
-            "In-doubt (unknown) decisions in the audit ledger that no later row resolved, older "
-            "than in_doubt_alert_after", registry=registry, multiprocess_mode="livemax")
+            "Fingerprints in doubt in the audit ledger (an unknown decision, or a retry answered "
+            "as in doubt) that no later row resolved, older than in_doubt_alert_after",
+            registry=registry, multiprocess_mode="livemax")
         Info("relay_build", "Build information", registry=registry).info(
             {"version": __version__})
         register_runtime_collectors(registry)
