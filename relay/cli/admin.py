@@ -397,7 +397,7 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
             reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
         except (StoreError, SchemaError) as exc:
             raise _LedgerRefused(str(exc)) from exc
-        try:
+        async with reader:
             store = await build_store(settings)
             try:
                 result = await action(store)
@@ -413,8 +413,6 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
             except StoreError as exc:
                 return result, exc
             return result, None
-        finally:
-            await reader.close()
 
     try:
         return _run(settings, audited)

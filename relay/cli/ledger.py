@@ -187,11 +187,8 @@ def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitabl
     url = _ledger_url(settings)
 
     async def run() -> _T:
-        reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
-        try:
+        async with await LedgerReader.open(url, timeout_s=settings.ledger_timeout) as reader:
             return await action(reader)
-        finally:
-            await reader.close()
 
     try:
         return asyncio.run(run())

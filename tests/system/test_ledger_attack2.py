@@ -85,6 +85,12 @@ async def _rows(ledger_url: str, count: int) -> list[str]:
         await asyncio.sleep(0.05)
 
 
+async def _history_outcomes(url: str, key: str) -> list[str]:
+    """The outcomes ``history`` lists for ``key``, oldest first."""
+    async with await LedgerReader.open(url) as reader:
+        return [row.outcome for row in await reader.history(key, limit=10)]
+
+
 async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
         make_relay: MakeRelay, sink: Sink, ledger_url: str) -> None:
     """A (clock +600 s) relays while its ledger is unreachable; A's clock is corrected; the
@@ -115,11 +121,7 @@ async def test_history_order_survives_a_clock_step_during_a_ledger_outage(
         assert sink.handler.copies_to(RCPT) == 1
         keys = await _rows(ledger_url, 2)
         assert len(keys) == 2 and len(set(keys)) == 1, keys
-        reader = await LedgerReader.open(ledger_url)
-        try:
-            outcomes = [row.outcome for row in await reader.history(keys[0], limit=10)]
-        finally:
-            await reader.close()
+        outcomes = await _history_outcomes(ledger_url, keys[0])
         assert outcomes == ["relayed", "suppressed"], outcomes
     finally:
         await proxy.close()
@@ -154,11 +156,7 @@ async def test_one_relays_rows_keep_their_order_when_its_offset_crosses_a_second
     assert sink.handler.copies_to(RCPT) == 1
     keys = await _rows(ledger_url, 2)
     assert len(keys) == 2 and len(set(keys)) == 1, keys
-    reader = await LedgerReader.open(ledger_url)
-    try:
-        outcomes = [row.outcome for row in await reader.history(keys[0], limit=10)]
-    finally:
-        await reader.close()
+    outcomes = await _history_outcomes(ledger_url, keys[0])
     assert outcomes == ["relayed", "suppressed"], outcomes
 
 

@@ -92,11 +92,8 @@ async def test_an_old_row_landing_late_does_not_resolve_a_later_unknown(
             proxy.resume()
             rows = await wait_ledger_rows(ledger_url, 3)
             assert [r["outcome"] for r in rows] == ["relayed", "released", "unknown"]
-            reader = await LedgerReader.open(ledger_url)
-            try:
+            async with await LedgerReader.open(ledger_url) as reader:
                 listed = await reader.in_doubt(older_than_s=0.0, limit=10)
-            finally:
-                await reader.close()
             counted = await y.refresh_in_doubt()
             assert ([r.outcome for r in listed], counted) == (["unknown"], 1), (
                 "X's old relayed row, landed late, hid Y's later unknown decision")

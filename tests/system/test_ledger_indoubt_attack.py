@@ -60,12 +60,9 @@ async def test_in_doubt_lists_a_record_left_in_doubt_by_a_relay_that_died_after_
     deadline = time.monotonic() + 10.0
     while await _row_count(ledger_url) < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
-    reader = await LedgerReader.open(ledger_url)
-    try:
+    async with await LedgerReader.open(ledger_url) as reader:
         history = await reader.history(key, limit=10)
         listed = await reader.in_doubt(older_than_s=0.0, limit=10)
-    finally:
-        await reader.close()
     assert [row.outcome for row in history] == ["suppressed_unknown"]
     assert [row.store_key for row in listed] == [key], (
         f"in-doubt lists {listed}; the ledger holds {history}")

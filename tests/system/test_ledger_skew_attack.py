@@ -42,11 +42,8 @@ async def _outcomes(ledger_url: str, count: int) -> tuple[str, list[str]]:
             break
         await asyncio.sleep(0.05)
     assert len(keys) == count and len(set(keys)) == 1, keys
-    reader = await LedgerReader.open(ledger_url)
-    try:
+    async with await LedgerReader.open(ledger_url) as reader:
         rows = await reader.history(keys[0], limit=10)
-    finally:
-        await reader.close()
     return keys[0], [row.outcome for row in rows]
 
 

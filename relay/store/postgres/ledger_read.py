@@ -105,8 +105,9 @@ def _in_doubt_row(record: Any) -> InDoubtRow:
 
 class LedgerReader:
     """One connection to the ledger's database. Build it with :meth:`open`; ``await
-    close()``. Every method raises :class:`StoreError` (op ``ledger ...``) when the database
-    fails or does not answer within the timeout."""
+    close()``, or ``async with await LedgerReader.open(url) as reader:``. Every method raises
+    :class:`StoreError` (op ``ledger ...``) when the database fails or does not answer within
+    the timeout."""
 
     def __init__(self, conn: asyncpg.Connection, timeout_s: float) -> None:
         self._conn = conn
@@ -133,6 +134,12 @@ class LedgerReader:
     async def close(self) -> None:
         """Close the connection (never raises)."""
         await close_connection(self._conn)
+
+    async def __aenter__(self) -> LedgerReader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def history(self, store_key: str, *, limit: int) -> list[HistoryRow]:
         """The rows of ``store_key``, oldest first (by ``decided_at``, then ``recorded_at``),
