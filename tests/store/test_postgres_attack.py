@@ -22,7 +22,6 @@ the shared PostgreSQL (``RELAY_TEST_POSTGRES_URL``); each test works in a privat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from relay.store.postgres import ledger as ledger_module
 from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
 from relay.store.postgres.store import PostgresStore
 from tests.support.pg_proxy import PgProxy, pg_proxy
-from tests.support.postgres import POSTGRES_URL, ledger_schema
+from tests.support.postgres import POSTGRES_URL, ledger_schema, row_locks
 
 
 @pytest.fixture
@@ -227,32 +226,21 @@ async def test_a_renew_and_a_reserve_of_the_same_keys_do_not_deadlock(url: str) 
     interleaving the scheduler may produce: Y takes k:a and waits for k:b, the renew takes
     k:b and waits for k:a. Both calls must answer; here PostgreSQL kills one (deadlock)."""
     store = await PostgresStore.open(url, op_timeout_s=10.0, cleanup_interval_s=None)
-    holders: list[asyncpg.Connection] = []
     try:
         await store.reserve(["k:b"], token="X", lease_s=60.0)
         await store.reserve(["k:a"], token="X", lease_s=60.0)
-        blocks = []
-        for key in ("k:a", "k:b"):
-            conn = await asyncpg.connect(url, timeout=10)
-            holders.append(conn)
-            tx = conn.transaction()
-            await tx.start()
-            await conn.execute(
-                "SELECT 1 FROM dedup_relay_fingerprints WHERE key = $1 FOR UPDATE", key)
-            blocks.append(tx)
-        renew = asyncio.ensure_future(store.renew(["k:a", "k:b"], token="X", lease_s=60.0))
-        await asyncio.sleep(0.3)  # the renew has k:... whichever its plan reaches first
-        reserve = asyncio.ensure_future(store.reserve(["k:a", "k:b"], token="Y", lease_s=60.0))
-        await asyncio.sleep(0.3)
-        await blocks[0].rollback()  # k:a free: Y (queued on it) or the renew takes it
-        await asyncio.sleep(0.3)
-        await blocks[1].rollback()
-        results = await asyncio.gather(renew, reserve, return_exceptions=True)
+        async with row_locks(url, ["k:a", "k:b"]) as blocks:
+            renew = asyncio.ensure_future(store.renew(["k:a", "k:b"], token="X", lease_s=60.0))
+            await asyncio.sleep(0.3)  # the renew has k:... whichever its plan reaches first
+            reserve = asyncio.ensure_future(store.reserve(["k:a", "k:b"], token="Y",
+                                                          lease_s=60.0))
+            await asyncio.sleep(0.3)
+            await blocks[0].rollback()  # k:a free: Y (queued on it) or the renew takes it
+            await asyncio.sleep(0.3)
+            await blocks[1].rollback()
+            results = await asyncio.gather(renew, reserve, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         assert not errors, f"failed: {errors}"
         assert results[0] == [True, True]
     finally:
-        for conn in holders:
-            with contextlib.suppress(Exception):
-                await conn.close()
         await store.close()

@@ -28,7 +28,6 @@ scheduler may otherwise produce; each test runs in a private schema of the share
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 import asyncpg
@@ -37,7 +36,7 @@ import pytest
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, State
 from relay.store.postgres.store import PostgresStore
-from tests.support.postgres import private_schema
+from tests.support.postgres import private_schema, row_locks
 
 
 @pytest.fixture
@@ -54,40 +53,28 @@ async def test_the_cleanup_and_a_reserve_of_expired_keys_do_not_deadlock(url: st
     both keys (or the cleanup deleted them first, and the reserve inserts them)."""
     store = await PostgresStore.open(url, op_timeout_s=10.0, cleanup_interval_s=None)
     admin = await asyncpg.connect(url, timeout=10)
-    holders: list[asyncpg.Connection] = []
     try:
         for key in ("k:b", "k:a"):
             await admin.execute(
                 "INSERT INTO dedup_relay_fingerprints (key, state, at, reply, expires_at) "
                 "VALUES ($1, 'sent', now() - interval '2 days', '250 ok', "
                 "now() - interval '1 hour')", key)
-        blocks = []
-        for key in ("k:a", "k:b"):
-            conn = await asyncpg.connect(url, timeout=10)
-            holders.append(conn)
-            tx = conn.transaction()
-            await tx.start()
-            await conn.execute(
-                "SELECT 1 FROM dedup_relay_fingerprints WHERE key = $1 FOR UPDATE", key)
-            blocks.append(tx)
-        cleanup = asyncio.ensure_future(store.delete_expired())
-        await asyncio.sleep(0.3)  # the cleanup waits for its first row (k:b, by ctid)
-        reserve = asyncio.ensure_future(
-            store.reserve(["k:a", "k:b"], token="again", lease_s=60.0))
-        await asyncio.sleep(0.3)  # the reserve waits for k:a
-        for tx in blocks:
-            await tx.rollback()
-            await asyncio.sleep(0.3)
-        results = await asyncio.gather(cleanup, reserve, return_exceptions=True)
+        async with row_locks(url, ["k:a", "k:b"]) as blocks:
+            cleanup = asyncio.ensure_future(store.delete_expired())
+            await asyncio.sleep(0.3)  # the cleanup waits for its first row (k:b, by ctid)
+            reserve = asyncio.ensure_future(
+                store.reserve(["k:a", "k:b"], token="again", lease_s=60.0))
+            await asyncio.sleep(0.3)  # the reserve waits for k:a
+            for tx in blocks:
+                await tx.rollback()
+                await asyncio.sleep(0.3)
+            results = await asyncio.gather(cleanup, reserve, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         assert not errors, f"failed: {errors}"
         reservations = results[1]
         assert isinstance(reservations, list)
         assert [r.reserved for r in reservations] == [True, True]
     finally:
-        for conn in holders:
-            with contextlib.suppress(Exception):
-                await conn.close()
         await admin.close()
         await store.close()
 

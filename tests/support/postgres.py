@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -121,3 +121,26 @@ async def wait_ledger_rows(url: str, count: int,
         if len(got) >= count or time.monotonic() > deadline:
             return got
         await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def row_locks(url: str, keys: Sequence[str]) -> AsyncIterator[list[Any]]:
+    """One open transaction per key at ``url``, each holding ``FOR UPDATE`` on that
+    fingerprint row, taken in the order of ``keys``; yields the transactions (roll one back
+    to free its row). Every connection is closed at the end."""
+    conns: list[asyncpg.Connection] = []
+    blocks: list[Any] = []
+    try:
+        for key in keys:
+            conn = await asyncpg.connect(url, timeout=10)
+            conns.append(conn)
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute(
+                "SELECT 1 FROM dedup_relay_fingerprints WHERE key = $1 FOR UPDATE", key)
+            blocks.append(tx)
+        yield blocks
+    finally:
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.close()
