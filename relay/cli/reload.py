@@ -5,7 +5,9 @@ relay's settings: ``--pid-file``, ``RELAY_PID_FILE``, ``--config``). The command
 whether the relay applied the new configuration: the relay logs it (``configuration
 reloaded: ...`` or ``configuration reload refused: ...``) and counts it in
 ``relay_config_reloads_total{result}``. Exit codes: 0 sent; 1 no such relay (pid file missing
-or stale, the process is gone or is no dedup-relay); 2 neither ``--pid`` nor a pid file given;
+or stale, the process is gone or is not ``dedup-relay serve``: its program must be the
+``dedup-relay`` script or ``python -m relay`` with the command ``serve``, never merely a
+command line that mentions the name); 2 neither ``--pid`` nor a pid file given;
 78 invalid configuration.
 """
 
@@ -20,22 +22,7 @@ import click
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
 from relay.config import AdminSettings
-from relay.ops.pidfile import read_pid_file
-
-
-def _is_relay(pid: int) -> bool | None:
-    """True when process ``pid`` runs dedup-relay (its command line names ``dedup-relay`` or
-    the ``relay`` module), False when it runs something else or is gone, None when this
-    system has no ``/proc`` to tell."""
-    if not Path("/proc/self/cmdline").exists():
-        return None
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-    return any(Path(a).name in ("dedup-relay", "relay") or "dedup-relay" in a
-               or a.startswith("from relay.") for a in args)
+from relay.ops.pidfile import is_serving_relay, read_pid_file
 
 
 def _pid_from_file(path: Path) -> int:
@@ -74,7 +61,7 @@ def register(main: click.Group) -> None:
             source = f"process {pid} (pid file {path})"
         if pid <= 0:
             fail(ExitCode.USAGE, f"--pid {pid}: not a process id")
-        running = _is_relay(pid)
+        running = is_serving_relay(pid)
         if running is False:
             gone = not Path(f"/proc/{pid}").exists()
             fail(ExitCode.NOT_FOUND, f"{source}: " + (

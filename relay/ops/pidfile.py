@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -38,3 +39,70 @@ def remove_pid_file(path: Path, pid: int | None = None) -> None:
     with contextlib.suppress(OSError, ValueError):
         if read_pid_file(path) == pid:
             path.unlink()
+
+
+# interpreter options that take a separate argument (``python -X dev -m relay``)
+_PYTHON_OPTIONS_WITH_ARGUMENT = frozenset({"-X", "-W", "-Q"})
+# the console script, and the package run as a module
+_ENTRY_SCRIPTS = frozenset({"dedup-relay"})
+_ENTRY_MODULES = frozenset({"relay", "relay.cli", "relay.__main__"})
+
+
+def serving_relay_argv(argv: Sequence[str]) -> bool:
+    """Whether a command line ``argv`` (as ``/proc/PID/cmdline`` holds it) is ``dedup-relay
+    serve``: the program is the console script ``dedup-relay`` (run directly, or as a Python
+    interpreter's script) or the interpreter runs the module ``relay`` (``python -m relay``),
+    and the first word after it that is no option is ``serve``.
+
+    Only those positions count: a word elsewhere that merely contains ``dedup-relay`` (a log
+    file's name given to ``tail -f``, a folder named ``dedup-relay`` on the interpreter's path)
+    does not make a process the relay.
+    """
+    if not argv:
+        return False
+    rest: list[str] | None = None
+    if Path(argv[0]).name in _ENTRY_SCRIPTS:
+        rest = list(argv[1:])
+    elif Path(argv[0]).name.startswith("python"):
+        rest = _after_python_entry(list(argv[1:]))
+    if rest is None:
+        return False
+    words = [word for word in rest if not word.startswith("-")]
+    return bool(words) and words[0] == "serve"
+
+
+def _after_python_entry(args: list[str]) -> list[str] | None:
+    """What follows the relay's entry point in a Python interpreter's arguments ``args``
+    (``-m relay ...`` or ``/path/dedup-relay ...``), or None when the interpreter runs
+    something else (a script, ``-c``, another module)."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "-m":
+            module = args[i + 1] if i + 1 < len(args) else ""
+            return args[i + 2:] if module in _ENTRY_MODULES else None
+        if arg.startswith("-m") and len(arg) > 2:
+            return args[i + 1:] if arg[2:] in _ENTRY_MODULES else None
+        if arg == "-c" or arg.startswith("-c"):
+            return None
+        if arg in _PYTHON_OPTIONS_WITH_ARGUMENT:
+            i += 2
+            continue
+        if arg.startswith("-"):
+            i += 1
+            continue
+        return args[i + 1:] if Path(arg).name in _ENTRY_SCRIPTS else None
+    return None
+
+
+def is_serving_relay(pid: int) -> bool | None:
+    """True when process ``pid`` is ``dedup-relay serve`` (:func:`serving_relay_argv` of its
+    ``/proc/PID/cmdline``), False when it is another program or gone, None when this system
+    has no ``/proc`` to tell."""
+    if not Path("/proc/self/cmdline").exists():
+        return None
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return serving_relay_argv([a.decode(errors="replace") for a in raw.split(b"\0") if a])
