@@ -35,6 +35,7 @@ import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,6 +91,8 @@ _WORKER_COMMAND = (
     "if os.getppid() != {supervisor}: os._exit(1)\n"
     "for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
     "    signal.signal(sig, lambda n, _: early.append(n))\n"
+    # started with SIGHUP blocked (spawn_worker): one that came meanwhile is delivered now
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGHUP}})\n"
     "from relay.supervisor import worker_main; worker_main(early)")
 
 
@@ -137,7 +140,7 @@ class _Worker:
     """One worker slot: its current process, whether it served, its restart state."""
 
     index: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: subprocess.Popen[bytes] | None = None
     serving: bool = False
     since: float = 0.0  # monotonic time it started serving
     start_failures: int = 0
@@ -459,10 +462,10 @@ class Supervisor:
         if self.metrics_dir is not None:
             env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _WORKER_COMMAND.format(supervisor=os.getpid()),
-                env=env, stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=(*listeners.listen, *listeners.tls_listen, settings_r, status_w))
+            proc = spawn_worker(
+                [sys.executable, "-c", _WORKER_COMMAND.format(supervisor=os.getpid())],
+                env=env, pass_fds=(*listeners.listen, *listeners.tls_listen, settings_r,
+                                   status_w))
         finally:
             os.close(settings_r)
             os.close(status_w)
@@ -475,7 +478,7 @@ class Supervisor:
             payload = pickle.dumps((self._worker_settings(), self.source))
             await asyncio.to_thread(out.write, payload)
         reader = asyncio.create_task(self._read_status(worker, status_r))
-        code = await proc.wait()
+        code = await exited(proc)
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         if self.metrics_dir is not None:
@@ -526,7 +529,7 @@ class Supervisor:
             if worker.proc is not None and worker.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()
-                await worker.proc.wait()
+                await exited(worker.proc)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._ops is not None:
             await self._ops.stop()
@@ -555,6 +558,50 @@ def _write_pid(path: Path | None) -> None:
     except OSError as exc:
         log.error("cannot write the pid file %s: %s (`dedup-relay reload` needs --pid)",
                   path, exc)
+
+
+def spawn_worker(args: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...]
+                 ) -> subprocess.Popen[bytes]:
+    """Start a worker process (``args``, stdin from /dev/null) with SIGHUP blocked until its
+    handler is set: until then SIGHUP's default action would end it, and a reload (or a
+    SIGHUP to the process group) while it starts would count as a failed start. The mask is
+    set for this thread around the fork and survives ``execve(2)``; the worker unblocks it
+    (:data:`_WORKER_COMMAND`), and a SIGHUP that came meanwhile is delivered then.
+
+    subprocess, not the event loop's spawn: libuv (uvloop) empties the child's signal mask.
+    Raises OSError when the process cannot be started."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        # args: this interpreter and the relay's own worker command
+        return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL,  # noqa: S603
+                                pass_fds=pass_fds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+async def exited(proc: subprocess.Popen[bytes]) -> int:
+    """Wait, without blocking the event loop, until ``proc`` exits; its exit code (negative:
+    the signal that ended it). Waits on a pidfd (Linux >= 5.3), else in a thread."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return await asyncio.to_thread(proc.wait)
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await gone
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return proc.wait()
 
 
 async def supervise(settings: Settings, source: SettingsSource | None = None) -> int:

@@ -4,9 +4,11 @@ the shared test Redis under a random prefix, the sink in the test's loop)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -258,3 +260,45 @@ def test_a_worker_that_never_starts_is_given_up_on_with_exit_69(tmp_path: Path) 
     tries = [line for line in result.stderr.splitlines() if "exited before serving" in line]
     assert len(tries) == 4, result.stderr  # the 5th failure ends it
     assert "could not start (exit code 3, 5 time(s)): giving up" in result.stderr
+
+
+def _hang_up_new_children(relay: ServeProcess, stop: threading.Event) -> set[int]:
+    """Send SIGHUP to every child of ``relay`` the moment it shows in /proc (polled without
+    pause) until ``stop`` is set; the pids signalled."""
+    seen: set[int] = set()
+    while not stop.is_set():
+        with contextlib.suppress(OSError, ValueError):
+            for pid in relay.children():
+                if pid not in seen:
+                    seen.add(pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGHUP)
+    return seen
+
+
+async def test_a_sighup_to_a_worker_still_starting_does_not_end_it(serve: Serve, sink: Sink
+                                                                   ) -> None:
+    """SIGHUP sent to each new worker process the moment it exists (before its handler is set),
+    over four restarts of worker 0: no worker dies of it, the relay keeps both workers, and it
+    relays."""
+    relay = await serve()
+    stop = threading.Event()
+    watcher = asyncio.create_task(asyncio.to_thread(_hang_up_new_children, relay, stop))
+    try:
+        for _ in range(4):
+            old = relay.worker_pids()[0]
+            os.kill(old, signal.SIGKILL)
+
+            def back(old: int = old) -> bool:
+                return (relay.worker_pids().get(0) not in (None, old)
+                        or relay.proc.poll() is not None)
+
+            await until(back, within_s=20, what="worker 0 back")
+            assert relay.proc.poll() is None, relay.lines()[-5:]
+    finally:
+        stop.set()
+        signalled = await watcher
+    assert len(signalled) >= 4
+    exits = [str(e.get("message")) for e in relay.lines() if "exited" in str(e.get("message"))]
+    assert not any("SIGHUP" in line for line in exits), exits
+    assert (await send(relay.port, ["user@example.net"], message())).code == 250
