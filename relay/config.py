@@ -299,10 +299,11 @@ class Settings(BaseSettings):
     auth_required: bool = Field(False, description=(
         "refuse MAIL before AUTH with 530 5.7.0 (needs auth_file)"))
     auth_failure_delay: float = Field(default=1.0, ge=0, description=(
-        "seconds; every AUTH is answered after this x (1 + the address's recent attempts)"))
+        "seconds; a failed AUTH is answered after this x (1 + the recent failures of the "
+        "address or the user), at most 5 s; a right password at once"))
     auth_max_failures: int = Field(default=5, ge=1, description=(
-        "failed AUTHs per client address and per user name within auth_failure_window; then "
-        "AUTH is 421 4.7.0 unchecked"))
+        "AUTH attempts per client address within auth_failure_window (successes refunded); "
+        "then AUTH is 421 4.7.0 unchecked. A user name is never locked out"))
     auth_failure_window: float = Field(default=600.0, gt=0, description=(
         "seconds over which auth_max_failures counts"))
     proxy_protocol: bool = Field(False, description=(

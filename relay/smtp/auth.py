@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import hmac
 import logging
 import re
 import secrets
@@ -52,6 +54,10 @@ _MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget 
 # hash checks at once: argon2 defaults take 64 MiB each, and an AUTH flood must not fill the
 # default thread pool that other adapters (the SQLite store) share
 _MAX_CONCURRENT_CHECKS = 4
+# a verified (user, password) is remembered this long, so a client that opens a connection per
+# message pays one hash check (argon2id: 64 MiB, ~100 ms) per period, not per connection
+VERIFIED_TTL_S = 300.0
+_VERIFIED_MAX = 1024  # verified credentials remembered at most (the least recent go first)
 _LOGIN_USERNAME = "Username:"  # exactly, without NUL: Go's net/smtp compares it
 _LOGIN_PASSWORD = "Password:"  # noqa: S105  (the LOGIN prompt, not a password)
 
@@ -162,8 +168,53 @@ def _dummy_like(entry: _Entry | None) -> _Entry:
     return _Entry("argon2", hasher.hash(secret))
 
 
+class VerifiedCache:
+    """Credentials verified recently, by a keyed digest: HMAC-SHA-256 under a random key made
+    per process of ``user NUL hash NUL password``, so memory never holds a password and a
+    changed hash (a new password in the file) never matches. Entries live ``ttl_s`` seconds
+    (monotonic ``clock``); at most ``max_entries`` are kept, the least recently verified go
+    first. Only a successful check is remembered: a wrong password is always checked."""
+
+    def __init__(self, *, ttl_s: float = VERIFIED_TTL_S, max_entries: int = _VERIFIED_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._key = secrets.token_bytes(32)
+        self._ttl_s = ttl_s
+        self._max = max_entries
+        self._clock = clock
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+
+    def _digest(self, username: str, password_hash: str, secret: bytes) -> bytes:
+        material = b"\0".join((username.encode("utf-8", "surrogatepass"),
+                                password_hash.encode("ascii"), secret))
+        return hmac.new(self._key, material, hashlib.sha256).digest()
+
+    def holds(self, username: str, password_hash: str, secret: bytes) -> bool:
+        """True when this user, hash and password were verified within the last ``ttl_s``."""
+        digest = self._digest(username, password_hash, secret)
+        until = self._until.get(digest)
+        if until is None:
+            return False
+        if until <= self._clock():
+            del self._until[digest]
+            return False
+        return True
+
+    def add(self, username: str, password_hash: str, secret: bytes) -> None:
+        """Remember a successful check for ``ttl_s`` seconds."""
+        digest = self._digest(username, password_hash, secret)
+        self._until[digest] = self._clock() + self._ttl_s
+        self._until.move_to_end(digest)
+        while len(self._until) > self._max:
+            self._until.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
 class CredentialFile:
-    """The users allowed to AUTH, loaded from a ``username:hash`` file by :meth:`load`."""
+    """The users allowed to AUTH, loaded from a ``username:hash`` file by :meth:`load`.
+    Successful checks are remembered for :data:`VERIFIED_TTL_S` (:class:`VerifiedCache`);
+    a reload of the file starts with none remembered."""
 
     def __init__(self, *, source: str, entries: dict[str, _Entry]) -> None:
         self.source = source
@@ -172,6 +223,7 @@ class CredentialFile:
         # copies the first entry's scheme and cost (files are usually made by one tool)
         self._dummy = _dummy_like(next(iter(self._entries.values()), None))
         self._checks = asyncio.Semaphore(_MAX_CONCURRENT_CHECKS)
+        self.verified = VerifiedCache()
 
     def __repr__(self) -> str:
         return f"<CredentialFile {self.source} users={len(self._entries)}>"
@@ -185,6 +237,7 @@ class CredentialFile:
         self.source = other.source
         self._entries = other._entries
         self._dummy = other._dummy
+        self.verified = other.verified  # the new file's: nothing verified under the old one
 
     @classmethod
     def load(cls, path: Path) -> CredentialFile:
@@ -227,14 +280,19 @@ class CredentialFile:
     async def verify(self, username: str, password: str) -> bool:
         """True when ``password`` (UTF-8) is the password of ``username`` (exact match).
 
-        The hash check runs in a worker thread, at most a few at a time. An unknown user is
-        checked against a dummy hash, so both take about the same time. Never raises for bad
-        input: a password that cannot match is simply False.
+        The hash check runs in a worker thread, at most a few at a time; credentials verified
+        within :data:`VERIFIED_TTL_S` are answered from :attr:`verified` without one. An
+        unknown user is checked against a dummy hash, so both take about the same time. Never
+        raises for bad input: a password that cannot match is simply False.
         """
         entry = self._entries.get(username)
         secret = password.encode("utf-8", "surrogatepass")
+        if entry is not None and self.verified.holds(username, entry.password_hash, secret):
+            return True
         async with self._checks:
             ok = await asyncio.to_thread(_check_hash, entry or self._dummy, secret)
+        if ok and entry is not None:
+            self.verified.add(username, entry.password_hash, secret)
         return ok and entry is not None
 
 
@@ -343,19 +401,22 @@ def _peer_host(server: SMTP) -> str:
 class SaslMechanisms:
     """SASL PLAIN and LOGIN for aiosmtpd, checked against a :class:`CredentialFile`.
 
-    Guessing is bounded by a :class:`GuessBudget` per client address and per user name,
-    across connections: at most ``max_failures`` attempts within ``failure_window_s``
-    seconds, charged when an attempt is made (a guess whose client hangs up counts; a
-    success is refunded). An attempt from a spent address or at a spent user is not checked:
-    it calls ``on_refused`` and is answered ``421 4.7.0``, and the connection is closed; so is
-    the failure that spends the budget. Each failure calls ``on_failure`` (for a metric).
+    Guessing is bounded by a :class:`GuessBudget` per client address, across connections:
+    at most ``max_failures`` attempts within ``failure_window_s`` seconds, charged when an
+    attempt is made (a guess whose client hangs up counts; a success is refunded). An attempt
+    from a spent address is not checked: it calls ``on_refused`` and is answered ``421
+    4.7.0``, and the connection is closed; so is the failure that spends the budget. Failures
+    at a user name are counted too, but only to slow them down: a user is never locked out,
+    so a right password from an address with budget left is accepted whoever guessed at that
+    user before (anyone who knows a name could otherwise lock its owner out).
 
-    Every attempt, right or wrong, is answered at the same time after it was made:
-    ``failure_delay_s`` times (1 + the address's attempts already in the window), at most
-    5 s; so the reply time does not tell a right password from a wrong one (a client that
-    hangs up early learns nothing). A cancelled exchange (``*``) or bad base64 is answered
-    ``501`` by aiosmtpd and is not counted. Raises ValueError for a negative delay,
-    ``max_failures`` below 1 or a window <= 0.
+    A right password is answered as soon as it is verified. A failure is answered
+    ``failure_delay_s`` times (1 + the attempts already in the window of the address or of
+    the user, whichever made more) after it was made, at most 5 s. Each failure calls
+    ``on_failure`` (for a metric) once its check is done, also when the client hung up
+    before the answer. A cancelled exchange (``*``) or bad base64 is answered ``501`` by
+    aiosmtpd and is not counted. Raises ValueError for a negative delay, ``max_failures``
+    below 1 or a window <= 0.
     """
 
     def __init__(self, *, credentials: CredentialFile,
@@ -370,6 +431,7 @@ class SaslMechanisms:
         self._on_failure = on_failure
         self._on_refused = on_refused
         self._failure_delay_s = failure_delay_s
+        self._checking: set[asyncio.Task[bool]] = set()  # checks whose client may have gone
 
     @property
     def credentials(self) -> CredentialFile:
@@ -415,7 +477,8 @@ class SaslMechanisms:
 
     async def _check(self, server: SMTP, mechanism: str, username: str | None,
                      password: str | None) -> AuthResult:
-        """Charge the attempt, check it (not when malformed), answer it at the delay floor.
+        """Charge the attempt, check it (not when malformed), answer a success at once and a
+        failure at the delay floor.
 
         ``username`` is None when the exchange named none that can be decoded, ``password``
         None when the attempt fails before its password matters.
@@ -423,38 +486,49 @@ class SaslMechanisms:
         loop = asyncio.get_running_loop()
         started = loop.time()
         host = _peer_host(server)
-        keys = [f"address:{host}"] + ([f"user:{username}"] if username else [])
-        if self._budget.exhausted(keys):
+        address = f"address:{host}"
+        keys = [address] + ([f"user:{username}"] if username else [])
+        if self._budget.exhausted([address]):
             await asyncio.sleep(self._failure_delay_s)
             if self._on_refused is not None:
                 self._on_refused()
             log.warning("auth budget spent, attempt refused unchecked", extra={"peer": host})
             return await self._close(server)
-        prior = self._budget.spent(keys[0])
+        prior = max(self._budget.spent(key) for key in keys)
         token = self._budget.charge(keys)
-        # RFC 4616: authcid and passwd are 1*SAFE; the hash check runs in a worker thread
-        ok = bool(username and password) and await self._credentials.verify(
-            username or "", password or "")
+        # the check and its failure count run to the end even if the client hangs up
+        checking = asyncio.ensure_future(self._verify(mechanism, host, username, password))
+        self._checking.add(checking)
+        checking.add_done_callback(self._checking.discard)
+        if await asyncio.shield(checking):
+            self._budget.refund(token)
+            log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
+            log.debug("auth succeeded for user", extra={"username": username})
+            return AuthResult(success=True, auth_data=username,
+                              message=str(replies.AUTH_SUCCEEDED))
         floor_s = min(self._failure_delay_s * (prior + 1), _MAX_DELAY_S)
         await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
-        if not ok:
-            return await self._fail(server, mechanism, username, keys)
-        self._budget.refund(token)
-        log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
-        log.debug("auth succeeded for user", extra={"username": username})
-        return AuthResult(success=True, auth_data=username, message=str(replies.AUTH_SUCCEEDED))
+        return await self._fail(server, address)
 
-    async def _fail(self, server: SMTP, mechanism: str, username: str | None,
-                    keys: list[str]) -> AuthResult:
-        """Count the failure; answer 535, or 421 and close when it spent the budget."""
-        if self._on_failure is not None:
-            self._on_failure()
-        log.info("auth failed", extra={
-            "mechanism": mechanism, "peer": _peer_host(server),
-            "failures": self._budget.spent(keys[0])})
-        if username is not None:
-            log.debug("auth failed for user", extra={"username": username})
-        if not self._budget.exhausted(keys):
+    async def _verify(self, mechanism: str, host: str, username: str | None,
+                      password: str | None) -> bool:
+        """Whether ``username`` and ``password`` are right (RFC 4616: authcid and passwd are
+        1*SAFE, so either empty fails); a failure is counted and logged here."""
+        ok = bool(username and password) and await self._credentials.verify(
+            username or "", password or "")
+        if not ok:
+            if self._on_failure is not None:
+                self._on_failure()
+            log.info("auth failed", extra={
+                "mechanism": mechanism, "peer": host,
+                "failures": self._budget.spent(f"address:{host}")})
+            if username is not None:
+                log.debug("auth failed for user", extra={"username": username})
+        return ok
+
+    async def _fail(self, server: SMTP, address: str) -> AuthResult:
+        """Answer a failure: 535, or 421 and close when it spent the address's budget."""
+        if not self._budget.exhausted([address]):
             return AuthResult(success=False, handled=False, message=str(replies.AUTH_FAILED))
         log.warning("too many auth failures, closing", extra={"peer": _peer_host(server)})
         return await self._close(server)
