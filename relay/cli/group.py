@@ -11,6 +11,8 @@ also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config`` TO
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from relay import __version__
@@ -28,6 +30,16 @@ __all__ = ["ExitCode", "main"]
 @click.version_option(version=__version__, prog_name="dedup-relay")
 def main() -> None:
     """dedup-relay: an SMTP relay that stops duplicate outbound email."""
+    private_files()
+
+
+def private_files() -> None:
+    """Make every file this process and its workers create private to its user, whatever the
+    umask it was started with: files 0600, directories 0700 at most (the SQLite store and its
+    -wal/-shm, the settle journal and its lock, the pid file, the metrics directory and its
+    files, a Maildir). The umask is the one place every creation passes through; a
+    stricter umask is kept."""
+    os.umask(os.umask(0o077) | 0o077)
 
 
 register_serve_commands(main)

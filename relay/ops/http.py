@@ -6,26 +6,110 @@ Served by aiohttp in the relay's own event loop (readiness reads the live
 ``/healthz`` answers 200 while the process serves; ``/readyz`` answers 200 when the store and
 at least one upstream answered their last probe (and the audit ledger, when it is required),
 else 503, with a JSON body naming what failed, each upstream's state by its configured name
-(``upstreams``) and the ledger's (``ledger``: up or down, required, rows dropped)."""
+(``upstreams``) and the ledger's (``ledger``: up or down, required, rows dropped).
+
+It shares the relay's descriptors and event loop, so its connections are bounded: at most
+:data:`MAX_CONNECTIONS` open at once (one more is closed at once, nothing read or sent), and a
+connection from which no byte came for :data:`IDLE_TIMEOUT_S` is closed (a client that
+connects and sends nothing, or stalls mid-request, or keeps an idle keep-alive open)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from relay.ops.health import Readiness
 
+MAX_CONNECTIONS = 32  # a scraper or two and probes need a few; a flood must not take fds
+IDLE_TIMEOUT_S = 10.0  # below Prometheus' 15 s scrape interval: it reconnects per scrape
+
+
+class _CappedConnection(asyncio.Protocol):
+    """One connection of the ops server: aiohttp's protocol behind a count and an idle timer.
+
+    ``inner`` is aiohttp's request handler (every call is passed on); ``open_`` the set of the
+    connections counted now, shared by the server. Over ``max_connections`` the connection is
+    aborted before aiohttp sees it.
+    """
+
+    def __init__(self, inner: asyncio.Protocol, open_: set[_CappedConnection],
+                 max_connections: int, idle_timeout_s: float) -> None:
+        self._inner = inner
+        self._open = open_
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tcp = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport subclass
+        if len(self._open) >= self._max_connections:
+            tcp.abort()
+            return
+        self._open.add(self)
+        self._transport = tcp
+        self._restart_timer()
+        self._inner.connection_made(transport)
+
+    def _restart_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._idle_timeout_s, self._idle)
+
+    def _idle(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        self._restart_timer()
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self not in self._open:  # refused over the cap: aiohttp never saw it
+            return
+        self._open.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._inner.connection_lost(exc)
+
+
+def capped(factory: Callable[[], asyncio.Protocol], *, max_connections: int,
+           idle_timeout_s: float) -> Callable[[], asyncio.Protocol]:
+    """A protocol factory for ``loop.create_server`` serving ``factory``'s protocols with at
+    most ``max_connections`` open at once and each closed after ``idle_timeout_s`` seconds
+    with no byte received (see :class:`_CappedConnection`)."""
+    open_: set[_CappedConnection] = set()
+    return lambda: _CappedConnection(factory(), open_, max_connections, idle_timeout_s)
+
 
 class OpsServer:
     """aiohttp server for metrics and health; ``await start()``, then ``await stop()``."""
 
     def __init__(self, *, registry: CollectorRegistry, health: Readiness | None,
-                 host: str, port: int, sock: socket.socket | None = None) -> None:
-        """``sock``: a socket already bound (to host:port), served instead of binding."""
+                 host: str, port: int, sock: socket.socket | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        """``sock``: a socket already bound (to host:port), served instead of binding;
+        ``max_connections`` and ``idle_timeout_s`` (seconds) bound its connections."""
         self._sock = sock
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
+        self._server: asyncio.Server | None = None
         self._registry = registry
         self._health = health
         self._host = host
@@ -44,13 +128,20 @@ class OpsServer:
         """Bind and serve; ``port`` is the bound port afterwards (``0`` picks a free one)."""
         self._runner = web.AppRunner(self._app(), access_log=None)
         await self._runner.setup()
-        site: web.BaseSite = (web.TCPSite(self._runner, self._host, self._port)
-                              if self._sock is None else web.SockSite(self._runner, self._sock))
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
+        assert self._runner.server is not None  # set by setup()
+        factory = capped(self._runner.server, max_connections=self._max_connections,
+                         idle_timeout_s=self._idle_timeout_s)
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._server = await loop.create_server(factory, self._host, self._port)
+        else:
+            self._server = await loop.create_server(factory, sock=self._sock)
+        self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
-        """Stop serving."""
+        """Stop accepting, then close the open connections (aiohttp's shutdown)."""
+        if self._server is not None:
+            self._server.close()
         if self._runner is not None:
             await self._runner.cleanup()
 

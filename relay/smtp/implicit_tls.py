@@ -71,29 +71,47 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
 
     async def _handshake(self, transport: asyncio.Transport, host: str,
                          counted: str | None) -> None:
-        session = self._make_session()
+        """Run the handshake, then hand the connection and its count to a new session.
+
+        Until the session has it, the count is this task's: every other ending (the client
+        closed or reset before or during the handshake, a failed, hung or cancelled one, an
+        error of the loop's TLS layer) passes through the ``finally`` and releases it there,
+        once. A transport closed before the handshake starts (uvloop read the client's EOF
+        or reset already) gets no ``start_tls``: uvloop's would wait forever on it."""
+        handed_over = False
+        try:
+            if transport.is_closing():
+                log.info("TLS client %s went before its handshake", host)
+                return
+            session = self._make_session()
+            tls = await self._start_tls(transport, session, host)
+            if tls is None or tls.is_closing():
+                return
+            session.admitted_before(counted)
+            handed_over = True
+            session.connection_made(tls)
+        finally:
+            if not handed_over:
+                self._gate.release(counted)
+                transport.abort()
+
+    async def _start_tls(self, transport: asyncio.Transport, session: RelaySMTP,
+                         host: str) -> asyncio.BaseTransport | None:
+        """The TLS transport once the handshake ended, or None (a WARNING line said why) when
+        it failed, or did not end within ``handshake_timeout_s`` (bounded here too: the loop's
+        own bound does not run on a connection its TLS layer never started on)."""
         loop = asyncio.get_running_loop()
         starting = asyncio.ensure_future(loop.start_tls(
             transport, session, self._context, server_side=True,
             ssl_handshake_timeout=self._handshake_timeout_s))
         try:
             await _replay(transport, starting, self._early)
-            tls = await starting
+            return await asyncio.wait_for(starting, self._handshake_timeout_s)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError, ConnectionError included
             log.warning("TLS handshake failed with %s: %s", host, exc or type(exc).__name__)
-            self._gate.release(counted)
-            transport.abort()
-            return
-        except asyncio.CancelledError:
+            return None
+        finally:
             starting.cancel()
-            self._gate.release(counted)
-            transport.abort()
-            raise
-        if tls is None or tls.is_closing():
-            self._gate.release(counted)
-            return
-        session.admitted_before(counted)
-        session.connection_made(tls)
 
 
 async def _replay(transport: asyncio.Transport, starting: asyncio.Future[Any],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import _ssl  # the extension module behind ssl: its libssl made every SSLContext
+import ctypes
 import ssl
 from pathlib import Path
 
@@ -17,17 +19,46 @@ TLS12_CIPHERS = ":".join([
     "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-CHACHA20-POLY1305",
 ])
 
+# Mozilla's "intermediate" key exchange groups (ssl-config.mozilla.org, guideline 5.7), in the
+# server's order of preference: X448 and secp521r1, which OpenSSL offers too, are left out.
+TLS_GROUPS = ("X25519", "prime256v1", "secp384r1")
+_SSL_CTRL_SET_GROUPS_LIST = 92  # openssl/ssl.h: the ctrl behind SSL_CTX_set1_groups_list
+
+
+def set_groups(context: ssl.SSLContext, groups: tuple[str, ...]) -> None:
+    """Limit the (EC)DHE key exchange groups ``context`` agrees to (TLS 1.2 curves, RFC 8422
+    section 5.1; TLS 1.3 groups, RFC 8446 section 4.2.7) to ``groups`` (OpenSSL names).
+
+    Python's ssl has no call for it (``set_ecdh_curve`` keeps one curve), so this calls
+    OpenSSL's ``SSL_CTX_set1_groups_list`` through ctypes in the libssl Python's ``_ssl``
+    uses, on the ``SSL_CTX`` pointer that CPython keeps right after the object header. The
+    pointer is checked first (OpenSSL's options read through it must equal
+    ``context.options``). Raises ConfigError when the check or the call fails.
+    """
+    lib = ctypes.CDLL(getattr(_ssl, "__file__", None))  # None: linked into the interpreter
+    lib.SSL_CTX_get_options.restype = ctypes.c_uint64
+    lib.SSL_CTX_get_options.argtypes = [ctypes.c_void_p]
+    lib.SSL_CTX_ctrl.restype = ctypes.c_long
+    lib.SSL_CTX_ctrl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_char_p]
+    ctx = ctypes.c_void_p.from_address(id(context) + object.__basicsize__).value
+    if not ctx or lib.SSL_CTX_get_options(ctx) != int(context.options):
+        raise ConfigError("TLS: cannot reach OpenSSL's SSL_CTX to limit the key exchange groups")
+    if lib.SSL_CTX_ctrl(ctx, _SSL_CTRL_SET_GROUPS_LIST, 0, ":".join(groups).encode()) != 1:
+        raise ConfigError(f"TLS: OpenSSL refused the key exchange groups {':'.join(groups)}")
+
 
 def server_context(cert: Path, key: Path, min_version: str = "TLSv1.2") -> ssl.SSLContext:
     """A server-side SSLContext with the certificate chain ``cert`` and its private ``key``.
 
     ``min_version`` is ``TLSv1.2`` or ``TLSv1.3`` (RFC 8996 retired older ones); TLS 1.2
-    offers :data:`TLS12_CIPHERS` only. Raises ConfigError when the files cannot be read or
+    offers :data:`TLS12_CIPHERS` only; both versions agree to the groups :data:`TLS_GROUPS`
+    only (:func:`set_groups`). Raises ConfigError when the files cannot be read or
     do not match.
     """
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = _VERSIONS[min_version]
     context.set_ciphers(TLS12_CIPHERS)
+    set_groups(context, TLS_GROUPS)
     try:
         context.load_cert_chain(certfile=str(cert), keyfile=str(key))
     except (OSError, ssl.SSLError) as exc:
