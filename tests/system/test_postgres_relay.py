@@ -11,8 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -54,6 +56,35 @@ def test_serve_refuses_to_start_on_a_missing_schema(
         env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 69, done.stderr
     assert "dedup-relay db upgrade" in done.stderr, done.stderr
+
+
+def _on_database(url: str, database: str) -> str:
+    """``url`` with its database path replaced by ``database`` (query parameters kept)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+@pytest.mark.parametrize(("setting", "workers", "fault"), [
+    ("--store", "1", "database"), ("--store", "2", "database"),
+    ("--ledger", "1", "database"), ("--store", "1", "role")])
+def test_serve_refuses_to_start_on_a_database_the_server_refuses(
+        url: str, tmp_path: Path, setting: str, workers: str, fault: str) -> None:
+    """A URL naming a database the server does not have (or a role it does not know): serve
+    exits 69 with the server's words naming it, instead of answering every message 451."""
+    missing = f"no_such_database_{uuid.uuid4().hex[:8]}"
+    bad = (_on_database(url, missing) if fault == "database"
+           else url.replace("postgres@", f"{missing}@", 1))
+    store = ["--store", "sqlite:///dedup.db", "--ledger", bad] if setting == "--ledger" else [
+        "--store", bad]
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", "serve", "--listen", "127.0.0.1:0", *store,
+         "--upstream", "maildir:mail", "--workers", workers, "--metrics-listen", "off"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 69, done.stderr
+    word = "database" if fault == "database" else "role"
+    assert f'{word} "{missing}" does not exist' in done.stderr, done.stderr
+    assert ("the ledger's" if setting == "--ledger" else "the store's") in done.stderr
 
 
 async def test_a_relay_on_postgres_relays_once_and_suppresses_the_duplicate(

@@ -76,6 +76,26 @@ async def delete_in_batches(delete_batch: Callable[[], Awaitable[int]], *, batch
     return total
 
 
+# SQLSTATEs of a connect that no retry changes: the URL names a database the server does not
+# have (3D000, invalid_catalog_name), a role that may not log in or does not exist (28000), a
+# wrong password (28P01). PostgreSQL Appendix A, "PostgreSQL Error Codes".
+_REFUSED_CONNECT = frozenset({"3D000", "28000", "28P01"})
+
+
+def refused_connect(exc: BaseException) -> str | None:
+    """The server's word when ``exc`` (a :class:`StoreError`, or what it was raised from) is a
+    connect the server refused for good (:data:`_REFUSED_CONNECT`: the database does not
+    exist, the role or its password is refused), else None (not reachable, a timeout: worth
+    waiting for)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if (isinstance(seen, asyncpg.PostgresError)
+                and getattr(seen, "sqlstate", None) in _REFUSED_CONNECT):
+            return f"{seen} (SQLSTATE {seen.sqlstate})"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class as_store_error:  # used as a function: ``with as_store_error(...):``
     """Turn a timeout (the caller's bound of ``limit_s`` seconds) and ``errors`` raised in the
     ``with`` block into :class:`StoreError` naming ``op_name``; nothing is swallowed."""

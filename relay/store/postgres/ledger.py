@@ -42,6 +42,7 @@ from relay.store.postgres.calls import (
     delete_in_batches,
     deleted_rows,
     open_pool,
+    refused_connect,
     storable,
 )
 from relay.store.postgres.migrations import LEDGER as _L_
@@ -294,6 +295,12 @@ class PostgresLedger:
             await ledger.close(flush_s=0)
             raise StartupError(str(exc)) from exc
         except StoreError as exc:
+            refused = refused_connect(exc)
+            if refused is not None:  # a URL no retry makes right
+                await ledger.close(flush_s=0)
+                raise StartupError(f"the ledger's database refused the connection: {refused}; "
+                                   "fix the URL, or create the database and run `dedup-relay "
+                                   "db upgrade --ledger`") from exc
             ledger._set_up(False, str(exc))
             log.warning("audit ledger not usable at start-up (%s): rows queue until it "
                         "is%s", exc, "; messages are refused meanwhile (ledger_required)"

@@ -39,6 +39,7 @@ from relay.store.postgres.calls import (
     delete_in_batches,
     deleted_rows,
     open_pool,
+    refused_connect,
     storable,
 )
 from relay.store.postgres.calls import milliseconds as _ms
@@ -295,6 +296,12 @@ class PostgresStore:
             await store.close()
             raise StartupError(str(exc)) from exc
         except StoreError as exc:
+            refused = refused_connect(exc)
+            if refused is not None:  # a URL no retry makes right: do not serve 451 forever
+                await store.close()
+                raise StartupError(f"the store's database refused the connection: {refused}; "
+                                   "fix the URL, or create the database and run `dedup-relay "
+                                   "db upgrade`") from exc
             log.warning("postgresql not reachable at start-up (%s); its schema is checked by "
                         "the first readiness probe it answers (the store's calls fail until "
                         "then, answered per store_down)", exc)
