@@ -657,6 +657,11 @@ class Relay:
             log.warning("upstream certificate verification is off (upstream_verify = false): "
                         "anyone on the path to %s can read and change the mail and the AUTH "
                         "password; use it in a lab only", ", ".join(unverified))
+        in_clear = s.upstreams_with_clear_credentials
+        if in_clear:
+            log.warning("upstream AUTH without TLS (upstream_tls = none) to %s: the password or "
+                        "OAuth2 token goes over the network in clear; set upstream_tls = "
+                        "starttls or tls", ", ".join(in_clear))
 
     async def stop(self) -> None:
         """Graceful shutdown (design.md §6.6), in this order.

@@ -235,6 +235,18 @@ class UpstreamEntry(BaseModel):
         return self.address if self.name is None else f"{self.name}={self.address}"
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal or a name) is this machine: a loopback address
+    (127.0.0.0/8, ::1) or ``localhost`` / ``*.localhost`` (RFC 6761 section 6.3)."""
+    name = host.strip("[]").rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 # the upstreams in order: a TOML array (of strings or inline tables), or in an env var / flag a
 # comma-separated list of HOST:PORT / maildir:PATH
 UpstreamList = Annotated[tuple[UpstreamEntry, ...], NoDecode]
@@ -781,6 +793,23 @@ class Settings(BaseSettings):
         ``templates``: its ``[[template_policy]]`` entry's, else ``dedup_window``."""
         return Policy(window_s=self.dedup_window, templates=self.template_rules()
                       ).for_templates(templates).window_s
+
+    @property
+    def upstreams_with_clear_credentials(self) -> list[str]:
+        """The labels of the upstreams to which a password or an OAuth2 token would go in clear:
+        AUTH configured (a user for password AUTH, or xoauth2 / oauthbearer), TLS ``none``,
+        and a host that is not this machine (:func:`is_loopback_host`)."""
+        found = []
+        for entry in self.upstream:
+            if entry.is_maildir or (entry.tls or self.upstream_tls) != "none":
+                continue
+            auth = entry.auth or self.upstream_auth
+            if auth == "password" and not (entry.user or self.upstream_user):
+                continue
+            host, _ = split_host_port(entry.address, what="upstream")
+            if not is_loopback_host(host):
+                found.append(entry.label)
+        return found
 
     @property
     def upstream_summary(self) -> str:
