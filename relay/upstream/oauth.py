@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import ssl
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import aiohttp
 log = logging.getLogger("relay.upstream.oauth")
 
 _MAX_MARGIN_S = 60.0  # a token is renewed this long (or a tenth of its life) before it expires
+MAX_TOKEN_REPLY_BYTES = 64 * 1024  # a token reply past this is refused, never read whole
 _DEFAULT_LIFETIME_S = 300.0  # a reply without expires_in (RFC 6749 5.1: only RECOMMENDED)
 _MAX_ERROR_TEXT = 200
 
@@ -141,15 +143,25 @@ class TokenProvider:
         url = self._cfg.token_url
         timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
         try:
+            # never follow a redirect: it would POST the client secret again, perhaps to
+            # another host or over plain http, and take a token from there
             async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                    url, data=self._cfg.form(), ssl=self._ssl,
+                    url, data=self._cfg.form(), ssl=self._ssl, allow_redirects=False,
                     headers={"Accept": "application/json"}) as response:
                 status = response.status
-                body = await response.read()
+                body = await _bounded_body(response)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.error("OAuth2 token endpoint %s unreachable (%s: %s)", url,
                       type(exc).__name__, exc)
             raise TokenError("token endpoint unreachable") from exc
+        except _ReplyTooLarge as exc:
+            log.error("OAuth2 token endpoint %s: %s", url, exc)
+            raise TokenError("token endpoint reply too large") from exc
+        if 300 <= status < 400:
+            log.error("OAuth2 token endpoint %s answered HTTP %d (a redirect to %s): not "
+                      "followed; set oauth_token_url to the endpoint itself", url, status,
+                      response.headers.get("Location", "nowhere")[:200])
+            raise TokenError(f"token endpoint redirected, HTTP {status}")
         if status != 200:
             log.error("OAuth2 token endpoint %s answered HTTP %d (%s grant, client_id %s): %s",
                       url, status, self._cfg.grant, self._cfg.client_id, _error_text(body))
@@ -159,6 +171,27 @@ class TokenProvider:
         except ValueError as exc:
             log.error("OAuth2 token endpoint %s gave no usable token: %s", url, exc)
             raise TokenError("token endpoint reply malformed") from exc
+
+
+class _ReplyTooLarge(Exception):
+    """The token endpoint's reply is over :data:`MAX_TOKEN_REPLY_BYTES`."""
+
+
+async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
+    """The body of ``response``, at most :data:`MAX_TOKEN_REPLY_BYTES` read; raises
+    :class:`_ReplyTooLarge` (after reading at most one byte more, or none when its
+    Content-Length says so) for a longer one."""
+    declared = response.content_length
+    if declared is not None and declared > MAX_TOKEN_REPLY_BYTES:
+        raise _ReplyTooLarge(f"reply of {declared} bytes refused (at most "
+                             f"{MAX_TOKEN_REPLY_BYTES})")
+    body = bytearray()
+    while len(body) <= MAX_TOKEN_REPLY_BYTES:
+        chunk = await response.content.read(MAX_TOKEN_REPLY_BYTES + 1 - len(body))
+        if not chunk:
+            return bytes(body)
+        body += chunk
+    raise _ReplyTooLarge(f"reply over {MAX_TOKEN_REPLY_BYTES} bytes refused")
 
 
 def _parse(body: bytes) -> tuple[str, float]:
@@ -181,8 +214,9 @@ def _parse(body: bytes) -> tuple[str, float]:
     lifetime = reply.get("expires_in", _DEFAULT_LIFETIME_S)
     if isinstance(lifetime, str) and lifetime.isdigit():  # some endpoints quote it
         lifetime = int(lifetime)
-    if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) or lifetime <= 0:
-        raise ValueError("expires_in is not a positive number")
+    if (isinstance(lifetime, bool) or not isinstance(lifetime, int | float)
+            or not math.isfinite(lifetime) or lifetime <= 0):
+        raise ValueError("expires_in is not a finite positive number")
     return token, float(lifetime)
 
 

@@ -28,7 +28,8 @@ class TokenEndpoint:
     Every POST is counted (``forms`` holds each request's form fields); it answers
     ``{"access_token": "tok-N", "token_type": "Bearer", "expires_in": expires_in}``, or
     ``status`` with an error object when ``status`` is not 200, or ``raw`` as the body when
-    set. :meth:`stop` closes the port (unreachable), :meth:`start` opens it again.
+    set; ``redirect_to`` answers 307 there, ``stream_bytes`` streams a body that long. :meth:`stop`
+    closes the port (unreachable), :meth:`start` opens it again.
     """
 
     ca: trustme.CA
@@ -36,6 +37,9 @@ class TokenEndpoint:
     expires_in: float = 3600.0
     status: int = 200
     raw: bytes | None = None
+    redirect_to: str | None = None  # answer 307 with this Location instead of a token
+    stream_bytes: int = 0  # answer 200 with this many bytes, chunked (no Content-Length)
+    streamed: int = 0  # bytes of that stream written before the client went away
     port: int = 0
     forms: list[dict[str, str]] = field(default_factory=list)
     issued: dict[str, float] = field(default_factory=dict)  # token -> time.time() it expires
@@ -57,9 +61,13 @@ class TokenEndpoint:
         """Every token issued so far stops being valid (a smarthost that forgot them)."""
         self.issued.clear()
 
-    async def _token(self, request: web.Request) -> web.Response:
+    async def _token(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
         self.forms.append({k: str(v) for k, v in form.items()})
+        if self.redirect_to is not None:
+            raise web.HTTPTemporaryRedirect(self.redirect_to)
+        if self.stream_bytes:
+            return await self._stream(request)
         if self.raw is not None:
             return web.Response(body=self.raw, content_type="application/json")
         if self.status != 200:
@@ -70,6 +78,21 @@ class TokenEndpoint:
         self.issued[token] = time.time() + self.expires_in
         return web.json_response(
             {"access_token": token, "token_type": "Bearer", "expires_in": self.expires_in})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        """``stream_bytes`` of a JSON string, chunked, counting what was written."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        chunk = b"x" * 65536
+        try:
+            while self.streamed < self.stream_bytes:
+                await response.write(chunk)
+                self.streamed += len(chunk)
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client stopped reading and closed
+        return response
 
     async def start(self) -> None:
         """Serve (on the same port when it served before)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trustme
+from aiohttp import web
 from aiosmtpd.smtp import SMTP
 
 from relay.core.interfaces import DeliveryResult, OutboundMessage, RcptStatus
@@ -194,6 +195,13 @@ async def test_token_endpoint_down_is_451_then_delivered_once_back(
     (401, None, "token endpoint refused, HTTP 401"),
     (200, b"<html>not json</html>", "token endpoint reply malformed"),
     (200, b'{"token_type": "Bearer", "expires_in": 3600}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": 0}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": -5}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": "inf"}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": Infinity}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": NaN}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "t", "expires_in": 1e400}', "token endpoint reply malformed"),
+    (200, b'{"access_token": "' + b"x" * 70000 + b'"}', "token endpoint reply too large"),
 ])
 async def test_a_refusing_or_malformed_token_endpoint_is_451_without_the_secret_logged(
         endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture, status: int,
@@ -210,6 +218,44 @@ async def test_a_refusing_or_malformed_token_endpoint_is_451_without_the_secret_
     assert handler.transactions == 0
     assert SECRET not in caplog.text and REFRESH not in caplog.text
     assert "token endpoint" in caplog.text
+
+
+async def test_a_redirect_from_the_token_endpoint_is_not_followed(
+        endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """A 307 to another (plain http) endpoint: no request reaches it, the secret is sent
+    once, and the fetch fails naming the redirect."""
+    elsewhere: list[str] = []
+
+    async def collect(request: web.Request) -> web.Response:
+        elsewhere.append(await request.text())
+        return web.json_response({"access_token": "stolen", "token_type": "Bearer"})
+
+    app = web.Application()
+    app.router.add_post("/token", collect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    endpoint.redirect_to = f"http://127.0.0.1:{port}/token"
+    try:
+        with pytest.raises(TokenError, match="redirected, HTTP 307"):
+            await provider(endpoint).token()
+    finally:
+        await runner.cleanup()
+    assert elsewhere == []
+    assert endpoint.fetches == 1
+    assert "not followed" in caplog.text and SECRET not in caplog.text
+
+
+async def test_a_token_reply_without_end_is_refused_after_the_bound(
+        endpoint: TokenEndpoint) -> None:
+    """A 200 that streams 400 MB without a Content-Length is refused once 64 KiB are read;
+    the endpoint never gets to write it all."""
+    endpoint.stream_bytes = 400 * 1024 * 1024
+    with pytest.raises(TokenError, match="too large"):
+        await provider(endpoint).token()
+    assert endpoint.streamed < 64 * 1024 * 1024
 
 
 async def test_client_credentials_grant_form(endpoint: TokenEndpoint) -> None:
