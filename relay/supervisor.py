@@ -622,7 +622,8 @@ def worker_main(early: list[int]) -> None:
         # a pipe from the parent process only
         settings, source = pickle.load(pipe)  # noqa: S301
     index = int(spec["index"])
-    setup_logging(settings.log_level, settings.log_format, worker=index)
+    setup_logging(settings.log_level, settings.log_format, worker=index,
+                  mask_addresses=not settings.log_recipients)
     status = os.fdopen(spec["status"], "wb", buffering=0)
 
     def socks(fds: list[int]) -> tuple[socket.socket, ...]:

@@ -62,7 +62,8 @@ def register(main: click.Group) -> None:
         from relay.supervisor import run_loop_for  # the loop settings.event_loop names
 
         settings = _checked(config_file, flags)
-        setup_logging(settings.log_level, settings.log_format)
+        setup_logging(settings.log_level, settings.log_format,
+                      mask_addresses=not settings.log_recipients)
         source = SettingsSource(config_file, dict(flags))
         try:
             if settings.effective_workers == 1:  # one process, no supervisor

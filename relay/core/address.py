@@ -119,3 +119,21 @@ def mask_address(address: str) -> str:
         return address[:1] + "***"
     shown = local[:1] if len(local) > 1 and not local.startswith('"') else ""
     return f"{shown}***@{domain}"
+
+
+# an address inside free text (an upstream's reply, a log message): a dot-atom or quoted local
+# part (RFC 5321 section 4.1.2, UTF-8 per RFC 6531 section 3.3), "@", then a domain of
+# dot-separated labels or an address literal; the text around it is left as it is
+_ADDRESS_IN_TEXT = re.compile(
+    rf'(?:"(?:[^"\\\r\n]|\\.)*"|{ATEXT}+(?:\.{ATEXT}+)*)'
+    r"@(?:\[[^\]\s]*\]|[\w-]+(?:\.[\w-]+)*)")
+
+
+def mask_addresses_in(text: str) -> str:
+    """``text`` with every address in it masked by :func:`mask_address`
+    (``450 4.2.0 <jane.roe@example.net>: greylisted`` -> ``450 4.2.0 <j***@example.net>:
+    greylisted``). Idempotent: a masked address stays as it is."""
+    if "@" not in text:
+        return text
+    return _ADDRESS_IN_TEXT.sub(lambda m: mask_address(m.group()), text)
+

@@ -1,8 +1,11 @@
 """Logging: JSON lines (python-json-logger) or plain text.
 
 Logs never hold message bodies or secrets; recipients are masked unless ``log_recipients``
-(design.md §6.4). Structured fields go in ``extra=``; the JSON formatter writes them as keys,
-the text formatter appends them as ``key=value``.
+(design.md §6.4): the decision line masks its own fields, and every other line has the
+addresses in its message and its string fields masked by :class:`_MaskAddresses` (an
+upstream's reply quotes recipients: ``450 4.2.0 <jane.roe@example.net>: greylisted``).
+Structured fields go in ``extra=``; the JSON formatter writes them as keys, the text
+formatter appends them as ``key=value``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import sys
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
+
+from relay.core.address import mask_addresses_in
 
 # attributes every LogRecord has; anything else on a record came from ``extra=``
 _STANDARD = frozenset(vars(logging.LogRecord("n", 0, "p", 0, "m", None, None))) | {
@@ -37,16 +42,20 @@ class TextFormatter(logging.Formatter):
         return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
 
 
-def setup_logging(level: str, fmt: str = "json", *, worker: int | None = None) -> None:
+def setup_logging(level: str, fmt: str = "json", *, worker: int | None = None,
+                  mask_addresses: bool = True) -> None:
     """Send the relay's logs to stderr, one line per record, at ``level``.
 
     ``fmt`` is ``json`` (one JSON object per line: time, level, logger, message and the
     structured fields) or ``text``. ``worker``: the index of a worker process (``workers`` >
     1); every line then has the fields ``worker`` (the index) and ``pid``.
+    ``mask_addresses`` (``log_recipients`` off) masks every address in every line.
     """
     handler = logging.StreamHandler(sys.stderr)
     if worker is not None:
         handler.addFilter(_WorkerFields(worker))
+    if mask_addresses:
+        handler.addFilter(_MaskAddresses())
     if fmt == "json":
         handler.setFormatter(JsonFormatter(
             "{asctime}{levelname}{name}{message}", style="{", datefmt="%Y-%m-%dT%H:%M:%S%z",
@@ -83,6 +92,38 @@ class _WorkerFields(logging.Filter):
         record.worker = self._index
         record.pid = self._pid
         return True
+
+
+# fields whose value only looks like an address: a Message-ID is ``<id@host>`` (RFC 5322
+# section 3.6.4), and an operator looks it up as it is
+_UNMASKED_FIELDS = frozenset({"message_id"})
+
+
+class _MaskAddresses(logging.Filter):
+    """Masks the addresses in a record's message and in its ``extra=`` fields (strings, and
+    the keys and strings of dicts and lists in them), :func:`mask_addresses_in`; fields named
+    in :data:`_UNMASKED_FIELDS` are left as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = mask_addresses_in(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        for name, value in list(vars(record).items()):
+            if name not in _STANDARD and name not in _UNMASKED_FIELDS:
+                setattr(record, name, _masked(value))
+        return True
+
+
+def _masked(value: Any) -> Any:
+    """``value`` with the addresses in its strings masked (dicts and lists walked)."""
+    if isinstance(value, str):
+        return mask_addresses_in(value)
+    if isinstance(value, dict):
+        return {_masked(k): _masked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_masked(v) for v in value)
+    return value
 
 
 def _drop_login_data_warning(record: logging.LogRecord) -> bool:

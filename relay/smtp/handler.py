@@ -14,7 +14,7 @@ import re
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import format_datetime
@@ -258,14 +258,15 @@ class RelayHandler:
         """One structured line per message decision (no body, recipients masked by default)."""
         show: Callable[[str], str] = (
             (lambda a: a) if self._limits.log_recipients else mask_address)
+        label = distinct_labels([*decision.outcomes, *decision.keys], show)
         upstream = decision.upstream_reply
         match = _UPSTREAM_QUEUE_ID.search(upstream.text) if upstream is not None else None
         log.info("message", extra={
             "queue_id": msg.queue_id,
             "result": decision.result.value,  # plain strings: the text format uses repr()
             "reply": str(decision.reply),
-            "outcomes": {show(r): o.value for r, o in decision.outcomes.items()},
-            "keys": {show(r): k for r, k in decision.keys.items()},
+            "outcomes": {label[r]: o.value for r, o in decision.outcomes.items()},
+            "keys": {label[r]: k for r, k in decision.keys.items()},
             "upstream_reply": str(upstream) if upstream is not None else None,
             "upstream_queue_id": match.group(1) if match else None,
             "bytes": size,
@@ -276,6 +277,25 @@ class RelayHandler:
         """Log the exception and answer ``451 4.3.0`` without leaking its text."""
         log.error("session exception: %s", type(error).__name__, exc_info=error)
         return str(replies.INTERNAL_ERROR)
+
+
+def distinct_labels(recipients: Iterable[str], show: Callable[[str], str]) -> dict[str, str]:
+    """recipient -> its label in the decision line: ``show(recipient)`` (masked, or as it is),
+    with ``#2``, ``#3`` ... added to a label an earlier recipient already has, so that two
+    masks alike (``john@d``, ``jane@d`` -> ``j***@d``, ``j***@d#2``) keep one entry each in
+    ``outcomes`` and ``keys``."""
+    labels: dict[str, str] = {}
+    used: set[str] = set()
+    for recipient in recipients:
+        if recipient in labels:
+            continue
+        base = label = show(recipient)
+        n = 2
+        while label in used:
+            label, n = f"{base}#{n}", n + 1
+        labels[recipient] = label
+        used.add(label)
+    return labels
 
 
 def smtp_factory(handler: RelayHandler, limits: ListenerLimits, security: ListenerSecurity,

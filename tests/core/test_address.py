@@ -11,7 +11,12 @@ import pytest
 
 from relay.app import Relay
 from relay.core import replies
-from relay.core.address import address_literal_ok, canonical_literal, mailbox_problem
+from relay.core.address import (
+    address_literal_ok,
+    canonical_literal,
+    mailbox_problem,
+    mask_addresses_in,
+)
 from tests.support.clients import RawClient
 from tests.support.sink import Sink
 
@@ -161,3 +166,24 @@ async def test_rcpt_with_an_unbalanced_angle_bracket_is_refused(
 def test_a_literal_without_its_bracket_syntax_is_refused(literal: str) -> None:
     """A literal that is not "[" dcontent "]" (RFC 5321 4.1.3) is not valid, whatever inside."""
     assert not address_literal_ok(literal)
+
+
+@pytest.mark.parametrize(("text", "masked"), [
+    ("450 4.2.0 <jane.roe@example.net>: greylisted", "450 4.2.0 <j***@example.net>: greylisted"),
+    ("550 5.1.1 john@d.example and jane@d.example unknown",
+     "550 5.1.1 j***@d.example and j***@d.example unknown"),
+    ('550 5.1.1 "john doe"@example.com unknown', "550 5.1.1 ***@example.com unknown"),
+    ("550 5.1.1 josé.müller@bücher.example no", "550 5.1.1 j***@bücher.example no"),
+    ("550 5.1.1 <x@[192.0.2.1]>", "550 5.1.1 <***@[192.0.2.1]>"),
+    ("RCPT TO:<first.last+tag@sub.example.org> refused",
+     "RCPT TO:<f***@sub.example.org> refused"),
+    ("250 2.0.0 Ok: queued as 4XyZ1", "250 2.0.0 Ok: queued as 4XyZ1"),
+    ("j***@example.com", "j***@example.com"),
+    ("no address here @ all", "no address here @ all"),
+])
+def test_addresses_in_a_free_text_are_masked(text: str, masked: str) -> None:
+    """Every address inside a reply text (bracketed or bare, quoted or UTF-8 local part, a
+    domain or an address literal) is masked as a recipient is; the rest stays, and a masked
+    text masks to itself."""
+    assert mask_addresses_in(text) == masked
+

@@ -18,6 +18,7 @@ import pytest
 
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres.ledger import (
+    COLUMNS,
     LedgerOptions,
     PostgresLedger,
     insert_rows,
@@ -93,6 +94,20 @@ def test_rows_mask_recipients_and_hash_keys_unless_told_otherwise() -> None:
     assert key_digest("order-1", b"s") != key_digest("order-1", None)
     full = row_of(entry("relayed"), LedgerOptions(recipients_full=True, keys_plain=True))
     assert full[5] == "john.doe@example.com" and full[7] == "order-1"
+
+
+def test_addresses_in_reply_texts_are_masked_unless_recipients_are_kept_full() -> None:
+    """The upstream's reply and the client's reply quote the recipient: masked in the row
+    as the recipient is, kept as they are with ledger_recipients = full."""
+    refused = LedgerEntry(decided_at=1_796_000_000.0, outcome="refused_temp",
+                          recipient="jane.roe@example.net", store_key="fp:2",
+                          reply="450 4.2.0 <jane.roe@example.net>: greylisted",
+                          client_reply="450 4.2.0 <jane.roe@example.net>: greylisted")
+    masked = dict(zip(COLUMNS, row_of(refused, LedgerOptions()), strict=True))
+    assert masked["reply"] == "450 4.2.0 <j***@example.net>: greylisted"
+    assert masked["client_reply"] == "450 4.2.0 <j***@example.net>: greylisted"
+    full = dict(zip(COLUMNS, row_of(refused, LedgerOptions(recipients_full=True)), strict=True))
+    assert full["reply"] == "450 4.2.0 <jane.roe@example.net>: greylisted"
 
 
 async def test_cleanup_deletes_only_rows_past_the_retention(

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
-from relay.core.address import mask_address
+from relay.core.address import mask_address, mask_addresses_in
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
@@ -183,16 +183,20 @@ def key_digest(key: str, secret: bytes | None) -> str:
 
 def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
     """``entry`` as the values of :data:`COLUMNS`, recipient masked (an empty one kept
-    empty) and key hashed per ``options``."""
+    empty), the addresses in the reply texts masked too, and key hashed per ``options``."""
     recipient = (entry.recipient if options.recipients_full or not entry.recipient
                  else mask_address(entry.recipient))  # "" (an operator's row) stays ""
+    # an upstream's reply quotes recipients (450 4.2.0 <jane.roe@example.net>: greylisted)
+    shown: Callable[[str], str] = (
+        (lambda text: text) if options.recipients_full else mask_addresses_in)
     key = entry.dedupe_key
     if key is not None and not options.keys_plain:
         key = key_digest(key, options.secret)
     return (uuid.uuid4(), entry.decided_at, entry.action.value, entry.outcome,
             _clean(entry.store_key), _clean(recipient), _clean(entry.template), _clean(key),
-            _clean(entry.reply), _clean(entry.upstream_queue_id), _clean(entry.upstream),
-            _clean(entry.message_id), _clean(entry.queue_id), _clean(entry.client_reply),
+            _clean(shown(entry.reply)), _clean(entry.upstream_queue_id),
+            _clean(entry.upstream), _clean(entry.message_id), _clean(entry.queue_id),
+            _clean(shown(entry.client_reply)),
             _clean(options.instance))
 
 
