@@ -505,6 +505,7 @@ class Relay:
         self.settings = settings
         self.inherited = inherited
         self._more_servers: list[asyncio.base_events.Server] = []
+        self._store_id: str | None = None  # FingerprintStore.identity, once the store answered
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = PrometheusMetrics(registry=self.registry)
         # a worker's reloads are counted by its supervisor (one per reload of the relay)
@@ -700,9 +701,23 @@ class Relay:
         self._more_servers.extend(servers[1:])
         return servers[0]
 
-    def _store_identity(self) -> str:
-        """Which store a journal line is owed to: its URL (password masked) and key prefix."""
+    def _store_url_name(self) -> str:
+        """A store's name in the journal when its identity is unknown: its URL (password
+        masked) and key prefix."""
         return f"{redact_url(self.settings.store)} prefix={self.settings.store_prefix}"
+
+    async def _store_names(self) -> tuple[str, ...]:
+        """The names journal lines may be owed to this relay's store under: its identity
+        (asked of the store until it once answers) with the key prefix, then its URL name."""
+        if self._store_id is None and self.store is not None:
+            try:
+                self._store_id = await self.store.identity()
+            except StoreError as exc:
+                log.warning("the store's identity is unknown (%s): the settle journal names "
+                            "it by its URL", exc)
+        prefix = f" prefix={self.settings.store_prefix}"
+        named = () if self._store_id is None else (self._store_id + prefix,)
+        return (*named, self._store_url_name())
 
     def _journal_path(self) -> Path | None:
         return Path(self.settings.settle_journal) if self.settings.settle_journal else None
@@ -713,7 +728,8 @@ class Relay:
         if path is None or core is None:
             return
         try:
-            owed = await asyncio.to_thread(read_journal, path, self._store_identity())
+            names = await self._store_names()
+            owed = await asyncio.to_thread(read_journal, path, *names)
         except OSError as exc:
             raise StartupError(f"cannot read the settle journal {path}: {exc}") from exc
         if not owed:
@@ -726,7 +742,7 @@ class Relay:
         # loses nothing, and applying a settle again later changes nothing
         pending = {(token, op.key, op.action) for token, op in left}
         paid = [(t, op) for t, op in owed if (t, op.key, op.action) not in pending]
-        await asyncio.to_thread(remove_from_journal, path, paid, self._store_identity())
+        await asyncio.to_thread(remove_from_journal, path, paid, *names)
 
     async def _write_journal(self) -> None:
         """Stop the background settle retries and write what they still owe to the journal,
@@ -746,7 +762,8 @@ class Relay:
                       "records read as in doubt after their lease", len(owed))
             return
         try:
-            await asyncio.to_thread(add_to_journal, path, owed, self._store_identity())
+            owner = (await self._store_names())[0]
+            await asyncio.to_thread(add_to_journal, path, owed, owner)
         except OSError as exc:
             log.error("cannot write %d owed settle(s) to %s: %s", len(owed), path, exc)
             return

@@ -162,6 +162,13 @@ class FingerprintStore(Protocol):
         """Check that the store answers; raise StoreError when it does not."""
         ...
 
+    async def identity(self) -> str:
+        """A name of the data this store holds that does not depend on how its URL is
+        spelled (the settle journal's lines are owed to it, design.md §3): the same for every
+        URL that reaches the same data, another for other data. Raises
+        :class:`relay.core.errors.StoreError` when the store does not answer."""
+        ...
+
     async def close(self) -> None:
         """Release connections and file handles."""
         ...

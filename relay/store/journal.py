@@ -3,8 +3,10 @@ journal"; README "Graceful shutdown").
 
 One JSON object per line: ``{"store", "token", "key", "action", "reply"}`` (and ``window_s``,
 seconds, when the settle's message had a dedup window of its own), ``store`` naming
-the store the settle is owed to (URL with the password masked, and key prefix); a relay reads
-only its own store's lines. The next start applies them (compare-token writes: applying one
+the store the settle is owed to: its identity (``FingerprintStore.identity``: the same
+under any spelling of its URL) and key prefix, or, when the store never answered, its URL
+(password masked) and key prefix; a relay reads only the lines owed to either name of its
+store. The next start applies them (compare-token writes: applying one
 late, or twice, is safe) and keeps in the file only what still did not land. Every change is a
 read-modify-write under an exclusive lock (``flock`` on ``<name>.lock``) that keeps the other
 lines, so relays started from one directory can share the file.
@@ -28,11 +30,16 @@ Owed = tuple[str, SettleOp]  # (the attempt's token, the settle it owes)
 _Entry = tuple[str, str, SettleOp]  # (the store it is owed to, token, settle)
 
 
-def read_journal(path: Path, store: str) -> list[Owed]:
-    """The settles in ``path`` owed to ``store`` (an identity of the store: its URL, password
-    masked, and key prefix); none when the file does not exist. A line that is not a valid
-    entry is logged and skipped. Raises :class:`OSError` when the file cannot be read."""
-    return [(token, op) for owner, token, op in _read_all(path) if owner == store]
+def read_journal(path: Path, *stores: str) -> list[Owed]:
+    """The settles in ``path`` owed to any of ``stores`` (the names of one store: its identity
+    and its URL, each with the key prefix), each once; none when the file does not exist. A
+    line that is not a valid entry is logged and skipped. Raises :class:`OSError` when the
+    file cannot be read."""
+    owed: dict[tuple[str, str, str], Owed] = {}
+    for owner, token, op in _read_all(path):
+        if owner in stores:
+            owed.setdefault((token, op.key, op.action.value), (token, op))
+    return list(owed.values())
 
 
 def add_to_journal(path: Path, owed: Sequence[Owed], store: str) -> None:
@@ -42,11 +49,12 @@ def add_to_journal(path: Path, owed: Sequence[Owed], store: str) -> None:
         _write(path, _merged(_read_all(path), [(store, t, op) for t, op in owed]))
 
 
-def remove_from_journal(path: Path, paid: Sequence[Owed], store: str) -> None:
-    """Remove the settles ``paid`` to ``store`` from the journal at ``path``, keeping every other
-    line (another relay's, another store's). Raises :class:`OSError`."""
+def remove_from_journal(path: Path, paid: Sequence[Owed], *stores: str) -> None:
+    """Remove the settles ``paid`` to any of ``stores`` (the names of one store) from the
+    journal at ``path``, keeping every other line (another relay's, another store's). Raises
+    :class:`OSError`."""
     with _locked(path):
-        done = {_ident((store, t, op)) for t, op in paid}
+        done = {_ident((store, t, op)) for t, op in paid for store in stores}
         _write(path, [e for e in _read_all(path) if _ident(e) not in done])
 
 

@@ -375,6 +375,15 @@ class SqliteStore:
         await self._call("ping", lambda conn, _now: _db(conn).execute("SELECT 1").fetchone(),
                          in_tx=False)
 
+    async def identity(self) -> str:
+        """``sqlite:<device>:<inode>`` of the database file (the same file under any path or
+        link to it). Raises :class:`StoreError` (op ``identity``) when it cannot be read."""
+        try:
+            st = await asyncio.to_thread(os.stat, self._path)
+        except OSError as exc:
+            raise StoreError("identity", f"cannot stat {self._path}: {exc.strerror}") from exc
+        return f"sqlite:{st.st_dev}:{st.st_ino}"
+
     async def purge_expired(self) -> int:
         """Delete expired rows; return how many. Raises :class:`StoreError` (op ``purge``)."""
         return await self._call("purge", _purge)

@@ -428,6 +428,15 @@ class PostgresStore:
         return PostgresRateLimiter(pool=self._pool, prefix=prefix,
                                    op_timeout_s=self._op_timeout_s)
 
+    async def identity(self) -> str:
+        """``postgresql:<system_identifier>/<database>/<schema>``: the cluster's identifier
+        (``pg_control_system()``, made by initdb, kept by its replicas), the database and the
+        schema the tables are in. Raises :class:`StoreError` (op ``identity``)."""
+        row = await self._call("identity", lambda conn: conn.fetchrow(
+            "SELECT (SELECT system_identifier FROM pg_control_system())::text AS cluster, "
+            "current_database() AS db, current_schema() AS schema"))
+        return f"postgresql:{row['cluster']}/{row['db']}/{row['schema']}"
+
     async def ping(self) -> None:
         """Check that the database answers and takes writes (a hot standby, or a session
         with ``default_transaction_read_only``, answers ``SELECT 1`` while every reserve

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
@@ -50,6 +51,8 @@ from relay.store.redis.scripts import (
     reply_bytes,
 )
 
+IDENTITY_KEY = "dedup-relay:store-id"
+"""The key of the store's identity (:meth:`RedisStore.identity`), outside any key prefix."""
 _ERROR_TEXT_MAX = 300  # characters of a redis error kept in StoreError (pipeline errors are long)
 
 _ScriptCall = tuple[AsyncScript, str, tuple[str | int | bytes, ...]]
@@ -386,6 +389,17 @@ class RedisStore:
         """Check that Redis answers PING; raises :class:`StoreError` (op ``ping``)."""
         async with _translated("ping", self._op_timeout_s):
             await self._client.ping()
+
+    async def identity(self) -> str:
+        """``redis:<uuid>``: a random id the first relay wrote (SET NX) under
+        :data:`IDENTITY_KEY` in this database, read back; never expires. Outside the key
+        prefix, so no scan of the fingerprints sees it; a cluster keeps it on one shard.
+        Raises :class:`StoreError` (op ``identity``)."""
+        async with _translated("identity", self._op_timeout_s):
+            await self._client.set(IDENTITY_KEY, uuid.uuid4().hex, nx=True)
+            value = await self._client.get(IDENTITY_KEY)
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+        return f"redis:{text}"
 
     async def check_server(self) -> list[str]:
         """Return readable warnings about the servers' settings (empty when all is well).
