@@ -4,7 +4,10 @@ One file in WAL mode holds one row per key; it survives a restart of the relay, 
 processes may share it (SQLite's file locks plus ``BEGIN IMMEDIATE`` keep every transition
 atomic). Expiry is by wall clock (``time.time()``): a row whose ``expires_at_ms`` has passed
 counts as absent and is replaced by the next reserve; :meth:`SqliteStore.purge_expired` deletes
-such rows.
+such rows. A SENDING row's heartbeat is also dated on the host's boot clock
+(``CLOCK_BOOTTIME``, shared by every process of the host and never stepped) with the boot's id,
+and its age is judged on that clock: a step of the wall clock (NTP, a VM resumed) never makes a
+live SENDING row read as in doubt (:func:`_heartbeat_age_ms`).
 
 sqlite3 blocks, so every call runs in one dedicated worker thread that owns the one connection;
 the event loop only awaits it, bounded by ``op_timeout_s``. Every sqlite3, OS and timeout error
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sqlite3
 import time
@@ -48,14 +52,20 @@ CREATE TABLE IF NOT EXISTS fingerprints (
     at_ms INTEGER,
     reply TEXT,
     expires_at_ms INTEGER,
-    lease_ms INTEGER
+    lease_ms INTEGER,
+    boot_id TEXT,
+    beat_ms INTEGER
 )
 """
 # SENDING rows keep their attempt's lease (readers judge staleness by it); a file written by an
 # earlier version gets the column on open
 _ADD_LEASE = "ALTER TABLE fingerprints ADD COLUMN lease_ms INTEGER"
+# SENDING rows' heartbeat on the boot clock (CLOCK_BOOTTIME, ms) and the boot it belongs to
+_ADD_BEAT = ("ALTER TABLE fingerprints ADD COLUMN boot_id TEXT",
+             "ALTER TABLE fingerprints ADD COLUMN beat_ms INTEGER")
 _INDEX = "CREATE INDEX IF NOT EXISTS fingerprints_expiry ON fingerprints (expires_at_ms)"
-_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms FROM fingerprints "
+_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms "
+           "FROM fingerprints "
            "WHERE key = ?")
 _UPSERT = (
     "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
@@ -72,10 +82,12 @@ _SETTLE = (
     "UPDATE fingerprints SET state = ?, token = NULL, at_ms = ?, reply = ?, expires_at_ms = ? "
     "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms, expires_at_ms, lease_ms, then key, token, now_ms. PENDING(token) ->
-# SENDING(token); SENDING(token) again is a retried call of the same attempt (idempotent).
+# Parameters: at_ms, expires_at_ms, lease_ms, boot_id, beat_ms, then key, token, now_ms.
+# PENDING(token) -> SENDING(token); SENDING(token) again is a retried call of the same attempt
+# (idempotent).
 _TO_SENDING = (
-    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ?, lease_ms = ? "
+    "UPDATE fingerprints SET state = 'sending', at_ms = ?, expires_at_ms = ?, lease_ms = ?, "
+    "boot_id = ?, beat_ms = ? "
     "WHERE key = ? AND state IN ('pending', 'sending') AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: expires_at_ms, then key, token, now_ms. Renews the lease of PENDING(token).
@@ -83,10 +95,11 @@ _RENEW_PENDING = (
     "UPDATE fingerprints SET expires_at_ms = ? "
     "WHERE key = ? AND state = 'pending' AND token = ? AND expires_at_ms > ?"
 )
-# Parameters: at_ms (the heartbeat), lease_ms, the earliest expiry (0: keep it), then key, token,
-# now_ms. Renews SENDING(token).
+# Parameters: at_ms (the heartbeat), lease_ms, the earliest expiry (0: keep it), boot_id,
+# beat_ms, then key, token, now_ms. Renews SENDING(token).
 _RENEW_SENDING = (
-    "UPDATE fingerprints SET at_ms = ?, lease_ms = ?, expires_at_ms = max(expires_at_ms, ?) "
+    "UPDATE fingerprints SET at_ms = ?, lease_ms = ?, expires_at_ms = max(expires_at_ms, ?), "
+    "boot_id = ?, beat_ms = ? "
     "WHERE key = ? AND state = 'sending' AND token = ? AND expires_at_ms > ?"
 )
 # Parameters: key, now_ms. Deletes the row only while it is live (not expired).
@@ -94,17 +107,22 @@ _DELETE_LIVE = (
     "DELETE FROM fingerprints WHERE key = ? AND (expires_at_ms IS NULL OR expires_at_ms > ?)"
 )
 
-# Parameters (named): prefix, prefix_chars, now_ms, lease_ms, cutoff_ms. One row per state a
-# live record under the prefix reads as (as _record reads it; "foreign": a state the relay did
-# not write, read as SENT): the count, how many are in doubt (UNKNOWN, or SENDING whose last
-# heartbeat is a lease old: its own, else lease_ms), the oldest in-doubt time and how many
-# in-doubt records are dated at or before cutoff_ms.
+# Parameters (named): prefix, prefix_chars, now_ms, lease_ms, cutoff_ms, boot_id, beat_ms. One
+# row per state a live record under the prefix reads as (as _record reads it; "foreign": a
+# state the relay did not write, read as SENT): the count, how many are in doubt (UNKNOWN, or
+# SENDING whose last heartbeat is a lease old, by _heartbeat_age_ms's rule: its own lease, else
+# lease_ms), the oldest in-doubt time and how many in-doubt records are dated at or before
+# cutoff_ms.
 _COUNT_STATES = """
 SELECT reads, count(*), sum(doubt), min(CASE WHEN doubt THEN at_ms END),
        sum(doubt AND at_ms <= :cutoff_ms)
 FROM (
     SELECT reads, at_ms,
-           reads = 'unknown' OR (reads = 'sending' AND :now_ms - at_ms >= lease) AS doubt
+           reads = 'unknown' OR (reads = 'sending' AND (CASE
+               WHEN boot_id IS NULL OR beat_ms IS NULL OR boot_id = 'unknown'
+                    THEN :now_ms - at_ms
+               WHEN boot_id = :boot_id THEN :beat_ms - beat_ms
+               ELSE lease END) >= lease) AS doubt
     FROM (
         SELECT CASE
                    WHEN state = 'pending' AND token IS NOT NULL AND token != '' THEN 'pending'
@@ -114,7 +132,7 @@ FROM (
                    WHEN state = 'unknown' THEN 'unknown'
                    ELSE 'foreign'
                END AS reads,
-               at_ms, coalesce(lease_ms, :lease_ms) AS lease
+               at_ms, boot_id, beat_ms, coalesce(lease_ms, :lease_ms) AS lease
         FROM fingerprints
         WHERE substr(key, 1, :prefix_chars) = :prefix
           AND (expires_at_ms IS NULL OR expires_at_ms > :now_ms)
@@ -123,7 +141,45 @@ FROM (
 GROUP BY reads
 """
 
-_Row = tuple[str, str | None, int | None, str | None, int | None, int | None]
+_Row = tuple[str, str | None, int | None, str | None, int | None, int | None, str | None,
+             int | None]
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@functools.cache
+def _this_boot() -> str:
+    """``/proc/sys/kernel/random/boot_id`` (read once: it cannot change while a process runs),
+    else ``"unknown"``."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as source:
+            return source.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def boot_beat() -> tuple[str, int]:
+    """(the id of this boot of the host, ``CLOCK_BOOTTIME`` in ms): the clock every process of
+    the host shares, which counts suspend and is never stepped (clock_gettime(2)). On a host
+    without a boot id the id is ``"unknown"``, and heartbeats are judged by the wall clock as
+    before."""
+    return _this_boot(), time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1_000_000
+
+
+def _heartbeat_age_ms(at_ms: int, boot_id: str | None, beat_ms: int | None, now_ms: int,
+                      lease_ms: int) -> int:
+    """How old a SENDING row's last heartbeat is, ms (design.md §3, "SENDING and the heartbeat").
+
+    Written in this boot: by the boot clock, which no step of the wall clock moves. Written by
+    an earlier version (no boot clock in the row), or on a host that has no boot id: by the
+    wall clock ``now_ms - at_ms``. Written in another boot: ``lease_ms`` at least, since every
+    process of that boot, the attempt's included, has ended (the row reads as in doubt)."""
+    if boot_id is None or beat_ms is None or boot_id == "unknown":
+        return now_ms - at_ms
+    here, beat_now = boot_beat()
+    if boot_id == here:
+        return beat_now - beat_ms
+    return max(lease_ms, now_ms - at_ms)
 
 
 def sqlite_path_from_url(url: str) -> str:
@@ -167,7 +223,7 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     younger than its attempt's own lease (``lease_ms`` for a row of an earlier version) and as
     UNKNOWN after it (its attempt died after the final dot).
     """
-    state, token, at_ms, reply, expires_at_ms, own_lease_ms = row
+    state, token, at_ms, reply, expires_at_ms, own_lease_ms, boot_id, beat_ms = row
     ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
     at = at_ms / 1000 if at_ms is not None else None
     age_s = (now_ms - at_ms) / 1000 if at_ms is not None else None
@@ -175,10 +231,13 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
     if state == _SENDING and token and at_ms is not None:
         own = own_lease_ms / 1000 if own_lease_ms is not None else None
+        lease = own_lease_ms if own_lease_ms is not None else lease_ms
+        beat_age_ms = _heartbeat_age_ms(at_ms, boot_id, beat_ms, now_ms, lease or 0)
+        age_s = beat_age_ms / 1000
         if lease_ms is None:
             return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
                           lease_s=own)
-        if now_ms - at_ms < (own_lease_ms if own_lease_ms is not None else lease_ms):
+        if beat_age_ms < (own_lease_ms if own_lease_ms is not None else lease_ms):
             return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
                           lease_s=own)
         return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own)
@@ -500,6 +559,9 @@ def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
         columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
         if "lease_ms" not in columns:
             conn.execute(_ADD_LEASE)
+        if "boot_id" not in columns:
+            for statement in _ADD_BEAT:
+                conn.execute(statement)
         conn.execute(_INDEX)
         for statement in sqlite_limits.SCHEMA:
             conn.execute(statement)
@@ -539,7 +601,8 @@ def _settle(conn: sqlite3.Connection, now_ms: int, ops: Sequence[SettleOp], toke
         if op.action is Settle.RELEASE:
             cursor = conn.execute(_RELEASE, mine)
         elif op.action is Settle.SENDING:
-            cursor = conn.execute(_TO_SENDING, (at_ms, expires_ms, _lease_ms(op), *mine))
+            cursor = conn.execute(_TO_SENDING, (at_ms, expires_ms, _lease_ms(op), *boot_beat(),
+                                                *mine))
         else:
             state = _SENT if op.action is Settle.SENT else _UNKNOWN
             reply = _clean(op.reply) if op.action is Settle.SENT else None
@@ -556,7 +619,8 @@ def _renew(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str], token: st
         mine = (key, token, now_ms)
         cursor = conn.execute(_RENEW_PENDING, (now_ms + lease_ms, *mine))
         if cursor.rowcount != 1:
-            cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, expires_ms, *mine))
+            cursor = conn.execute(_RENEW_SENDING, (now_ms, lease_ms, expires_ms, *boot_beat(),
+                                                   *mine))
         done.append(cursor.rowcount == 1)
     return done
 
@@ -570,9 +634,11 @@ def _inspect(conn: sqlite3.Connection | None, key: str) -> Record:
 def _count_states(conn: sqlite3.Connection | None, prefix: str, lease_ms: int,
                   older_than_ms: int) -> StateCounts:
     now_ms = int(time.time() * 1000)
+    boot_id, beat_ms = boot_beat()
     rows = _db(conn).execute(_COUNT_STATES, {
         "prefix": prefix, "prefix_chars": len(prefix), "now_ms": now_ms, "lease_ms": lease_ms,
-        "cutoff_ms": now_ms - older_than_ms}).fetchall()
+        "cutoff_ms": now_ms - older_than_ms,
+        "boot_id": boot_id, "beat_ms": beat_ms}).fetchall()
     by_state = {reads: (count, doubt, oldest, older)
                 for reads, count, doubt, oldest, older in rows}
     none = (0, 0, None, 0)
