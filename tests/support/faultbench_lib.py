@@ -111,6 +111,27 @@ async def wait_for_port(port: int, proc: asyncio.subprocess.Process | None,
     raise RuntimeError(f"nothing accepts on 127.0.0.1:{port} after {timeout_s} s")
 
 
+@dataclass
+class BenchSqlite:
+    """The embedded store of a run: a SQLite file in ``work_dir`` (no server to start)."""
+
+    work_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"sqlite:///{self.work_dir / 'dedup.db'}"
+
+    async def start(self) -> None:
+        """Make the folder the file goes in."""
+        await asyncio.to_thread(self.work_dir.mkdir, parents=True, exist_ok=True)
+
+    async def stop(self) -> None:
+        """Nothing runs: the file stays."""
+
+    async def close(self) -> None:
+        """Nothing runs: the file stays."""
+
+
 # ------------------------------------------------------------------------------------------
 # the upstream sink
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 from tests.support.faultbench_lib import (
     BenchPostgres,
     BenchRedis,
+    BenchSqlite,
     Faults,
     RelayConfig,
     RelayProcess,
@@ -48,7 +49,7 @@ SETTLE_S = 1.2  # after the load: upstream transactions still running land at th
 class Bench:
     """The parts of one run, handed to the fault action."""
 
-    store: BenchRedis | BenchPostgres
+    store: BenchRedis | BenchPostgres | BenchSqlite
     sink: Sink
     relay: RelayProcess
     notes: list[str] = field(default_factory=list)
@@ -85,7 +86,7 @@ class Scenario:
     # the clients' attempts then go to the two relays in turn
     second_clock_offset_s: float | None = None
     policy: RetryPolicy | None = None  # the clients' retries (None: the run's default)
-    store: str = "redis"  # redis | postgres: the server the relay's --store names
+    store: str = "redis"  # redis | postgres | sqlite: what the relay's --store names
 
 
 async def restart_redis(bench: Bench) -> None:
@@ -233,6 +234,15 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                                    unknown_policy="send"),
                  second_clock_offset_s=10.0,
                  policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
+        Scenario("sqlite-clock-step",
+                 "two relays on one SQLite file, the second's wall clock 20 s ahead (a step "
+                 "longer than the 5 s lease); upstream holds 30 % of final replies 2 s; clients "
+                 "give up after 1 s and retry on the other relay; unknown_policy = send",
+                 faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
+                 relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
+                                   unknown_policy="send"),
+                 second_clock_offset_s=20.0, store="sqlite",
+                 policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
         Scenario("long-transactions",
                  "every upstream command answered in 0-0.9 s: many transactions outlast the "
                  "3 s lease",
@@ -305,8 +315,10 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
     msgs = make_messages(messages, tag, big_every=scenario.big_every,
                          big_bytes=scenario.big_bytes)
-    store: BenchRedis | BenchPostgres = (
-        BenchPostgres(workdir) if scenario.store == "postgres" else BenchRedis(workdir / "redis"))
+    store: BenchRedis | BenchPostgres | BenchSqlite = (
+        BenchPostgres(workdir) if scenario.store == "postgres"
+        else BenchSqlite(workdir / "sqlite") if scenario.store == "sqlite"
+        else BenchRedis(workdir / "redis"))
     sink: Sink | None = None
     relay: RelayProcess | None = None
     second: RelayProcess | None = None
@@ -354,7 +366,7 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
 
 
 async def _stop_all(relay: RelayProcess | None, sink: Sink | None,
-                    store: BenchRedis | BenchPostgres) -> None:
+                    store: BenchRedis | BenchPostgres | BenchSqlite) -> None:
     """Stop the relay, the sink and the store, each whatever happened to the others."""
     try:
         if relay is not None:

@@ -155,6 +155,18 @@ async def test_relays_with_skewed_clocks_keep_the_invariant(tmp_path: Path) -> N
     assert c.replies["450 4.2.0"] > 0, report(result)  # retries met the other relay's attempt
 
 
+async def test_relays_on_one_sqlite_file_across_a_clock_step_keep_the_invariant(
+        tmp_path: Path) -> None:
+    """Two relays on one SQLite file, the second's wall clock 20 s ahead (more than the 5 s
+    lease) under unknown_policy = send, clients retrying on the other relay while the first
+    waits on a held reply: no duplicate, nothing read as in doubt."""
+    result = await run("sqlite-clock-step", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.copies == c.fingerprints, report(result)
+    assert c.replies["450 4.2.0"] > 0, report(result)  # retries met the other relay's attempt
+
+
 async def test_transactions_longer_than_the_lease_keep_the_invariant(tmp_path: Path) -> None:
     """A slow upstream makes many transactions outlast the 3 s lease: none is refused as store
     unavailable or lapsed, none is duplicated (item 4)."""
