@@ -17,7 +17,9 @@ class PgProxy:
     ``hang()``: bytes are still read from both sides but no longer passed on, and new
     connections are accepted and never answered (a peer that hangs, not one that refuses);
     ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
-    traffic flows again (bytes held while hung are passed on). ``partitioned`` (set it):
+    traffic flows again (bytes held while hung are passed on); ``hold_replies()``: requests
+    still pass, the server's answers wait until ``resume()`` (a reply lost on its way, for a
+    while). ``partitioned`` (set it):
     connections accepted meanwhile are read and never answered, also after it is cleared (an
     address that drops packets; ``blackholed`` counts them). ``connect_delay_s``: each new
     connection waits that long before it is connected through (a database slow to connect).
@@ -31,6 +33,8 @@ class PgProxy:
         self.blackholed = 0
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._replies = asyncio.Event()  # the server's bytes may pass on
+        self._replies.set()
         self._refusing = False
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -53,6 +57,10 @@ class PgProxy:
         """Stop passing bytes on (connections stay open)."""
         self._flowing.clear()
 
+    def hold_replies(self) -> None:
+        """Hold the server's bytes (requests still pass on)."""
+        self._replies.clear()
+
     def refuse(self) -> None:
         """Close every connection; close new ones at once."""
         self._refusing = True
@@ -64,6 +72,7 @@ class PgProxy:
         """Pass bytes on again and accept new connections normally."""
         self._refusing = False
         self._flowing.set()
+        self._replies.set()
 
     async def close(self) -> None:
         """Stop listening and end every connection and task."""
@@ -94,7 +103,8 @@ class PgProxy:
             await self._flowing.wait()
             up_reader, up_writer = await asyncio.open_connection(*self._target)
             self._writers.append(up_writer)
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            await asyncio.gather(self._pipe(reader, up_writer),
+                                 self._pipe(up_reader, writer, self._replies))
         except (OSError, asyncio.IncompleteReadError):
             writer.close()
         except asyncio.CancelledError:  # close(): the task ends quietly (asyncio's server
@@ -102,10 +112,13 @@ class PgProxy:
         finally:
             self._tasks.discard(task)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    gate: asyncio.Event | None = None) -> None:
         try:
             while data := await reader.read(65536):
                 await self._flowing.wait()
+                if gate is not None:
+                    await gate.wait()
                 if self._refusing:
                     break
                 writer.write(data)

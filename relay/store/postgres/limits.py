@@ -37,6 +37,7 @@ from typing import Any
 
 import asyncpg
 
+from relay.core.cancellation import run_to_end
 from relay.core.errors import StoreError
 from relay.core.interfaces import LimitCheck, LimitVerdict
 from relay.store.postgres.calls import ERRORS, release, storable, terminate
@@ -110,10 +111,11 @@ class PostgresRateLimiter:
             await self._failed(conn, buckets, call_id, checks)
             raise StoreError("rate_limit",
                              f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]) from exc
-        except BaseException:  # cancelled (a shutdown past its grace): do not reuse it
-            if conn is not None:
-                terminate(conn)
-                await self._release(conn)
+        except asyncio.CancelledError:
+            # a shutdown past its grace cut the call: its message is answered 4yz and never
+            # sent, so what the statement took (or takes if it lands later) is given back
+            await run_to_end(asyncio.ensure_future(
+                self._failed(conn, buckets, call_id, checks)))
             raise
         await self._release(conn)
         index, wait_ms = int(result[0]), int(result[1])

@@ -30,6 +30,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
+from relay.core.cancellation import run_to_end
 from relay.core.errors import StoreError
 from relay.core.interfaces import LimitCheck, LimitVerdict
 from relay.store.redis.clients import Client
@@ -185,6 +186,11 @@ class RedisRateLimiter:
             await self._give_back(keys, token, checks)
             raise StoreError("rate_limit",
                              f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_MAX]) from exc
+        except asyncio.CancelledError:
+            # a shutdown cut the call: its message is answered 4yz and never sent, so what
+            # the script took (or takes when it lands later) is given back, to the end
+            await run_to_end(asyncio.ensure_future(self._give_back(keys, token, checks)))
+            raise
         index, wait_ms = int(result[0]), int(result[1])
         if index == 0:
             return LimitVerdict(allowed=True)
