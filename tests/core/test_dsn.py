@@ -19,6 +19,7 @@ from relay.core.interfaces import NonDelivery, RcptResult, RcptStatus, SmtpReply
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay
 from tests.support.sink import Delivered, Sink
+from tests.support.waiting import until
 
 SENDER = "app@example.com"
 RCPTS = ["a@example.net", "b@example.net"]
@@ -88,7 +89,9 @@ async def test_partial_permanent_refusal_sends_a_dsn_to_the_sender(
                    if p.get_content_type() == "text/rfc822-headers").get_payload()
     assert "X-Dedupe-Key: K-1" in headers and "Subject: test" in headers
     assert "hello" not in headers  # the header section only, not the body
-    assert dsn_count(relay, "sent") == 1.0 and dsn_count(relay, "failed") == 0.0
+    # the sink holds the DSN once its DATA is answered; the relay counts it once it read that
+    await until(lambda: dsn_count(relay, "sent") == 1.0, what="the DSN counted sent")
+    assert dsn_count(relay, "failed") == 0.0
 
 
 async def test_message_without_key_partly_refused_gets_a_dsn(relay: Relay, sink: Sink) -> None:
@@ -244,3 +247,17 @@ def test_header_bytes_that_are_not_utf8_do_not_make_a_false_global_headers_part(
                       reporting_mta="relay.test", arrival=0.0)
     assert b"caf\xe9" not in built.content
     assert "X-Odd: caf\ufffd\r\n".encode() in built.content
+
+
+def test_the_report_comes_from_the_relays_mailer_daemon() -> None:
+    """The DSN's From: is one well-formed address, MAILER-DAEMON at the reporting MTA (RFC
+    3464 section 2: the report is from the reporting MTA, not from the sender)."""
+    built = build_dsn(notice({"b@x.example": refused(550, "5.1.1 unknown")}),
+                      reporting_mta="relay.test", arrival=0.0)
+    report = email.message_from_bytes(built.content, policy=policy.default)
+    assert b"\r\nFrom: Mail Delivery System <MAILER-DAEMON@relay.test>\r\n" in (
+        b"\r\n" + built.content)
+    sender = report["From"]
+    assert len(sender.addresses) == 1 and not sender.defects
+    assert sender.addresses[0].addr_spec == "MAILER-DAEMON@relay.test"
+    assert sender.addresses[0].display_name == "Mail Delivery System"
