@@ -474,6 +474,31 @@ async def test_shadow_relays_a_held_copy_and_leaves_the_record_in_doubt(prefix: 
         await store.close()
 
 
+async def test_shadow_relays_a_copy_enforce_would_suppress_as_in_doubt(prefix: str) -> None:
+    """unknown_policy = suppress, an UNKNOWN record: enforce answers 250 without relaying
+    (suppressed_unknown); shadow relays the copy (would_suppress) and leaves the record as it
+    was."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = ScriptedUpstream()
+    enforce = core_over(store, upstream, Policy(key_prefix=prefix, unknown="suppress"))
+    shadow = core_over(store, upstream,
+                       Policy(key_prefix=prefix, unknown="suppress", mode="shadow"))
+    key = store_key(Policy(key_prefix=prefix))
+    client = aredis.Redis.from_url(REDIS_URL)
+    try:
+        await client.set(key, f"U|{int(time.time() * 1000)}", px=3_600_000)
+        before = await raw(key)
+        assert (await enforce.process(msg())).outcomes == {USER: "suppressed_unknown"}
+        assert upstream.copies_to(USER) == 0
+        decision = await shadow.process(msg())
+        assert decision.reply.code == 250 and decision.outcomes == {USER: "would_suppress"}
+        assert upstream.copies_to(USER) == 1
+        assert (await raw(key))[0] == before[0]
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 async def test_shadow_leaves_a_copy_in_flight_waiting_and_the_original_settles(
         prefix: str) -> None:
     """M1 holds K at the upstream; its copy in shadow mode gets 450 and takes nothing from M1's

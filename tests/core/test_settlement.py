@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import pytest
+import redis.asyncio as aredis
+from aiosmtpd.smtp import SMTP, Envelope, Session
 from prometheus_client import CollectorRegistry
 
+from relay.core import replies
 from relay.core.cancellation import run_to_end
-from relay.core.dedup import DedupCore, InboundMessage, Policy
+from relay.core.dedup import DedupCore, InboundMessage, Policy, TemplateRule
 from relay.core.errors import StoreError
 from relay.core.interfaces import (
     DeliveryProgress,
@@ -26,6 +30,7 @@ from relay.core.interfaces import (
 )
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.redis.store import RedisStore
+from tests.support.clients import message, send
 from tests.support.dedup_parts import (
     CountingUpstream,
     HangingUpstream,
@@ -33,17 +38,22 @@ from tests.support.dedup_parts import (
     make_core,
     one_message,
 )
-from tests.support.relays import REDIS_URL
+from tests.support.relays import REDIS_URL, MakeRelay
+from tests.support.sink import SinkHandler, start_sink
+from tests.support.waiting import until
 
 
 class SettleDown(RedisStore):
-    """A real RedisStore on which every settle after the dot fails while ``down``."""
+    """A real RedisStore on which every settle after the dot fails while ``down``; ``refused``
+    counts those failed settles."""
 
     down = True
+    refused = 0
 
     async def settle(self, ops: Sequence[SettleOp], *, token: str,
                      window_s: float) -> list[bool]:
         if self.down and all(op.action is not Settle.SENDING for op in ops):
+            self.refused += 1
             raise StoreError("settle", "ConnectionError: connection refused")
         return await super().settle(ops, token=token, window_s=window_s)
 
@@ -331,9 +341,11 @@ async def test_a_reservation_lost_before_the_dot_is_logged(
     logs an ERROR saying so."""
     store = KeyTakenBefore.from_url(REDIS_URL)
     store.action = Settle.SENDING
-    core = make_core(store, CountingUpstream(), prefix)
+    upstream = CountingUpstream()
+    core = make_core(store, upstream, prefix)
     with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
-        await core.process(one_message())
+        decision = await core.process(one_message())
+    assert decision.reply == replies.RESERVATION_LOST and upstream.sent == []
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith(
         "a reservation is no longer ours before the final dot") for r in caplog.records)
     await store.close()
@@ -570,3 +582,171 @@ async def test_failed_quick_settles_are_timed(prefix: str) -> None:
     assert 0.0 < sample(registry, "relay_store_seconds_sum", "settle") < 2.0
     await asyncio.wait_for(asyncio.gather(*core.background), timeout=10)
     await store.close()
+
+
+ANOTHER_ATTEMPT = b"P|" + b"f" * 32  # another attempt's PENDING record
+
+
+class TakesTheKeysAtRcpt(SinkHandler):
+    """A sink that, as each RCPT arrives, hands every key under ``prefix`` to another attempt
+    (``P|<its token>``, the TTL kept): the relay's lease lapsed and a retry reserved the
+    fingerprint while this transaction was under way."""
+
+    prefix = "no-prefix-yet:"
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope,
+                          address: str, options: list[str]) -> str:
+        client = aredis.Redis.from_url(REDIS_URL)
+        try:
+            async for key in client.scan_iter(match=self.prefix + "*"):
+                await client.set(key, ANOTHER_ATTEMPT, keepttl=True)
+        finally:
+            await client.aclose()
+        return await super().handle_RCPT(server, session, envelope, address, options)
+
+
+async def test_a_reservation_lost_before_the_dot_answers_451_and_sends_nothing(
+        make_relay: MakeRelay) -> None:
+    """A fingerprint another attempt took over before the final dot: the relay sends no dot,
+    answers ``451 4.3.0`` (RESERVATION_LOST) and leaves the other attempt's record as it was."""
+    handler = TakesTheKeysAtRcpt()
+    sink = await start_sink(handler=handler)
+    client = aredis.Redis.from_url(REDIS_URL)
+    try:
+        relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
+        handler.prefix = relay.settings.store_prefix
+        result = await send(relay.port, ["user@example.net"], message())
+        assert (result.code, result.text) == (451, replies.RESERVATION_LOST.text)
+        assert sink.handler.delivered == []
+        keys = [k async for k in client.scan_iter(match=handler.prefix + "*")]
+        assert len(keys) == 1 and await client.get(keys[0]) == ANOTHER_ATTEMPT
+    finally:
+        await client.aclose()
+        sink.server.close()
+        await sink.server.wait_closed()
+
+
+class PeekingUpstream(CountingUpstream):
+    """Accepts everything; once the SENDING mark let the dot go, waits ``hold_s`` seconds (the
+    upstream working on the message) and then keeps what Redis holds under ``prefix``: each
+    key's value, its PTTL and the server's time in ms, read in one transaction."""
+
+    def __init__(self, prefix: str, hold_s: float = 0.0) -> None:
+        super().__init__()
+        self.prefix, self.hold_s = prefix, hold_s
+        self.seen: dict[bytes, tuple[bytes, int, int]] = {}
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        if progress is not None and progress.before_dot is not None:
+            assert await progress.before_dot(message.rcpt_tos)
+            progress.before_dot = None  # marked: the counting upstream goes straight on
+            progress.dot_written = True
+        await asyncio.sleep(self.hold_s)
+        client = aredis.Redis.from_url(REDIS_URL)
+        try:
+            async for key in client.scan_iter(match=self.prefix + "*"):
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.get(key)
+                    pipe.pttl(key)
+                    pipe.time()
+                    value, pttl_ms, (now_s, now_us) = await pipe.execute()
+                self.seen[key] = (value, pttl_ms, int(now_s) * 1000 + int(now_us) // 1000)
+        finally:
+            await client.aclose()
+        return await super().deliver(message, progress)
+
+
+def sending_fields(value: bytes) -> tuple[int, int]:
+    """A SENDING value's heartbeat (unix ms) and lease (ms): ``D|<token>|<ms>|<lease ms>``."""
+    tag, _token, heartbeat_ms, lease_ms = value.split(b"|")
+    assert tag == b"D"
+    return int(heartbeat_ms), int(lease_ms)
+
+
+async def test_a_sending_record_holds_the_attempts_lease_and_lives_the_window(
+        prefix: str) -> None:
+    """The SENDING record of an attempt with a 30 s lease carries that lease (30000 ms: what a
+    retry judges it in doubt by) and expires a dedup window (3600 s) after its heartbeat."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = PeekingUpstream(prefix)
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                     policy=Policy(key_prefix=prefix, lease_s=30.0, window_s=3600.0))
+    try:
+        assert (await core.process(one_message())).reply.code == 250
+        [(value, pttl_ms, now_ms)] = upstream.seen.values()
+        heartbeat_ms, lease_ms = sending_fields(value)
+        assert lease_ms == 30_000
+        assert abs(pttl_ms + (now_ms - heartbeat_ms) - 3_600_000) <= 5  # ms rounding
+    finally:
+        await store.close()
+
+
+async def test_renewals_of_a_sending_record_keep_it_to_the_templates_shorter_window(
+        prefix: str) -> None:
+    """A template with a 5 s window under a relay's 3600 s: a SENDING record renewed while the
+    upstream works (0.6 s lease, renewed every 0.2 s) expires 5 s after its last heartbeat, not
+    3600 s."""
+    store = RedisStore.from_url(REDIS_URL)
+    upstream = PeekingUpstream(prefix, hold_s=0.5)
+    policy = Policy(key_prefix=prefix, lease_s=0.6, window_s=3600.0,
+                    templates=(TemplateRule(match="welcome", window_s=5.0),))
+    core = DedupCore(store=store, upstream=upstream,
+                     metrics=PrometheusMetrics(registry=CollectorRegistry()), policy=policy)
+    try:
+        started_ms = int(time.time() * 1000)
+        assert (await core.process(one_message())).reply.code == 250
+        [(value, pttl_ms, now_ms)] = upstream.seen.values()
+        heartbeat_ms, lease_ms = sending_fields(value)
+        assert lease_ms == 600
+        assert heartbeat_ms - started_ms >= 150, "no renewal came while the upstream worked"
+        assert abs(pttl_ms + (now_ms - heartbeat_ms) - 5_000) <= 5  # ms rounding
+    finally:
+        await store.close()
+
+
+async def test_a_sent_mark_still_owed_is_not_counted_lost_before_the_lease_ends(
+        prefix: str) -> None:
+    """A SENT mark failing its quick tries and two background tries within a 30 s lease is not
+    yet counted in ``relay_mark_sent_failed_total`` (a retry still gets 450, not in doubt)."""
+    store = SettleDown.from_url(REDIS_URL)
+    registry = CollectorRegistry()
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0, registry=registry)
+    try:
+        assert (await core.process(one_message())).reply.code == 250
+        await until(lambda: store.refused >= 5, what="two background tries")  # 3 quick + 2
+        assert not registry.get_sample_value("relay_mark_sent_failed_total")
+    finally:
+        await stop_background(core.background)
+        await store.close()
+
+
+class SettleTimes(SettleFailsFirst):
+    """SettleFailsFirst that keeps in ``at`` the ``time.monotonic()`` of every settle after
+    the dot."""
+
+    at: list[float]
+
+    async def settle(self, ops: Sequence[SettleOp], *, token: str,
+                     window_s: float) -> list[bool]:
+        if all(op.action is not Settle.SENDING for op in ops):
+            self.at.append(time.monotonic())
+        return await super().settle(ops, token=token, window_s=window_s)
+
+
+async def test_the_quick_settle_tries_are_spaced_a_tenth_then_a_fifth_of_a_second(
+        prefix: str) -> None:
+    """A SENT mark whose first two tries fail is tried three times: the second at least 0.1 s
+    after the first, the third at least 0.2 s after the second (a store hiccup is given time
+    to pass, not hammered)."""
+    store = SettleTimes.from_url(REDIS_URL)
+    store.failures, store.at = 2, []
+    core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
+    try:
+        assert (await core.process(one_message())).reply.code == 250
+        assert not core.background and len(store.at) == 3
+        first, second, third = store.at
+        assert second - first >= 0.1 and third - second >= 0.2
+    finally:
+        await store.close()

@@ -36,7 +36,9 @@ class CountingUpstream:
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
         if progress is not None and progress.before_dot is not None:
             if not await progress.before_dot(message.rcpt_tos):  # the contract: no dot
-                refused = RcptResult(RcptStatus.REFUSED, replies.STORE_DOWN, from_upstream=False)
+                refused = RcptResult(RcptStatus.REFUSED,
+                                     progress.abort_reply or replies.STORE_DOWN,
+                                     from_upstream=False)
                 return DeliveryResult(recipients={r: refused for r in message.rcpt_tos})
             progress.dot_written = True
         self.sent.append(message)

@@ -90,9 +90,10 @@ class Sink:
     server: asyncio.base_events.Server
 
 
-async def start_sink(*, smtputf8: bool = True, eight_bit: bool = True) -> Sink:
-    """Serve a SinkHandler on 127.0.0.1:0 in the running loop."""
-    handler = SinkHandler()
+async def start_sink(*, smtputf8: bool = True, eight_bit: bool = True,
+                     handler: SinkHandler | None = None) -> Sink:
+    """Serve ``handler`` (default: a new SinkHandler) on 127.0.0.1:0 in the running loop."""
+    handler = handler if handler is not None else SinkHandler()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: SMTP(handler, hostname="sink.test", decode_data=not eight_bit,
