@@ -33,6 +33,7 @@ from relay.config import (
     setting_names,
     split_host_port,
 )
+from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.dedup import DedupCore, Policy, TemplateRule
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError, StartupError, StoreError
@@ -814,8 +815,9 @@ class Relay:
         for task in pending:
             task.cancel()
         with contextlib.suppress(TimeoutError):
+            # a transaction whose final dot is out waits for its reply first
             await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True),
-                                   4 * self.settings.store_timeout)
+                                   AFTER_DOT_WAIT_S + 4 * self.settings.store_timeout)
         await self._drained(1.0)  # let the cut transactions' sessions send their 451
         if self.handler is not None:
             for session in list(self.handler.sessions):

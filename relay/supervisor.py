@@ -13,11 +13,12 @@ The supervisor restarts a worker that exits on its own (back-off from 0.5 s doub
 reset after a minute of serving); a worker that cannot start 5 times in a row, or exits 69/78
 before it served, ends the relay with that code (69 otherwise). SIGTERM and SIGINT are
 forwarded to every worker and the supervisor waits for their graceful shutdown (up to
-``shutdown_grace`` + 4 store timeouts + 10 s, then SIGKILL). SIGHUP reloads the configuration
-(:mod:`relay.reload`): the supervisor reads and checks the file, and refuses it (one ERROR line,
-nothing changed) or forwards SIGHUP to every worker, which applies the same file and confirms
-on its status pipe; the supervisor then logs one INFO line for the whole relay and counts the
-reload (``relay_config_reloads_total``, in its own registry). Reloads run one at a time; one
+``shutdown_grace`` + 5 s for replies to final dots + 4 store timeouts + 10 s, then SIGKILL).
+SIGHUP reloads the configuration (:mod:`relay.reload`): the supervisor reads and checks the
+file, and refuses it (one ERROR line, nothing changed) or forwards SIGHUP to every worker,
+which applies the same file and confirms on its status pipe; the supervisor then logs one INFO
+line for the whole relay and counts the reload (``relay_config_reloads_total``, in its own
+registry). Reloads run one at a time; one
 asked for during start-up runs once the relay serves. The supervisor serves ``/metrics``
 (every worker's, prometheus-client multiprocess mode, in a private temporary directory it
 removes at exit), ``/healthz`` and ``/readyz`` (ready when every worker serves and every
@@ -46,6 +47,7 @@ from typing import Any
 
 from relay.app import Inherited, Listeners, _bind_error, _host_port, bind_listeners, run
 from relay.config import Settings
+from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.health import ComponentStatus
 from relay.ops.http import OpsServer
@@ -509,7 +511,7 @@ class Supervisor:
     async def _stop_workers(self) -> None:
         """Wait for every worker's graceful shutdown; SIGKILL what outlives its bound."""
         s = self.settings
-        bound_s = s.shutdown_grace + 4 * s.store_timeout + 10.0
+        bound_s = s.shutdown_grace + AFTER_DOT_WAIT_S + 4 * s.store_timeout + 10.0
         try:
             await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), bound_s)
         except TimeoutError:

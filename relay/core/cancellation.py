@@ -9,7 +9,9 @@ so that the task goes on to give the client a reply that says what happened.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import TypeVar
 
 log = logging.getLogger("relay.core.cancellation")
@@ -37,3 +39,42 @@ async def run_to_end(work: asyncio.Future[_T]) -> _T:
                 raise
             absorb_cancel()
             log.warning("a store write that must complete was asked to stop: finishing it")
+
+
+AFTER_DOT_WAIT_S = 5.0
+"""Seconds a transaction whose final dot is on the wire waits for the upstream's reply once a
+shutdown's grace is over (design.md §6.6): a refusal that comes a moment later then releases
+the record instead of leaving it in doubt. The supervisor's and the systemd unit's stop bounds
+count it."""
+
+
+async def reply_past_cut(work: asyncio.Future[_T], dot_written: Callable[[], bool], *,
+                         wait_s: float | None = None) -> _T | None:
+    """``work``'s result (an upstream transaction). When the caller is cancelled meanwhile
+    (shutdown past its grace) and ``dot_written()`` says the final dot went out, the
+    cancellation is absorbed and ``work`` gets up to ``wait_s`` seconds (default
+    :data:`AFTER_DOT_WAIT_S`, read at the call) more to bring the
+    upstream's reply; otherwise, or past that, ``work`` is cancelled and None is returned
+    (the caller settles the transaction as cut: in doubt when the dot was out). An exception
+    of ``work`` is raised."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        absorb_cancel()
+    if wait_s is None:
+        wait_s = AFTER_DOT_WAIT_S
+    if dot_written() and wait_s > 0:
+        log.warning("shutdown: waiting up to %g s for the reply to a final dot on the wire",
+                    wait_s)
+        try:
+            done, _ = await asyncio.wait({work}, timeout=wait_s)
+        except asyncio.CancelledError:  # cut a second time: no more waiting
+            absorb_cancel()
+            done = set()
+        if done:
+            return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return None
+

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from relay.core import replies, rules
 from relay.core.audit import entries_for
-from relay.core.cancellation import absorb_cancel, run_to_end
+from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.fingerprint import DedupHeaders, extract_dedup_headers, strip_fields
 from relay.core.interfaces import (
@@ -352,11 +352,16 @@ class DedupCore:
         progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress,
                                                            p.window_s)
         sent_for = {**first_rcpt, **shadow}  # store key -> the recipient relayed for it
-        try:
+
+        async def kept_alive_delivery() -> DeliveryResult:
             async with self._settler.kept_alive(list(first_rcpt), token, p.window_s):
-                result = await self._deliver(msg, list(sent_for.values()), progress, p)
-        except asyncio.CancelledError:  # shutdown past its grace cut the transaction
-            absorb_cancel()
+                return await self._deliver(msg, list(sent_for.values()), progress, p)
+
+        # a shutdown past its grace cuts the transaction, unless its dot is out and the reply
+        # comes within AFTER_DOT_WAIT_S (then it is settled by that reply, as any other)
+        result = await reply_past_cut(asyncio.ensure_future(kept_alive_delivery()),
+                                      lambda: progress.dot_written)
+        if result is None:
             cut = rules.after_cut(progress.dot_written)
             if first_rcpt:
                 await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
@@ -451,10 +456,10 @@ class DedupCore:
 
         Cut by shutdown: the client is told so (4yz), in doubt when the final dot was out."""
         progress = DeliveryProgress()
-        try:
-            result = await self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress, p)
-        except asyncio.CancelledError:
-            absorb_cancel()
+        result = await reply_past_cut(asyncio.ensure_future(
+            self._deliver(msg, list(dict.fromkeys(msg.rcpt_tos)), progress, p)),
+            lambda: progress.dot_written)
+        if result is None:  # cut by shutdown
             cut = rules.after_cut(progress.dot_written).verdict
             return self._conclude(msg, self._for_all(msg, cut), None)
         verdicts = {rcpt: rules.after_upstream(result.recipients[rcpt], relayed=relayed).verdict

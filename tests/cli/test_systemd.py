@@ -19,6 +19,7 @@ import pytest
 from relay.cli.exit_codes import ExitCode
 from relay.cli.group import main as cli_main
 from relay.config import Settings
+from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.store.sqlite import sqlite_path_from_url
 from tests.support.cli import wait_for_port
 from tests.support.net import free_port
@@ -108,11 +109,12 @@ def test_unit_does_not_restart_an_invalid_configuration() -> None:
 def test_unit_stop_outlasts_the_relays_own_shutdown() -> None:
     """SIGTERM goes to the supervisor alone (KillMode=mixed: it forwards it to its workers), and
     systemd's SIGKILL comes after the supervisor's own bound on its workers' graceful shutdown
-    (shutdown_grace + 4 x store_timeout + 10 s, relay/supervisor.py), itself above
-    shutdown_grace."""
+    (shutdown_grace + the wait for replies to final dots + 4 x store_timeout + 10 s,
+    relay/supervisor.py), itself above shutdown_grace."""
     assert one("KillSignal") == "SIGTERM"
     assert one("KillMode") == "mixed"
-    supervisor_bound = DEFAULT["shutdown_grace"] + 4 * DEFAULT["store_timeout"] + 10.0
+    supervisor_bound = (DEFAULT["shutdown_grace"] + AFTER_DOT_WAIT_S
+                        + 4 * DEFAULT["store_timeout"] + 10.0)
     assert seconds(one("TimeoutStopSec")) > supervisor_bound > DEFAULT["shutdown_grace"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from relay.core.interfaces import State
 from tests.support.cli import start_relay, wait_for_port
 from tests.support.clients import RawClient, message, send
 from tests.support.net import free_port
-from tests.support.relays import MakeRelay
+from tests.support.relays import REDIS_URL, MakeRelay, delete_prefix, start_serve
 from tests.support.sink import Sink
 from tests.support.waiting import until
 
@@ -82,10 +83,11 @@ async def test_cut_before_the_dot_releases(make_relay: MakeRelay, sink: Sink) ->
 
 
 async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -> None:
-    """Past the grace, a transaction whose final dot is out is marked UNKNOWN, not released."""
+    """Past the grace and the wait for the reply to a dot on the wire (5 s), a transaction whose
+    final dot is out is marked UNKNOWN, not released."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", shutdown_grace=0.3,
                              upstream_timeout=20.0)
-    sink.handler.hang_after_dot_s = 5.0
+    sink.handler.hang_after_dot_s = 8.0
     sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
     await asyncio.sleep(0.5)
     await relay.stop()
@@ -93,6 +95,35 @@ async def test_cut_after_the_dot_is_unknown(make_relay: MakeRelay, sink: Sink) -
     assert record is State.UNKNOWN
     result = await sending  # told "in doubt" before the session closes, never left guessing
     assert (result.code, result.text) == (451, replies.OUTCOME_UNKNOWN.text)
+
+
+@pytest.mark.parametrize("refusal", ["554 5.7.1 message refused", "451 4.3.0 try later"])
+async def test_a_refusal_just_after_the_grace_releases_the_record(
+        tmp_path: Path, sink: Sink, refusal: str) -> None:
+    """SIGTERM to `serve` while the smarthost holds its reply to the final dot; the grace
+    (0.5 s) ends, the refusal comes 1.5 s after the dot: the relay waits for it, releases the
+    record (absent, not UNKNOWN: a retry is relayed, never told 250 for mail not delivered),
+    the client gets the refusal, and the process exits 0."""
+    prefix = f"test:shutdown:{uuid.uuid4().hex}:"
+    sink.handler.data_plan.append(refusal)
+    sink.handler.hang_after_dot_s = 1.5
+    relay = await start_serve(tmp_path, "--upstream", f"127.0.0.1:{sink.port}", "--store",
+                              REDIS_URL, "--store-prefix", prefix, "--shutdown-grace", "0.5",
+                              "--metrics-listen", "off", workers=1)
+    try:
+        sending = asyncio.create_task(send(relay.port, ["user@example.net"], message()))
+        await until(lambda: sink.handler.transactions > 0, within_s=10, what="MAIL at the sink")
+        await asyncio.sleep(0.5)  # the body and its dot are at the sink, which holds its reply
+        relay.proc.send_signal(signal.SIGTERM)
+        result = await sending
+        code = await asyncio.to_thread(relay.proc.wait, 30)
+        record = await _inspect_after_stop(REDIS_URL, key_for(prefix))
+    finally:
+        await asyncio.to_thread(relay.stop)
+        delete_prefix(REDIS_URL, prefix)
+    assert code == 0
+    assert record is State.ABSENT
+    assert result.code == int(refusal[:3]) and result.text.endswith(refusal[10:]), result
 
 
 async def _inspect_after_stop(url: str, key: str) -> State:
