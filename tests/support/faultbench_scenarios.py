@@ -217,8 +217,8 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  "relay SIGTERM while upstream holds its reply to a dot 0.5 s, new relay",
                  faults=plain, action=relay_signalled(signal.SIGTERM, hold_s=0.5)),
         Scenario("relay-sigterm-cut",
-                 "relay SIGTERM with grace 0.3 s while upstream holds a reply 0.8 s (past the grace, "
-                 "within the 5 s wait for a reply to a dot), new relay",
+                 "relay SIGTERM with grace 0.3 s while upstream holds a reply 0.8 s (past the "
+                 "grace, within the 5 s wait for a reply to a dot), new relay",
                  faults=plain, action=relay_signalled(signal.SIGTERM, hold_s=0.8),
                  relay=RelayConfig(shutdown_grace_s=0.3)),
         Scenario("relay-sigterm-settle-cut",
