@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from relay.upstream.oauth import TokenError, TokenProvider
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
 from relay.upstream.transfer import (
     DOT,
+    MARK_AHEAD_BYTES,
     Outcome,
     Transfer,
     WireTransport,
@@ -414,22 +415,33 @@ class SmtpUpstream:
                     accepted: list[str]) -> tuple[RcptResult, bool]:
         """DATA, the message, the final dot; tell a failure before the dot from one after it.
 
-        ``progress.before_dot`` (the SENDING mark) starts before DATA and runs while DATA is
-        answered and the message goes out; only the final dot waits for it, and a mark that
-        says no (or fails) resets the connection with the dot unwritten. The mark is always
-        waited for before this returns (cancelled only when this is), so the settle that
-        follows never races it. Also says whether the session is in a known state afterwards
-        (reusable).
+        ``progress.before_dot`` (the SENDING mark) starts before DATA for a message of at most
+        :data:`MARK_AHEAD_BYTES` (it runs while DATA is answered and the message goes out),
+        else once the kernel took all but that much of the body (:class:`Transfer`); only
+        the final dot waits for it, and a mark that says no (or fails) resets the connection
+        with the dot unwritten. A started mark is always waited for before this returns
+        (cancelled only when this is), so the settle that follows never races it. Also says
+        whether the session is in a known state afterwards (reusable).
         """
-        marking: asyncio.Future[bool] | None = None
-        if progress.before_dot is not None:
-            marking = asyncio.ensure_future(progress.before_dot(accepted))
+        hook = progress.before_dot
+        started: list[asyncio.Future[bool]] = []
+
+        def start_mark() -> asyncio.Future[bool]:
+            if not started:
+                assert hook is not None
+                started.append(asyncio.ensure_future(hook(accepted)))
+            return started[0]
+
+        if hook is not None and len(content) <= MARK_AHEAD_BYTES:
+            start_mark()  # overlaps DATA's round trip: the body is out about as soon
         try:
-            outcome = await self._data_gated(smtp, content, progress, marking)
+            outcome = await self._data_gated(smtp, content, progress,
+                                             start_mark if hook is not None else None)
         except BaseException:
-            if marking is not None:
-                marking.cancel()
+            for mark in started:
+                mark.cancel()
             raise
+        marking = started[0] if started else None
         if marking is not None:
             if not marking.done():  # a done mark (the dot went) is no await: a cut here
                 await asyncio.wait((marking,))  # would throw away the reply already read
@@ -438,9 +450,10 @@ class SmtpUpstream:
         return outcome
 
     async def _data_gated(self, smtp: aiosmtplib.SMTP, content: bytes,
-                          progress: DeliveryProgress, marking: asyncio.Future[bool] | None
+                          progress: DeliveryProgress,
+                          start_mark: Callable[[], asyncio.Future[bool]] | None
                           ) -> tuple[RcptResult, bool]:
-        """:meth:`_data` once the mark is under way (``marking``, None: no hook)."""
+        """:meth:`_data` with the mark's starter (``start_mark``, None: no hook)."""
         try:
             start = await smtp.execute_command(b"DATA", timeout=self._cfg.command_timeout_s)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
@@ -454,13 +467,16 @@ class SmtpUpstream:
         payload = _LEADING_DOT.sub(b"..", content)
         if not payload.endswith(b"\r\n"):
             payload += b"\r\n"
-        return await self._transfer(smtp, protocol, transport, payload + DOT, progress, marking)
+        return await self._transfer(smtp, protocol, transport, payload + DOT, progress,
+                                    start_mark)
 
     async def _transfer(self, smtp: aiosmtplib.SMTP, protocol: aiosmtplib.protocol.SMTPProtocol,
                         transport: WireTransport, payload: bytes,
-                        progress: DeliveryProgress, gate: asyncio.Future[bool] | None
+                        progress: DeliveryProgress,
+                        start_gate: Callable[[], asyncio.Future[bool]] | None
                         ) -> tuple[RcptResult, bool]:
-        """Write ``payload`` (final dot included, held back until ``gate`` resolves True) and
+        """Write ``payload`` (final dot included, held back until the gate ``start_gate()``
+        returns resolves True) and
         take the reply: see :mod:`relay.upstream.transfer`. Given up (stalled, lost, answered
         early, withheld, cancelled), the connection is reset while bytes are buffered, so
         ``progress.dot_written`` stays False only when the final dot cannot reach the upstream
@@ -472,7 +488,7 @@ class SmtpUpstream:
             # comes while no read is pending, and uvloop runs a reply's data_received before
             # a task step queued earlier (the final dot's 250 was lost, the message hung)
             await asyncio.sleep(0)
-            outcome = await transfer.run(reader, gate)
+            outcome = await transfer.run(reader, start_gate)
         except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
             reader.cancel()
             progress.dot_written = transfer.complete

@@ -6,10 +6,14 @@ transport in chunks of :data:`CHUNK_BYTES`, at most :data:`AHEAD_BYTES` ahead of
 took. A transfer is *sent* once every byte, the final dot's included, left the process; it
 *stalls* when no byte left for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
 per send, not for the whole message). One given up while bytes are still buffered is reset with
-:func:`abort`, so the final dot can never follow. A *gate* (the SENDING mark, started before
-DATA) holds the final dot (the payload's last :data:`DOT` bytes) back until it resolves True;
-the body goes out meanwhile, and a gate that resolves False (or fails) ends the transfer
-*withheld*, the dot never written. :func:`write_backlog` counts the encrypted
+:func:`abort`, so the final dot can never follow. A *gate* (the SENDING mark) holds the final dot
+(the payload's last :data:`DOT` bytes) back until it resolves True; it is started (``start_gate``)
+once at most :data:`MARK_AHEAD_BYTES` of the body are left that the kernel has not taken (at
+once for a message that small), so a relay that dies mid-transfer leaves a reservation, never a
+SENDING record for a message whose dot did not leave: the window in which a crash makes "in
+doubt" is the mark's round trip plus that last stretch, whatever the message's size. The body
+goes out meanwhile, and a gate that resolves False (or fails) ends the transfer *withheld*, the
+dot never written. :func:`write_backlog` counts the encrypted
 bytes under the TLS transport too, on asyncio's loop (``_ssl_protocol._transport``, CPython
 3.11+) and on uvloop's (the TCP transport its ``uvloop.sslproto`` holds, uvloop 0.23; both
 pinned by tests/upstream/test_upstream_wire.py). Transports are duck-typed
@@ -24,10 +28,12 @@ import enum
 import gc
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any, Protocol, TypeGuard
 
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
+MARK_AHEAD_BYTES = 64 * 1024  # body bytes not yet in the kernel when the SENDING mark starts
 POLL_S = 0.005
 DOT = b".\r\n"  # the end of the payload: the final dot, RFC 5321 section 4.5.2
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
@@ -126,20 +132,26 @@ class Transfer:
         return self._offset == len(self._payload) and write_backlog(self._transport) == 0
 
     async def run(self, reply: asyncio.Future[Any],
-                  gate: asyncio.Future[bool] | None = None) -> Outcome:
+                  start_gate: Callable[[], asyncio.Future[bool]] | None = None) -> Outcome:
         """Write the payload until it is sent, answered early (``reply`` resolved), stalled,
-        lost or withheld (``gate`` resolved to anything but True; the payload must end with
-        :data:`DOT`). Bytes still buffered on any outcome but SENT are the caller's to
-        :func:`abort`. While only the gate is awaited (the body all taken by the kernel) the
-        stall clock does not run: the wait is the store's, bounded by its own timeout."""
+        lost or withheld (the gate ``start_gate()`` returns, started once at most
+        :data:`MARK_AHEAD_BYTES` of the body are not yet in the kernel, resolved to anything
+        but True; the payload must end with :data:`DOT`). Bytes still buffered on any outcome
+        but SENT are the caller's to :func:`abort`. While only the gate is awaited (the body
+        all taken by the kernel) the stall clock does not run: the wait is the store's,
+        bounded by its own timeout."""
         loop = asyncio.get_running_loop()
         taken, progress_at = -1, loop.time()
+        body = len(self._payload) - len(DOT)
+        gate: asyncio.Future[bool] | None = None
+        held = start_gate is not None  # the final dot waits for the gate
         while True:
-            if gate is not None and gate.done():
+            gate = self._gate_due(start_gate, gate, body)
+            if gate is not None and held and gate.done():
                 if gate.cancelled() or gate.exception() is not None or gate.result() is not True:
                     return Outcome.WITHHELD
-                gate = None
-            self._fill(len(self._payload) - (len(DOT) if gate is not None else 0))
+                held = False
+            self._fill(body if held else len(self._payload))
             if self.complete:
                 return Outcome.SENT
             if reply.done() and not reply.cancelled() and reply.exception() is None:
@@ -148,15 +160,26 @@ class Transfer:
                 return Outcome.LOST
             backlog = write_backlog(self._transport)
             now_taken = self._offset - backlog
-            if now_taken > taken or (gate is not None and backlog == 0):
+            if now_taken > taken or (held and backlog == 0):
                 taken, progress_at = now_taken, loop.time()
             elif loop.time() - progress_at > self._stall_timeout_s:
                 return Outcome.STALLED
-            if gate is not None and backlog == 0:  # wake as soon as the gate or a reply does
+            if held and gate is not None and backlog == 0:  # wake when the gate or a reply does
                 await asyncio.wait((gate, reply), timeout=POLL_S * 20,
                                    return_when=asyncio.FIRST_COMPLETED)
             else:
                 await asyncio.sleep(POLL_S)
+
+    def _gate_due(self, start_gate: Callable[[], asyncio.Future[bool]] | None,
+                  gate: asyncio.Future[bool] | None, body: int) -> asyncio.Future[bool] | None:
+        """``gate`` once started; else the gate, started now when at most
+        :data:`MARK_AHEAD_BYTES` of the ``body`` bytes are left that the kernel has not taken;
+        None while it is not due (or there is none)."""
+        if gate is not None or start_gate is None:
+            return gate
+        if body - (self._offset - write_backlog(self._transport)) > MARK_AHEAD_BYTES:
+            return None
+        return start_gate()
 
     def _fill(self, end: int) -> None:
         """Hand the transport the next chunks, up to offset ``end``, while it holds less than

@@ -22,6 +22,7 @@ import aiosmtplib
 import pytest
 
 from relay.core.interfaces import DeliveryProgress, OutboundMessage, RcptStatus
+from relay.upstream import transfer
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 from relay.upstream.transfer import is_wire, write_backlog
 from tests.support.waiting import until
@@ -76,9 +77,13 @@ async def half_close_peer() -> AsyncIterator[HalfClosePeer]:
         server.close()
 
 
-async def test_a_half_close_with_the_dot_still_buffered_never_lets_the_dot_follow() -> None:
+async def test_a_half_close_with_the_dot_still_buffered_never_lets_the_dot_follow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """FIN from the peer while the dot is in the relay's buffer: the relay reports the message
-    not sent (dot not written, a temporary refusal), so the peer must never receive the dot."""
+    not sent (dot not written, a temporary refusal), so the peer must never receive the dot.
+    (The SENDING mark starts here with up to BUFFERED_BELOW of the body still buffered, so that
+    the dot can join a buffer the kernel cannot take whole.)"""
+    monkeypatch.setattr(transfer, "MARK_AHEAD_BYTES", BUFFERED_BELOW)
     async with half_close_peer() as peer:
         upstream = SmtpUpstream(config=SmtpUpstreamConfig(
             host="127.0.0.1", port=peer.port, local_hostname="relay.test",
