@@ -1,5 +1,8 @@
-"""Relays whose wall clocks disagree, sharing one Redis (issue 8 item 3): every time that decides a
-record's state is the store's. Relay A runs under libfaketime with its clock 10 s behind."""
+"""Relays whose wall clocks disagree, sharing one store (libfaketime moves one relay's wall clock
+only, as an NTP step or a skewed host does): a SENDING record never reads as in doubt while its
+relay waits for the upstream's reply. On Redis every time that decides a record's state is the
+store's; on a SQLite file a SENDING heartbeat is aged on the host's boot clock, which no step of
+the wall clock moves (design.md §3, "A step of the clock")."""
 
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from tests.support.faultbench_lib import Faults, RelayConfig, RelayProcess, free
 from tests.support.faultbench_traffic import make_messages, read_sink_log, send_once
 from tests.support.relays import REDIS_URL, delete_prefix
 
-pytestmark = pytest.mark.slow  # relay processes under load, real leases: seconds per test
-
-pytestmark = pytest.mark.skipif(shutil.which("faketime") is None,
-                                reason="needs faketime (Debian package faketime)")
+pytestmark = [
+    pytest.mark.slow,  # relay processes, real leases: seconds per test
+    pytest.mark.skipif(shutil.which("faketime") is None,
+                       reason="needs faketime (Debian package faketime)"),
+]
 
 LEASE_S = 3.0
 HOLD_S = 4.0  # the upstream holds its reply to A's final dot longer than the lease
@@ -25,21 +29,27 @@ HOLD_S = 4.0  # the upstream holds its reply to A's final dot longer than the le
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("unknown_policy", ["send", "suppress"])
-async def test_a_relay_with_a_slow_clock_does_not_make_its_sending_record_look_in_doubt(
-        tmp_path: Path, unknown_policy: str) -> None:
-    """A copy sent to relay B while relay A (clock 10 s behind) waits for the upstream's reply
-    is answered 450 (in flight) and never relayed: one delivery, A's client gets 250."""
+@pytest.mark.parametrize(("store", "offsets"), [
+    ("redis", (-10.0, 0.0)),  # A's clock 10 s behind
+    ("sqlite", (0.0, 20.0)),  # B's clock 20 s ahead: a step longer than the lease
+])
+async def test_a_clock_that_disagrees_does_not_make_a_sending_record_look_in_doubt(
+        tmp_path: Path, unknown_policy: str, store: str, offsets: tuple[float, float]) -> None:
+    """A copy sent to relay B while relay A waits for the upstream's reply to its dot, their
+    wall clocks apart by more than the lease, is answered 450 (in flight) and never relayed:
+    one delivery, A's client gets 250."""
     tag = uuid.uuid4().hex[:8]
     prefix = f"test:skew:{tag}:"
+    url = REDIS_URL if store == "redis" else f"sqlite:///{tmp_path / 'dedup.db'}"
     [msg] = make_messages(1, tag, two_rcpt_every=0)
     sink = await start_sink(Faults(), tmp_path / "sink.jsonl")
     config = RelayConfig(lease_s=LEASE_S, upstream_timeout_s=HOLD_S + 3.0,
                          command_timeout_s=2.0)
     env = {"RELAY_UNKNOWN_POLICY": unknown_policy}
-    relays = [RelayProcess(port=free_port(), upstream_port=sink.port, store_url=REDIS_URL,
+    relays = [RelayProcess(port=free_port(), upstream_port=sink.port, store_url=url,
                            store_prefix=prefix, log_path=tmp_path / f"relay{i}.log",
                            config=config, extra_env=env, clock_offset_s=offset)
-              for i, offset in enumerate((-10.0, 0.0))]
+              for i, offset in enumerate(offsets)]
     try:
         await asyncio.gather(*(r.start() for r in relays))
         taken = sink.handler.hold_next(HOLD_S)
@@ -52,7 +62,8 @@ async def test_a_relay_with_a_slow_clock_does_not_make_its_sending_record_look_i
         for relay in relays:
             await relay.stop()
         sink.close()
-        await asyncio.to_thread(delete_prefix, REDIS_URL, prefix)
+        if store == "redis":
+            await asyncio.to_thread(delete_prefix, REDIS_URL, prefix)
     copies = read_sink_log(tmp_path / "sink.jsonl")
     assert original.code == 250, original
     assert retry.code == 450, retry
