@@ -251,6 +251,14 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  relay=RelayConfig(lease_s=3.0, command_timeout_s=1.0, upstream_timeout_s=1.5)),
         Scenario("relay-sigkill", "relay SIGKILL mid-load, then restarted", faults=plain,
                  action=relay_signalled(signal.SIGKILL)),
+        Scenario("relay-sigkill-mid-data",
+                 "every 8th message 8 MB (more than the kernel's send buffer holds), its link "
+                 "stalled 2 s after 354; relay SIGKILL mid-load (big bodies half sent), then "
+                 "restarted",
+                 faults=Faults(stall_ratio=1.0, stall_min_bytes=1_000_000, stall_s=2.0,
+                               slow_s=LATENCY_S), big_every=8, big_bytes=8_000_000,
+                 action=relay_signalled(signal.SIGKILL),
+                 relay=RelayConfig(command_timeout_s=3.0, lease_s=12.0)),
         Scenario("relay-sigkill-after-dot",
                  "relay SIGKILL just after upstream took a message (reply held), restarted",
                  faults=plain, action=relay_signalled(signal.SIGKILL, hold_s=0.5)),

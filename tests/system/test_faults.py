@@ -177,6 +177,15 @@ async def test_transactions_longer_than_the_lease_keep_the_invariant(tmp_path: P
     assert c.copies == c.fingerprints, report(result)
 
 
+async def test_relay_sigkill_mid_data_keeps_the_invariant(tmp_path: Path) -> None:
+    """A relay killed while big bodies stream over stalled links, then restarted, neither
+    duplicates nor loses a message: a body cut before its dot leaves a reservation, which
+    lapses with its lease and lets the retry through."""
+    result = await run("relay-sigkill-mid-data", tmp_path)
+    assert_invariant(result)
+    assert result.counts.unfinished == 0, report(result)
+
+
 async def test_relay_sigkill_mid_load_keeps_the_invariant(tmp_path: Path) -> None:
     """A relay killed by SIGKILL mid-load and restarted neither duplicates nor loses a message."""
     assert_invariant(await run("relay-sigkill", tmp_path))
