@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay.config import Settings, redact_url
 from relay.core.address import mailbox_problem
 from relay.core.errors import InvalidAddressError
 from relay.core.interfaces import FingerprintStore, Record, State, StateCounter, StateCounts
 from relay.core.keys import KeyRules, header_values, recipient_key
 from relay.core.rules import reads_as
+from relay.settings import Settings, redact_url
 
 audit = logging.getLogger("relay.audit")
 

@@ -1,16 +1,16 @@
-"""Configuration reload on SIGHUP (issue 11): read the settings again, apply what can change
-live, name what needs a restart.
+"""Configuration reload on SIGHUP: read the settings again, apply what can change live, name
+what needs a restart.
 
 :class:`SettingsSource` re-reads the settings as ``serve`` read them at start (the same flags,
 the environment, the same ``--config`` file) and checks the files they name
-(:func:`relay.app.check_settings`). :class:`Reloader` compares them with the running ones:
-the settings of :data:`RELOADABLE` are applied, any other whose value changed is named as
-needing a restart and left as it is. :func:`apply_changes` applies them to a running
-:class:`relay.app.Relay` (each from the next message, MAIL, AUTH, connection or TLS handshake
-on; open connections stay). The settings that shape the fingerprint (``fingerprint_secret*``,
+(:func:`relay.settings.check_settings`). :class:`Reloader` compares them with the running ones:
+the settings each section lists as live (:data:`relay.settings.RELOADABLE`) are applied, any
+other whose value changed is named as needing a restart and left as it is.
+:func:`apply_changes` hands them to the running :class:`relay.app.Relay`, which applies each
+section's to its part (from the next message, MAIL, AUTH, connection or TLS handshake on;
+open connections stay). The settings that shape the fingerprint (``fingerprint_secret*``,
 ``store_prefix``, ``dedupe_headers``, ``template_headers``, ``scope_by_auth``...) never change
-live: the dedup rules are swapped into the running :class:`relay.core.policy.Policy`, whose
-other fields stay.
+live.
 
 One process (``workers`` = 1) reloads with :func:`relay_hangup` and logs one line; with
 workers the supervisor validates and logs, and each worker applies with :func:`worker_hangup`
@@ -26,38 +26,26 @@ import hashlib
 import logging
 import os
 import pickle
-import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from relay.app import Relay, build_policy, build_rate_limits, check_settings
-from relay.config import Settings, load_settings
+from relay.app import Relay
 from relay.core.errors import ConfigError
-from relay.core.policy import Policy
-from relay.ops.logs import set_level
-from relay.smtp.access import parse_networks
-from relay.smtp.auth import CredentialFile
-from relay.smtp.tls import server_context
+from relay.settings import (
+    FILE_SETTINGS,
+    RELOADABLE,
+    AccessSettings,
+    Settings,
+    check_settings,
+    load_settings,
+)
 
 log = logging.getLogger("relay.reload")
-
-# the dedup rules (swapped into the running Policy), who may connect and send, AUTH users,
-# the TLS certificate, the log level
-POLICY_SETTINGS = ("template_policy", "mode", "dedup_window", "missing_key", "unknown_policy",
-                   "duplicate_reply", "store_down")
-RELOADABLE = (*POLICY_SETTINGS, "allowed_networks", "allowed_senders", "auth_file", "tls_cert",
-              "tls_key", "log_level", "rate_limit")
-# settings naming a file whose content may change in place (a rotated certificate): compared
-# by a digest of the content as well as by the path
-FILE_SETTINGS = ("tls_cert", "tls_key", "auth_file", "fingerprint_secret_file",
-                 "upstream_password_file", "upstream_ca_file", "upstream_client_cert",
-                 "upstream_client_key", "oauth_client_secret_file", "oauth_refresh_token_file",
-                 "oauth_ca_file")
 
 
 @dataclass(frozen=True)
@@ -76,7 +64,7 @@ class SettingsSource:
     def read(self) -> Settings:
         """The settings as ``serve`` would load them now (flags beat env beat file), with the
         files they name checked (not the store's: it cannot change live, and this process may
-        have the SQLite file open, see :func:`relay.app.check_settings`). Raises
+        have the SQLite file open, see :func:`relay.settings.check_settings`). Raises
         :class:`ConfigError` (one line per problem). Blocking: reads files, loads the TLS
         pair, parses the credentials file (~100 ms)."""
         settings = load_settings(dict(self.flags), self.config_file)
@@ -162,11 +150,7 @@ def compare(running: Settings, new: Settings, before: Mapping[str, str | None],
         return bool(getattr(running, name) != getattr(new, name)
                     or (name in before and before.get(name) != after.get(name)))
 
-    switched = set()  # TLS or AUTH switched on or off
-    if (running.tls_cert is None) != (new.tls_cert is None):
-        switched |= {"tls_cert", "tls_key"}
-    if (running.auth_file is None) != (new.auth_file is None):
-        switched.add("auth_file")
+    switched = AccessSettings.restart_needed(running, new)  # TLS or AUTH switched on or off
     for name in Settings.model_fields:
         if not changed(name):
             continue
@@ -222,88 +206,15 @@ def one_line(exc: Exception) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
-@contextlib.contextmanager
-def _memory_copy(data: bytes, name: str) -> Iterator[str]:
-    """A path to a private in-memory copy of ``data`` (Linux memfd), so that a file read
-    twice is the same both times; the bytes are not written to a disk. Raises OSError."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.write(fd, data)
-        yield f"/proc/self/fd/{fd}"
-    finally:
-        os.close(fd)
-
-
-def rotate_certificate(context: ssl.SSLContext, cert: Path, key: Path,
-                       min_version: str = "TLSv1.2") -> None:
-    """Load the certificate chain ``cert`` and its ``key`` into the live server ``context``:
-    every later handshake (STARTTLS, the implicit-TLS listener) is served the new chain; those
-    done keep theirs. Each file is read once; the pair is first loaded into a fresh context,
-    so a pair that does not load leaves ``context`` as it was. Raises :class:`ConfigError`."""
-    try:
-        cert_bytes, key_bytes = cert.read_bytes(), key.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"tls_cert/tls_key: cannot read {cert} / {key}: {exc}") from exc
-    try:
-        with _memory_copy(cert_bytes, "tls-cert") as cert_copy, \
-                _memory_copy(key_bytes, "tls-key") as key_copy:
-            server_context(Path(cert_copy), Path(key_copy), min_version)
-            context.load_cert_chain(certfile=cert_copy, keyfile=key_copy)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("/proc/self/fd/", "fd ")
-                          + f" (tls_cert {cert}, tls_key {key})") from exc
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"tls_cert/tls_key: cannot load {cert} / {key}: {exc}") from exc
-
-
 async def apply_changes(relay: Relay, changes: Changes) -> None:
-    """Apply ``changes`` to the running ``relay``: the dedup rules from the next message on
-    (a message in flight keeps its policy), ``allowed_networks`` from the next connection,
-    ``allowed_senders`` from the next MAIL, the AUTH users from the next AUTH, the TLS
-    certificate (read again every time: a file replaced in place) from the next handshake,
-    the log level at once, the ``[[rate_limit]]`` rules from the next message. Raises
+    """Apply ``changes`` to the running ``relay`` (:meth:`relay.app.Relay.apply`). Raises
     :class:`ConfigError` when a file does not load; then nothing was applied."""
-    merged = changes.merged
-    credentials = None
-    if relay.sasl is not None and merged.auth_file is not None \
-            and "auth_file" in changes.applied:
-        credentials = await asyncio.to_thread(CredentialFile.load, merged.auth_file)
-    security = relay.security
-    if security is not None and security.tls_context is not None \
-            and merged.tls_cert is not None and merged.tls_key is not None:
-        rotate_certificate(security.tls_context, merged.tls_cert, merged.tls_key,
-                           merged.tls_min_version)
-    if credentials is not None and relay.sasl is not None:
-        relay.sasl.credentials.replace_with(credentials)
-    if relay.core is not None and any(n in changes.applied for n in POLICY_SETTINGS):
-        relay.core.policy = dedup_rules(relay.core.policy, merged)
-    if relay.core is not None and "rate_limit" in changes.applied:
-        relay.metrics.declare_rate_limits(r.label for r in merged.rate_limit)
-        relay.core.rate_limits = build_rate_limits(merged)  # the store's counters stay
-    if security is not None and "allowed_networks" in changes.applied:
-        security.gate.set_allowed(parse_networks(merged.allowed_networks))
-    if relay.handler is not None and "allowed_senders" in changes.applied:
-        relay.handler.set_allowed_senders(merged.allowed_senders)
-    set_level(merged.log_level)
-    relay.settings = merged
-
-
-def dedup_rules(running: Policy, merged: Settings) -> Policy:
-    """``running`` (the relay's :class:`relay.core.policy.Policy`) with the dedup rules of
-    ``merged`` (:data:`POLICY_SETTINGS`); every field that shapes the fingerprint (secret, key
-    prefix and format, header names...) stays the running one's."""
-    # the secret is not read again (its file may hold another key by now): the rules only
-    rules = build_policy(merged.model_copy(update={"fingerprint_secret": None,
-                                                   "fingerprint_secret_file": None}))
-    return dataclasses.replace(
-        running, window_s=rules.window_s, missing_key=rules.missing_key, unknown=rules.unknown,
-        store_down=rules.store_down, duplicate_reply=rules.duplicate_reply, mode=rules.mode,
-        templates=rules.templates)
+    await relay.apply(changes.merged, frozenset(changes.applied))
 
 
 def relay_hangup(reloader: Reloader) -> Callable[[Relay], Awaitable[None]]:
     """The SIGHUP action of a relay in one process (``workers`` = 1), for
-    :func:`relay.app.run`: one INFO line ``configuration reloaded: ...`` or one ERROR line
+    :func:`relay.serving.run`: one INFO line ``configuration reloaded: ...`` or one ERROR line
     ``configuration reload refused: <why>`` (then nothing changed), counted in the relay's
     ``relay_config_reloads_total``."""
 

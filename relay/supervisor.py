@@ -3,7 +3,7 @@
 The supervisor binds ``listen`` (and ``tls_listen``) once; every worker inherits the same
 sockets (one accept queue per listener: a worker that dies strands no queued connection) and
 runs its own event loop, store client and upstream pool (:class:`relay.app.Relay` on
-:class:`relay.app.Inherited` sockets). Worker 0 starts first, alone: a start-up error (the
+:class:`relay.listen.Inherited` sockets). Worker 0 starts first, alone: a start-up error (the
 store, a setting found wrong only then) is reported once, by it, with its exit code (69, 78);
 the others start when it serves. Worker 0 pays the settle journal at each of its starts; every
 worker adds what it still owes at its stop (the journal's lock keeps them from overwriting each
@@ -45,10 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay.app import Inherited, Listeners, _bind_error, _host_port, bind_listeners, run
-from relay.config import Settings
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.errors import ConfigError, StartupError
+from relay.listen import Inherited, Listeners, bind_error, bind_listeners
 from relay.ops.health import ComponentStatus
 from relay.ops.http import OpsServer
 from relay.ops.logs import set_level, setup_logging
@@ -69,6 +68,8 @@ from relay.reload import (
     worker_hangup,
     write_snapshot,
 )
+from relay.serving import run
+from relay.settings import Settings, host_port
 
 log = logging.getLogger("relay.supervisor")
 
@@ -365,7 +366,7 @@ class Supervisor:
         assert listeners is not None
         metrics = "off"
         if self._ops is not None and self.settings.metrics_address is not None:
-            metrics = _host_port(self.settings.metrics_address[0], self.metrics_port)
+            metrics = host_port(self.settings.metrics_address[0], self.metrics_port)
         log.info("supervisor %d: %d workers on SMTP port %d, metrics %s", os.getpid(),
                  self.count, listeners.port, metrics)
 
@@ -387,7 +388,7 @@ class Supervisor:
                 sock.close()
                 raise
         except OSError as exc:
-            raise _bind_error(host, port, "metrics_listen", exc) from exc
+            raise bind_error(host, port, "metrics_listen", exc) from exc
         self.metrics_dir = tempfile.mkdtemp(prefix="dedup-relay-metrics-")
         registry = workers_registry(self.metrics_dir)
         self.reloads = ConfigReloadMetrics(registry=registry)  # once per reload, not per worker

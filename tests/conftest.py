@@ -21,7 +21,7 @@ import redis
 import uvloop
 
 from relay.app import Relay
-from relay.config import Settings
+from relay.settings import Settings
 from tests.support.net import free_port
 from tests.support.postgres import ledger_schema
 from tests.support.relays import REDIS_URL, MakeRelay, PrivateRedis, delete_prefix

@@ -49,7 +49,7 @@ if __name__ == "__main__" and not __package__:
              [sys.executable, "-m", "tools.render_dashboard", *sys.argv[1:]])
 
 from relay.app import Relay  # noqa: E402
-from relay.config import Settings  # noqa: E402
+from relay.settings import Settings  # noqa: E402
 from tests.support.clients import message  # noqa: E402
 from tests.support.net import free_port  # noqa: E402
 from tests.support.sink import SinkHandler  # noqa: E402

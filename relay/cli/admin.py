@@ -20,7 +20,6 @@ the action is said on stderr, exit 3. A release that deleted nothing writes no r
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
@@ -46,7 +45,6 @@ from relay.admin import (
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
-from relay.config import DEFAULT_STORE_URL, AdminSettings, Settings, redact_url, setting_names
 from relay.core.errors import (
     ConfigError,
     InvalidAddressError,
@@ -57,6 +55,14 @@ from relay.core.errors import (
 from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, State
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
+from relay.settings import (
+    DEFAULT_STORE_URL,
+    AdminSettings,
+    Settings,
+    postgres_files,
+    redact_url,
+    setting_names,
+)
 from relay.store.postgres.ledger_read import LedgerReader
 from relay.store.postgres.migrations import SchemaError
 from relay.store.sqlite import sqlite_path_from_url
@@ -334,8 +340,6 @@ def announce_ledger(url: str) -> None:
     """Say which ledger a command uses (stderr, password masked); exit 78 unless the files
     its URL names (``sslrootcert``, ``passfile``...) are readable, as ``check-config`` and
     ``serve`` require (before any connection)."""
-    from relay.app import postgres_files  # the relay's own check, imported when needed
-
     click.echo(f"dedup-relay: ledger: {redact_url(url)}", err=True)
     try:
         postgres_files(url)
@@ -391,14 +395,12 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
     announce_ledger(url)
 
     async def audited() -> tuple[_T, StoreError | None]:
-        from relay.app import build_store, ledger_options  # the relay's own, when needed
-
         try:
             reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
         except (StoreError, SchemaError) as exc:
             raise _LedgerRefused(str(exc)) from exc
         async with reader:
-            store = await build_store(settings)
+            store = await settings.open_store(window_s=settings.dedup_window)
             try:
                 result = await action(store)
             finally:
@@ -406,8 +408,8 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
             entry = audit(result)
             if entry is None:
                 return result, None
-            options = dataclasses.replace(ledger_options(settings),
-                                          instance=f"{settings.hostname}/cli")
+            options = settings.ledger_options(instance=f"{settings.hostname}/cli",
+                                              secret=settings.fingerprint_secret_bytes)
             try:
                 await reader.write([entry], options)
             except StoreError as exc:
@@ -429,9 +431,7 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
     """Open the relay's store, run ``action`` on it, close it; exit 3 when the store fails."""
 
     async def run() -> _T:
-        from relay.app import build_store  # the relay's own store factory, imported when needed
-
-        store = await build_store(settings)
+        store = await settings.open_store(window_s=settings.dedup_window)
         try:
             return await action(store)
         finally:

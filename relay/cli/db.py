@@ -19,8 +19,8 @@ from click.core import ParameterSource
 
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
-from relay.config import redact_url
 from relay.core.errors import StoreError
+from relay.settings import redact_url
 from relay.store.postgres import migrations
 from relay.store.postgres.store import is_postgres_url, upgrade_schema
 

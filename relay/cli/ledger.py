@@ -32,8 +32,8 @@ from relay.cli.admin import (
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
-from relay.config import Settings, setting_names
 from relay.core.errors import StoreError
+from relay.settings import Settings, setting_names
 from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
 from relay.store.postgres.migrations import SchemaError
 

@@ -1,4 +1,4 @@
-"""Command-line flags generated from :class:`relay.config.Settings`: one per field.
+"""Command-line flags generated from :class:`relay.settings.Settings`: one per field.
 
 The flag of field ``store_timeout`` is ``--store-timeout`` (a bool's is ``--scope-by-auth /
 --no-scope-by-auth``), its help is the field's description followed by its default and its env
@@ -21,24 +21,20 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from relay.cli.exit_codes import ExitCode
-from relay.config import (
+from relay.core.errors import ConfigError
+from relay.settings import (
     FILE_ONLY_SETTINGS,
+    SECTIONS,
     Settings,
     env_name,
     flag_name,
     load_settings,
+    section_fields,
     unknown_env_vars,
 )
-from relay.core.errors import ConfigError
 
-# the fields that open each part of `serve --help` (the order of relay.config.Settings)
-_SECTIONS = {
-    "listen": "Listener",
-    "allowed_networks": "Listener security",
-    "upstream": "Upstream (smarthost)",
-    "store": "Store and dedup",
-    "metrics_listen": "Operations",
-}
+# the field that opens each part of `serve --help`: a section's first (relay.settings.SECTIONS)
+_SECTIONS = {section_fields(section)[0]: section.TITLE for section in SECTIONS}
 _COMPUTED_DEFAULTS = {"hostname": "this host's FQDN"}
 # list settings whose flag may be repeated (``--upstream a --upstream b``), each value also a
 # comma-separated list; the values reach the settings joined by commas
@@ -152,7 +148,7 @@ def _shown(value: object) -> str:
 
 class SettingsCommand(click.Command):
     """A command whose ``--help`` lists the settings flags in the parts of the settings
-    (listener, security, upstream, store, operations) after the command's own options."""
+    (:data:`relay.settings.SECTIONS`) after the command's own options."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Write the options in sections: the command's own, then one per settings part."""

@@ -21,8 +21,8 @@ import click
 
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
-from relay.config import AdminSettings
 from relay.ops.pidfile import is_serving_relay, read_pid_file
+from relay.settings import AdminSettings
 
 
 def _pid_from_file(path: Path) -> int:

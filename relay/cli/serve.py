@@ -1,7 +1,7 @@
 """``dedup-relay serve``, ``check-config`` and ``healthcheck``.
 
 ``serve`` and ``check-config`` take the same flags and run the same checks
-(:func:`relay.app.check_settings`: the settings, and every file they name) before ``serve``
+(:func:`relay.settings.check_settings`: the settings, and every file they name) before ``serve``
 opens the store and binds its listeners, so a configuration ``check-config`` approves does not
 fail at start for a reason it could have seen.
 """
@@ -22,9 +22,9 @@ import click
 
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import SettingsCommand, fail, load, settings_options
-from relay.config import AdminSettings, Settings, redact_url
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.logs import setup_logging
+from relay.settings import AdminSettings, Settings, check_settings, redact_url
 
 if TYPE_CHECKING:
     from relay.reload import SettingsSource
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 def _checked(config_file: Path | None, flags: dict[str, Any]) -> Settings:
     """The settings, validated with every file they name; exits 78 (EX_CONFIG) when not."""
-    from relay.app import check_settings  # the composition root knows how each file is read
-
     settings = load(config_file, flags)
     try:
         check_settings(settings)
@@ -89,11 +87,9 @@ def register(main: click.Group) -> None:
             loop_factory(uvloop_wanted=settings.event_loop == "uvloop", required=True)
         except StartupError as exc:
             fail(ExitCode.CONFIG, f"invalid configuration:\nevent_loop: {exc}")
-        ledger = (f", ledger {redact_url(settings.ledger)}"
-                  f"{' (required)' if settings.ledger_required else ''}"
-                  if settings.ledger is not None else "")
         click.echo(f"configuration ok: listen {settings.listen}, upstream "
-                   f"{settings.upstream_summary}, store {redact_url(settings.store)}{ledger}")
+                   f"{settings.upstream_summary}, store {redact_url(settings.store)}"
+                   f"{settings.describe_ledger()}")
 
     @main.command("healthcheck", cls=SettingsCommand, epilog=epilog())
     @click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")
@@ -112,9 +108,10 @@ async def _serve(settings: Settings, source: SettingsSource, early: list[int]) -
     """Serve in this process; SIGHUP reloads the configuration from ``source``; the pid file
     holds this process's id while it serves. ``early``: SIGHUPs that came before the event
     loop's handler (sent again once it is installed)."""
-    from relay.app import Relay, run  # imported here: the admin commands need none of it
+    from relay.app import Relay  # imported here: the admin commands need none of it
     from relay.ops.pidfile import remove_pid_file, write_pid_file
     from relay.reload import Reloader, relay_hangup
+    from relay.serving import run
 
     pid_file = Path(settings.pid_file) if settings.pid_file else None
 

@@ -37,7 +37,7 @@ from relay.core.interfaces import (
     State,
 )
 
-# the policy knobs, typed once: relay.config's settings and relay.core.dedup.Policy use these
+# the policy knobs, typed once: relay.settings's settings and relay.core.dedup.Policy use these
 MissingKeyPolicy = Literal["relay", "reject"]
 UnknownPolicy = Literal["suppress", "hold", "send"]
 StoreDownPolicy = Literal["fail_closed", "fail_open"]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import _ssl  # the extension module behind ssl: its libssl made every SSLContext
+import contextlib
 import ctypes
+import os
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
 
 from relay.core.errors import ConfigError
@@ -64,3 +67,37 @@ def server_context(cert: Path, key: Path, min_version: str = "TLSv1.2") -> ssl.S
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"tls-cert/tls-key: cannot load {cert} / {key}: {exc}") from exc
     return context
+
+
+@contextlib.contextmanager
+def _memory_copy(data: bytes, name: str) -> Iterator[str]:
+    """A path to a private in-memory copy of ``data`` (Linux memfd), so that a file read
+    twice is the same both times; the bytes are not written to a disk. Raises OSError."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def rotate_certificate(context: ssl.SSLContext, cert: Path, key: Path,
+                       min_version: str = "TLSv1.2") -> None:
+    """Load the certificate chain ``cert`` and its ``key`` into the live server ``context``:
+    every later handshake (STARTTLS, the implicit-TLS listener) is served the new chain; those
+    done keep theirs. Each file is read once; the pair is first loaded into a fresh context,
+    so a pair that does not load leaves ``context`` as it was. Raises :class:`ConfigError`."""
+    try:
+        cert_bytes, key_bytes = cert.read_bytes(), key.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"tls_cert/tls_key: cannot read {cert} / {key}: {exc}") from exc
+    try:
+        with _memory_copy(cert_bytes, "tls-cert") as cert_copy, \
+                _memory_copy(key_bytes, "tls-key") as key_copy:
+            server_context(Path(cert_copy), Path(key_copy), min_version)
+            context.load_cert_chain(certfile=cert_copy, keyfile=key_copy)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("/proc/self/fd/", "fd ")
+                          + f" (tls_cert {cert}, tls_key {key})") from exc
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert/tls_key: cannot load {cert} / {key}: {exc}") from exc

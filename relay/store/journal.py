@@ -14,6 +14,7 @@ lines, so relays started from one directory can share the file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -21,13 +22,104 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
-from relay.core.interfaces import Settle, SettleOp
+from relay.core.errors import StartupError, StoreError
+from relay.core.interfaces import FingerprintStore, Settle, SettleOp
 
 log = logging.getLogger("relay.store.journal")
 
 Owed = tuple[str, SettleOp]  # (the attempt's token, the settle it owes)
 _Entry = tuple[str, str, SettleOp]  # (the store it is owed to, token, settle)
+
+
+class OwesSettles(Protocol):
+    """What owes settles: the dedup core (:class:`relay.core.dedup.DedupCore`)."""
+
+    @property
+    def background(self) -> set[asyncio.Task[Any]]:
+        """The settle retries running in the background."""
+        ...
+
+    def owed_settles(self) -> list[Owed]:
+        """The settles not landed yet."""
+        ...
+
+    async def pay_owed(self, owed: Sequence[Owed]) -> list[Owed]:
+        """Apply ``owed``; the ones that did not land (retried in the background)."""
+        ...
+
+
+class SettleJournal:
+    """The settle journal of one relay process: the file ``path`` (None: off), the ``store``
+    its lines are owed to (named by :meth:`names`), paid at start and written at stop."""
+
+    def __init__(self, path: Path | None, store: FingerprintStore, *, prefix: str,
+                 url_name: str) -> None:
+        self.path = path
+        self._store = store
+        self._prefix = prefix
+        self._url_name = url_name
+        self._store_id: str | None = None  # FingerprintStore.identity, once the store answered
+
+    async def names(self) -> tuple[str, ...]:
+        """The names journal lines may be owed to this store under: its identity (asked of
+        the store until it once answers) with the key prefix, then its URL name."""
+        if self._store_id is None:
+            try:
+                self._store_id = await self._store.identity()
+            except StoreError as exc:
+                log.warning("the store's identity is unknown (%s): the settle journal names "
+                            "it by its URL", exc)
+        named = () if self._store_id is None else (f"{self._store_id} prefix={self._prefix}",)
+        return (*named, self._url_name)
+
+    async def pay(self, core: OwesSettles) -> None:
+        """Apply the settles the last run could not land (compare-token: always safe); what
+        is left stays in the file and is retried by ``core`` in the background. Raises
+        :class:`StartupError` when the file cannot be read."""
+        path = self.path
+        if path is None:
+            return
+        try:
+            names = await self.names()
+            owed = await asyncio.to_thread(read_journal, path, *names)
+        except OSError as exc:
+            raise StartupError(f"cannot read the settle journal {path}: {exc}") from exc
+        if not owed:
+            return
+        left = await core.pay_owed(owed)
+        log.warning("settle journal %s: %d settle(s) owed by the last run, %d landed now, "
+                    "the rest retried in the background", path.resolve(), len(owed),
+                    len(owed) - len(left))
+        # what is left stays in the file (and is owed in memory): a crash before the next stop
+        # loses nothing, and applying a settle again later changes nothing
+        pending = {(token, op.key, op.action) for token, op in left}
+        paid = [(t, op) for t, op in owed if (t, op.key, op.action) not in pending]
+        await asyncio.to_thread(remove_from_journal, path, paid, *names)
+
+    async def write(self, core: OwesSettles) -> None:
+        """Stop ``core``'s background settle retries and write what they still owe, for the
+        next start (the store did not answer in time). Logs; never raises."""
+        for task in list(core.background):
+            task.cancel()
+        await asyncio.gather(*core.background, return_exceptions=True)
+        owed = core.owed_settles()
+        if not owed:
+            return
+        path = self.path
+        if path is None:
+            log.error("%d settle(s) still owed at exit and settle_journal is off: those "
+                      "records read as in doubt after their lease", len(owed))
+            return
+        try:
+            owner = (await self.names())[0]
+            await asyncio.to_thread(add_to_journal, path, owed, owner)
+        except OSError as exc:
+            log.error("cannot write %d owed settle(s) to %s: %s", len(owed), path, exc)
+            return
+        log.error("%d settle(s) still owed at exit: written to %s for the next start",
+                  len(owed), path.resolve())
 
 
 def read_journal(path: Path, *stores: str) -> list[Owed]:

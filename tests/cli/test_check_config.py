@@ -1,5 +1,5 @@
 """`check-config` checks what `serve` checks before it binds (one function,
-relay.app.check_settings): the files the settings name, not only their values."""
+relay.settings.check_settings): the files the settings name, not only their values."""
 
 from __future__ import annotations
 

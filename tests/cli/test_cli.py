@@ -67,7 +67,7 @@ def test_example_config_names_every_setting() -> None:
     import re
     import tomllib
 
-    from relay.config import Settings
+    from relay.settings import Settings
 
     text = EXAMPLE_CONFIG.read_text()
     named = (set(tomllib.loads(text)) | set(re.findall(r"^#\s*([a-z_]+)\s*=", text, re.M))
@@ -241,7 +241,7 @@ def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
 ])
 def test_redact_url_hides_passwords(url: str, shown: str) -> None:
     """Store URLs in logs and check-config output carry no password."""
-    from relay.config import redact_url
+    from relay.settings import redact_url
 
     assert redact_url(url) == shown
 
@@ -249,7 +249,7 @@ def test_redact_url_hides_passwords(url: str, shown: str) -> None:
 def test_redact_url_shows_where_a_relative_sqlite_file_is(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The default store is relative to the working directory: the log names the real file."""
-    from relay.config import redact_url
+    from relay.settings import redact_url
 
     monkeypatch.chdir(tmp_path)
     assert redact_url("sqlite:///data/dedup-relay.db") == f"sqlite:///{tmp_path}/data/dedup-relay.db"

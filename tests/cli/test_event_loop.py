@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.config import Settings
 from relay.core.errors import StartupError
+from relay.settings import Settings
 from relay.supervisor import USE_UVLOOP, loop_factory, run_loop, run_loop_for
 from tests.support.net import free_port
 

@@ -18,8 +18,8 @@ import asyncpg
 import pytest
 
 from relay.admin import FingerprintInput, key_for, os_user
-from relay.config import AdminSettings, load_settings
 from relay.core.interfaces import LedgerAction, LedgerEntry, Record, State
+from relay.settings import AdminSettings, load_settings
 from relay.store.postgres.ledger import LedgerOptions, insert_rows, key_digest, row_of
 from relay.store.sqlite import SqliteStore
 from tests.support.cli import run_cli

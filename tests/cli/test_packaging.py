@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.cli.group import main as cli_main
-from relay.config import Settings, split_host_port
+from relay.settings import Settings, split_host_port
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = set(Settings.model_fields)

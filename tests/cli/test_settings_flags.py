@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from relay.cli.exit_codes import ExitCode
 from relay.cli.group import main
 from relay.cli.options import SettingsCommand, load, settings_options
-from relay.config import FILE_ONLY_SETTINGS, Settings, UpstreamEntry, env_name, flag_name
+from relay.settings import FILE_ONLY_SETTINGS, Settings, UpstreamEntry, env_name, flag_name
 
 # one valid value other than the default for every setting, as an operator types it, and
 # what the settings then hold (a bool flag takes no value: None here)

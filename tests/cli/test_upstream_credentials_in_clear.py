@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from relay.config import is_loopback_host, load_settings
+from relay.settings import is_loopback_host, load_settings
 
 
 @pytest.mark.parametrize(("host", "loopback"), [

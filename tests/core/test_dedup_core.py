@@ -10,8 +10,6 @@ import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
-from relay.app import build_policy
-from relay.config import Settings
 from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
 from relay.core.errors import StoreError
@@ -29,6 +27,7 @@ from relay.core.interfaces import (
 )
 from relay.core.rules import iso_utc as _iso
 from relay.ops.metrics import PrometheusMetrics
+from relay.settings import Settings
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message
 from tests.support.dedup_parts import (
@@ -282,7 +281,7 @@ async def test_a_failed_reserve_is_logged_with_the_store_down_policy(
 
 def test_the_cores_policy_defaults_are_the_relays_configuration_defaults() -> None:
     """Policy() equals the policy the app builds from default Settings (no drift)."""
-    assert build_policy(Settings.model_validate({"upstream": "127.0.0.1:25"})) == Policy()
+    assert Settings.model_validate({"upstream": "127.0.0.1:25"}).dedup_policy() == Policy()
 
 
 async def test_a_message_without_transport_flags_goes_upstream_as_plain_smtp(prefix: str) -> None:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from relay.app import build_policy
-from relay.config import load_settings
 from relay.core.errors import ConfigError
 from relay.core.policy import Policy, TemplateRule
+from relay.settings import load_settings
 
 RELAY = Policy(window_s=3600.0, unknown="suppress", templates=(
     TemplateRule(match="otp-*", dedup=False),
@@ -63,7 +62,7 @@ def test_config_file_tables_reach_the_core(tmp_path: Path) -> None:
                       '[[template_policy]]\nmatch = "otp-*"\ndedup = false\n'
                       '[[template_policy]]\nmatch = "*"\ndedup_window = 7200\n'
                       'duplicate_reply = "550"\nunknown_policy = "hold"\nmode = "enforce"\n')
-    policy = build_policy(load_settings({}, config))
+    policy = load_settings({}, config).dedup_policy()
     assert policy.mode == "shadow"
     assert policy.templates == (
         TemplateRule(match="otp-*", dedup=False),

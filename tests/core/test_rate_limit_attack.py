@@ -45,9 +45,9 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
-from relay.config import RateLimit
 from relay.core.interfaces import LimitCheck
 from relay.reload import apply_changes, compare, file_digests
+from relay.settings import RateLimit
 from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore

@@ -16,7 +16,6 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from relay.app import Relay
-from relay.config import RateLimit, TemplatePolicy
 from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
@@ -24,6 +23,7 @@ from relay.core.interfaces import Result, State
 from relay.core.limits import LimitSubject, RateRule, checks_for, sender_domain
 from relay.ops.metrics import PrometheusMetrics
 from relay.reload import apply_changes, compare, file_digests
+from relay.settings import RateLimit, TemplatePolicy
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message, send
 from tests.support.dedup_parts import CountingUpstream
@@ -268,7 +268,7 @@ async def test_a_reload_swaps_the_limits(make_relay: MakeRelay, sink: Sink) -> N
 def test_two_entries_with_one_label_are_refused() -> None:
     from pydantic import ValidationError
 
-    from relay.config import Settings
+    from relay.settings import Settings
 
     with pytest.raises(ValidationError, match="share the label"):
         Settings.model_validate({"rate_limit": [

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
-from relay.config import RateLimit
 from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
 from relay.ops.logs import TextFormatter
+from relay.settings import RateLimit
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay, PrivateRedis
 from tests.support.sink import Sink, start_sink

@@ -19,9 +19,9 @@ import asyncpg
 import pytest
 from pydantic import ValidationError
 
-from relay.config import RateLimit, Settings, redact_url
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LimitCheck, Settle, SettleOp, State
+from relay.settings import RateLimit, Settings, redact_url
 from relay.store.postgres import migrations
 from relay.store.postgres.store import PostgresStore
 from tests.support.cli import REPO, run_cli

@@ -155,7 +155,7 @@ def test_the_ledger_setting_takes_only_postgresql() -> None:
     """A ledger URL of another kind is a configuration error naming the setting."""
     from pydantic import ValidationError
 
-    from relay.config import Settings
+    from relay.settings import Settings
 
     base: dict[str, Any] = {"upstream": "127.0.0.1:25", "settle_journal": ""}
     with pytest.raises(ValidationError, match="ledger must be a postgresql"):

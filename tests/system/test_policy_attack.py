@@ -10,8 +10,8 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from relay.config import TemplatePolicy
 from relay.core.keys import recipient_key
+from relay.settings import TemplatePolicy
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
 from tests.support.relays import REDIS_URL, MakeRelay

@@ -23,8 +23,8 @@ from typing import Any
 import bcrypt
 import pytest
 
-from relay.config import Settings
 from relay.reload import compare, file_digests
+from relay.settings import Settings
 from relay.smtp.auth import format_entry
 from tests.support.cli import run_cli
 from tests.support.clients import RawClient, message, send

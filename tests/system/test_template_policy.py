@@ -13,7 +13,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from relay.app import Relay
-from relay.config import TemplatePolicy
+from relay.settings import TemplatePolicy
 from tests.support.clients import message, send
 from tests.support.metrics import scrape
 from tests.support.relays import REDIS_URL, MakeRelay, start_serve

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from aiosmtpd.smtp import SMTP
 
-from relay.app import Relay, smtp_upstream_config
-from relay.config import Settings
+from relay.app import Relay
 from relay.core.interfaces import DeliveryProgress, OutboundMessage, RcptStatus
+from relay.settings import Settings
 from relay.upstream.failover import COOLING, READY, FailoverUpstream
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 from tests.support.clients import message, send
@@ -291,7 +291,9 @@ def test_an_entry_takes_its_own_settings_and_the_global_ones_for_the_rest(
         "upstream_tls": "starttls", "upstream_user": "a@example.com",
         "upstream_password": "global", "upstream_pool_size": 7, "hostname": "relay.test"}
     settings = Settings(**values)
-    first, backup = (smtp_upstream_config(settings, e, None) for e in settings.upstream)
+    first, backup = (settings.smtp_upstream_config(e, None, local_hostname=settings.hostname,
+                                                   default_pool_size=3)
+                     for e in settings.upstream)
     assert (first.name, first.host, first.port, first.tls, first.verify) == (
         "smtp1.test:587", "smtp1.test", 587, "starttls", True)
     assert (first.username, first.password, first.pool_size) == ("a@example.com", "global", 7)

@@ -1,0 +1,94 @@
+"""The relay's listening sockets: bound for a setting (a port in use is a
+:class:`StartupError` naming it), bound once by a supervisor for its workers
+(:func:`bind_listeners`, :class:`Listeners`), and served by a worker (:class:`Inherited`)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from relay.core.errors import StartupError
+from relay.settings import Settings, host_port, setting_names
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What a worker process (``workers`` > 1) gets from its supervisor: the listening sockets
+    the supervisor bound (``listen``, and ``tls_listen`` when set; one socket per address the
+    host resolved to, shared by every worker) and the worker's ``index`` (0 to N-1). Worker 0
+    pays the settle journal at its start; the metrics HTTP server is the supervisor's, on
+    ``metrics_port`` (0: off)."""
+
+    listen: tuple[socket.socket, ...]
+    tls_listen: tuple[socket.socket, ...]
+    index: int
+    metrics_port: int = 0
+
+
+@dataclass
+class Listeners:
+    """The listening sockets :func:`bind_listeners` bound, not serving (asyncio servers with
+    ``start_serving=False`` own them): their file descriptors for the workers to inherit;
+    ``close()`` when done."""
+
+    servers: list[asyncio.base_events.Server]
+    listen: tuple[int, ...]
+    tls_listen: tuple[int, ...]
+    port: int  # the bound SMTP port (the one picked for ``listen`` port 0)
+
+    def close(self) -> None:
+        """Close the sockets."""
+        for server in self.servers:
+            server.close()
+
+
+async def bind_listeners(settings: Settings) -> Listeners:
+    """Bind ``listen`` (and ``tls_listen`` when TLS is configured) as a relay in one process
+    would, without serving: the supervisor's sockets its workers inherit (they listen once the
+    first worker serves them, so a port that accepts has a worker behind it). Raises
+    :class:`StartupError` naming the setting (a port in use, an address not on this host)."""
+    servers = [await bind(asyncio.Protocol, *settings.listen_address, "listen",
+                          start_serving=False)]
+    tls_address = settings.tls_listen_address
+    if tls_address is not None:
+        servers.append(await bind(asyncio.Protocol, *tls_address, "tls_listen",
+                                  start_serving=False))
+    fds = [tuple(sock.fileno() for sock in server.sockets) for server in servers]
+    return Listeners(servers=servers, listen=fds[0], tls_listen=fds[1] if len(fds) > 1 else (),
+                     port=int(servers[0].sockets[0].getsockname()[1]))
+
+
+async def bind(factory: Any, host: str, port: int, field: str, *, start_serving: bool = True
+               ) -> asyncio.base_events.Server:
+    """``loop.create_server`` on host:port; a port in use or an address not on this host is a
+    :class:`StartupError` naming the setting ``field`` (flag and env var)."""
+    try:
+        return await asyncio.get_running_loop().create_server(
+            factory, host=host, port=port, start_serving=start_serving)
+    except OSError as exc:
+        raise bind_error(host, port, field, exc) from exc
+
+
+async def serve_on(factory: Any, socks: tuple[socket.socket, ...]
+                   ) -> list[asyncio.base_events.Server]:
+    """Serve ``factory`` on already bound sockets (a worker's): one server per socket (a host
+    that resolved to several addresses)."""
+    loop = asyncio.get_running_loop()
+    return [await loop.create_server(factory, sock=sock) for sock in socks]
+
+
+def bind_error(host: str, port: int, field: str, exc: OSError) -> StartupError:
+    """The :class:`StartupError` of a failed bind of ``host:port`` for the setting ``field``:
+    the address in use, a host that does not resolve, or the system's words."""
+    if exc.errno == errno.EADDRINUSE:
+        why = "the address is already in use (another process listens there)"
+    elif isinstance(exc, socket.gaierror):
+        why = f"cannot resolve the host ({exc.strerror or exc})"
+    else:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return StartupError(f"cannot listen on {host_port(host, port)} for {field} "
+                        f"({setting_names(field)}): {why}")

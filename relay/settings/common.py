@@ -1,0 +1,233 @@
+"""What every settings section shares: the :class:`Section` base, how a setting is named to an
+operator (flag, env var, file key), and the small parsers and file checks the sections use.
+
+A section module imports this one and no other section (an import-linter contract): a rule
+between sections lives in :mod:`relay.settings`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import ssl
+from collections.abc import Callable, Set
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+from urllib.parse import parse_qsl, urlsplit
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_settings import NoDecode
+
+from relay.core.errors import ConfigError
+
+ENV_PREFIX = "RELAY_"
+
+# a list setting: a TOML array, or in an env var / flag a comma-separated string
+CsvList = Annotated[tuple[str, ...], NoDecode]
+
+FileCheck = tuple[tuple[str, ...], Callable[[], object]]
+"""One check of what settings name outside themselves: the setting names it reports under, and
+an action that raises :class:`ConfigError` when the file (or pair of files) is unusable."""
+
+
+class Section(BaseModel):
+    """One part's settings: its fields and validators, the builder of its part, its file checks
+    (:meth:`file_checks`), the names it applies on reload (:attr:`LIVE`) and whose file content
+    a reload compares (:attr:`FILES`), and its title in ``--help`` and docs/settings.md.
+
+    Every section is mixed into :class:`relay.settings.Settings`; a method that several
+    sections define (``file_checks``) is called through the class
+    (``StoreSettings.file_checks(settings)``), never through the mixed object."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    TITLE: ClassVar[str] = ""
+    LIVE: ClassVar[tuple[str, ...]] = ()
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    def file_checks(self, *, live: bool) -> list[FileCheck]:
+        """The checks of the files this section names, as the relay will read them (no
+        connection opened, no port bound). ``live``: for a reload of a running process."""
+        return []
+
+
+def split_csv(value: object) -> object:
+    """A list setting given as a string (env var, flag): its comma-separated items, stripped,
+    blanks dropped; any other value as it is (a pydantic ``mode="before"`` validator)."""
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return value
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of the setting ``field``: ``lease`` -> ``--lease``,
+    ``store_timeout`` -> ``--store-timeout`` (a bool's negation is ``--no-`` + that)."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """The env var of the setting ``field``: ``store_timeout`` -> ``RELAY_STORE_TIMEOUT``."""
+    return ENV_PREFIX + field.upper()
+
+
+def setting_names(field: str, flagged: Set[str] | None = None) -> str:
+    """Where an operator sets ``field``, for messages: flag (when the command offers it:
+    ``flagged`` holds the field names it does; None: all), env var and file key."""
+    names = f"{env_name(field)} or `{field}` in the file"
+    if flagged is None or field in flagged:
+        names = f"{flag_name(field)}, {names}"
+    return names
+
+
+class SettingsRuleError(ValueError):
+    """A rule between settings is broken; ``fields`` are the settings it names (the error
+    message then says where each one is set)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+def split_host_port(value: str, *, what: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6) into ``(host, port)``.
+
+    Raises ValueError with a readable message when the form or the port (0-65535) is wrong.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{what} must be HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        ipaddress.IPv6Address(host)
+    return host, int(port_text)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (RFC 3986 section 3.2.2)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal or a name) is this machine: a loopback address
+    (127.0.0.0/8, ::1) or ``localhost`` / ``*.localhost`` (RFC 6761 section 6.3)."""
+    name = host.strip("[]").rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+_SECRET_PARAM = re.compile(r"(?i)([?&][^=&#]*password[^=&#]*=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for logs: the password of the userinfo and of any query parameter whose
+    name holds "password" (``sentinel_password=``) become ``***``; for a sqlite:/// URL the
+    file's absolute path (a relative one depends on the working directory)."""
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        return f"sqlite:///{Path(path).absolute()}" if path and not path.startswith("/") else url
+    scheme, sep, rest = url.partition("://")
+    authority, slash, tail = rest.partition("/")
+    creds, at, hosts = authority.rpartition("@")
+    if at and ":" in creds:  # a user without a password is shown as it is
+        user = creds.split(":", 1)[0]
+        authority = f"{user}:***@{hosts}"
+    return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
+
+
+def check_postgres_url(value: str, *, what: str = "store") -> str:
+    """``value`` when it is a usable ``postgresql://USER@HOST:PORT/DB`` URL (libpq's query
+    parameters are asyncpg's to judge at connect time); ValueError naming the fault, never the
+    password."""
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018  # raises ValueError for a port that is no number
+    except ValueError:
+        raise ValueError(f"{what} URL port must be a number from 0 to 65535") from None
+    if not parts.path.strip("/") and "dbname=" not in parts.query \
+            and "database=" not in parts.query:
+        raise ValueError(f"a postgresql:// {what} URL must name its database: "
+                         "postgresql://USER@HOST:PORT/DB")
+    return value
+
+
+def read_secret_file(path: Path, label: str, where: str = "") -> str:
+    """The text of the secret file ``path`` without surrounding whitespace (a Docker or
+    systemd secret's final newline is not part of it). Raises ConfigError
+    ``<label>: <why>: <path><where>`` when it cannot be read or holds nothing."""
+    try:
+        secret = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+        raise ConfigError(f"{label}: {reason}: {path}{where}") from exc
+    if not secret:
+        raise ConfigError(f"{label}: {path} is empty{where}")
+    return secret
+
+
+def secret_setting(path: Path, field: str) -> str:
+    """The text of the secret file ``path`` that setting ``field`` names (stripped). Raises
+    ConfigError naming the setting when it cannot be read or holds nothing."""
+    return read_secret_file(path, field, f" ({setting_names(field)})")
+
+
+def readable(path: Path, what: str) -> None:
+    """Raise ConfigError unless ``path`` is a file this process can read."""
+    if not path.exists():
+        raise ConfigError(f"{what}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{what}: not readable by this user")
+
+
+def writable_file(path: Path, what: str) -> None:
+    """Raise ConfigError unless the file ``path`` can be written: it is a writable file, or it
+    is missing and its nearest existing parent is a writable directory (the rest is made)."""
+    if path.exists():
+        if not path.is_file() or not os.access(path, os.R_OK | os.W_OK):
+            raise ConfigError(f"{what} {path} is not a file this user can read and write")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path} cannot be made: {parent} is not a directory this "
+                          "user can write")
+
+
+def load_tls(load: Callable[[], Any], what: str) -> None:
+    """Run ``load``; raise ConfigError saying ``what`` when it fails with an SSL/OS error."""
+    try:
+        load()
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{what} ({exc})") from exc
+
+
+def ca_bundle(path: Path, what: str) -> Callable[[], None]:
+    """A check that ``path`` holds PEM CA certificates (loaded as a client context's
+    verify locations); its ConfigError says ``what``."""
+    return lambda: load_tls(lambda: ssl.create_default_context(cafile=path), what)
+
+
+def client_pair(cert: Path, key: Path | None, what: str) -> Callable[[], None]:
+    """A check that ``cert`` and ``key`` load as a client certificate chain and its
+    (unencrypted) private key; its ConfigError says ``what``."""
+    def load() -> None:
+        ssl.create_default_context().load_cert_chain(cert, key, password=lambda: b"")
+
+    return lambda: load_tls(load, what)
+
+
+# libpq URL parameters that name a file (asyncpg reads them at connect time)
+_POSTGRES_FILE_OPTIONS = ("sslrootcert", "sslcert", "sslkey", "sslcrl", "passfile")
+
+
+def postgres_files(url: str) -> None:
+    """Raise ConfigError unless the files a postgresql:// URL names (``sslrootcert``,
+    ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``) are readable (no connection opened)."""
+    for name, value in parse_qsl(urlsplit(url).query):
+        if name in _POSTGRES_FILE_OPTIONS and value != "system":  # sslrootcert=system: the CAs
+            readable(Path(value).expanduser(), f"{name}={value}")
