@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Set
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,12 @@ class Relay:
                                      declare_rate_limits=self.metrics.declare_rate_limits)
         merged.apply_operations_live(applied)
         self.settings = merged
+
+    def count_reload(self, *, applied: bool) -> None:
+        """Count a configuration reload, applied or refused, in ``relay_config_reloads_total``
+        (a worker's are counted by its supervisor: nothing then)."""
+        if self.reloads is not None:
+            self.reloads.reloaded(applied=applied, now=time.time())
 
     async def stop(self) -> None:
         """Graceful shutdown (design.md §6.6), in this order.

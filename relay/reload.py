@@ -26,7 +26,6 @@ import hashlib
 import logging
 import os
 import pickle
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,13 +224,11 @@ def relay_hangup(reloader: Reloader) -> Callable[[Relay], Awaitable[None]]:
             await apply_changes(relay, changes)
         except ConfigError as exc:
             log.error("configuration reload refused: %s", one_line(exc))
-            if relay.reloads is not None:
-                relay.reloads.reloaded(applied=False, now=time.time())
+            relay.count_reload(applied=False)
             return
         reloader.commit(changes)
         log.info("configuration reloaded: %s", changes.describe())
-        if relay.reloads is not None:
-            relay.reloads.reloaded(applied=True, now=time.time())
+        relay.count_reload(applied=True)
 
     return hangup
 
