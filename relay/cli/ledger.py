@@ -1,4 +1,4 @@
-"""Audit ledger commands (issue 13; design.md §6.7): ``dedup-relay history`` (the ledger rows of
+"""Audit ledger commands (design.md §6.7): ``dedup-relay history`` (the ledger rows of
 one fingerprint, oldest first) and ``dedup-relay in-doubt`` (the in-doubt decisions no later row
 resolved, with what an operator needs to look them up in the smarthost's log).
 

@@ -1,4 +1,4 @@
-"""The audit ledger's rows of one message (issue 13; design.md §6.7), as pure functions.
+"""The audit ledger's rows of one message (design.md §6.7), as pure functions.
 
 :func:`entries_for` turns what the core decided for a message into one
 :class:`relay.core.interfaces.LedgerEntry` per envelope recipient; :func:`upstream_queue_id`

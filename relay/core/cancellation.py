@@ -1,4 +1,4 @@
-"""Cancellation the relay answers for itself (shutdown past its grace; issue 8 item 2).
+"""Cancellation the relay answers for itself (shutdown past its grace; design.md §6.6).
 
 A shutdown cuts what is left by cancelling its tasks. Some of that work must not stop half way:
 a store write whose outcome the client's reply depends on, or an upstream reply already read.

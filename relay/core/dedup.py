@@ -87,7 +87,7 @@ class Decision:
     outcomes: Mapping[str, Outcome] = field(default_factory=dict)
     upstream_reply: SmtpReply | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
-    # what the audit ledger records beside the outcomes (issue 13): the message's template and
+    # what the audit ledger records beside the outcomes (design.md §6.7): the message's template and
     # dedupe key as normalized (design.md §2), the upstream transaction's result of each
     # recipient in it, and the name of the upstream that gave them
     template: str = ""
@@ -126,7 +126,7 @@ class DedupCore:
         self._rate_limits = tuple(rate_limits)
         # the upstream the relay would try first now: the scope ``upstream`` of a rate limit
         self._upstream_name = upstream_name if upstream_name is not None else _upstream_name
-        self._ledger = ledger  # the audit ledger (issue 13): one row per recipient decision
+        self._ledger = ledger  # the audit ledger (design.md §6.7): one row per recipient decision
         self._clock = clock  # the relay's wall clock, unix seconds: a ledger row's decided_at
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)

@@ -267,7 +267,7 @@ class LimitVerdict:
 
 
 class RateLimiter(Protocol):
-    """Sliding-window limits shared by every relay on one store (issue 12).
+    """Sliding-window limits shared by every relay on one store (design.md §4.7).
 
     Raises :class:`relay.core.errors.StoreError` on any failure or timeout.
     """
@@ -491,7 +491,7 @@ class LedgerAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """One audit row (issue 13; design.md §6.7), as the core or an admin command made it.
+    """One audit row (design.md §6.7), as the core or an admin command made it.
 
     ``recipient`` and ``dedupe_key`` are as the client sent them: the ledger masks the
     recipient and hashes the key per its settings before they leave the process. ``store_key``

@@ -1,4 +1,4 @@
-"""Rate limits of the relay (issue 12): which configured limits apply to one message, and in
+"""Rate limits of the relay (design.md §4.7): which configured limits apply to one message, and in
 which bucket each takes its share. Pure: no I/O; :class:`relay.core.interfaces.RateLimiter`
 (the store) counts.
 

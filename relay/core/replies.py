@@ -41,7 +41,7 @@ MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0", "Message has no dedupe key header
 
 # --- temporary outcomes -----------------------------------------------------------------------
 STORE_DOWN = SmtpReply(451, "4.3.0", "Deduplication store unavailable, try again later")
-# ledger_required = true and the audit ledger cannot take rows (issue 13): nothing reserved
+# ledger_required = true and the audit ledger cannot take rows (design.md §6.7): nothing reserved
 LEDGER_UNAVAILABLE = SmtpReply(451, "4.3.0", "Audit ledger unavailable, try again later")
 OUTCOME_UNKNOWN = SmtpReply(
     451, "4.4.2", "Upstream did not confirm the message; it is held as in doubt, try again later"
@@ -229,7 +229,7 @@ def invalid_key(reason: str) -> SmtpReply:
 
 
 def rate_limited(label: str, retry_after_s: float) -> SmtpReply:
-    """The ``451 4.7.0`` for a message over the ``messages`` limit ``label`` (issue 12):
+    """The ``451 4.7.0`` for a message over the ``messages`` limit ``label`` (design.md §4.7):
     nothing was reserved or relayed; the window has room again in ``retry_after_s``
     seconds (rounded up, at least 1)."""
     seconds = max(1, math.ceil(retry_after_s))

@@ -1,4 +1,4 @@
-"""A server-side TLS layer that lets a half-closed client read its replies (issue 8 item 9).
+"""A server-side TLS layer that lets a half-closed client read its replies (design.md §5.1).
 
 asyncio's :class:`asyncio.sslproto.SSLProtocol` (Python 3.11) closes the connection as soon as
 the client is done sending: on its close_notify it starts the TLS shutdown, on a bare TCP EOF it

@@ -1,4 +1,4 @@
-"""Rate limits in the SQLite store's file (issue 12): the sliding-window log of
+"""Rate limits in the SQLite store's file (design.md §4.7): the sliding-window log of
 :mod:`relay.store.redis.limits` as rows of the ``rate_events`` table, so that every worker and
 relay sharing the file shares the limits.
 

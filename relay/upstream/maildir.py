@@ -44,7 +44,7 @@ class MaildirUpstream:
         """Write each recipient's file; each recipient's result is its own write's.
 
         A recipient whose file was written is ACCEPTED even when a later one fails: refusing
-        it would release its reservation and the retry would write it twice (issue 8).
+        it would release its reservation and the retry would write it twice (design.md §1).
         """
         try:
             box = mailbox.Maildir(self._path, create=True)

@@ -180,8 +180,8 @@ def discard(smtp: aiosmtplib.SMTP) -> None:
 
     While bytes of a message are still buffered it is reset (:func:`relay.upstream.transfer.
     abort`), not closed: a graceful close would go on sending them, final dot included, after
-    the relay decided the message did not go (issue 8). So too when the transport is closing
-    already (the peer's FIN: aiosmtplib's EOF closes it gracefully, and the buffer still
+    the relay decided the message did not go (design.md §1). So too when the transport is
+    closing already (the peer's FIN: aiosmtplib's EOF closes it gracefully, and the buffer still
     drains to a peer that may still read).
     """
     transport = smtp.transport

@@ -158,7 +158,7 @@ def statement_timeout_ms(limit_s: float) -> int:
     waiting for (its connection terminated: PostgreSQL may not notice a closed socket while
     the statement waits for a lock) has ended, committed or not, before the relay gives up and
     runs its cleanup after the failure (a reserve's release of what it may have taken), never
-    after it (an attack test: an orphan PENDING for a lease)."""
+    after it (which would leave an orphan PENDING for a lease)."""
     return max(100, int(limit_s * STATEMENT_SHARE * 1000))
 
 

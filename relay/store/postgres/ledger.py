@@ -1,4 +1,4 @@
-"""The audit ledger on PostgreSQL (issue 13; design.md §6.7): the rows of
+"""The audit ledger on PostgreSQL (design.md §6.7): the rows of
 ``dedup_relay_ledger`` (:mod:`.migrations`), written off the hot path.
 
 :class:`PostgresLedger` implements :class:`relay.core.interfaces.AuditLedger`: ``record`` puts
@@ -69,8 +69,8 @@ COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient"
 
 # $16: the offset in seconds of the database's clock from the clock the rows' decided_at were
 # read on (:func:`clock_offset`); ``decided_at`` is stored on the database's clock, so rows of
-# relays whose clocks disagree still sort in the order their decisions were taken (an attack
-# test: a relay 10 min ahead listed a duplicate before its send).
+# relays whose clocks disagree still sort in the order their decisions were taken (a relay
+# 10 min ahead would otherwise list a duplicate before its send).
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
 SELECT r, to_timestamp(d + $16::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i
@@ -101,8 +101,8 @@ decision: the record was sent again, released or marked sent by an operator."""
 # rows saying a fingerprint is in doubt (IN_DOUBT, with a store key) that no later row of the
 # same store key resolved, decided at least $1 ms ago. "Later" by decided_at alone, which every
 # writer puts on the database's clock (relays and the admin commands alike): when a row landed
-# says nothing of when it was decided (an attack test: a relay's old `relayed` row, queued
-# through an outage, landed after a newer `unknown` and hid it). Counted per store key (a
+# says nothing of when it was decided (a relay's old `relayed` row, queued
+# through an outage, could land after a newer `unknown` and hide it). Counted per store key (a
 # record in doubt has one row per retry).
 UNRESOLVED_WHERE = f"""
 u.outcome IN ({", ".join(f"'{o}'" for o in IN_DOUBT)}) AND u.store_key IS NOT NULL
@@ -504,7 +504,7 @@ class PostgresLedger:
         """The rows of ``entries``, their ``decided_at`` moved from the deciding clock (the
         core's wall clock, read a moment ago) onto this process's monotonic clock: a row that
         waits in the queue through an outage keeps its place in time across a step of the
-        wall clock (NTP, an operator) before it is written (an attack test)."""
+        wall clock (NTP, an operator) before it is written."""
         wall, mono = self._clock(), time.monotonic()
         rows = []
         for entry in entries:

@@ -1,4 +1,4 @@
-"""The audit ledger as the admin commands read and write it (issue 13; design.md §6.7):
+"""The audit ledger as the admin commands read and write it (design.md §6.7):
 ``dedup-relay history``, ``dedup-relay in-doubt`` and the operator rows of ``release`` and
 ``mark-sent``.
 

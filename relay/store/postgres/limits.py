@@ -1,4 +1,4 @@
-"""Rate limits on the PostgreSQL store (issue 12): :class:`PostgresRateLimiter` implements
+"""Rate limits on the PostgreSQL store (design.md §4.7): :class:`PostgresRateLimiter` implements
 :class:`relay.core.interfaces.RateLimiter` with one statement per message.
 
 The sliding-window log of the SQLite store (:mod:`relay.store.sqlite_limits`) as rows of

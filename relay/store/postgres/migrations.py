@@ -50,7 +50,7 @@ _STORE_STEPS: tuple[str, ...] = (
     lease_ms bigint
 );
 CREATE INDEX IF NOT EXISTS {FINGERPRINTS}_expires_at ON {FINGERPRINTS} (expires_at);""",
-    # 2: rate limits (issue 12, relay.store.postgres.limits). One row per acquire and bucket
+    # 2: rate limits (design.md §4.7, relay.store.postgres.limits). One row per acquire and bucket
     # (the sliding-window log of the SQLite store's rate_events), ``at`` the database's clock
     # read after the bucket's lock; ``call_id`` the relay's call, so a call given back after a
     # timeout (a row in RATE_GIVEN_BACK, its tombstone) takes nothing when it lands later.
@@ -153,7 +153,7 @@ END
 $fn$;""",
 )
 
-# The audit ledger (issue 13): one row per recipient decision, appended through the relay's
+# The audit ledger (design.md §6.7): one row per recipient decision, appended through the relay's
 # bounded queue (relay.store.postgres.ledger), or per operator action (release, mark-sent).
 # ``row_id`` is the relay's, so a batch written again after a lost reply adds nothing.
 # ``decided_at`` is the relay's clock when it answered (or the admin command's);

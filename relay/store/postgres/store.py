@@ -1,4 +1,4 @@
-"""PostgreSQL fingerprint store over an asyncpg pool (design.md §3; issue 13).
+"""PostgreSQL fingerprint store over an asyncpg pool (design.md §3).
 
 One row per key in ``dedup_relay_fingerprints`` (:mod:`.migrations`): ``state`` (pending,
 sending, sent, unknown; anything else was written by another application and counts as SENT),

@@ -1,4 +1,4 @@
-"""Rate limits on Redis (issue 12): :class:`RedisRateLimiter` implements
+"""Rate limits on Redis (design.md §4.7): :class:`RedisRateLimiter` implements
 :class:`relay.core.interfaces.RateLimiter` with one Lua script per message.
 
 Each bucket is a sliding-window log: a sorted set under
