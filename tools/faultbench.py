@@ -160,7 +160,7 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
     lines = [
         "# Reliability under faults", "",
         "Measured by the fault bench (`tools/faultbench.py`; the CI version is "
-        "`tests/system/test_faults.py`). This file is its output; re-run the command to "
+        "`tests/system/stores/test_faults.py`). This file is its output; re-run the command to "
         "refresh it.",
         "", f"- command: `{command}`",
         f"- date: {started:%Y-%m-%d %H:%M} UTC; all runs took {total_s:.0f} s",

@@ -1,4 +1,4 @@
-"""`dedup-relay history` and the audit rows of `release` / `mark-sent` (issue 13), run as
+"""`dedup-relay history` and the audit rows of `release` / `mark-sent`, run as
 processes with the relay's settings (RELAY_* env vars) against a real PostgreSQL ledger in a
 private schema: the rows of one store key, oldest first, with the outcome words, `at` and the
 upstream reply; the same key from --rcpt/--key; an operator's release and mark-sent recorded;

@@ -1,4 +1,4 @@
-"""`dedup-relay in-doubt` (issue 13), run as a process with the relay's settings against a real
+"""`dedup-relay in-doubt`, run as a process with the relay's settings against a real
 PostgreSQL ledger in a private schema: the in-doubt (unknown) decisions no later row resolved,
 oldest first, with what an operator needs to find them in the smarthost's log; a later
 relayed / marked_sent / released row resolves one, a later refusal does not; --older-than

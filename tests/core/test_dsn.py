@@ -180,6 +180,18 @@ def test_reply_without_enhanced_code_gives_status_5_0_0() -> None:
     assert per_rcpt["Diagnostic-Code"] == "smtp; 550 no such user"
 
 
+@pytest.mark.parametrize("text", ["5.1.1\tUser unknown", "5.1.1\n5.1.1 User unknown"],
+                         ids=["tab-after-the-code", "multiline-reply-first-line-only-the-code"])
+def test_the_status_is_the_upstreams_whatever_blank_follows_its_code(text: str) -> None:
+    """aiosmtplib keeps a tab inside a line and joins the lines of a multiline reply
+    (``550-5.1.1`` CRLF ``550 5.1.1 User unknown``) with a line break: the notice's Status is
+    the upstream's code either way (RFC 3464 section 2.3.4)."""
+    built = build_dsn(notice({"b@x.example": refused(550, text)}),
+                      reporting_mta="relay.test", arrival=0.0)
+    _, per_rcpt = status_blocks(email.message_from_bytes(built.content, policy=policy.default))
+    assert per_rcpt["Status"] == "5.1.1"
+
+
 def test_relay_own_refusal_has_no_diagnostic_code() -> None:
     """A refusal the relay made itself carries no Diagnostic-Code (that field is the remote's)."""
     built = build_dsn(notice({"b@x.example": refused(550, "5.6.7 cannot downgrade",

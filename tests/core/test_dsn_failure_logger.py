@@ -1,11 +1,9 @@
 """The DSN alert's runbook names the logger of the line it sends the operator to.
 
 config/prometheus/alerts.yml (DedupRelayDsnFailed) tells the operator that "the relay log (logger
-relay.dsn, ERROR) names the queue ids". Up to 4a07d8f the notice's failure was logged on
-``relay.dsn``; the layout commit 0ea2d03 moved the module to relay/core/dsn.py and its logger
-to ``relay.core.dsn`` (as every module's: relay.listener is relay.smtp.handler, relay.dedup is
-relay.core.dedup, ...; the README's decision-line logger was updated, the alert was not), so the
-JSON lines' ``logger`` field changed and a search for ``relay.dsn`` finds nothing.
+relay.dsn, ERROR) names the queue ids": the notice's failure is logged on ``relay.dsn`` (the
+JSON lines' ``logger`` field), whatever module sends the notice, so a search for ``relay.dsn``
+finds it.
 """
 
 from __future__ import annotations

@@ -777,7 +777,7 @@ def test_nothing_after_the_first_non_field_line_is_header(
     assert strip_fields(prefix + tail, NAMES).endswith(tail)
 
 
-# -- pinned by mutation testing (issue 8 item 21; tools/mutate.py) ------------------------------
+# -- pinned by mutation testing (tools/mutate.py) ------------------------------
 
 
 def test_check_field_names_refuses_what_cannot_be_a_field_name() -> None:

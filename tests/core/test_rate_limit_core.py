@@ -1,4 +1,4 @@
-"""Rate limits through a real relay and a real sink (issue 12): a message over a limit gets
+"""Rate limits through a real relay and a real sink: a message over a limit gets
 ``451 4.7.0 rate limit ...`` (``452 4.5.3`` for recipients), nothing is reserved or relayed,
 and the client's retry once the window has room is relayed once. Every scope, messages
 without a key and exempt templates, the store down (store_down), and a reload of the

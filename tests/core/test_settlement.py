@@ -1,4 +1,4 @@
-"""Settlement bookkeeping (core/settlement.py; issue 8 item 22): what is owed, what is counted,
+"""Settlement bookkeeping (core/settlement.py): what is owed, what is counted,
 what is logged and measured, and that shutdown's cancellation is not swallowed.
 
 Real Redis under a RedisStore subclass whose settles fail on demand (a store hiccup a real

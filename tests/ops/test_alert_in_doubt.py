@@ -1,4 +1,4 @@
-"""The DedupRelayInDoubtUnresolved alert rule (issue 13) under promtool's rule unit tests
+"""The DedupRelayInDoubtUnresolved alert rule under promtool's rule unit tests
 (tests/ops/alerts_in_doubt.test.yml): pending for its first 10 minutes, then firing once for
 several relays on one ledger (max, not sum), never for a count settled within the 10 minutes;
 its description sends the operator to `dedup-relay in-doubt`."""

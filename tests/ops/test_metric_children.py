@@ -1,4 +1,4 @@
-"""The metric children of PrometheusMetrics are made once (the profile of issue 10 showed a
+"""The metric children of PrometheusMetrics are made once (a profile showed a
 ``.labels()`` lookup per message), and the values still land on the right series."""
 
 from __future__ import annotations

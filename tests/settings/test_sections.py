@@ -47,7 +47,7 @@ def test_the_mixed_settings_have_the_sections_fields_in_section_order() -> None:
 
 def test_every_section_validator_runs_on_the_mixed_settings() -> None:
     """A rule of each section refuses through Settings as through the section alone."""
-    cases = [
+    cases: list[tuple[type[Section], dict[str, object]]] = [
         (AccessSettings, {"allowed_networks": "10.0.0.0/33"}),
         (AccessSettings, {"allowed_senders": "*@a.example,*@b.example", "tls_required": True}),
         (DedupSettings, {"dedupe_headers": "X-Key:"}),
@@ -55,8 +55,8 @@ def test_every_section_validator_runs_on_the_mixed_settings() -> None:
         (OperationsSettings, {"metrics_listen": "nowhere"}),
     ]
     for section, values in cases:
-        alone = {"upstream": "127.0.0.1:25", **values} if section is UpstreamSettings \
-            else values
+        alone: dict[str, object] = (
+            {"upstream": "127.0.0.1:25", **values} if section is UpstreamSettings else values)
         with pytest.raises(ValidationError):
             section.model_validate(alone)
         with pytest.raises(ValidationError):

@@ -1,4 +1,4 @@
-"""The rate limiters of every store (issue 12), on a real Redis, a real SQLite file and a real
+"""The rate limiters of every store, on a real Redis, a real SQLite file and a real
 PostgreSQL (a private schema): the
 sliding window (a burst of ``limit``, then room again as the oldest units leave the window),
 all or nothing across the limits of one call, a recipients limit's cost, keys and rows that
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -25,7 +25,7 @@ from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
 from tests.support.postgres import private_schema
-from tests.support.redis_servers import Cluster, redis_cluster
+from tests.support.redis_servers import Cluster
 from tests.support.relays import REDIS_URL, delete_prefix
 from tests.support.waiting import until
 
@@ -249,12 +249,6 @@ async def test_redis_uses_the_server_clock_not_the_relays(
     finally:
         await store.close()
         delete_prefix(REDIS_URL, prefix)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with redis_cluster() as servers:
-        yield servers
 
 
 async def test_one_messages_buckets_share_a_slot_on_a_cluster(cluster: Cluster) -> None:

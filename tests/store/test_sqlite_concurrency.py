@@ -1,4 +1,4 @@
-"""The SQLite store under concurrency (issue 10): concurrent calls of one process share one
+"""The SQLite store under concurrency: concurrent calls of one process share one
 transaction and one fsync (group commit), a failing call fails alone, and several processes on
 one file reserve every key exactly once. Real files under ``tmp_path``, real processes."""
 

@@ -1,4 +1,4 @@
-"""A busy relay is not a store outage (issue 8 item 8). The embedded store's op timeout is about
+"""A busy relay is not a store outage. The embedded store's op timeout is about
 the database, not about this process: calls queued behind the relay's own calls, and a call that
 finished while the event loop was blocked, are never reported as 'store unavailable'."""
 

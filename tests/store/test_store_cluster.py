@@ -34,7 +34,6 @@ from tests.support.redis_servers import (
     client,
     free_port,
     is_master,
-    redis_cluster,
     redis_sentinel,
     replicate,
     server_group,
@@ -48,20 +47,6 @@ SLACK_S = 0.5  # how much later than OP_TIMEOUT_S a failing call may return
 RECOVERY_LIMIT_S = 15.0  # a failover must be over, for the store, within this
 LEASE_S = 60.0
 WINDOW_S = 3600.0
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A private three-master, three-replica Redis Cluster for this module."""
-    with redis_cluster() as servers:
-        yield servers
-
-
-@pytest.fixture(scope="module")
-def sentinel() -> Iterator[SentinelSet]:
-    """A private master, replica and sentinel for this module."""
-    with redis_sentinel() as servers:
-        yield servers
 
 
 @pytest.fixture

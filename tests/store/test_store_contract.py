@@ -34,7 +34,7 @@ from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 from tests.support.postgres import private_schema
-from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
+from tests.support.redis_servers import Cluster, SentinelSet
 from tests.support.sqlite_procs import hammering
 
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -55,20 +55,6 @@ def prefix() -> str:
 def db_path(tmp_path: Path) -> str:
     """The SQLite file of this test."""
     return str(tmp_path / "store.db")
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A private three-master, three-replica Redis Cluster for this module."""
-    with redis_cluster() as servers:
-        yield servers
-
-
-@pytest.fixture(scope="module")
-def sentinel() -> Iterator[SentinelSet]:
-    """A private master, replica and sentinel for this module."""
-    with redis_sentinel() as servers:
-        yield servers
 
 
 @pytest.fixture(scope="module")

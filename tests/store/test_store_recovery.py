@@ -1,4 +1,4 @@
-"""The store comes back (issue 8 item 8): once Redis answers again, no client sees a 4yz caused by
+"""The store comes back: once Redis answers again, no client sees a 4yz caused by
 a connection the relay's pool still held from before the restart. A private redis-server is
 stopped and started under a running relay; a real sink; smtplib clients."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import uuid4
 
@@ -19,7 +19,7 @@ from relay.core.interfaces import Settle, SettleOp, StateCounter, StateCounts
 from relay.store.redis.counting import match_pattern
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
-from tests.support.redis_servers import Cluster, SentinelSet, redis_cluster, redis_sentinel
+from tests.support.redis_servers import Cluster, SentinelSet
 from tests.support.relays import REDIS_URL
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,20 +35,6 @@ Store = RedisStore | SqliteStore
 def prefix() -> str:
     """A key prefix no other test uses, with glob characters (SCAN's MATCH must escape them)."""
     return f"test:stats:[{uuid4().hex}]*?:"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A private three-master Redis Cluster for this module."""
-    with redis_cluster() as servers:
-        yield servers
-
-
-@pytest.fixture(scope="module")
-def sentinel() -> Iterator[SentinelSet]:
-    """A private Sentinel-managed master for this module."""
-    with redis_sentinel() as servers:
-        yield servers
 
 
 def _delete(prefix: str) -> None:

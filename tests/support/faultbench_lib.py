@@ -2,9 +2,10 @@
 bench-owned redis-server or PostgreSQL server, and `python -m relay serve` processes.
 
 The traffic and the checker are in ``faultbench_traffic``, the runs that combine them in
-``faultbench_scenarios``; ``tests/system/test_faults.py`` (short) and ``tools/faultbench.py`` (long)
-drive those. Loopback only, every wait bounded; each process started here is also killed at
-interpreter exit when a caller's ``finally`` could not run (a test timeout).
+``faultbench_scenarios``; ``tests/system/stores/test_faults.py`` (short) and
+``tools/faultbench.py`` (long) drive those. Loopback only, every wait bounded; each process
+started here is also killed at interpreter exit when a caller's ``finally`` could not run
+(a test timeout).
 
 The sink logs one JSON line per recipient of every message it accepted (``sink.jsonl``):
 ``{"rcpt": ..., "key": <X-Dedupe-Key>, "t": <unix time>}``.
@@ -480,7 +481,7 @@ class RelayConfig:
     store_timeout_s: float = 1.0
     shutdown_grace_s: float = 5.0
     unknown_policy: str = "suppress"
-    workers: int = 2  # worker processes under a supervisor (issue 10); 1: one process
+    workers: int = 2  # worker processes under a supervisor; 1: one process
 
 
 @dataclass

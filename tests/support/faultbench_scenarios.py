@@ -2,7 +2,7 @@
 (or PostgreSQL server: the ``pg-*`` scenarios), messages arriving at a steady rate from retrying
 clients, and one fault injected mid-load.
 
-:func:`run_scenario` is what ``tests/system/test_faults.py`` (30-60 messages per fault) and
+:func:`run_scenario` is what ``tests/system/stores/test_faults.py`` (30-60 messages per fault) and
 ``tools/faultbench.py`` (hundreds, writes docs/reliability.md) both call.
 """
 

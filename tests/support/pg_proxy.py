@@ -1,5 +1,5 @@
-"""A TCP proxy in front of the test PostgreSQL that can make it hang or refuse (the attack
-tests of issue 13: a server that stops answering mid-statement keeps its connections open)."""
+"""A TCP proxy in front of the test PostgreSQL that can make it hang or refuse (a server that
+stops answering mid-statement keeps its connections open)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ordered upstreams with failover (issue 12): a message moves to the next upstream only on a
+"""Ordered upstreams with failover: a message moves to the next upstream only on a
 definite failure before any recipient was accepted and before DATA, never after the dot or an
 accepted recipient; a failed upstream cools down, is probed, and comes back (``/readyz``).
 

@@ -1,5 +1,5 @@
 """Smarthost AUTH XOAUTH2 / OAUTHBEARER with an OAuth2 token provider, a private CA and a client
-certificate (issue 12): the SMTP upstream against a real aiosmtpd smarthost that takes only
+certificate: the SMTP upstream against a real aiosmtpd smarthost that takes only
 tokens a real loopback HTTPS token endpoint (aiohttp, trustme CA) issued."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Maildir upstream settles each recipient by its own write (issue 8, item 6).
+"""The Maildir upstream settles each recipient by its own write (design.md §5.3).
 
 A write that fails part way through a message's recipients is a real kernel refusal: the relay
 runs as its own process and is given a file-size limit (``prlimit``, ``RLIMIT_FSIZE``: the

@@ -1,4 +1,4 @@
-"""A slow upstream link never makes a duplicate (issue 8, item 1).
+"""A slow upstream link never makes a duplicate (design.md §1).
 
 The upstream here is a real TCP (or TLS) peer on loopback with a small receive buffer that
 pauses its reads after ``354`` or reads at a fixed rate, so the message backs up in the
