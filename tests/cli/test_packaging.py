@@ -334,11 +334,11 @@ def test_image_has_the_oci_labels() -> None:
         assert labels[oci + key] == f"${{{arg}}}" and arg in args
 
 
-# --- docs/kubernetes.md ---------------------------------------------------------------------
+# --- docs/deploy/kubernetes.md -----------------------------------------------------------------
 
 def kubernetes_objects() -> dict[str, dict[str, Any]]:
-    """The objects of docs/kubernetes.md's ```yaml blocks by kind (one of each)."""
-    text = (REPO / "docs" / "kubernetes.md").read_text()
+    """The objects of docs/deploy/kubernetes.md's ```yaml blocks by kind (one of each)."""
+    text = (REPO / "docs" / "deploy" / "kubernetes.md").read_text()
     blocks = re.findall(r"^```yaml\n(.*?)^```$", text, re.S | re.M)
     objects = [o for block in blocks for o in yaml.safe_load_all(block) if o]
     by_kind = {o["kind"]: o for o in objects}
