@@ -95,24 +95,47 @@ class Ruling:
 # --------------------------------------------------------------------------------------------
 
 
+def heartbeat_state(age_s: float, own_lease_s: float | None, lease_s: float) -> State:
+    """What a SENDING record whose last heartbeat is ``age_s`` seconds old is (§3, "SENDING and
+    the heartbeat"): PENDING (its attempt is still at work) while the heartbeat is younger
+    than the lease of the attempt that wrote it (``own_lease_s``; the reader's ``lease_s``
+    for a record that names none), UNKNOWN (its relay died after the final dot) from then on.
+    Every store's decoder and :func:`reads_as` judge by this rule alone."""
+    return State.PENDING if age_s < (own_lease_s if own_lease_s is not None else lease_s) \
+        else State.UNKNOWN
+
+
+def sending_record(*, token: str, at: float, ttl_s: float | None, age_s: float | None,
+                   own_lease_s: float | None, lease_s: float | None) -> Record:
+    """A decoded SENDING row as its reader sees it: as such for an inspection (``lease_s``
+    None, or its age unknown), else judged by :func:`heartbeat_state` (a reserve: PENDING with
+    its token, or UNKNOWN). ``at`` is its last heartbeat (unix seconds), ``age_s`` that
+    heartbeat's age by the store's clock, ``own_lease_s`` the writer's lease (seconds, None:
+    not kept), ``ttl_s`` the row's remaining life."""
+    if lease_s is None or age_s is None:
+        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                      lease_s=own_lease_s)
+    if heartbeat_state(age_s, own_lease_s, lease_s) is State.PENDING:
+        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+                      lease_s=own_lease_s)
+    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own_lease_s)
+
+
 def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
     """The state a new attempt reads ``record`` as (§3, "SENDING and the heartbeat").
 
-    SENDING is PENDING (in flight) while its last heartbeat ``at`` is younger than its
-    writer's lease (``record.lease_s``; ``lease_s`` seconds for a record without one), and
-    UNKNOWN (its relay died after the final dot) after it. The age is the store's
-    (``record.age_s``) when it reported one; ``now`` (unix seconds, default this host's
-    clock) only for a record without. Every other state reads as itself.
+    SENDING is judged by :func:`heartbeat_state` with the writer's lease (``record.lease_s``;
+    ``lease_s`` seconds for a record without one). The age is the store's (``record.age_s``)
+    when it reported one; ``now`` (unix seconds, default this host's clock) only for a record
+    without. Every other state reads as itself.
     """
     if record.state is not State.SENDING:
         return record.state
-    if record.lease_s is not None:
-        lease_s = record.lease_s
-    if record.age_s is not None:
-        return State.PENDING if record.age_s < lease_s else State.UNKNOWN
-    now = time.time() if now is None else now
-    at = record.at if record.at is not None else now
-    return State.PENDING if now - at < lease_s else State.UNKNOWN
+    age_s = record.age_s
+    if age_s is None:
+        now = time.time() if now is None else now
+        age_s = now - (record.at if record.at is not None else now)
+    return heartbeat_state(age_s, record.lease_s, lease_s)
 
 
 def classify(reservation: Reservation, *, unknown_policy: UnknownPolicy,

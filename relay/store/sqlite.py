@@ -36,6 +36,7 @@ from relay.core.interfaces import (
     State,
     StateCounts,
 )
+from relay.core.rules import sending_record
 from relay.store import sqlite_limits
 from relay.store.sqlite_writer import BUSY_POLL_MS, Op, Writer, begin_immediate, locked
 
@@ -230,17 +231,13 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     if state == _PENDING and token:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
     if state == _SENDING and token and at_ms is not None:
-        own = own_lease_ms / 1000 if own_lease_ms is not None else None
         lease = own_lease_ms if own_lease_ms is not None else lease_ms
         beat_age_ms = _heartbeat_age_ms(at_ms, boot_id, beat_ms, now_ms, lease or 0)
-        age_s = beat_age_ms / 1000
-        if lease_ms is None:
-            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
-                          lease_s=own)
-        if beat_age_ms < (own_lease_ms if own_lease_ms is not None else lease_ms):
-            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
-                          lease_s=own)
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own)
+        assert at is not None
+        return sending_record(
+            token=token, at=at, ttl_s=ttl_s, age_s=beat_age_ms / 1000,
+            own_lease_s=own_lease_ms / 1000 if own_lease_ms is not None else None,
+            lease_s=lease_ms / 1000 if lease_ms is not None else None)
     if state == _SENT:
         return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
     if state == _UNKNOWN:

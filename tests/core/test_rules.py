@@ -1,6 +1,7 @@
 """The decision rules (relay/core/rules.py, docs/design.md §4), one row per rule.
 
-Three tables, in the order a message meets them: what the store held -> the action (§4.1);
+The heartbeat rule (§3: how every store reads a SENDING record), then three tables, in the order
+a message meets them: what the store held -> the action (§4.1);
 the upstream's result -> the settle and the outcome (§4.2); every outcome -> the one reply,
 worst first (§4.3). Pure functions: no store, no upstream, no clock.
 """
@@ -36,8 +37,11 @@ from relay.core.rules import (
     after_upstream,
     aggregate,
     classify,
+    heartbeat_state,
     iso_utc,
+    reads_as,
     reserve_failed,
+    sending_record,
 )
 
 LEASE_S = 30.0  # the reader's lease
@@ -100,6 +104,40 @@ CLASSIFY = [
     pytest.param(STORE_FAILED, "fail_open", Classification(Action.RELAY_WITHOUT_DEDUP),
                  id="store-down-under-fail-open-relays-without-dedup"),
 ]
+
+
+HEARTBEAT = [
+    # (heartbeat age s, the writer's own lease s, the reader's lease s) -> the state
+    pytest.param(0.0, None, 900.0, State.PENDING, id="fresh-heartbeat-is-in-flight"),
+    pytest.param(899.999, None, 900.0, State.PENDING, id="younger-than-the-lease-is-in-flight"),
+    pytest.param(900.0, None, 900.0, State.UNKNOWN, id="a-lease-old-is-in-doubt"),
+    pytest.param(60.0, 30.0, 900.0, State.UNKNOWN,
+                 id="the-writers-shorter-lease-decides-over-the-readers"),
+    pytest.param(600.0, 3600.0, 900.0, State.PENDING,
+                 id="the-writers-longer-lease-decides-over-the-readers"),
+    pytest.param(-5.0, None, 900.0, State.PENDING, id="a-heartbeat-from-the-future-is-fresh"),
+]
+
+
+@pytest.mark.parametrize(("age_s", "own_lease_s", "lease_s", "expected"), HEARTBEAT)
+def test_the_heartbeat_decides_whether_sending_is_in_flight_or_in_doubt(
+        age_s: float, own_lease_s: float | None, lease_s: float, expected: State) -> None:
+    assert heartbeat_state(age_s, own_lease_s, lease_s) is expected
+    assert reads_as(Record(State.SENDING, token="t", at=AT, age_s=age_s,
+                           lease_s=own_lease_s), lease_s) is expected
+    judged = sending_record(token="t", at=AT, ttl_s=None, age_s=age_s,
+                            own_lease_s=own_lease_s, lease_s=lease_s)
+    assert judged.state is expected
+    assert (judged.token == "t") is (expected is State.PENDING)
+
+
+def test_a_sending_record_read_for_inspection_stays_sending() -> None:
+    """Without a reader's lease (``inspect``), or without a known age, SENDING is shown as
+    such: no judgment."""
+    for lease_s, age_s in ((None, 10_000.0), (900.0, None)):
+        record = sending_record(token="t", at=AT, ttl_s=5.0, age_s=age_s, own_lease_s=None,
+                                lease_s=lease_s)
+        assert (record.state, record.token) == (State.SENDING, "t")
 
 
 @pytest.mark.parametrize(("reserve", "policy", "expected"), CLASSIFY)

@@ -27,6 +27,7 @@ import asyncpg
 
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
+from relay.core.rules import sending_record
 from relay.store.postgres import limits, migrations
 from relay.store.postgres.calls import (
     ERRORS,
@@ -226,14 +227,10 @@ def _record(row: Any, lease_ms: int | None = None) -> Record:
         return Record(State.PENDING, token=token, ttl_s=ttl_s)
     if state == "sending" and token and at is not None:
         own_ms = row["lease_ms"]
-        own = own_ms / 1000 if own_ms is not None else None
-        if lease_ms is None:
-            return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
-                          lease_s=own)
-        if (now - at) * 1000 < (own_ms if own_ms is not None else lease_ms):
-            return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, age_s=age_s,
-                          lease_s=own)
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own)
+        return sending_record(
+            token=token, at=at, ttl_s=ttl_s, age_s=age_s,
+            own_lease_s=own_ms / 1000 if own_ms is not None else None,
+            lease_s=lease_ms / 1000 if lease_ms is not None else None)
     if state == "sent":
         return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
     if state == "unknown":

@@ -24,6 +24,7 @@ Each script touches ``KEYS[1]`` only, so the store works on Redis Cluster withou
 from __future__ import annotations
 
 from relay.core.interfaces import Record, State
+from relay.core.rules import sending_record
 
 # Every time a script records or compares comes from the Redis server's own clock (TIME), never
 # from a relay's: relays on hosts whose clocks disagree then still agree on a record's age (a
@@ -263,10 +264,9 @@ def _sending(token: str, at_ms: int, ttl_s: float | None, lease_ms: int | None,
     """SENDING as such (inspect), or as a reserve sees it: PENDING, or UNKNOWN once
     ``lease_ms`` (the writer's own lease when the record has one) passed since its last
     heartbeat ``at_ms``."""
-    at = at_ms / 1000
-    own = own_lease_ms / 1000 if own_lease_ms is not None else None
-    if lease_ms is None or now_ms is None:
-        return Record(State.SENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
-    if now_ms - at_ms < lease_ms:
-        return Record(State.PENDING, token=token, at=at, ttl_s=ttl_s, lease_s=own)
-    return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, lease_s=own)
+    judged = lease_ms is not None and now_ms is not None
+    return sending_record(
+        token=token, at=at_ms / 1000, ttl_s=ttl_s,
+        age_s=(now_ms - at_ms) / 1000 if judged and now_ms is not None else None,
+        own_lease_s=own_lease_ms / 1000 if own_lease_ms is not None else None,
+        lease_s=lease_ms / 1000 if judged and lease_ms is not None else None)
