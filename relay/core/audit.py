@@ -1,51 +1,21 @@
 """The audit ledger's rows of one message (design.md §6.7), as pure functions.
 
 :func:`entries_for` turns what the core decided for a message into one
-:class:`relay.core.interfaces.LedgerEntry` per envelope recipient; :func:`upstream_queue_id`
-reads the smarthost's queue id off its reply to the final dot, so that an operator can find an
-in-doubt or disputed message in the smarthost's log. No I/O: the ledger adapter
+:class:`relay.core.interfaces.LedgerEntry` per envelope recipient, with the smarthost's queue id
+(:func:`relay.core.queue_id.upstream_queue_id`) so that an operator can find an in-doubt or
+disputed message in the smarthost's log. No I/O: the ledger adapter
 (:mod:`relay.store.postgres.ledger`) masks, hashes and writes them.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 from relay.core.fingerprint import first_field
 from relay.core.interfaces import LedgerEntry, Outcome, RcptResult, SmtpReply
+from relay.core.queue_id import upstream_queue_id
 
-__all__ = ["entries_for", "message_id", "upstream_queue_id"]
-
-# The queue id as the common smarthosts word their reply to the final dot (RFC 5321 leaves the
-# text free): Postfix "250 2.0.0 Ok: queued as 4Xb2Lk1Zz9z3", Sendmail "250 2.0.0 3B1Kx2Ab012345
-# Message accepted for delivery", Exim "250 OK id=1tQk2A-0001Xy-3C", Amazon SES "250 Ok
-# 0100018c...-000000", Microsoft 365 "250 2.0.0 OK <id@host> [Hostname=...]", Gmail "250 2.0.0
-# OK  1733100000 a1b2c3-4d.12 - gsmtp", Haraka / qmail "250 ... (QUEUED ID)". The first pattern
-# that matches wins; none: "" (the reply itself is kept in full beside it).
-_QUEUE_ID_PATTERNS = (
-    re.compile(r"queued as ([A-Za-z0-9][\w.\-]*)", re.IGNORECASE),
-    re.compile(r"\bid=([\w.\-]+)", re.IGNORECASE),
-    re.compile(r"^(?:\d\.\d{1,3}\.\d{1,3} )?([A-Za-z0-9]{8,}) Message accepted", re.IGNORECASE),
-    re.compile(r"^(?:\d\.\d{1,3}\.\d{1,3} )?Ok:? ([0-9a-f]{16,}-[\w\-]+)", re.IGNORECASE),
-    re.compile(r"(<[^<>\s]+@[^<>\s]+>)"),
-    re.compile(r"\(queued (?:as )?([\w.\-@]+)\)", re.IGNORECASE),
-    re.compile(r"OK\s+\d+ ([\w.\-]+) - gsmtp", re.IGNORECASE),
-)
-
-
-def upstream_queue_id(reply: SmtpReply | None) -> str:
-    """The queue id a smarthost named in its 2yz ``reply`` to the final dot ("" when the reply
-    is not 2yz or names none the known forms match)."""
-    if reply is None or not 200 <= reply.code < 300:
-        return ""
-    text = reply.text
-    for pattern in _QUEUE_ID_PATTERNS:
-        found = pattern.search(text)
-        if found is not None:
-            return found.group(1)[:200]
-    return ""
-
+__all__ = ["entries_for", "message_id"]
 
 def message_id(content: bytes) -> str:
     """The Message-ID field of ``content`` (RFC 5322 section 3.6.4) as written, ``""`` when the

@@ -29,6 +29,7 @@ from relay.core.dedup import Decision, DedupCore, InboundMessage
 from relay.core.errors import InvalidAddressError
 from relay.core.fingerprint import normalize_recipient
 from relay.core.interfaces import Metrics, Result, SmtpReply
+from relay.core.queue_id import upstream_queue_id
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
 from relay.smtp.data import has_bare_cr_or_lf
 from relay.smtp.session import RelaySMTP
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.smtp.handler")
 
 _MAX_LINE = 998  # octets without CRLF, RFC 5321 section 4.5.3.1.6
-_UPSTREAM_QUEUE_ID = re.compile(r"(?:queued as|queue id|id=)\s*([A-Za-z0-9._:-]+)", re.I)
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 
@@ -260,7 +260,6 @@ class RelayHandler:
             (lambda a: a) if self._limits.log_recipients else mask_address)
         label = distinct_labels([*decision.outcomes, *decision.keys], show)
         upstream = decision.upstream_reply
-        match = _UPSTREAM_QUEUE_ID.search(upstream.text) if upstream is not None else None
         log.info("message", extra={
             "queue_id": msg.queue_id,
             "result": decision.result.value,  # plain strings: the text format uses repr()
@@ -268,7 +267,7 @@ class RelayHandler:
             "outcomes": {label[r]: o.value for r, o in decision.outcomes.items()},
             "keys": {label[r]: k for r, k in decision.keys.items()},
             "upstream_reply": str(upstream) if upstream is not None else None,
-            "upstream_queue_id": match.group(1) if match else None,
+            "upstream_queue_id": upstream_queue_id(upstream) or None,
             "bytes": size,
             "latency_ms": round(seconds * 1000, 1),
         })
