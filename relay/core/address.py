@@ -11,7 +11,7 @@ someone else or bounce later instead of being refused now. Rules:
 - RFC 5321 section 4.5.1: ``Postmaster`` is the one recipient that needs no domain.
 
 The domain's IDNA validity is checked where the recipient is normalized
-(:func:`relay.core.fingerprint.normalize_recipient`); here a domain is only a dot-separated list of
+(:func:`relay.core.recipients.normalize_recipient`); here a domain is only a dot-separated list of
 non-empty labels.
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from relay.core.fingerprint import first_field
+from relay.core.headers import first_field
 from relay.core.interfaces import LedgerEntry, Outcome, RcptResult, SmtpReply
 from relay.core.queue_id import upstream_queue_id
 

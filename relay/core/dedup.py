@@ -21,7 +21,7 @@ from relay.core import replies, rules
 from relay.core.audit import entries_for
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.fingerprint import DedupHeaders, extract_dedup_headers, strip_fields
+from relay.core.headers import DedupHeaders, extract_dedup_headers, strip_fields
 from relay.core.interfaces import (
     AuditLedger,
     DeliveryProgress,

@@ -29,7 +29,7 @@ from email.utils import format_datetime, make_msgid
 from typing import TypeAlias
 
 from relay.core.address import mask_address
-from relay.core.fingerprint import header_section_end
+from relay.core.headers import header_section_end
 from relay.core.interfaces import (
     DsnResult,
     Metrics,
@@ -121,7 +121,7 @@ def _status_part(notice: NonDelivery, reporting_mta: str, arrival: float,
 def _headers_part(content: bytes, pol: _Policy) -> EmailMessage:
     """The original header section: text/rfc822-headers (RFC 6522 section 4), or
     message/global-headers with 8bit when it holds UTF-8 (RFC 6533). The section ends where the
-    fingerprint's does (:func:`relay.core.fingerprint.header_section_end`: the first empty line or
+    fingerprint's does (:func:`relay.core.headers.header_section_end`: the first empty line or
     the first line that cannot be a field), so no body text is quoted back; bytes that are not
     UTF-8 become U+FFFD."""
     section = content[: header_section_end(content)]

@@ -13,15 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from relay.core.fingerprint import (
-    DEFAULT_MAX_KEY_CHARS,
-    DEFAULT_STORE_PREFIX,
-    DedupHeaders,
-    fingerprint,
-    normalize_header_value,
-    normalize_recipient,
-    store_key,
-)
+from relay.core.fingerprint import DEFAULT_STORE_PREFIX, fingerprint, store_key
+from relay.core.headers import DEFAULT_MAX_KEY_CHARS, DedupHeaders, normalize_header_value
+from relay.core.recipients import normalize_recipient
 
 KeyFormat = Literal["hex", "compact"]
 """How a fingerprint is written in its store key: ``hex`` (64 characters, the seed formula an
@@ -92,7 +86,7 @@ def header_values(keys: Iterable[str], templates: Iterable[str], *,
                   max_chars: int = DEFAULT_MAX_KEY_CHARS) -> DedupHeaders:
     """The dedup fields of a message whose key and template values are given apart (as an
     application writes them; several occurrences allowed), as
-    :func:`relay.core.fingerprint.extract_dedup_headers` reads them from a header section:
+    :func:`relay.core.headers.extract_dedup_headers` reads them from a header section:
     each value normalized, blanks dropped, distinct values sorted. Raises
     :class:`relay.core.errors.InvalidDedupKeyError` for a value the relay refuses."""
     return DedupHeaders(keys=_normalized(keys, "dedupe key", max_chars),
@@ -108,7 +102,7 @@ def recipient_key(rcpt: str, template: str, key: str, policy: KeyPolicy,
                   auth_user: str | None = None) -> RecipientKey:
     """Derive the store key of ``rcpt`` (a forward path as the client gave it) for a message
     whose dedup header values are ``template`` and ``key`` (as
-    :class:`relay.core.fingerprint.DedupHeaders` gives them: normalized, several values joined
+    :class:`relay.core.headers.DedupHeaders` gives them: normalized, several values joined
     by US), under ``policy``; ``auth_user`` (the session's AUTH identity) counts only with
     ``scope_by_auth``.
 

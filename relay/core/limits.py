@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from relay.core.errors import InvalidAddressError
-from relay.core.fingerprint import normalize_domain
 from relay.core.interfaces import LimitCheck
+from relay.core.recipients import normalize_domain
 
 SCOPES = ("upstream", "auth_user", "sender_domain", "template")
 

@@ -147,7 +147,7 @@ class DedupSettings(Section):
     @classmethod
     def _check_header_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         # imported here: only this validator uses it (pure, no I/O)
-        from relay.core.fingerprint import check_field_names
+        from relay.core.headers import check_field_names
 
         check_field_names(value)  # ValueError names the bad one: non-ASCII, blank, colon
         return value

@@ -27,9 +27,9 @@ from relay.core import replies
 from relay.core.address import mailbox_problem, mask_address
 from relay.core.dedup import Decision, DedupCore, InboundMessage
 from relay.core.errors import InvalidAddressError
-from relay.core.fingerprint import normalize_recipient
 from relay.core.interfaces import Metrics, Result, SmtpReply
 from relay.core.queue_id import upstream_queue_id
+from relay.core.recipients import normalize_recipient
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
 from relay.smtp.data import has_bare_cr_or_lf
 from relay.smtp.session import RelaySMTP

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from relay.core import replies
 from relay.core.errors import InvalidAddressError
-from relay.core.fingerprint import ascii_address
 from relay.core.interfaces import OutboundMessage, SmtpReply
+from relay.core.recipients import ascii_address
 
 
 @dataclass(frozen=True)

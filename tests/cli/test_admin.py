@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
+from relay.core.recipients import normalize_recipient
 from tests.support.cli import run_cli, smtp_send
 from tests.support.clients import message
 from tests.support.net import maildir_files

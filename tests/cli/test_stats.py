@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite import SqliteStore
 from tests.support.cli import run_cli

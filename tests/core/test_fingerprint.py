@@ -14,18 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError
-from relay.core.fingerprint import (
+from relay.core.fingerprint import fingerprint, store_key
+from relay.core.headers import (
     DedupHeaders,
-    ascii_address,
     check_field_names,
     extract_dedup_headers,
-    fingerprint,
     header_section_end,
     normalize_header_value,
-    normalize_recipient,
-    store_key,
     strip_fields,
 )
+from relay.core.recipients import ascii_address, normalize_recipient
 
 SEED_HEX = "30c8e812a32d46b8971d68a9c547dce6f95a92a86987f0ad79879616407139b6"
 

@@ -21,14 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError
-from relay.core.fingerprint import (
-    DedupHeaders,
-    ascii_address,
-    extract_dedup_headers,
-    fingerprint,
-    normalize_header_value,
-    normalize_recipient,
-)
+from relay.core.fingerprint import fingerprint
+from relay.core.headers import DedupHeaders, extract_dedup_headers, normalize_header_value
+from relay.core.recipients import ascii_address, normalize_recipient
 from relay.smtp.session import check_path_argument
 
 BOUNDED = settings(max_examples=200, deadline=None)

@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry
 from relay.app import Relay
 from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import Result, State
 from relay.core.limits import LimitSubject, RateRule, checks_for, sender_domain
+from relay.core.recipients import normalize_recipient
 from relay.ops.metrics import PrometheusMetrics
 from relay.reload import apply_changes, compare, file_digests
 from relay.settings import RateLimit, TemplatePolicy

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
+from relay.core.recipients import normalize_recipient
 from relay.ops.logs import TextFormatter
 from relay.settings import RateLimit
 from tests.support.clients import message, send

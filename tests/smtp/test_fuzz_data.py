@@ -28,12 +28,9 @@ import redis.asyncio as aredis
 from relay.app import Relay
 from relay.core import replies
 from relay.core.errors import InvalidDedupKeyError
-from relay.core.fingerprint import (
-    DedupHeaders,
-    extract_dedup_headers,
-    fingerprint,
-    normalize_recipient,
-)
+from relay.core.fingerprint import fingerprint
+from relay.core.headers import DedupHeaders, extract_dedup_headers
+from relay.core.recipients import normalize_recipient
 from tests.support.clients import RawClient
 from tests.support.relays import MakeRelay
 from tests.support.sink import Delivered, Sink

@@ -10,8 +10,9 @@ import redis.asyncio as aredis
 
 from relay.app import Relay
 from relay.core import replies
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import SmtpReply, State
+from relay.core.recipients import normalize_recipient
 from tests.support.clients import RawClient
 from tests.support.sink import Delivered
 

@@ -24,8 +24,9 @@ import redis
 import trustme
 
 from relay.core import replies
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from tests.support.clients import message, send
 from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.redis_servers import free_port, wait_for

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from relay.core import replies
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from tests.support.clients import message, send
 from tests.support.peers import ScriptedPeer, serve_peer
 from tests.support.relays import MakeRelay

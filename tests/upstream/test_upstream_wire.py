@@ -22,8 +22,9 @@ import trustme
 
 from relay.app import Relay
 from relay.core import replies
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from relay.store.redis.store import RedisStore
 from relay.upstream.transfer import is_wire, write_backlog
 from tests.support.clients import message, send

@@ -8,8 +8,9 @@ from collections import deque
 from relay.app import Relay
 from relay.core import replies
 from relay.core.dedup import Policy
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay, PrivateRedis
 from tests.support.sink import Sink

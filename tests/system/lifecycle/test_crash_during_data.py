@@ -11,8 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message, send
 from tests.support.peers import ScriptedPeer, serve_peer

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from relay.core import replies
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
+from relay.core.recipients import normalize_recipient
 from tests.support.cli import start_relay, wait_for_port
 from tests.support.clients import RawClient, message, send
 from tests.support.net import free_port

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.fingerprint import fingerprint, normalize_recipient, store_key
+from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import Settle, SettleOp, State
+from relay.core.recipients import normalize_recipient
 from relay.store.journal import add_to_journal
 from relay.store.redis.store import RedisStore
 from tests.support.cli import run_cli
