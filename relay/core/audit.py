@@ -11,23 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from relay.core.headers import first_field
 from relay.core.interfaces import LedgerEntry, Outcome, RcptResult, SmtpReply
 from relay.core.queue_id import upstream_queue_id
 
-__all__ = ["entries_for", "message_id"]
-
-def message_id(content: bytes) -> str:
-    """The Message-ID field of ``content`` (RFC 5322 section 3.6.4) as written, ``""`` when the
-    message has none; at most 998 characters (a line's limit)."""
-    value = first_field(content, "message-id")
-    return value[:998] if value else ""
-
+__all__ = ["entries_for"]
 
 def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, Outcome],
                 keys: Mapping[str, str], template: str, dedupe_key: str | None,
                 rcpt_results: Mapping[str, RcptResult], final_reply: SmtpReply | None,
-                client_reply: SmtpReply, upstream: str, content: bytes,
+                client_reply: SmtpReply, upstream: str, message_id: str,
                 queue_id: str) -> list[LedgerEntry]:
     """One row per distinct recipient of a message the core decided on.
 
@@ -41,7 +33,6 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
     A recipient without an outcome (the message was refused before a decision per recipient)
     gets none: the caller passes one for every recipient.
     """
-    mid = message_id(content)
     queue = upstream_queue_id(final_reply)
     out: list[LedgerEntry] = []
     for rcpt in dict.fromkeys(rcpt_tos):
@@ -57,6 +48,6 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
             reply=str(reply) if reply is not None else "",
             upstream_queue_id=queue if accepted else "",
             upstream=upstream if result is not None else "",
-            message_id=mid,
+            message_id=message_id,
             queue_id=queue_id, client_reply=str(client_reply)))
     return out

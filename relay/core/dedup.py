@@ -21,7 +21,7 @@ from relay.core import replies, rules
 from relay.core.audit import entries_for
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.headers import DedupHeaders, extract_dedup_headers, strip_fields
+from relay.core.headers import DedupHeaders, ParsedMessage, parse_message
 from relay.core.interfaces import (
     AuditLedger,
     DeliveryProgress,
@@ -74,6 +74,19 @@ class InboundMessage:
     utf8_headers: bool = False
     queue_id: str = ""
     auth_user: str | None = None  # the AUTH identity of the session, when it authenticated
+    # the content with its header section located (the listener parses it once at DATA); a
+    # message made without one is parsed here, once
+    parsed: ParsedMessage | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.parsed is None or self.parsed.content is not self.content:
+            object.__setattr__(self, "parsed", parse_message(self.content))
+
+    @property
+    def message(self) -> ParsedMessage:
+        """The content parsed (:func:`relay.core.headers.parse_message`)."""
+        assert self.parsed is not None  # set by __post_init__
+        return self.parsed
 
 
 @dataclass(frozen=True)
@@ -189,7 +202,8 @@ class DedupCore:
                 keys=decision.keys, template=decision.template,
                 dedupe_key=decision.dedupe_key, rcpt_results=decision.rcpt_results,
                 final_reply=decision.upstream_reply, client_reply=decision.reply,
-                upstream=decision.upstream, content=msg.content, queue_id=msg.queue_id),
+                upstream=decision.upstream, message_id=msg.message.message_id,
+                queue_id=msg.queue_id),
                 admitted=admitted)
         return decision
 
@@ -198,8 +212,7 @@ class DedupCore:
         and dedupe key once they were read."""
         relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
         try:
-            headers = extract_dedup_headers(
-                msg.content,
+            headers = msg.message.dedup_headers(
                 key_names=relay_policy.key_names,
                 template_names=relay_policy.template_names,
                 max_key_chars=relay_policy.max_key_chars,
@@ -433,7 +446,7 @@ class DedupCore:
                        progress: DeliveryProgress | None, p: Policy) -> DeliveryResult:
         content = msg.content
         if p.strip_headers:  # design.md §5.2: the headers are the relay's
-            content = strip_fields(content, (*p.key_names, *p.template_names))
+            content = msg.message.without((*p.key_names, *p.template_names))
         outbound = OutboundMessage(
             mail_from=msg.mail_from,
             rcpt_tos=rcpts,
@@ -480,7 +493,8 @@ class DedupCore:
             # RFC 5321 4.2.5, 6.1: a 250 makes the relay owe notice of the refused recipients
             self._notifier.non_delivery(NonDelivery(
                 mail_from=msg.mail_from, failures=failures,
-                content=msg.trace + msg.content, queue_id=msg.queue_id))
+                content=msg.trace + msg.content, queue_id=msg.queue_id,
+                header_end=len(msg.trace) + msg.message.header_end))
         upstream_reply = result.final_reply if result is not None else None
         decision = self._finish(reply, res, {rcpt: v.outcome for rcpt, v in verdicts.items()},
                                 upstream_reply)

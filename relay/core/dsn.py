@@ -68,7 +68,7 @@ def build_dsn(notice: NonDelivery, *, reporting_mta: str, arrival: float,
     report["Content-Type"] = 'multipart/report; report-type="delivery-status"'
     report.attach(_human_part(notice, reporting_mta, pol))
     report.attach(_status_part(notice, reporting_mta, arrival, remote_mta, pol))
-    headers = _headers_part(notice.content, pol)
+    headers = _headers_part(notice.content, notice.header_end, pol)
     report.attach(headers)
     out = io.BytesIO()
     _ReportGenerator(out, policy=pol).flatten(report)
@@ -118,13 +118,13 @@ def _status_part(notice: NonDelivery, reporting_mta: str, arrival: float,
     return part
 
 
-def _headers_part(content: bytes, pol: _Policy) -> EmailMessage:
+def _headers_part(content: bytes, header_end: int | None, pol: _Policy) -> EmailMessage:
     """The original header section: text/rfc822-headers (RFC 6522 section 4), or
     message/global-headers with 8bit when it holds UTF-8 (RFC 6533). The section ends where the
     fingerprint's does (:func:`relay.core.headers.header_section_end`: the first empty line or
     the first line that cannot be a field), so no body text is quoted back; bytes that are not
-    UTF-8 become U+FFFD."""
-    section = content[: header_section_end(content)]
+    UTF-8 become U+FFFD. ``header_end``: where the section ends, when the caller knows."""
+    section = content[: header_section_end(content) if header_end is None else header_end]
     if not section.isascii():
         section = section.decode("utf-8", "replace").encode("utf-8")
     if not section.endswith(b"\r\n"):

@@ -78,36 +78,10 @@ def extract_dedup_headers(
     template_names: Sequence[str] = DEFAULT_TEMPLATE_NAMES,
     max_key_chars: int = DEFAULT_MAX_KEY_CHARS,
 ) -> DedupHeaders:
-    """Read every dedupe-key and template occurrence from a message's header section.
-
-    ``content`` is the message as received (CRLF line ends; a bare LF is accepted as a line end
-    too; any bytes). Only the header section is read (:func:`header_section_end`: it ends at
-    the first empty line or the first line that is neither a field nor a continuation, RFC 5322
-    sections 2.1, 3.5), so a body that starts without the empty line, such as a first MIME
-    part, is never read as header. Names in ``key_names``
-    are aliases of one field and match case-insensitively (RFC 5322 section 1.2.2), as do
-    ``template_names``; a name in both counts as a key. Each value is normalized with
-    :func:`normalize_header_value`; values empty after normalization are ignored.
-
-    Raises :class:`InvalidDedupKeyError` when any key or template occurrence is longer than
-    ``max_key_chars`` characters or holds a control character (design.md §2: ``554 5.6.0``),
-    and ``ValueError`` when a configured name is not an RFC 5322 field name.
-    """
-    wanted_keys = _field_names(key_names)
-    wanted_templates = _field_names(template_names) - wanted_keys
-    keys: set[str] = set()
-    templates: set[str] = set()
-    for name, raw in _header_fields(content):
-        if name in wanted_keys:
-            target, label = keys, "dedupe key"
-        elif name in wanted_templates:
-            target, label = templates, "template"
-        else:
-            continue
-        value = normalize_header_value(raw, label=label, max_chars=max_key_chars)
-        if value:
-            target.add(value)
-    return DedupHeaders(keys=tuple(sorted(keys)), templates=tuple(sorted(templates)))
+    """:meth:`ParsedMessage.dedup_headers` of ``content`` (parsed here: for callers that hold
+    no :class:`ParsedMessage`, such as an admin command given a message file)."""
+    return parse_message(content).dedup_headers(
+        key_names=key_names, template_names=template_names, max_key_chars=max_key_chars)
 
 
 def normalize_header_value(
@@ -137,56 +111,143 @@ def normalize_header_value(
     return text
 
 
-def strip_fields(content: bytes, names: Sequence[str]) -> bytes:
-    """``content`` without the header fields named ``names`` (their continuation lines too).
+@dataclass(frozen=True)
+class HeaderField:
+    """One field of a header section: its lower-cased ``name``, its unfolded raw ``value`` (the
+    bytes after the colon, the line ends of its folds removed: RFC 5322 section 2.2.3), and
+    ``start`` / ``end``, the offsets of its first line and of the byte after its last line's
+    line end in the message."""
 
-    The header section is read by the same rules as :func:`extract_dedup_headers` (so what
-    is stripped is exactly what was read); the body and every other byte stay as they are.
-    Used for the ``strip_dedupe_headers`` option (design.md §5.2). Raises ``ValueError``
-    when a name is not an RFC 5322 field name.
-    """
-    wanted = _field_names(names)
-    cut = header_section_end(content)
-    kept: list[bytes] = []
-    dropping = False
-    for line in _split_lines(content[:cut]):
+    name: bytes
+    value: bytes
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """A message's ``content`` (bytes as received, CRLF or bare LF line ends) with its header
+    section located once: ``header_end`` is the offset of the first byte after it (RFC 5322
+    sections 2.1, 3.5: at the first empty line, or at the first line that can be neither a
+    field, ``name [blanks] ":"``, nor a continuation; a first ``From ...`` line, an mbox
+    envelope line, is skipped as Python's parser does), ``fields`` its fields in order.
+    ``eight_bit_headers`` and ``eight_bit`` say whether the header section and the whole
+    content hold a byte >= 0x80 (RFC 6531 section 3.4, RFC 6152). Made by
+    :func:`parse_message`."""
+
+    content: bytes
+    header_end: int
+    fields: tuple[HeaderField, ...]
+    eight_bit_headers: bool
+    eight_bit: bool
+
+    def first(self, name: str) -> str | None:
+        """The unfolded value of the first ``name`` field (the name matches
+        case-insensitively, RFC 5322 section 1.2.2), decoded as UTF-8 with replacement and
+        stripped of surrounding blanks; None when there is none."""
+        wanted = name.lower().encode("ascii")
+        for field in self.fields:
+            if field.name == wanted:
+                return field.value.decode("utf-8", "replace").strip(" \t")
+        return None
+
+    @property
+    def message_id(self) -> str:
+        """The Message-ID field (RFC 5322 section 3.6.4) as written, ``""`` when the message
+        has none; at most 998 characters (a line's limit)."""
+        value = self.first("message-id")
+        return value[:998] if value else ""
+
+    def dedup_headers(self, *, key_names: Sequence[str] = DEFAULT_KEY_NAMES,
+                      template_names: Sequence[str] = DEFAULT_TEMPLATE_NAMES,
+                      max_key_chars: int = DEFAULT_MAX_KEY_CHARS) -> DedupHeaders:
+        """Every dedupe-key and template occurrence of the header section, normalized.
+
+        Names in ``key_names`` are aliases of one field and match case-insensitively (RFC 5322
+        section 1.2.2), as do ``template_names``; a name in both counts as a key. Each value is
+        normalized with :func:`normalize_header_value`; values empty after normalization are
+        ignored. Only the header section is read, so a body that starts without the empty
+        line, such as a first MIME part, is never read as header.
+
+        Raises :class:`InvalidDedupKeyError` when any key or template occurrence is longer than
+        ``max_key_chars`` characters or holds a control character (design.md §2: ``554
+        5.6.0``), and ``ValueError`` when a configured name is not an RFC 5322 field name.
+        """
+        wanted_keys = _field_names(key_names)
+        wanted_templates = _field_names(template_names) - wanted_keys
+        keys: set[str] = set()
+        templates: set[str] = set()
+        for field in self.fields:
+            if field.name in wanted_keys:
+                target, label = keys, "dedupe key"
+            elif field.name in wanted_templates:
+                target, label = templates, "template"
+            else:
+                continue
+            value = normalize_header_value(field.value, label=label, max_chars=max_key_chars)
+            if value:
+                target.add(value)
+        return DedupHeaders(keys=tuple(sorted(keys)), templates=tuple(sorted(templates)))
+
+    def without(self, names: Sequence[str]) -> bytes:
+        """The content without the header fields named ``names`` (their continuation lines
+        too); the body and every other byte as they are. Used for ``strip_dedupe_headers``
+        (design.md §5.2): what is stripped is exactly what :meth:`dedup_headers` read. Raises
+        ``ValueError`` when a name is not an RFC 5322 field name."""
+        wanted = _field_names(names)
+        kept: list[bytes] = []
+        offset = 0
+        for field in self.fields:
+            if field.name in wanted:
+                kept.append(self.content[offset:field.start])
+                offset = field.end
+        kept.append(self.content[offset:])
+        return b"".join(kept)
+
+
+def parse_message(content: bytes) -> ParsedMessage:
+    """``content`` with its header section located and split into fields: the one place the
+    relay does so (the listener once per message at DATA). Never raises."""
+    header_end, fields = _scan_header_section(content)
+    return ParsedMessage(content=content, header_end=header_end, fields=fields,
+                         eight_bit_headers=not content[:header_end].isascii(),
+                         eight_bit=not content.isascii())
+
+
+def _scan_header_section(content: bytes) -> tuple[int, tuple[HeaderField, ...]]:
+    """One pass over the header section's lines: its end offset and its fields (see
+    :class:`ParsedMessage`)."""
+    fields: list[HeaderField] = []
+    name: bytes | None = None
+    parts: list[bytes] = []
+    start = offset = 0
+    for raw_line in _split_lines(content):
+        line = raw_line.removesuffix(b"\n").removesuffix(b"\r")
         if line[:1] in (b" ", b"\t"):
-            if not dropping:
-                kept.append(line)
+            parts.append(line)  # RFC 5322 section 2.2.3: unfolding deletes the line end only
+            offset += len(raw_line)
             continue
-        name, _ = _field_start(line.removesuffix(b"\n").removesuffix(b"\r"))
-        dropping = name in wanted
-        if not dropping:
-            kept.append(line)
-    return b"".join(kept) + content[cut:]
+        new_name, new_parts = _field_start(line)
+        first_from = offset == 0 and line.startswith(b"From ")
+        if new_name is None and not first_from:
+            break  # an empty line, or one that is neither a field nor a continuation
+        if name is not None:
+            fields.append(HeaderField(name, b"".join(parts), start, offset))
+        name, parts, start = new_name, new_parts, offset
+        offset += len(raw_line)
+    if name is not None:
+        fields.append(HeaderField(name, b"".join(parts), start, offset))
+    return offset, tuple(fields)
+
+
+def strip_fields(content: bytes, names: Sequence[str]) -> bytes:
+    """:meth:`ParsedMessage.without` of ``content`` (parsed here)."""
+    return parse_message(content).without(names)
 
 
 def header_section_end(content: bytes) -> int:
-    """Offset in ``content`` of the first byte after the top-level header section.
-
-    The section ends at the first empty line (RFC 5322 section 2.1) or at the first line that
-    can be neither a field (``name [blanks] ":"``, RFC 5322 sections 3.6.8, 4.5.8) nor a
-    continuation (starts with SP or HTAB, section 2.2.3): a body that starts without the empty
-    line is body, never header (RFC 5322 section 3.5; Python's MissingHeaderBodySeparatorDefect
-    rule). A first line ``From ...`` (an mbox envelope line) is skipped, as Python's parser does.
-    The returned offset is where that empty or non-field line starts, or ``len(content)``.
-    Line ends are CRLF or a bare LF.
-    """
-    offset = 0
-    for line in _split_lines(content):
-        if not _in_header_section(line.removesuffix(b"\n").removesuffix(b"\r"), offset == 0):
-            return offset
-        offset += len(line)
-    return len(content)
-
-
-def _in_header_section(line: bytes, first: bool) -> bool:
-    """Whether ``line`` (without its line end) can belong to a header section."""
-    if line[:1] in (b" ", b"\t"):
-        return True
-    if first and line.startswith(b"From "):
-        return True
-    return _field_start(line)[0] is not None
+    """:attr:`ParsedMessage.header_end` of ``content`` (parsed here)."""
+    return parse_message(content).header_end
 
 
 def _split_lines(data: bytes) -> Iterator[bytes]:
@@ -218,30 +279,8 @@ def _field_names(names: Sequence[str]) -> frozenset[bytes]:
 
 
 def first_field(content: bytes, name: str) -> str | None:
-    """The unfolded value of the first ``name`` field of ``content``'s header section (the
-    name matches case-insensitively, RFC 5322 section 1.2.2), decoded as UTF-8 with
-    replacement and stripped of surrounding blanks; None when there is none."""
-    wanted = name.lower().encode("ascii")
-    for field_name, raw in _header_fields(content):
-        if field_name == wanted:
-            return raw.decode("utf-8", "replace").strip(" \t")
-    return None
-
-
-def _header_fields(content: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Yield (lower-cased name, unfolded raw value) for each field of the header section."""
-    name: bytes | None = None
-    parts: list[bytes] = []
-    for raw_line in _split_lines(content[: header_section_end(content)]):
-        line = raw_line.removesuffix(b"\n").removesuffix(b"\r")
-        if line[:1] in (b" ", b"\t"):
-            parts.append(line)  # RFC 5322 section 2.2.3: unfolding deletes the line end only
-            continue
-        if name is not None:
-            yield name, b"".join(parts)
-        name, parts = _field_start(line)
-    if name is not None:
-        yield name, b"".join(parts)
+    """:meth:`ParsedMessage.first` of ``content`` (parsed here)."""
+    return parse_message(content).first(name)
 
 
 def _field_start(line: bytes) -> tuple[bytes | None, list[bytes]]:

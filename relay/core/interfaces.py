@@ -464,6 +464,9 @@ class NonDelivery:
     failures: Mapping[str, RcptResult]
     content: bytes
     queue_id: str = ""
+    # the offset after ``content``'s header section when the caller located it (None: the
+    # notifier locates it)
+    header_end: int | None = None
 
 
 class Notifier(Protocol):

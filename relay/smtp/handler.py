@@ -27,6 +27,7 @@ from relay.core import replies
 from relay.core.address import mailbox_problem, mask_address
 from relay.core.dedup import Decision, DedupCore, InboundMessage
 from relay.core.errors import InvalidAddressError
+from relay.core.headers import parse_message
 from relay.core.interfaces import Metrics, Result, SmtpReply
 from relay.core.queue_id import upstream_queue_id
 from relay.core.recipients import normalize_recipient
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relay.smtp.handler")
 
-_MAX_LINE = 998  # octets without CRLF, RFC 5321 section 4.5.3.1.6
 _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 
 
@@ -184,31 +184,29 @@ class RelayHandler:
         return str(replies.RECIPIENT_OK)
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        """Check the content, then let the core relay it; the reply is the core's decision."""
+        """Check the content, parse its header section once (:func:`parse_message`: what the
+        core, the ledger and the notices read), then let the core relay it; the reply is the
+        core's decision. The size and line-length limits were held by the DATA reader
+        (:func:`relay.smtp.data.read_message`) as the message arrived."""
         content: bytes = envelope.original_content or b""
         self.metrics.message_bytes(len(content))
         queue_id = secrets.token_hex(6)
-        if len(content) > self._limits.max_message_size:  # RFC 1870 3: unstuffed octets
-            return self._refuse(queue_id, replies.MESSAGE_TOO_BIG)
         if has_bare_cr_or_lf(content):
             return self._refuse(queue_id, replies.BARE_CR_OR_LF)
         if b"\x00" in content:
             return self._refuse(queue_id, replies.NUL_IN_MESSAGE)
-        if len(content) > _MAX_LINE and any(
-                len(line) > _MAX_LINE for line in content.split(b"\r\n")):
-            return self._refuse(queue_id, replies.LINE_TOO_LONG)
         mail_from = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
+        parsed = parse_message(content)
         # what the message needs, not what the client declared (RFC 6531 section 3.4):
         # an all-ASCII message goes without SMTPUTF8 / BODY=8BITMIME to any upstream
-        header_section = content.split(b"\r\n\r\n", 1)[0]
-        utf8_headers = bool(envelope.smtp_utf8) and not header_section.isascii()
+        utf8_headers = bool(envelope.smtp_utf8) and parsed.eight_bit_headers
         smtputf8 = utf8_headers or not all(
             a.isascii() for a in [mail_from, *envelope.rcpt_tos])
         msg = InboundMessage(
             mail_from=mail_from, rcpt_tos=list(envelope.rcpt_tos), content=content,
             trace=self._received(server, session, queue_id, smtputf8), smtputf8=smtputf8,
-            eight_bit=not content.isascii(), utf8_headers=utf8_headers, queue_id=queue_id,
-            auth_user=str(session.auth_data) if session.authenticated else None)
+            eight_bit=parsed.eight_bit, utf8_headers=utf8_headers, queue_id=queue_id,
+            auth_user=str(session.auth_data) if session.authenticated else None, parsed=parsed)
         # shielded: a client that hangs up mid-wait must not cancel an upstream transaction
         # half way (the reservation would be left PENDING with the message maybe delivered),
         # nor the decision's log line, which the in-doubt procedure starts from

@@ -3,7 +3,8 @@ off its reply to the final dot, the Message-ID, one row per distinct recipient."
 
 from __future__ import annotations
 
-from relay.core.audit import entries_for, message_id
+from relay.core.audit import entries_for
+from relay.core.headers import parse_message
 from relay.core.interfaces import Outcome, RcptResult, RcptStatus, SmtpReply
 
 
@@ -11,8 +12,8 @@ def test_message_id_reads_the_header_section_only() -> None:
     """Folded value unfolded; a Message-ID line in the body is not the message's."""
     content = (b"From: a@x\r\nMessage-ID:\r\n <abc@x.example>\r\nSubject: s\r\n\r\n"
                b"Message-ID: <body@x>\r\n")
-    assert message_id(content) == "<abc@x.example>"
-    assert message_id(b"Subject: s\r\n\r\nMessage-ID: <body@x>\r\n") == ""
+    assert parse_message(content).message_id == "<abc@x.example>"
+    assert parse_message(b"Subject: s\r\n\r\nMessage-ID: <body@x>\r\n").message_id == ""
 
 
 def test_one_row_per_distinct_recipient_with_its_reply() -> None:
@@ -26,7 +27,7 @@ def test_one_row_per_distinct_recipient_with_its_reply() -> None:
         rcpt_results={"a@x": RcptResult(RcptStatus.ACCEPTED, accepted),
                       "b@x": RcptResult(RcptStatus.REFUSED, refused)}, final_reply=accepted,
         client_reply=SmtpReply(250, "2.0.0", "Ok"), upstream="smarthost",
-        content=b"Message-ID: <m@x>\r\n\r\nbody\r\n", queue_id="qid")
+        message_id="<m@x>", queue_id="qid")
     assert [(r.recipient, r.outcome, r.reply, r.upstream_queue_id) for r in rows] == [
         ("a@x", "relayed", "250 2.0.0 Ok: queued as Q1", "Q1"),
         ("b@x", "refused_perm", "550 5.1.1 unknown user", "")]
