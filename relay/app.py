@@ -21,6 +21,8 @@ from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.dedup import DedupCore
 from relay.core.dsn import DsnSender
 from relay.core.interfaces import FingerprintStore
+from relay.core.message import DecisionObserver
+from relay.core.observers import OweNotices, RecordDecisions
 from relay.listen import Inherited, bind, bind_error, serve_on
 from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
@@ -97,12 +99,17 @@ class Relay:
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)
+        observers: list[DecisionObserver] = []
+        if self.dsn is not None:
+            observers.append(OweNotices(self.dsn))
+        if self.ledger is not None:
+            observers.append(RecordDecisions(self.ledger))
         self.core = DedupCore(
-            store=self.store, upstream=self.upstream, metrics=metrics,
-            policy=policy,
-            notifier=self.dsn, limiter=s.rate_limiter(self.store), rate_limits=s.rate_rules(),
+            store=self.store, upstream=self.upstream, metrics=metrics, policy=policy,
+            limiter=s.rate_limiter(self.store), rate_limits=s.rate_rules(),
             # the rate limits' ``upstream`` scope: the upstream a message would be tried on first
-            upstream_name=self.upstream.preferred_name, ledger=self.ledger)
+            upstream_name=self.upstream.preferred_name,
+            gates=() if self.ledger is None else (self.ledger,), observers=observers)
         self.security = s.security()
         self.sasl = s.sasl(on_failure=metrics.auth_failure, on_refused=metrics.auth_refused)
         self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,

@@ -9,28 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from relay.core import replies, rules
-from relay.core.audit import entries_for
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.headers import DedupHeaders, ParsedMessage, parse_message
+from relay.core.headers import DedupHeaders
 from relay.core.interfaces import (
-    AuditLedger,
     DeliveryProgress,
     DeliveryResult,
     FingerprintStore,
     LimitCheck,
     Metrics,
-    NonDelivery,
-    Notifier,
     OutboundMessage,
     Outcome,
     RateLimiter,
@@ -43,6 +37,8 @@ from relay.core.interfaces import (
 )
 from relay.core.keys import recipient_keys
 from relay.core.limits import LimitSubject, RateRule, checks_for
+from relay.core.message import Admission, Decision, DecisionObserver, InboundMessage
+from relay.core.observers import CountDecisions
 from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
@@ -57,63 +53,38 @@ def _upstream_name() -> str:
     return "upstream"
 
 
-@dataclass(frozen=True)
-class InboundMessage:
-    """A message the listener accepted: envelope, content (unstuffed, CRLF) and trace header.
+@dataclass
+class _Plan:
+    """One message's plan (design.md §4): each recipient's store key (``keys``, recipient ->
+    key), what the reserve found per key (``reservations``), the keys this attempt reserved
+    and sends (``send``: key -> the first spelling relayed for it), those shadow mode relays
+    unreserved (``shadow``), and each recipient's verdict once it has one (``verdicts``)."""
 
-    ``mail_from`` is ``""`` for the null reverse path; ``trace`` is the ``Received:`` header
-    (bytes, CRLF-terminated) prepended to what goes upstream; ``queue_id`` names it in logs.
-    """
-
-    mail_from: str
-    rcpt_tos: Sequence[str]
-    content: bytes
-    trace: bytes = b""
-    smtputf8: bool = False
-    eight_bit: bool = False
-    utf8_headers: bool = False
-    queue_id: str = ""
-    auth_user: str | None = None  # the AUTH identity of the session, when it authenticated
-    # the content with its header section located (the listener parses it once at DATA); a
-    # message made without one is parsed here, once
-    parsed: ParsedMessage | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.parsed is None or self.parsed.content is not self.content:
-            object.__setattr__(self, "parsed", parse_message(self.content))
-
-    @property
-    def message(self) -> ParsedMessage:
-        """The content parsed (:func:`relay.core.headers.parse_message`)."""
-        assert self.parsed is not None  # set by __post_init__
-        return self.parsed
+    keys: dict[str, str] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    send: dict[str, str] = field(default_factory=dict)
+    shadow: dict[str, str] = field(default_factory=dict)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class Decision:
-    """What the core decided: the client ``reply``, one outcome per recipient, a ``result``,
-    and each recipient's store key (``keys``; empty for a message without a dedupe key), so an
-    operator can find the record of an in-doubt message from its log line."""
+class _Concluded:
+    """What one path through the core concluded, before the message's Decision is built."""
 
     reply: SmtpReply
     result: Result
-    outcomes: Mapping[str, Outcome] = field(default_factory=dict)
-    upstream_reply: SmtpReply | None = None
-    keys: Mapping[str, str] = field(default_factory=dict)
-    # what the audit ledger records beside the outcomes (design.md §6.7): the message's template and
-    # dedupe key as normalized (design.md §2), the upstream transaction's result of each
-    # recipient in it, and the name of the upstream that gave them
-    template: str = ""
-    dedupe_key: str | None = None
-    rcpt_results: Mapping[str, RcptResult] = field(default_factory=dict)
-    upstream: str = ""
+    outcomes: dict[str, Outcome]
+    refusals: dict[str, RcptResult] = field(default_factory=dict)
+    delivery: DeliveryResult | None = None
 
 
 class DedupCore:
     """Decides, per envelope recipient, whether a message goes upstream, and what to answer.
 
     The decisions are the rules of :mod:`relay.core.rules`; this class runs the steps around
-    them (reserve, relay, settle) and reports to the metrics.
+    them (reserve, relay, settle) on one :class:`_Plan` per message, builds the
+    :class:`Decision` in one place (:meth:`process`) and hands it to its observers (the
+    metrics, the notices owed, the audit ledger: :mod:`relay.core.observers`).
     """
 
     def __init__(
@@ -123,24 +94,27 @@ class DedupCore:
         upstream: Upstream,
         metrics: Metrics,
         policy: Policy,
-        notifier: Notifier | None = None,
         limiter: RateLimiter | None = None,
         rate_limits: Sequence[RateRule] = (),
         upstream_name: Callable[[], str] | None = None,
-        ledger: AuditLedger | None = None,
+        gates: Sequence[Admission] = (),
+        observers: Sequence[DecisionObserver] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._upstream = upstream
         self._metrics = metrics
         self._policy = policy
-        self._notifier = notifier  # RFC 3464 notices for refusals after a 250
         self._limiter = limiter  # the store's shared counters; None: no rate limits
         self._rate_limits = tuple(rate_limits)
         # the upstream the relay would try first now: the scope ``upstream`` of a rate limit
         self._upstream_name = upstream_name if upstream_name is not None else _upstream_name
-        self._ledger = ledger  # the audit ledger (design.md §6.7): one row per recipient decision
-        self._clock = clock  # the relay's wall clock, unix seconds: a ledger row's decided_at
+        # what may refuse a message before anything else (a required audit ledger that cannot
+        # take rows), and who sees every decision: the counters first, then the notices owed
+        # and the ledger's rows (relay.core.observers)
+        self._gates = tuple(gates)
+        self._observers = (CountDecisions(metrics), *observers)
+        self._clock = clock  # the relay's wall clock, unix seconds: a decision's decided_at
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)
 
@@ -183,33 +157,37 @@ class DedupCore:
         """Handle one message end to end and return the reply for the final dot.
 
         Never raises for store or upstream failures: they become 4yz replies (design.md
-        §1: nothing answered 250 is lost, nothing is sent twice by a retry). With an audit
-        ledger every recipient's decision is handed to it (design.md §6.7); a required ledger
-        that cannot take rows makes the message ``451 4.3.0`` before anything is reserved.
+        §1: nothing answered 250 is lost, nothing is sent twice by a retry). A gate that does
+        not admit the message (a required ledger that cannot take rows, design.md §6.7) makes
+        it ``451 4.3.0`` before anything is reserved. The decision is built here, once, and
+        every observer sees it.
         """
-        ledger = self._ledger
-        admitted = ledger is None or ledger.admits()
+        admitted = all(gate.admits() for gate in self._gates)
+        plan = _Plan()
+        headers: DedupHeaders | None = None
         if not admitted:
             log.warning("audit ledger unavailable and required: answering 451",
                         extra={"queue_id": msg.queue_id})
-            decision = self._finish(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
-                                    dict.fromkeys(msg.rcpt_tos, Outcome.REFUSED_TEMP))
+            concluded = self._answer(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
+                                     dict.fromkeys(msg.rcpt_tos, Outcome.REFUSED_TEMP))
         else:
-            decision = await self._decide(msg)
-        if ledger is not None:
-            ledger.record(entries_for(
-                now=self._clock(), rcpt_tos=msg.rcpt_tos, outcomes=decision.outcomes,
-                keys=decision.keys, template=decision.template,
-                dedupe_key=decision.dedupe_key, rcpt_results=decision.rcpt_results,
-                final_reply=decision.upstream_reply, client_reply=decision.reply,
-                upstream=decision.upstream, message_id=msg.message.message_id,
-                queue_id=msg.queue_id),
-                admitted=admitted)
+            headers, concluded = await self._decide(msg, plan)
+        delivery = concluded.delivery
+        decision = Decision(
+            reply=concluded.reply, result=concluded.result, outcomes=concluded.outcomes,
+            upstream_reply=delivery.final_reply if delivery is not None else None,
+            keys=plan.keys, template=headers.template if headers is not None else "",
+            dedupe_key=headers.key if headers is not None else None,
+            rcpt_results=delivery.recipients if delivery is not None else {},
+            upstream=delivery.upstream if delivery is not None else "",
+            refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted)
+        for observer in self._observers:
+            observer.decided(msg, decision)
         return decision
 
-    async def _decide(self, msg: InboundMessage) -> Decision:
-        """:meth:`process` without the ledger: the decision, with the message's template
-        and dedupe key once they were read."""
+    async def _decide(self, msg: InboundMessage, plan: _Plan
+                      ) -> tuple[DedupHeaders | None, _Concluded]:
+        """What the message's dedup fields (None when they are invalid) lead to."""
         relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
         try:
             headers = msg.message.dedup_headers(
@@ -218,23 +196,22 @@ class DedupCore:
                 max_key_chars=relay_policy.max_key_chars,
             )
         except InvalidDedupKeyError as exc:
-            return self._finish(replies.invalid_key(str(exc)), Result.INVALID, {})
-        decision = await self._decide_read(msg, headers, relay_policy)
-        return dataclasses.replace(decision, template=headers.template,
-                                   dedupe_key=headers.key)
+            return None, self._answer(replies.invalid_key(str(exc)), Result.INVALID, {})
+        return headers, await self._decide_read(msg, headers, relay_policy, plan)
 
     async def _decide_read(self, msg: InboundMessage, headers: DedupHeaders,
-                           relay_policy: Policy) -> Decision:
+                           relay_policy: Policy, plan: _Plan) -> _Concluded:
         """Decide for a message whose dedup header fields were read (design.md §2)."""
         p = relay_policy.for_templates(headers.templates)  # design.md §4.6
         keys: dict[str, str] | None = None
         if p.dedup and headers.key is None and p.missing_key == "reject":
-            return self._finish(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
+            return self._answer(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
         if p.dedup and headers.key is not None:
             try:
-                keys = self._keys(msg.rcpt_tos, headers.template, headers.key, msg.auth_user, p)
+                keys = recipient_keys(msg.rcpt_tos, headers.template, headers.key, p,
+                                      msg.auth_user)
             except InvalidAddressError:
-                return self._finish(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
+                return self._answer(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
         # rate limits: after what refuses the message anyway, before anything is reserved
         limited = await self._rate_limited(msg, headers.templates, p)
         if limited is not None:
@@ -243,15 +220,15 @@ class DedupCore:
             return await self._relay_plain(msg, p, relayed=Outcome.EXEMPT)
         if keys is None:
             return await self._relay_plain(msg, p, relayed=Outcome.NO_KEY)
-        decision = await self._relay_dedup(msg, keys, p)
-        return dataclasses.replace(decision, keys=keys)
+        plan.keys = keys
+        return await self._relay_dedup(msg, plan, p)
 
     async def _rate_limited(self, msg: InboundMessage, templates: Sequence[str],
-                            p: Policy) -> Decision | None:
+                            p: Policy) -> _Concluded | None:
         """Take this message's share of every rate limit that applies (one store round trip,
         all or nothing: :class:`relay.core.interfaces.RateLimiter`); None when it may go on.
         Over a limit: ``451 4.7.0`` (messages) or ``452 4.5.3`` (recipients) for every
-        recipient, counted in ``relay_rate_limited_total{limit}``. The store down: as for the
+        recipient, nothing reserved. A store that fails the check is treated as for a
         reserve (``store_down``: fail_closed answers ``451 4.3.0``; fail_open lets it go on)."""
         limits = self._rate_limits
         if not limits or self._limiter is None:
@@ -283,7 +260,7 @@ class DedupCore:
         return self._over_limit(msg, verdict.refused, verdict.retry_after_s)
 
     def _over_limit(self, msg: InboundMessage, check: LimitCheck,
-                    retry_after_s: float | None) -> Decision:
+                    retry_after_s: float | None) -> _Concluded:
         """The reply for a message refused by ``check``; nothing was reserved or relayed."""
         if check.kind == "recipients":
             reply = replies.rate_limited_recipients(check.label, retry_after_s, check.cost,
@@ -293,20 +270,15 @@ class DedupCore:
         log.info("rate limit %s reached (%s): answered %s", check.label, check.kind, reply.code,
                  extra={"queue_id": msg.queue_id})
         self._metrics.rate_limited(check.label)
-        return self._finish(reply, Result.TEMPFAIL, dict.fromkeys(msg.rcpt_tos,
+        return self._answer(reply, Result.TEMPFAIL, dict.fromkeys(msg.rcpt_tos,
                                                                   Outcome.REFUSED_TEMP))
 
-    @staticmethod
-    def _keys(rcpt_tos: Sequence[str], template: str, key: str, auth_user: str | None,
-              policy: Policy) -> dict[str, str]:
-        """Map each recipient to its store key (:func:`relay.core.keys.recipient_keys`, the
-        derivation the admin commands use too); raises InvalidAddressError."""
-        return recipient_keys(rcpt_tos, template, key, policy, auth_user)
-
-    async def _relay_dedup(self, msg: InboundMessage, keys: dict[str, str],
-                           p: Policy) -> Decision:
+    async def _relay_dedup(self, msg: InboundMessage, plan: _Plan, p: Policy) -> _Concluded:
+        """Reserve every key of ``plan``, classify each recipient by what its reserve found,
+        relay what this attempt reserved (and in shadow mode the copies enforce keeps back),
+        settle, conclude."""
         token = secrets.token_hex(16)  # 128-bit random token per attempt (design.md §3)
-        unique_keys = list(dict.fromkeys(keys.values()))
+        unique_keys = list(dict.fromkeys(plan.keys.values()))
         try:
             await self._settler.flush(unique_keys)
             reservations = await self._reserve_uncut(unique_keys, token, p)
@@ -321,53 +293,67 @@ class DedupCore:
             if failed.verdict is None:  # fail_open
                 return await self._relay_plain(msg, p, relayed=Outcome.STORE_DOWN)
             return self._conclude(msg, self._for_all(msg, failed.verdict), None, p=p)
-        by_key = {r.key: r for r in reservations}
-        verdicts: dict[str, Verdict] = {}
-        to_send = self._partition(keys, by_key, verdicts, msg.queue_id, p)
-        # one upstream recipient per fingerprint: the first spelling the client used
-        first_rcpt: dict[str, str] = {}
-        for rcpt, key in keys.items():
-            if key in to_send:
-                first_rcpt.setdefault(key, rcpt)
-        shadow = self._shadowed(keys, verdicts, msg.queue_id) if p.mode == "shadow" else {}
-        if not first_rcpt and not shadow:
-            return self._conclude(msg, verdicts, None, p=p)
-        return await self._send_reserved(msg, keys, first_rcpt, token, verdicts, p, shadow)
+        plan.reservations = {r.key: r for r in reservations}
+        self._classify(plan, msg.queue_id, p)
+        if p.mode == "shadow":
+            self._shadow(plan, msg.queue_id)
+        if not plan.send and not plan.shadow:
+            return self._conclude(msg, plan.verdicts, None, p=p)
+        return await self._send_reserved(msg, plan, token, p)
+
+    def _classify(self, plan: _Plan, queue_id: str, p: Policy) -> None:
+        """Classify each recipient by what the store held (:func:`relay.core.rules.classify`):
+        the verdict of those answered without sending goes into ``plan.verdicts``; the keys
+        this attempt reserved go into ``plan.send`` with their first spelling (one upstream
+        recipient per fingerprint)."""
+        for rcpt, key in plan.keys.items():
+            reservation = plan.reservations[key]
+            decided = rules.classify(reservation, unknown_policy=p.unknown, lease_s=p.lease_s)
+            if decided.action is Action.RESEND_IN_DOUBT and key not in plan.send:
+                # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
+                found = reservation.found
+                log.warning("relaying again although an earlier attempt is in doubt "
+                            "(since %s): possible duplicate",
+                            rules.iso_utc(found.at if found is not None else None),
+                            extra={"queue_id": queue_id, "key": key})
+                self._metrics.unknown_resent()
+            if decided.verdict is None:
+                plan.send.setdefault(key, rcpt)
+            else:
+                plan.verdicts[rcpt] = decided.verdict
 
     @staticmethod
-    def _shadowed(keys: Mapping[str, str], verdicts: dict[str, Verdict],
-                  queue_id: str) -> dict[str, str]:
-        """Shadow mode (design.md §4.6): take out of ``verdicts`` every recipient that enforce
-        would keep back (:data:`relay.core.rules.SHADOWED`: a duplicate, in doubt) and return them
-        as store key -> the first spelling to relay anyway; nothing is reserved for them."""
-        shadow: dict[str, str] = {}
-        for rcpt, key in keys.items():
-            verdict = verdicts.get(rcpt)
+    def _shadow(plan: _Plan, queue_id: str) -> None:
+        """Shadow mode (design.md §4.6): take out of ``plan.verdicts`` every recipient that
+        enforce would keep back (:data:`relay.core.rules.SHADOWED`: a duplicate, in doubt) and
+        put its key into ``plan.shadow`` with the first spelling to relay anyway; nothing is
+        reserved for them."""
+        for rcpt, key in plan.keys.items():
+            verdict = plan.verdicts.get(rcpt)
             if verdict is None or verdict.outcome not in rules.SHADOWED:
                 continue
-            del verdicts[rcpt]
-            if key not in shadow:
-                shadow[key] = rcpt
+            del plan.verdicts[rcpt]
+            if key not in plan.shadow:
+                plan.shadow[key] = rcpt
                 log.info("shadow mode: would have answered %s without relaying; relaying",
                          verdict.outcome.value, extra={"queue_id": queue_id, "key": key})
-        return shadow
 
-    async def _send_reserved(self, msg: InboundMessage, keys: Mapping[str, str],
-                             first_rcpt: dict[str, str], token: str,
-                             verdicts: dict[str, Verdict], p: Policy,
-                             shadow: Mapping[str, str]) -> Decision:
-        """Relay the fingerprints this attempt reserved (``first_rcpt``: key -> recipient) and,
-        in shadow mode, the copies enforce would keep back (``shadow``, not reserved), keeping
-        the reservations' lease alive while the upstream works, then settle them; the settle
-        after a definite reply always completes (a shutdown past its grace waits for it) and
-        the client gets that reply."""
+    async def _send_reserved(self, msg: InboundMessage, plan: _Plan, token: str,
+                             p: Policy) -> _Concluded:
+        """Relay the fingerprints this attempt reserved (``plan.send``) and, in shadow mode,
+        the copies enforce would keep back (``plan.shadow``, not reserved), keeping the
+        reservations' lease alive while the upstream works, then settle them; the settle after
+        a definite reply always completes (a shutdown past its grace waits for it) and the
+        client gets that reply. Each recipient's upstream result is ruled once
+        (:func:`relay.core.rules.after_upstream`): its verdict, and for a reserved key's first
+        spelling the settle."""
         progress = DeliveryProgress()
-        progress.before_dot = self._settler.sending_marker(first_rcpt, token, progress,
+        progress.before_dot = self._settler.sending_marker(plan.send, token, progress,
                                                            p.window_s)
-        sent_for = {**first_rcpt, **shadow}  # store key -> the recipient relayed for it
+        sent_for = {**plan.send, **plan.shadow}  # store key -> the recipient relayed for it
 
         async def kept_alive_delivery() -> DeliveryResult:
-            async with self._settler.kept_alive(list(first_rcpt), token, p.window_s):
+            async with self._settler.kept_alive(list(plan.send), token, p.window_s):
                 return await self._deliver(msg, list(sent_for.values()), progress, p)
 
         # a shutdown past its grace cuts the transaction, unless its dot is out and the reply
@@ -376,28 +362,31 @@ class DedupCore:
                                       lambda: progress.dot_written)
         if result is None:
             cut = rules.after_cut(progress.dot_written)
-            if first_rcpt:
-                await self._settler.settle_cut(list(first_rcpt), token, progress.dot_written,
+            if plan.send:
+                await self._settler.settle_cut(list(plan.send), token, progress.dot_written,
                                                time.monotonic() + p.lease_s, p.window_s)
-            for rcpt, key in keys.items():
+            for rcpt, key in plan.keys.items():
                 if key in sent_for:
-                    verdicts[rcpt] = cut.verdict
-            return self._conclude(msg, verdicts, None, p=p)
+                    plan.verdicts[rcpt] = cut.verdict
+            return self._conclude(msg, plan.verdicts, None, p=p)
         # the lease was renewed while the upstream worked, last at most a third of it ago
         lease_ends = time.monotonic() + p.lease_s * 2 / 3
-        ops = [SettleOp(key=key, action=rules.after_upstream(result.recipients[rcpt]).settle,
-                        reply=str(result.recipients[rcpt].reply), window_s=p.window_s)
-               for key, rcpt in first_rcpt.items()]
+        ops: list[SettleOp] = []
+        for rcpt, key in plan.keys.items():
+            if key not in sent_for:
+                continue
+            first = sent_for[key]  # a second spelling of a mailbox shares its one copy
+            upstream = result.recipients[first]
+            ruling = rules.after_upstream(
+                upstream, second_spelling=first != rcpt,
+                relayed=Outcome.RELAYED if key in plan.send else Outcome.WOULD_SUPPRESS)
+            plan.verdicts[rcpt] = ruling.verdict
+            if key in plan.send and first == rcpt:
+                ops.append(SettleOp(key=key, action=ruling.settle, reply=str(upstream.reply),
+                                    window_s=p.window_s))
         if ops:
             await self._settler.settle(ops, token, lease_ends)
-        for rcpt, key in keys.items():
-            if key in sent_for:  # a second spelling of a mailbox shares its one copy
-                first = sent_for[key]
-                verdicts[rcpt] = rules.after_upstream(
-                    result.recipients[first], second_spelling=first != rcpt,
-                    relayed=Outcome.RELAYED if key in first_rcpt else Outcome.WOULD_SUPPRESS,
-                ).verdict
-        return self._conclude(msg, verdicts, result, p=p)
+        return self._conclude(msg, plan.verdicts, result, p=p)
 
     async def _reserve_uncut(self, keys: list[str], token: str,
                              p: Policy) -> list[Reservation]:
@@ -417,30 +406,6 @@ class DedupCore:
     @staticmethod
     def _for_all(msg: InboundMessage, verdict: Verdict) -> dict[str, Verdict]:
         return dict.fromkeys(msg.rcpt_tos, verdict)
-
-    def _partition(
-        self, keys: Mapping[str, str], by_key: Mapping[str, Reservation],
-        verdicts: dict[str, Verdict], queue_id: str, p: Policy,
-    ) -> set[str]:
-        """Classify each recipient by what the store held (:func:`relay.core.rules.classify`):
-        the verdict of those answered without sending goes into ``verdicts``; returns the keys
-        this attempt reserved, to send."""
-        to_send: set[str] = set()
-        for rcpt, key in keys.items():
-            found = by_key[key].found
-            decided = rules.classify(by_key[key], unknown_policy=p.unknown, lease_s=p.lease_s)
-            if decided.action is Action.RESEND_IN_DOUBT and key not in to_send:
-                # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
-                log.warning("relaying again although an earlier attempt is in doubt "
-                            "(since %s): possible duplicate",
-                            rules.iso_utc(found.at if found is not None else None),
-                            extra={"queue_id": queue_id, "key": key})
-                self._metrics.unknown_resent()
-            if decided.verdict is None:
-                to_send.add(key)
-            else:
-                verdicts[rcpt] = decided.verdict
-        return to_send
 
     async def _deliver(self, msg: InboundMessage, rcpts: list[str],
                        progress: DeliveryProgress | None, p: Policy) -> DeliveryResult:
@@ -463,7 +428,7 @@ class DedupCore:
         return result
 
     async def _relay_plain(self, msg: InboundMessage, p: Policy, *,
-                           relayed: Outcome) -> Decision:
+                           relayed: Outcome) -> _Concluded:
         """Relay without dedup (no key, or store down with fail_open): all recipients at once;
         an accepted recipient's outcome is ``relayed`` (``no_key`` or ``store_down``).
 
@@ -479,37 +444,25 @@ class DedupCore:
                     for rcpt in msg.rcpt_tos}
         return self._conclude(msg, verdicts, result, relayed=relayed)
 
-    def _conclude(self, msg: InboundMessage, verdicts: Mapping[str, Verdict],
+    @staticmethod
+    def _conclude(msg: InboundMessage, verdicts: Mapping[str, Verdict],
                   result: DeliveryResult | None, *, relayed: Outcome = Outcome.RELAYED,
-                  p: Policy | None = None) -> Decision:
+                  p: Policy | None = None) -> _Concluded:
         """Fold the recipients' verdicts into one reply (:func:`relay.core.rules.aggregate`,
-        with the message policy ``p``'s duplicate reply), and owe the sender a notice of
-        permanent refusals the client is answered 250 for."""
+        with the message policy ``p``'s duplicate reply), keeping each permanent refusal."""
         reply, res = rules.aggregate(
             verdicts.values(), queue_id=msg.queue_id, relayed=relayed,
             duplicate_reply=p.duplicate_reply if p is not None else "250")
-        failures = {rcpt: v.refusal for rcpt, v in verdicts.items() if v.refusal is not None}
-        if self._notifier is not None and reply.code == 250 and failures:
-            # RFC 5321 4.2.5, 6.1: a 250 makes the relay owe notice of the refused recipients
-            self._notifier.non_delivery(NonDelivery(
-                mail_from=msg.mail_from, failures=failures,
-                content=msg.trace + msg.content, queue_id=msg.queue_id,
-                header_end=len(msg.trace) + msg.message.header_end))
-        upstream_reply = result.final_reply if result is not None else None
-        decision = self._finish(reply, res, {rcpt: v.outcome for rcpt, v in verdicts.items()},
-                                upstream_reply)
-        if result is None:
-            return decision
-        return dataclasses.replace(decision, rcpt_results=result.recipients,
-                                   upstream=result.upstream)
+        return _Concluded(
+            reply=reply, result=res, outcomes={r: v.outcome for r, v in verdicts.items()},
+            refusals={r: v.refusal for r, v in verdicts.items() if v.refusal is not None},
+            delivery=result)
 
-    def _finish(self, reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome],
-                upstream_reply: SmtpReply | None = None) -> Decision:
-        self._metrics.message(result)
-        for outcome, count in Counter(outcomes.values()).items():
-            self._metrics.recipients(outcome, count)
-        return Decision(reply=reply, result=result, outcomes=dict(outcomes),
-                        upstream_reply=upstream_reply)
+    @staticmethod
+    def _answer(reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome]
+                ) -> _Concluded:
+        """A message answered before any recipient was ruled on."""
+        return _Concluded(reply=reply, result=result, outcomes=dict(outcomes))
 
     async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
         started = time.perf_counter()

@@ -25,6 +25,7 @@ from relay.core.interfaces import (
     SmtpReply,
     State,
 )
+from relay.core.keys import recipient_keys
 from relay.core.rules import iso_utc as _iso
 from relay.ops.metrics import PrometheusMetrics
 from relay.settings import Settings
@@ -316,7 +317,7 @@ async def test_a_cut_during_a_slow_reserve_waits_for_it_then_releases_it(prefix:
     task.cancel()
     assert (await task).reply == replies.CUT_BY_SHUTDOWN
     await asyncio.sleep(0.5)
-    [key] = core._keys(["user@example.net"], "welcome", "K-1", None, core.policy).values()
+    [key] = recipient_keys(["user@example.net"], "welcome", "K-1", core.policy, None).values()
     assert (await store.inspect(key)).state is State.ABSENT
     await store.close()
 
@@ -369,7 +370,7 @@ async def test_relaying_again_a_message_in_doubt_is_logged(
     core = DedupCore(store=store, upstream=CountingUpstream(),
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
                      policy=Policy(key_prefix=prefix, unknown="send"))
-    [key] = core._keys(["user@example.net"], "welcome", "K-1", None, core.policy).values()
+    [key] = recipient_keys(["user@example.net"], "welcome", "K-1", core.policy, None).values()
     await store.reserve([key], token="earlier", lease_s=30)
     await store.settle([SettleOp(key, Settle.UNKNOWN)], token="earlier", window_s=3600)
     with caplog.at_level(logging.INFO, logger="relay.core.dedup"):
@@ -412,7 +413,7 @@ async def test_the_worst_temporary_outcome_decides_the_reply(prefix: str) -> Non
     store = RedisStore.from_url(REDIS_URL)
     unknown = RcptResult(RcptStatus.UNKNOWN, replies.OUTCOME_UNKNOWN, from_upstream=False)
     core = make_core(store, ScriptedUpstream({"b@example.net": unknown}), prefix)
-    [busy] = core._keys(["a@example.net"], "welcome", "K-1", None, core.policy).values()
+    [busy] = recipient_keys(["a@example.net"], "welcome", "K-1", core.policy, None).values()
     await store.reserve([busy], token="another attempt", lease_s=30)
     msg = InboundMessage(mail_from="app@example.com", queue_id="q1", content=message(),
                          rcpt_tos=["a@example.net", "b@example.net"])
@@ -426,7 +427,7 @@ async def test_a_suppressed_message_names_the_earliest_original_send(prefix: str
     """Two recipients sent 1.1 s apart, then a duplicate: the 250 names the earlier time."""
     store = RedisStore.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix)
-    keys = core._keys(["a@example.net", "b@example.net"], "welcome", "K-1", None, core.policy)
+    keys = recipient_keys(["a@example.net", "b@example.net"], "welcome", "K-1", core.policy, None)
     for key in keys.values():
         await store.reserve([key], token="t", lease_s=30)
         await store.settle([SettleOp(key, Settle.SENT, "250 ok")], token="t", window_s=3600)
