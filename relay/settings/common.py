@@ -103,6 +103,20 @@ def split_host_port(value: str, *, what: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.:\-\[\]]+")
+
+
+def check_domain_name(value: str, *, what: str) -> str:
+    """``value`` when it is a Domain or address-literal as it goes into a greeting, EHLO or a
+    ``Received:`` header verbatim (RFC 5321 section 4.1.2), where a blank or line break would
+    break the command or the header; ValueError naming ``what`` otherwise."""
+    if not _DOMAIN_NAME.fullmatch(value):
+        raise ValueError(
+            f"{what} {value!r} is not a domain name or [address literal] (ASCII letters, "
+            "digits, '-', '.', '_', ':' and brackets; an IDN in its xn-- form)")
+    return value
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 host in brackets (RFC 3986 section 3.2.2)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -3,19 +3,15 @@ session (RFC 5321 section 4.5.3); built into :class:`relay.smtp.handler.Listener
 
 from __future__ import annotations
 
-import re
 import socket
 from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field, field_validator
 
-from relay.settings.common import Section, split_host_port
+from relay.settings.common import Section, check_domain_name, split_host_port
 
 if TYPE_CHECKING:
     from relay.smtp.handler import ListenerLimits
-
-_HOSTNAME = re.compile(r"[A-Za-z0-9_.:\-\[\]]+")
-
 
 class ListenerSettings(Section):
     """Where the SMTP listener listens and the limits of one client session."""
@@ -49,13 +45,7 @@ class ListenerSettings(Section):
     @field_validator("hostname")
     @classmethod
     def _check_hostname(cls, value: str) -> str:
-        # a Domain or address-literal (RFC 5321 section 4.1.2): it goes into the greeting and
-        # the Received: header verbatim, where a blank or line break would break the header
-        if not _HOSTNAME.fullmatch(value):
-            raise ValueError(
-                f"hostname {value!r} is not a domain name or [address literal] (ASCII letters, "
-                "digits, '-', '.', '_', ':' and brackets; an IDN in its xn-- form)")
-        return value
+        return check_domain_name(value, what="hostname")  # the greeting, Received: header
 
     @property
     def listen_address(self) -> tuple[str, int]:
