@@ -111,9 +111,9 @@ _DELETE_LIVE = (
 # Parameters (named): prefix, prefix_chars, now_ms, lease_ms, cutoff_ms, boot_id, beat_ms. One
 # row per state a live record under the prefix reads as (as _record reads it; "foreign": a
 # state the relay did not write, read as SENT): the count, how many are in doubt (UNKNOWN, or
-# SENDING whose last heartbeat is a lease old, by _heartbeat_age_ms's rule: its own lease, else
-# lease_ms), the oldest in-doubt time and how many in-doubt records are dated at or before
-# cutoff_ms.
+# SENDING whose last heartbeat is a lease old, by _heartbeat_age_ms's age and the rule of
+# relay.core.rules.heartbeat_state: its own lease, else lease_ms), the oldest in-doubt time
+# and how many in-doubt records are dated at or before cutoff_ms.
 _COUNT_STATES = """
 SELECT reads, count(*), sum(doubt), min(CASE WHEN doubt THEN at_ms END),
        sum(doubt AND at_ms <= :cutoff_ms)

@@ -74,7 +74,8 @@ _OURS = ("f.state IN ('pending', 'sending') AND f.token = $2 AND f.expires_at > 
 # it took over (kept in ``at`` of the new PENDING row, read back by RETURNING: what the row held
 # once its lock was ours), and the row as it was before (``seen``, the statement's snapshot,
 # read before any wait for a lock: what a loser found). Rows are locked in key order (no deadlock
-# between two multi-key reserves).
+# between two multi-key reserves). A SENDING row is taken over as in doubt by the rule of
+# relay.core.rules.heartbeat_state (the reference), judged here in the statement.
 _RESERVE = f"""
 WITH input AS (
     SELECT k, ord FROM unnest($1::text[]) WITH ORDINALITY AS t(k, ord)
@@ -169,7 +170,8 @@ ON CONFLICT (key) DO UPDATE SET state = 'sent', token = NULL, at = now(), reply 
 
 # $1 prefix, $2 lease ms for a SENDING row that names none, $3 the in-doubt age cutoff in ms.
 # One row per state a live record under the prefix reads as ("foreign": a state the relay did
-# not write, read as SENT): count, in doubt, the oldest in-doubt time, in doubt and older.
+# not write, read as SENT): count, in doubt, the oldest in-doubt time, in doubt and older. A
+# SENDING row is in doubt by the rule of relay.core.rules.heartbeat_state, judged in SQL.
 _COUNT_STATES = f"""
 SELECT reads, count(*) AS n, count(*) FILTER (WHERE doubt) AS doubt,
        extract(epoch FROM min(at) FILTER (WHERE doubt))::float8 AS oldest,

@@ -6,6 +6,7 @@ read it as. The scan itself is :meth:`relay.store.redis.store.RedisStore.count_s
 from __future__ import annotations
 
 from relay.core.interfaces import State, StateCounts
+from relay.core.rules import heartbeat_state
 from relay.store.redis.scripts import SENT_VALUE, decode_value
 
 _GLOB_SPECIAL = frozenset("*?[]\\")
@@ -53,9 +54,9 @@ class StateTally:
         if record.state is State.UNKNOWN:
             self._in_doubt(record.at, now_ms)
         elif record.state is State.SENDING and record.at is not None:
-            lease_ms = (self._lease_ms if record.lease_s is None
-                        else round(record.lease_s * 1000))
-            if now_ms - round(record.at * 1000) >= lease_ms:
+            own_lease_ms = None if record.lease_s is None else round(record.lease_s * 1000)
+            age_ms = now_ms - round(record.at * 1000)
+            if heartbeat_state(age_ms, own_lease_ms, self._lease_ms) is State.UNKNOWN:
                 self._past_lease += 1
                 self._in_doubt(record.at, now_ms)
 

@@ -38,6 +38,20 @@ local function now_ms()
 end
 """
 
+# The server-side twin of relay.core.rules.heartbeat_state, which is the reference (a test
+# runs the rule's table through both): whether ``value`` is a SENDING record in doubt at
+# ``now`` (unix ms, the server's), its last heartbeat its own lease old (``D|token|ms|lease``)
+# or ``lease`` old (ms, the reader's: ``D|token|ms``); false for any other value
+SENDING_IN_DOUBT_LUA = """
+local function sending_in_doubt(value, now, lease)
+    local sending_at, own = string.match(value, '^D|[^|]+|(%d+)|(%d+)$')
+    if not sending_at then
+        sending_at, own = string.match(value, '^D|[^|]+|(%d+)$'), lease
+    end
+    return sending_at ~= nil and now - tonumber(sending_at) >= tonumber(own)
+end
+"""
+
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the lease in milliseconds
@@ -48,7 +62,7 @@ end
 # remaining lifetime in milliseconds (-1: no expiry), 1 when a record in doubt (UNKNOWN, or
 # SENDING not renewed for a lease) was replaced by PENDING(token) (ARGV[3] = "1" only) else 0,
 # and the server's time in unix milliseconds (so the caller can tell a SENDING record's age)
-RESERVE_LUA = NOW_MS_LUA + """
+RESERVE_LUA = NOW_MS_LUA + SENDING_IN_DOUBT_LUA + """
 local mine = 'P|' .. ARGV[1]
 if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then
     return 1
@@ -65,14 +79,7 @@ local now = now_ms()
 if ARGV[3] == '1' then
     local in_doubt = string.match(value, '^U|%d+$') ~= nil
     -- a SENDING record is in doubt after its own attempt's lease without a heartbeat
-    local sending_at, lease = string.match(value, '^D|[^|]+|(%d+)|(%d+)$')
-    if not sending_at then
-        sending_at, lease = string.match(value, '^D|[^|]+|(%d+)$'), ARGV[2]
-    end
-    if sending_at and now - tonumber(sending_at) >= tonumber(lease) then
-        in_doubt = true
-    end
-    if in_doubt then
+    if in_doubt or sending_in_doubt(value, now, ARGV[2]) then
         redis.call('SET', KEYS[1], mine, 'PX', ARGV[2])
         return {value, pttl, 1, now}
     end
