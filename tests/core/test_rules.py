@@ -43,6 +43,7 @@ from relay.core.rules import (
     reserve_failed,
     sending_record,
 )
+from tests.support.heartbeat_rows import HEARTBEAT
 
 LEASE_S = 30.0  # the reader's lease
 AT = 1_767_225_600.0  # 2026-01-01T00:00:00Z: when the original was sent / the doubt began
@@ -106,17 +107,6 @@ CLASSIFY = [
 ]
 
 
-HEARTBEAT = [
-    # (heartbeat age s, the writer's own lease s, the reader's lease s) -> the state
-    pytest.param(0.0, None, 900.0, State.PENDING, id="fresh-heartbeat-is-in-flight"),
-    pytest.param(899.999, None, 900.0, State.PENDING, id="younger-than-the-lease-is-in-flight"),
-    pytest.param(900.0, None, 900.0, State.UNKNOWN, id="a-lease-old-is-in-doubt"),
-    pytest.param(60.0, 30.0, 900.0, State.UNKNOWN,
-                 id="the-writers-shorter-lease-decides-over-the-readers"),
-    pytest.param(600.0, 3600.0, 900.0, State.PENDING,
-                 id="the-writers-longer-lease-decides-over-the-readers"),
-    pytest.param(-5.0, None, 900.0, State.PENDING, id="a-heartbeat-from-the-future-is-fresh"),
-]
 
 
 @pytest.mark.parametrize(("age_s", "own_lease_s", "lease_s", "expected"), HEARTBEAT)

@@ -1,6 +1,6 @@
 """The reserve script's judgement of a SENDING record (relay/store/redis/scripts.py,
 ``SENDING_IN_DOUBT_LUA``) against its reference, :func:`relay.core.rules.heartbeat_state`:
-every row of the rule's table (tests/core/test_rules.py) through the Lua function on a real
+every row of the rule's table (tests/support/heartbeat_rows.py) through the Lua function on a real
 Redis at a fixed server time, and a fresh and a stale record through the reserve script itself
 (keys under a prefix no other test uses)."""
 
@@ -16,7 +16,7 @@ import redis.asyncio
 from relay.core.interfaces import State
 from relay.core.rules import heartbeat_state
 from relay.store.redis.scripts import RESERVE_LUA, SENDING_IN_DOUBT_LUA
-from tests.core.test_rules import HEARTBEAT
+from tests.support.heartbeat_rows import HEARTBEAT
 
 REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NOW_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z, the server time the function is given
