@@ -18,6 +18,7 @@ from relay.settings.common import (
     Section,
     SettingsRuleError,
     ca_bundle,
+    check_domain_name,
     client_pair,
     is_loopback_host,
     read_secret_file,
@@ -117,6 +118,9 @@ class UpstreamSettings(Section):
         "(implicit, port 465)"))
     upstream_verify: bool = Field(True, description=(
         "verify the smarthost's certificate and name (turn off for a lab only)"))
+    upstream_helo_name: str | None = Field(None, description=(
+        "the name the relay gives in EHLO/HELO to the smarthost (Postfix's smtp_helo_name: "
+        "a smarthost that checks it against the client's address); unset: hostname"))
     upstream_user: str | None = Field(None, description="AUTH user at the smarthost")
     upstream_password_file: Path | None = Field(None, description=(
         "file holding the smarthost AUTH password (read at start)"))
@@ -194,6 +198,11 @@ class UpstreamSettings(Section):
             raise ValueError(f"upstream names must be unique (an entry's name, else its "
                              f"address): {', '.join(twice)} given twice")
         return value
+
+    @field_validator("upstream_helo_name")
+    @classmethod
+    def _check_helo_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_domain_name(value, what="upstream_helo_name")
 
     @model_validator(mode="after")
     def _check_upstream_rules(self) -> UpstreamSettings:
@@ -381,8 +390,9 @@ class UpstreamSettings(Section):
                              *, local_hostname: str, default_pool_size: int
                              ) -> SmtpUpstreamConfig:
         """The SMTP upstream ``entry`` (``HOST:PORT``): its own keys, else the global
-        ``upstream_*`` settings. Raises ConfigError when its password file cannot be read, or
-        its OAuth2 AUTH has no token provider or user."""
+        ``upstream_*`` settings; it says ``upstream_helo_name`` in EHLO, else
+        ``local_hostname``. Raises ConfigError when its password file cannot be read, or its
+        OAuth2 AUTH has no token provider or user."""
         from relay.upstream.smtp import SmtpUpstreamConfig
 
         host, port = split_host_port(entry.address, what="upstream")
@@ -393,7 +403,8 @@ class UpstreamSettings(Section):
                      else self.upstream_pool_size)
         try:
             return SmtpUpstreamConfig(
-                host=host, port=port, local_hostname=local_hostname, name=entry.label,
+                host=host, port=port, name=entry.label,
+                local_hostname=self.upstream_helo_name or local_hostname,
                 tls=entry.tls or self.upstream_tls,
                 verify=self.upstream_verify if entry.verify is None else entry.verify,
                 username=entry.user if entry.user is not None else self.upstream_user,

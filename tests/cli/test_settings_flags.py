@@ -50,6 +50,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "upstream": ("smtp.example.com:587", (UpstreamEntry(address="smtp.example.com:587"),)),
     "upstream_tls": ("starttls", "starttls"),
     "upstream_verify": (None, False),  # --no-upstream-verify
+    "upstream_helo_name": ("mail.example.org", "mail.example.org"),
     "upstream_user": ("relay@example.com", "relay@example.com"),
     "upstream_password_file": ("pw.txt", Path("pw.txt")),
     "upstream_password": ("hunter2", "hunter2"),  # not with the file: a second invocation

@@ -18,6 +18,7 @@ class Delivered:
     rcpt_tos: list[str]
     content: bytes
     mail_options: list[str]
+    helo: str = ""  # the name the client gave in EHLO / HELO
 
 
 @dataclass
@@ -71,7 +72,7 @@ class SinkHandler:
             assert envelope.mail_from is not None and envelope.original_content is not None
             self.delivered.append(Delivered(
                 envelope.mail_from, list(envelope.rcpt_tos), envelope.original_content,
-                list(envelope.mail_options)))
+                list(envelope.mail_options), str(session.host_name or "")))
         if self.hang_after_dot_s:
             await asyncio.sleep(self.hang_after_dot_s)
         return reply
