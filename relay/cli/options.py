@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Union, get_args, get_origin
+from typing import Any, NoReturn, get_origin
 
 import click
 from pydantic import SecretStr
@@ -23,19 +22,21 @@ from pydantic.fields import FieldInfo
 from relay.cli.exit_codes import ExitCode
 from relay.core.errors import ConfigError
 from relay.settings import (
+    COMPUTED_DEFAULTS,
     FILE_ONLY_SETTINGS,
     SECTIONS,
     Settings,
+    choices,
     env_name,
     flag_name,
     load_settings,
+    plain_annotation,
     section_fields,
     unknown_env_vars,
 )
 
 # the field that opens each part of `serve --help`: a section's first (relay.settings.SECTIONS)
 _SECTIONS = {section_fields(section)[0]: section.TITLE for section in SECTIONS}
-_COMPUTED_DEFAULTS = {"hostname": "this host's FQDN"}
 # list settings whose flag may be repeated (``--upstream a --upstream b``), each value also a
 # comma-separated list; the values reach the settings joined by commas
 _REPEATABLE = frozenset({"upstream"})
@@ -85,7 +86,7 @@ def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def _option(name: str, field: FieldInfo) -> Callable[[Callable[..., Any]], Any]:
     flag = flag_name(name)
     help_text = f"{field.description} [{_default(name, field)}; env: {env_name(name)}]"
-    if _plain(field.annotation) is bool:
+    if plain_annotation(field.annotation) is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
     if name in _REPEATABLE:
         return click.option(flag, name, multiple=True, callback=_joined,
@@ -102,20 +103,11 @@ def _joined(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     return ",".join(values) if values else None
 
 
-def _plain(annotation: Any) -> Any:
-    """``annotation`` without ``| None``."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        return args[0] if len(args) == 1 else annotation
-    return annotation
-
-
 def _metavar(annotation: Any) -> str:
-    plain = _plain(annotation)
-    if get_origin(plain) is Literal:
-        return "[" + "|".join(str(v) for v in get_args(plain)) + "]"
-    if isinstance(plain, type) and issubclass(plain, Enum):
-        return "[" + "|".join(str(m.value) for m in plain) + "]"
+    plain = plain_annotation(annotation)
+    values = choices(annotation)
+    if values is not None:
+        return "[" + "|".join(values) + "]"
     if get_origin(plain) is tuple:
         return "A,B,..."
     return {int: "INTEGER", float: "SECONDS", Path: "FILE", SecretStr: "SECRET"}.get(plain,
@@ -126,7 +118,7 @@ def _default(name: str, field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     if field.default_factory is not None:
-        return f"default: {_COMPUTED_DEFAULTS.get(name, 'computed at start')}"
+        return f"default: {COMPUTED_DEFAULTS.get(name, 'computed at start')}"
     return f"default: {_shown(field.default)}"
 
 

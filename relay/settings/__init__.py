@@ -33,14 +33,17 @@ from relay.core.errors import ConfigError
 from relay.core.policy import Policy
 from relay.settings.access import AccessSettings
 from relay.settings.common import (
+    COMPUTED_DEFAULTS,
     ENV_PREFIX,
     FileCheck,
     Section,
     SettingsRuleError,
+    choices,
     env_name,
     flag_name,
     host_port,
     is_loopback_host,
+    plain_annotation,
     postgres_files,
     read_secret_file,
     redact_url,
@@ -55,13 +58,13 @@ from relay.settings.store import DEFAULT_STORE_URL, StoreSettings
 from relay.settings.upstream import UpstreamEntry, UpstreamList, UpstreamSettings
 
 __all__ = [
-    "DEFAULT_STORE_URL", "ENV_PREFIX", "FILE_ONLY_SETTINGS", "FILE_SETTINGS", "POLICY_SETTINGS",
-    "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings", "DedupSettings",
-    "LedgerSettings", "ListenerSettings", "OperationsSettings", "RateLimit", "Settings",
-    "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry", "UpstreamSettings",
-    "check_settings", "env_name", "flag_name", "host_port", "is_loopback_host", "load_settings",
-    "postgres_files", "read_secret_file", "redact_url", "section_fields", "setting_names",
-    "split_host_port", "unknown_env_vars",
+    "COMPUTED_DEFAULTS", "DEFAULT_STORE_URL", "ENV_PREFIX", "FILE_ONLY_SETTINGS", "FILE_SETTINGS",
+    "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
+    "DedupSettings", "LedgerSettings", "ListenerSettings", "OperationsSettings", "RateLimit",
+    "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
+    "UpstreamSettings", "check_settings", "choices", "env_name", "flag_name", "host_port",
+    "is_loopback_host", "load_settings", "plain_annotation", "postgres_files", "read_secret_file",
+    "redact_url", "section_fields", "setting_names", "split_host_port", "unknown_env_vars",
 ]
 
 # the sections in the order of --help and docs/settings.md

@@ -11,9 +11,11 @@ import ipaddress
 import os
 import re
 import ssl
+import types
 from collections.abc import Callable, Set
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict
@@ -50,6 +52,28 @@ class Section(BaseModel):
         """The checks of the files this section names, as the relay will read them (no
         connection opened, no port bound). ``live``: for a reload of a running process."""
         return []
+
+
+# what --help and docs/settings.md say for a default computed at start
+COMPUTED_DEFAULTS = {"hostname": "this host's FQDN"}
+
+
+def plain_annotation(annotation: Any) -> Any:
+    """A setting's type annotation without ``| None``."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def choices(annotation: Any) -> tuple[str, ...] | None:
+    """The values a setting of this type may take (a ``Literal`` or an ``Enum``), or None."""
+    plain = plain_annotation(annotation)
+    if get_origin(plain) is Literal:
+        return tuple(str(v) for v in get_args(plain))
+    if isinstance(plain, type) and issubclass(plain, Enum):
+        return tuple(str(m.value) for m in plain)
+    return None
 
 
 def split_csv(value: object) -> object:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
-from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
@@ -31,26 +29,15 @@ from relay.settings import (
     flag_name,
     section_fields,
 )
+from relay.settings.common import COMPUTED_DEFAULTS, choices, plain_annotation
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
-_COMPUTED = {"hostname": "this host's FQDN"}
-
-
-def _plain(annotation: Any) -> Any:
-    """``annotation`` without ``| None``."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        return args[0] if len(args) == 1 else annotation
-    return annotation
-
-
 def type_name(annotation: Any) -> str:
     """A setting's type as an operator writes it: ``seconds``, ``one of a, b``, ``list``..."""
-    plain = _plain(annotation)
-    if get_origin(plain) is Literal:
-        return "one of " + ", ".join(f"`{v}`" for v in get_args(plain))
-    if isinstance(plain, type) and issubclass(plain, Enum):
-        return "one of " + ", ".join(f"`{m.value}`" for m in plain)
+    plain = plain_annotation(annotation)
+    values = choices(annotation)
+    if values is not None:
+        return "one of " + ", ".join(f"`{v}`" for v in values)
     if get_origin(plain) is tuple or get_origin(get_args(plain)[0] if get_args(plain) else None) \
             is tuple:
         return "list"
@@ -64,7 +51,7 @@ def default_text(name: str, field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     if field.default_factory is not None:
-        return _COMPUTED.get(name, "computed at start")
+        return COMPUTED_DEFAULTS.get(name, "computed at start")
     value = field.default
     if value is None:
         return "unset"
@@ -95,7 +82,7 @@ def _table_of(model: type[BaseModel], names: list[str], *, flags: bool) -> list[
             rows.append(f"| `{name}` | {kind} | {default} | {meaning} |")
             continue
         flag = "(file only)" if name in FILE_ONLY_SETTINGS else f"`{flag_name(name)}`"
-        if _plain(field.annotation) is bool:
+        if plain_annotation(field.annotation) is bool:
             flag = f"`{flag_name(name)}` / `--no-{flag_name(name)[2:]}`"
         rows.append(f"| `{name}` | `{env_name(name)}` | {flag} | {kind} | {default} | "
                     f"{meaning} |")
