@@ -1,8 +1,8 @@
 """Envelope address syntax (relay/core/address.py) and the listener's refusals it drives.
 
-Found by a probing helper: aiosmtpd took ``RCPT TO:<user>`` (no domain), ``<a..b@x>`` and
-``<u@[]>`` and the relay passed them upstream, where an MTA may complete ``user`` with its own
-domain: mail to the wrong mailbox, answered 250.
+An address without a domain (``RCPT TO:<user>``), ``<a..b@x>`` or ``<u@[]>`` is refused at the
+command, never passed upstream, where an MTA may complete ``user`` with its own domain: mail to
+the wrong mailbox, answered 250.
 """
 
 from __future__ import annotations
