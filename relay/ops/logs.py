@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
@@ -28,8 +29,35 @@ _STANDARD = frozenset(vars(logging.LogRecord("n", 0, "p", 0, "m", None, None))) 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def rfc3339(created: float) -> str:
+    """``created`` (unix seconds) as an RFC 3339 UTC time with milliseconds
+    (``2026-12-05T07:01:28.123Z``): lines hundreds of which share a second stay in order."""
+    stamp = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+    return stamp.removesuffix("+00:00") + "Z"
+
+
+class JsonLines(JsonFormatter):
+    """One JSON object per record, its ``time`` in RFC 3339 with milliseconds."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """:func:`rfc3339` of the record's time."""
+        return rfc3339(record.created)
+
+
+def json_lines() -> JsonLines:
+    """The relay's JSON formatter: ``time``, ``level``, ``logger``, ``message``, then the
+    record's structured fields."""
+    return JsonLines("{asctime}{levelname}{name}{message}", style="{",
+                     rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
+
+
 class TextFormatter(logging.Formatter):
-    """``time level logger message key=value ...`` with the record's extra fields."""
+    """``time level logger message key=value ...`` with the record's extra fields, the time in
+    RFC 3339 with milliseconds."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """:func:`rfc3339` of the record's time."""
+        return rfc3339(record.created)
 
     def format(self, record: logging.LogRecord) -> str:
         """Format ``record`` and append its ``extra=`` fields."""
@@ -57,9 +85,7 @@ def setup_logging(level: str, fmt: str = "json", *, worker: int | None = None,
     if mask_addresses:
         handler.addFilter(_MaskAddresses())
     if fmt == "json":
-        handler.setFormatter(JsonFormatter(
-            "{asctime}{levelname}{name}{message}", style="{", datefmt="%Y-%m-%dT%H:%M:%S%z",
-            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+        handler.setFormatter(json_lines())
     else:
         handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()

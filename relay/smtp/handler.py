@@ -211,17 +211,18 @@ class RelayHandler:
         # half way (the reservation would be left PENDING with the message maybe delivered),
         # nor the decision's log line, which the in-doubt procedure starts from
         self.metrics.in_progress(1)
-        task = asyncio.ensure_future(self._decide(msg, len(content)))
+        task = asyncio.ensure_future(self._decide(msg, len(content),
+                                                  _client_host(server, session)))
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
         decision = await asyncio.shield(task)
         return str(decision.reply)
 
-    async def _decide(self, msg: InboundMessage, size: int) -> Decision:
+    async def _decide(self, msg: InboundMessage, size: int, client: str) -> Decision:
         """Run the core on ``msg`` and log its decision, whether or not the client still waits."""
         started = time.perf_counter()
         decision = await self._core.process(msg)
-        self._log_decision(msg, decision, time.perf_counter() - started, size)
+        self._log_decision(msg, decision, time.perf_counter() - started, size, client)
         return decision
 
     def _task_done(self, task: asyncio.Task[Decision]) -> None:
@@ -238,8 +239,7 @@ class RelayHandler:
         helo = session.host_name or "unknown"
         if not _SAFE_HELO.match(helo):
             helo = "invalid-helo"
-        peer = getattr(server, "client_host", None) or (  # behind a proxy: the client
-            session.peer[0] if isinstance(session.peer, tuple) else "unknown")
+        peer = _client_host(server, session) or "unknown"
         proto = "UTF8SMTP" if smtputf8 else ("ESMTP" if session.extended_smtp else "SMTP")
         if session.ssl or getattr(server, "implicit_tls", False):
             proto += "S"
@@ -252,14 +252,19 @@ class RelayHandler:
         ).encode("ascii", "replace")
 
     def _log_decision(self, msg: InboundMessage, decision: Decision, seconds: float,
-                      size: int) -> None:
-        """One structured line per message decision (no body, recipients masked by default)."""
+                      size: int, client: str) -> None:
+        """One structured line per message decision (no body; recipients and the sender masked
+        by default): what an operator needs in an incident, the client's address, its AUTH
+        user, the sender and the Message-ID among it (docs/operating/logs.md)."""
         show: Callable[[str], str] = (
             (lambda a: a) if self._limits.log_recipients else mask_address)
         label = distinct_labels([*decision.outcomes, *decision.keys], show)
         upstream = decision.upstream_reply
-        log.info("message", extra={
+        fields: dict[str, object] = {
             "queue_id": msg.queue_id,
+            "client": client,
+            "from": show(msg.mail_from) if msg.mail_from else "",
+            "message_id": msg.message.message_id,
             "result": decision.result.value,  # plain strings: the text format uses repr()
             "reply": str(decision.reply),
             "outcomes": {label[r]: o.value for r, o in decision.outcomes.items()},
@@ -268,12 +273,24 @@ class RelayHandler:
             "upstream_queue_id": upstream_queue_id(upstream) or None,
             "bytes": size,
             "latency_ms": round(seconds * 1000, 1),
-        })
+        }
+        if msg.auth_user is not None:
+            fields["auth_user"] = msg.auth_user
+        log.info("message", extra=fields)
 
     async def handle_exception(self, error: Exception) -> str:
         """Log the exception and answer ``451 4.3.0`` without leaking its text."""
         log.error("session exception: %s", type(error).__name__, exc_info=error)
         return str(replies.INTERNAL_ERROR)
+
+
+def _client_host(server: SMTP, session: Session) -> str:
+    """The client's address: the one a PROXY header named behind a load balancer, else the
+    connection's peer; ``""`` when neither is known."""
+    host = getattr(server, "client_host", None)
+    if host:
+        return str(host)
+    return str(session.peer[0]) if isinstance(session.peer, tuple) else ""
 
 
 def distinct_labels(recipients: Iterable[str], show: Callable[[str], str]) -> dict[str, str]:

@@ -15,12 +15,11 @@ import aiohttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from pythonjsonlogger.json import JsonFormatter
 
 from relay.app import Relay
 from relay.core.fingerprint import fingerprint, store_key
 from relay.core.recipients import normalize_recipient
-from relay.ops.logs import TextFormatter
+from relay.ops.logs import TextFormatter, json_lines
 from relay.settings import RateLimit
 from tests.support.clients import message, send
 from tests.support.relays import MakeRelay, PrivateRedis
@@ -186,11 +185,12 @@ async def test_one_json_decision_line_per_message(
     """Each message logs one structured decision: outcomes, upstream queue id, latency."""
     caplog.set_level(logging.INFO, logger="relay.smtp.handler")
     sink.handler.data_plan.append("250 2.0.0 Ok: queued as ABC123")
-    await send(observed.port, ["john.doe@example.net"], message(key="LOG-1"))
-    await send(observed.port, ["john.doe@example.net"], message(key="LOG-1"))
+    sent = message(key="LOG-1", extra="Message-ID: <log-1@app.example>\r\n")
+    await send(observed.port, ["john.doe@example.net"], sent, mail_from="billing@shop.example")
+    await send(observed.port, ["john.doe@example.net"], sent, mail_from="billing@shop.example")
     records = [r for r in caplog.records if r.name == "relay.smtp.handler" and r.msg == "message"]
     assert len(records) == 2
-    line = json.loads(JsonFormatter().format(records[0]))
+    line = json.loads(json_lines().format(records[0]))
     assert line["result"] == "relayed"
     assert line["outcomes"] == {"j***@example.net": "relayed"}
     # the store key, so an operator can inspect / release the record of this message
@@ -198,9 +198,15 @@ async def test_one_json_decision_line_per_message(
     assert key == store_key(observed.settings.store_prefix, fingerprint(
         normalize_recipient("john.doe@example.net"), "welcome", "LOG-1"))
     assert line["upstream_queue_id"] == "ABC123"
+    # who sent it and which message it was, for incident work; no AUTH user: none logged in
+    assert line["client"] == "127.0.0.1"
+    assert line["from"] == "b***@shop.example"
+    assert line["message_id"] == "<log-1@app.example>"
+    assert "auth_user" not in line
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"]), line["time"]
     assert line["latency_ms"] >= 0 and line["bytes"] > 0
     assert "john.doe" not in json.dumps(line)
-    assert json.loads(JsonFormatter().format(records[1]))["result"] == "suppressed"
+    assert json.loads(json_lines().format(records[1]))["result"] == "suppressed"
     text = TextFormatter("%(message)s").format(records[1])
     assert "result='suppressed'" in text
 

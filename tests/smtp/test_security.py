@@ -323,6 +323,21 @@ async def test_mail_auth_parameter_after_auth_is_relayed_and_not_forwarded(
     assert not any(o.upper().startswith("AUTH") for o in sink.handler.mail_commands[0][1])
 
 
+async def test_the_decision_line_names_the_auth_user(
+    make_relay: MakeRelay, sink: Sink, pki: Pki, auth_file: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The message's log line carries the AUTH identity the session authenticated as (masked
+    like any address in a log line unless ``log_recipients``) and the client's address."""
+    caplog.set_level(logging.INFO, logger="relay.smtp.handler")
+    relay = await tls_relay(make_relay, sink, pki, auth_file=auth_file, log_recipients=True)
+    assert await asyncio.to_thread(_smtplib_auth_send, relay.port, pki.client_context,
+                                   []) == 250
+    [line] = [r for r in caplog.records if r.name == "relay.smtp.handler" and r.msg == "message"]
+    assert (getattr(line, "auth_user", None), getattr(line, "client", None)) == (
+        USER, "127.0.0.1")
+
+
 async def _authenticated_client(relay: Relay, pki: Pki) -> RawClient:
     client = await RawClient.connect(relay.port)
     await client.cmd("EHLO client.test")

@@ -410,7 +410,7 @@ def evidence(result: RunResult, limit: int = 16) -> list[str]:
 def _log_time(line: str) -> float:
     with contextlib.suppress(ValueError, KeyError, TypeError):
         stamp = json.loads(line)["time"]
-        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        return datetime.fromisoformat(stamp).timestamp()  # RFC 3339, milliseconds
     return 0.0
 
 
