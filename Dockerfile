@@ -24,6 +24,10 @@ RUN python -m venv /opt/venv \
 # then the project alone, built by the locked setuptools (no download, no dependency resolved)
 COPY pyproject.toml README.md ./
 COPY relay ./relay
+# the operator files the package carries (relay/operator_files/ links to them)
+COPY config ./config
+COPY grafana/dashboards ./grafana/dashboards
+COPY contrib/systemd ./contrib/systemd
 RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps \
       --no-build-isolation . \
  && /opt/venv/bin/pip check

@@ -69,8 +69,8 @@ def config_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
         envvar="RELAY_CONFIG", default=None,
-        help="TOML settings file, keys as the field names (see config/dedup-relay.example."
-             "toml) [env: RELAY_CONFIG]",
+        help="TOML settings file, keys as the field names (`dedup-relay example config` prints "
+             "every one) [env: RELAY_CONFIG]",
     )(func)
 
 

@@ -3,7 +3,7 @@
 Sources, highest priority first: command-line flags ``--<field-in-kebab-case>`` (every field is
 one, :func:`flag_name`), environment variables ``RELAY_<FIELD>`` (:func:`env_name`, for example
 ``RELAY_UPSTREAM``, ``RELAY_DEDUP_WINDOW``), the TOML file named by ``--config`` /
-``RELAY_CONFIG`` (keys are the field names, see ``config/dedup-relay.example.toml``), defaults.
+``RELAY_CONFIG`` (keys are the field names, see ``dedup-relay example config``), defaults.
 Each field's ``description`` is its ``--help`` text and its line of docs/settings.md.
 Durations are seconds (floats), sizes bytes.
 
@@ -213,7 +213,7 @@ def _describe(exc: ValidationError, flagged: AbstractSet[str] | None = None) -> 
                          + (f" (set by {named})" if named else ""))
             continue
         if err["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown setting (see config/dedup-relay.example.toml)")
+            lines.append(f"{where}: unknown setting (every setting: `dedup-relay example config`)")
             continue
         if err["type"] == "missing":
             msg = "required"

@@ -100,7 +100,7 @@ def render() -> str:
         "environment variable and a flag of `dedup-relay serve`; flags beat environment "
         "variables, which beat the file. Durations are seconds, sizes bytes. A list is a TOML "
         "array, or in an environment variable or a flag a comma-separated string. "
-        "`config/dedup-relay.example.toml` holds every one with an example, and "
+        "`dedup-relay example config` prints every one with an example, and "
         "`dedup-relay check-config` checks a configuration and the files it names.",
         "",
     ]

@@ -328,7 +328,7 @@ def test_image_has_the_oci_labels() -> None:
     oci = "org.opencontainers.image."
     assert labels[oci + "title"] == meta["name"]
     assert labels[oci + "description"] == meta["description"]
-    assert labels[oci + "licenses"] == meta["license"]["text"]
+    assert labels[oci + "licenses"] == meta["license"]
     assert labels[oci + "version"] == "${VERSION}" and args["VERSION"] == meta["version"]
     for key, arg in (("revision", "REVISION"), ("created", "CREATED"), ("source", "SOURCE")):
         assert labels[oci + key] == f"${{{arg}}}" and arg in args
