@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Set
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -32,9 +32,11 @@ from relay.smtp.auth import SaslMechanisms
 from relay.smtp.handler import ListenerSecurity, RelayHandler, smtp_factory
 from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.store.journal import SettleJournal
-from relay.store.postgres.ledger import PostgresLedger
 from relay.upstream.failover import FailoverUpstream
 from relay.upstream.pool import default_pool_size
+
+if TYPE_CHECKING:  # the postgres extra: imported only where a ledger is configured
+    from relay.store.postgres.ledger import PostgresLedger
 
 log = logging.getLogger("relay.app")
 

@@ -63,7 +63,6 @@ from relay.settings import (
     redact_url,
     setting_names,
 )
-from relay.store.postgres.ledger_read import LedgerReader
 from relay.store.postgres.migrations import SchemaError
 from relay.store.sqlite import sqlite_path_from_url
 
@@ -395,6 +394,8 @@ def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaita
     announce_ledger(url)
 
     async def audited() -> tuple[_T, StoreError | None]:
+        from relay.store.postgres.ledger_read import LedgerReader  # the postgres extra
+
         try:
             reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
         except (StoreError, SchemaError) as exc:

@@ -20,9 +20,8 @@ from click.core import ParameterSource
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
 from relay.core.errors import StoreError
-from relay.settings import redact_url
+from relay.settings import extra_missing, is_postgres_url, redact_url
 from relay.store.postgres import migrations
-from relay.store.postgres.store import is_postgres_url, upgrade_schema
 
 
 def register(main: click.Group) -> None:
@@ -78,6 +77,11 @@ def _targets(ctx: click.Context, store: str | None,
 def _upgrade_one(component: str, url: str, timeout_s: float) -> None:
     """Upgrade ``component``'s schema at ``url`` and say so; exits 3 (database failed) or 78
     (a newer schema) on failure."""
+    missing = extra_missing("asyncpg")
+    if missing is not None:
+        fail(ExitCode.CONFIG, f"{component}: PostgreSQL's driver is needed: {missing}")
+    from relay.store.postgres.store import upgrade_schema
+
     try:
         before, after = asyncio.run(upgrade_schema(url, component, timeout_s=timeout_s))
     except StoreError as exc:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
@@ -34,8 +34,11 @@ from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
 from relay.core.errors import StoreError
 from relay.settings import Settings, setting_names
-from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
 from relay.store.postgres.migrations import SchemaError
+
+if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured (its setting
+    # refuses a postgresql:// URL, exit 78, when the driver does not import)
+    from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
 
 _T = TypeVar("_T")
 
@@ -48,7 +51,13 @@ MAX_DURATION_S = 100 * 366 * 86400.0
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", re.IGNORECASE)
 
 
-class Duration(click.ParamType[float, object]):
+if TYPE_CHECKING:  # generic from click 8.2 on; the relay runs on click 8.1.7 too
+    _FloatParam = click.ParamType[float, object]
+else:
+    _FloatParam = click.ParamType
+
+
+class Duration(_FloatParam):
     """A duration in seconds from ``90s``, ``30m``, ``1h``, ``2d`` or a bare number of hours
     (as ``stats --older-than HOURS`` takes it); never negative."""
 
@@ -185,6 +194,7 @@ def _run_on_ledger(settings: Settings, action: Callable[[LedgerReader], Awaitabl
     """Open the ledger ``settings`` name, run ``action`` on it, close it; exit 78 when none is
     configured, 3 when it fails or its schema is missing or old."""
     url = _ledger_url(settings)
+    from relay.store.postgres.ledger_read import LedgerReader
 
     async def run() -> _T:
         async with await LedgerReader.open(url, timeout_s=settings.ledger_timeout) as reader:

@@ -40,9 +40,11 @@ from relay.settings.common import (
     SettingsRuleError,
     choices,
     env_name,
+    extra_missing,
     flag_name,
     host_port,
     is_loopback_host,
+    is_postgres_url,
     plain_annotation,
     postgres_files,
     read_secret_file,
@@ -62,9 +64,10 @@ __all__ = [
     "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
     "DedupSettings", "LedgerSettings", "ListenerSettings", "OperationsSettings", "RateLimit",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
-    "UpstreamSettings", "check_settings", "choices", "env_name", "flag_name", "host_port",
-    "is_loopback_host", "load_settings", "plain_annotation", "postgres_files", "read_secret_file",
-    "redact_url", "section_fields", "setting_names", "split_host_port", "unknown_env_vars",
+    "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "flag_name",
+    "host_port", "is_loopback_host", "is_postgres_url", "load_settings", "plain_annotation",
+    "postgres_files", "read_secret_file", "redact_url", "section_fields", "setting_names",
+    "split_host_port", "unknown_env_vars",
 ]
 
 # the sections in the order of --help and docs/settings.md

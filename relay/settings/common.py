@@ -7,6 +7,7 @@ between sections lives in :mod:`relay.settings`.
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import os
 import re
@@ -257,6 +258,28 @@ def client_pair(cert: Path, key: Path | None, what: str) -> Callable[[], None]:
         ssl.create_default_context().load_cert_chain(cert, key, password=lambda: b"")
 
     return lambda: load_tls(load, what)
+
+
+# the optional parts of the relay and the extra that installs each (pyproject.toml)
+EXTRAS = {"asyncpg": "postgres"}
+
+
+def extra_missing(module: str) -> str | None:
+    """None when ``module`` (a key of :data:`EXTRAS`) imports; else what to install, for a
+    configuration error: ``the postgres extra is not installed (pip install
+    'dedup-relay[postgres]')``."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        extra = EXTRAS[module]
+        return (f"the {extra} extra is not installed ({module} does not import): "
+                f"pip install 'dedup-relay[{extra}]'")
+    return None
+
+
+def is_postgres_url(url: str) -> bool:
+    """Whether ``url`` names a PostgreSQL database (``postgresql://`` or ``postgres://``)."""
+    return url.startswith(("postgresql://", "postgres://"))
 
 
 # libpq URL parameters that name a file (asyncpg reads them at connect time)

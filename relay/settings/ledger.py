@@ -14,6 +14,7 @@ from relay.settings.common import (
     Section,
     SettingsRuleError,
     check_postgres_url,
+    extra_missing,
     postgres_files,
     redact_url,
 )
@@ -59,6 +60,9 @@ class LedgerSettings(Section):
         if not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("ledger must be a postgresql:// (or postgres://) URL, got "
                              + repr(redact_url(value)))
+        missing = extra_missing("asyncpg")
+        if missing is not None:
+            raise ValueError(f"the audit ledger needs PostgreSQL's driver: {missing}")
         return check_postgres_url(value, what="ledger")
 
     @model_validator(mode="after")
@@ -90,10 +94,10 @@ class LedgerSettings(Section):
         """Open the audit ledger (None without one); each call on it may take ``timeout_s``.
         Raises :class:`StartupError` when its schema is missing or old, :class:`StoreError`
         for a URL the driver refuses."""
-        from relay.store.postgres.ledger import PostgresLedger
-
         if self.ledger is None:
             return None
+        from relay.store.postgres.ledger import PostgresLedger  # the postgres extra
+
         metrics.declare_ledger()
         return await PostgresLedger.open(
             self.ledger, metrics=metrics,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 from urllib.parse import parse_qsl, urlsplit
@@ -18,6 +19,7 @@ from relay.settings.common import (
     FileCheck,
     Section,
     check_postgres_url,
+    extra_missing,
     postgres_files,
     readable,
     redact_url,
@@ -66,6 +68,9 @@ class StoreSettings(Section):
                 "redis+sentinel://host:port,.../service URL (rediss+ for TLS), got " + repr(value)
             )
         if value.startswith(_POSTGRES_SCHEMES):
+            missing = extra_missing("asyncpg")
+            if missing is not None:
+                raise ValueError(f"a postgresql:// store needs PostgreSQL's driver: {missing}")
             return check_postgres_url(value)
         # imported here: only this validator uses it (a pure parser, no I/O library)
         from relay.store.redis.urls import is_multi_host_url, parse_multi_host_url
@@ -138,11 +143,12 @@ class StoreSettings(Section):
         as rediss+ (TLS), or PostgreSQL (postgresql://, postgres://: raises StartupError when
         its schema is missing or old). ``window_s``: the dedup window (Redis's idle-key
         check). Raises ConfigError for a Redis database number the server does not have."""
-        from relay.store.postgres.store import PostgresStore
         from relay.store.redis.store import RedisStore
         from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 
-        if self.store.startswith(_POSTGRES_SCHEMES):
+        if self.store.startswith(_POSTGRES_SCHEMES):  # the postgres extra: imported only here
+            from relay.store.postgres.store import PostgresStore
+
             return await PostgresStore.open(self.store, op_timeout_s=self.store_timeout)
         if self.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
             store = RedisStore.from_url(self.store, op_timeout_s=self.store_timeout,
@@ -165,13 +171,8 @@ class StoreSettings(Section):
     def rate_limiter(self, store: FingerprintStore) -> RateLimiter | None:
         """The store's rate limiter (its counters under ``store_prefix``), built even with no
         limit configured (a reload may add some); None for a store that has none."""
-        from relay.store.postgres.store import PostgresStore
-        from relay.store.redis.store import RedisStore
-        from relay.store.sqlite import SqliteStore
-
-        if isinstance(store, RedisStore | SqliteStore | PostgresStore):
-            return store.rate_limiter(self.store_prefix)
-        return None
+        make: Callable[[str], RateLimiter] | None = getattr(store, "rate_limiter", None)
+        return make(self.store_prefix) if make is not None else None
 
     def describe_store(self) -> str:
         """The store for the start-up line: its URL (password masked) and kind."""

@@ -71,7 +71,8 @@ def test_a_wheel_carries_the_files_themselves(tmp_path: Path) -> None:
 
 def test_an_sdist_carries_tests_and_documents_and_builds_the_wheel(tmp_path: Path) -> None:
     """The sdist holds the tests, README, LICENSE and CHANGELOG and the operator files; a wheel
-    built from it (not from the checkout) still carries them and declares its license."""
+    built from it (not from the checkout) still carries them, declares its license and
+    requires version ranges (installable beside other pins), asyncpg only with ``postgres``."""
     tree = tmp_path / "tree"  # the checkout as it is, links kept, no venv or caches
     shutil.copytree(REPO, tree, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache",
@@ -97,4 +98,10 @@ def test_an_sdist_carries_tests_and_documents_and_builds_the_wheel(tmp_path: Pat
         for name, path in REPOSITORY_FILES.items():
             assert whl.read(f"relay/operator_files/{EXAMPLES[name]}") == path.read_bytes()
         [metadata] = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
-        assert "License-Expression: Apache-2.0" in whl.read(metadata).decode()
+        meta = whl.read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in meta
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    pinned = [r for r in requires if "==" in r.split(";")[0]]  # the marker's extra == "x" aside
+    assert requires and not pinned, pinned  # ranges, not pins
+    assert {"Provides-Extra: postgres", "Provides-Extra: fast"} <= set(meta.splitlines())
+    assert any("asyncpg" in r and "extra == \"postgres\"" in r for r in requires)
