@@ -390,11 +390,16 @@ class Supervisor:
         except OSError as exc:
             raise bind_error(host, port, "metrics_listen", exc) from exc
         self.metrics_dir = tempfile.mkdtemp(prefix="dedup-relay-metrics-")
-        registry = workers_registry(self.metrics_dir)
+        registry = workers_registry(self.metrics_dir, self._worker_pids)
         self.reloads = ConfigReloadMetrics(registry=registry)  # once per reload, not per worker
         self._ops = OpsServer(registry=registry, health=WorkersReadiness(self), host=host,
                               port=port, sock=sock)
         self.metrics_port = int(sock.getsockname()[1])
+
+    def _worker_pids(self) -> dict[int, int]:
+        """Each live worker's pid by its index (the metrics of every worker)."""
+        return {w.index: w.proc.pid for w in self.workers
+                if w.proc is not None and w.proc.poll() is None}
 
     async def _start_ops(self) -> None:
         """Serve /metrics, /healthz and /readyz on the bound metrics socket."""

@@ -22,7 +22,8 @@ from dataclasses import asdict
 from typing import cast
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from relay.ops.health import Readiness
 
@@ -146,8 +147,10 @@ class OpsServer:
             await self._runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        """The registry in the format the scraper asks for: OpenMetrics when its ``Accept``
+        names ``application/openmetrics-text``, else Prometheus's text format 0.0.4."""
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self._registry), headers={"Content-Type": content_type})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

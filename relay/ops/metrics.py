@@ -13,7 +13,9 @@ minimum over live workers (``livemin``: 1 only when every worker's probe answere
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,14 +26,21 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     multiprocess,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from relay import __version__
 from relay.core.interfaces import DsnResult, Outcome, Result
 
 STORE_OPS = ("reserve", "settle", "renew")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
+
+
+# a counter's ``_created`` series (a gauge per counter, in the text format) tells a scraper
+# nothing a counter reset does not: the relay exports none
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client: no annotation
 
 
 def register_runtime_collectors(registry: CollectorRegistry) -> None:
@@ -325,16 +334,61 @@ class ConfigReloadMetrics:
             self._last.set(now)
 
 
-def workers_registry(path: str) -> CollectorRegistry:
+def workers_registry(path: str, worker_pids: Callable[[], Mapping[int, int]]
+                     ) -> CollectorRegistry:
     """The supervisor's registry (``workers`` > 1): every worker's metrics read from the
     multiprocess directory ``path`` (``PROMETHEUS_MULTIPROC_DIR`` of the workers), with
-    ``relay_build`` and the supervisor's own ``process_*`` / ``python_*`` collectors."""
+    ``relay_build``, the supervisor's own ``process_*`` / ``python_*`` collectors, and each
+    live worker's memory and CPU (:class:`WorkerProcesses` over ``worker_pids``)."""
     registry = CollectorRegistry()
     # prometheus_client.multiprocess has no annotations
     multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
     Info("relay_build", "Build information", registry=registry).info({"version": __version__})
     register_runtime_collectors(registry)
+    registry.register(WorkerProcesses(worker_pids))
     return registry
+
+
+class WorkerProcesses:
+    """``relay_worker_resident_memory_bytes{worker}`` and ``relay_worker_cpu_seconds_total
+    {worker}`` of the live worker processes (``pids``: worker index -> pid), read from
+    ``/proc/PID/statm`` and ``/proc/PID/stat`` at scrape time: the supervisor's ``process_*``
+    describe the supervisor alone. A worker restarted under the same index starts its CPU
+    counter again (a counter reset); one whose files cannot be read (it just exited) is
+    left out. Absent where there is no ``/proc``."""
+
+    _TICKS = os.sysconf("SC_CLK_TCK")
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, pids: Callable[[], Mapping[int, int]]) -> None:
+        self._pids = pids
+
+    def collect(self) -> Iterator[Metric]:
+        """The two families, one sample per live worker."""
+        memory = GaugeMetricFamily("relay_worker_resident_memory_bytes",
+                                   "Resident memory of each worker process", labels=["worker"])
+        cpu = CounterMetricFamily("relay_worker_cpu_seconds",
+                                  "User and system CPU time of each worker process",
+                                  labels=["worker"])
+        for index, pid in sorted(self._pids().items()):
+            usage = self._usage(pid)
+            if usage is not None:
+                memory.add_metric([str(index)], usage[0])
+                cpu.add_metric([str(index)], usage[1])
+        yield memory
+        yield cpu
+
+    def _usage(self, pid: int) -> tuple[float, float] | None:
+        """``(resident bytes, CPU seconds)`` of ``pid``, None when /proc does not say."""
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
+                resident = int(statm.read().split()[1]) * self._PAGE
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+                # the fields after the command name (which may hold blanks and parentheses):
+                # utime and stime are the 14th and 15th of the whole line (proc(5))
+                fields = stat.read().rsplit(")", 1)[1].split()
+            return float(resident), (int(fields[11]) + int(fields[12])) / self._TICKS
+        return None
 
 
 def worker_gone(path: str, pid: int) -> None:

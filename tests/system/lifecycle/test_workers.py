@@ -127,6 +127,30 @@ async def test_two_workers_share_the_port_and_their_metrics_add_up(
     assert body["ready"] is True
 
 
+async def test_metrics_describe_each_worker_process_in_either_format(serve: Serve) -> None:
+    """``relay_worker_resident_memory_bytes`` and ``relay_worker_cpu_seconds_total`` per
+    worker (their ``process_*`` is the supervisor's); OpenMetrics when the scraper asks for
+    it, with its ``# EOF``; no ``_created`` series in either format."""
+    relay = await serve("--metrics-listen", "127.0.0.1:0")
+    assert relay.metrics_port is not None
+    samples = await asyncio.to_thread(scrape, relay.metrics_port)
+    memory = {got["worker"]: v for got, v in samples["relay_worker_resident_memory_bytes"]}
+    cpu = {got["worker"]: v for got, v in samples["relay_worker_cpu_seconds_total"]}
+    assert set(memory) == set(cpu) == {"0", "1"}
+    assert all(v > 10 * 2**20 for v in memory.values()), memory  # a Python process, loaded
+    assert all(v > 0 for v in cpu.values()), cpu
+    assert not [name for name in samples if name.endswith("_created")]
+    url = f"http://127.0.0.1:{relay.metrics_port}/metrics"
+    request = urllib.request.Request(url, headers={
+        "Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
+    with await asyncio.to_thread(urllib.request.urlopen, request, timeout=10) as reply:
+        content_type, body = reply.headers["Content-Type"], reply.read().decode()
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.rstrip().endswith("# EOF")
+    assert 'relay_worker_cpu_seconds_total{worker="1"}' in body
+    assert "_created" not in body
+
+
 async def test_readyz_is_503_until_a_killed_worker_serves_again(serve: Serve) -> None:
     """kill -9 of a worker: /readyz names it as not serving (503) until its replacement
     serves, then 200 again."""
