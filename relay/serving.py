@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from relay.app import Relay
 from relay.core.errors import ConfigError, StartupError, StoreError
 from relay.listen import Inherited
+from relay.ops.notify import keep_watchdog, notify, watchdog_interval_s
 from relay.settings import Settings, redact_url
 
 log = logging.getLogger("relay.app")
@@ -55,15 +56,30 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
             raise
         if started is not None:
             started(relay)
+        watchdog = _announce_ready(inherited)
         reloads = None if hangup is None else asyncio.create_task(
             _reloads(relay, hangups, hangup))
         await stopping
         log.info("signal received: stopping")
+        if inherited is None:
+            notify("STOPPING=1")
+        if watchdog is not None:
+            watchdog.cancel()
         if reloads is not None:
             reloads.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reloads
     await relay.stop()
+
+
+def _announce_ready(inherited: Inherited | None) -> asyncio.Task[None] | None:
+    """A relay in one process (not a worker: its supervisor speaks for it) tells systemd it
+    serves (``Type=notify``) and keeps its watchdog; the watchdog's task, if any."""
+    if inherited is not None:
+        return None
+    notify("READY=1", "STATUS=serving")
+    interval = watchdog_interval_s()
+    return None if interval is None else asyncio.create_task(keep_watchdog(interval))
 
 
 async def _reloads(relay: Relay, hangups: asyncio.Queue[None],

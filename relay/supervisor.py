@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from setproctitle import setproctitle
+
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.errors import ConfigError, StartupError
 from relay.listen import Inherited, Listeners, bind_error, bind_listeners
@@ -59,6 +61,7 @@ from relay.ops.metrics import (
     worker_gone,
     workers_registry,
 )
+from relay.ops.notify import keep_watchdog, notify, watchdog_interval_s
 from relay.ops.pidfile import remove_pid_file, write_pid_file
 from relay.reload import (
     Reloader,
@@ -254,6 +257,8 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGHUP, self._hangups.put_nowait, None)
         pid_file = Path(self.settings.pid_file) if self.settings.pid_file else None
         reloads: asyncio.Task[None] | None = None
+        announced: asyncio.Task[None] | None = None
+        setproctitle("dedup-relay: supervisor")  # ps, top; `reload` knows the title too
         self._snapshot_dir = tempfile.mkdtemp(prefix="dedup-relay-reload-")
         self.snapshot = Path(self._snapshot_dir) / "settings.pickle"
         try:
@@ -266,15 +271,18 @@ class Supervisor:
                 self._log_started()
                 _write_pid(pid_file)
                 reloads = asyncio.create_task(self._serve_hangups())
+                announced = asyncio.create_task(self._announce_ready())
             await self._stopping.wait()
+            notify("STOPPING=1")
             if reloads is not None:
                 reloads.cancel()
             await self._stop_workers()
         finally:
-            if reloads is not None:
-                reloads.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reloads
+            for task in (reloads, announced):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self._cleanup()
             for sig in (*FORWARDED, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -283,6 +291,15 @@ class Supervisor:
         if self._give_up is not None:
             return self._give_up
         return next((c for c in self._codes if c > 0), 0)
+
+    async def _announce_ready(self) -> None:
+        """Tell systemd the relay serves (``Type=notify``) once every worker serves, then keep
+        its watchdog (``WatchdogSec``) until cancelled."""
+        await asyncio.gather(*(w.served.wait() for w in self.workers))
+        notify("READY=1", f"STATUS=serving with {self.count} workers")
+        interval = watchdog_interval_s()
+        if interval is not None:
+            await keep_watchdog(interval)
 
     async def _serve_hangups(self) -> None:
         """One configuration reload per SIGHUP (those of the start-up too), one at a time."""
@@ -630,6 +647,7 @@ def worker_main(early: list[int]) -> None:
         # a pipe from the parent process only
         settings, source = pickle.load(pipe)  # noqa: S301
     index = int(spec["index"])
+    setproctitle(f"dedup-relay: worker {index}")  # not a `python3 -c "..."` blob in ps
     setup_logging(settings.log_level, settings.log_format, worker=index,
                   mask_addresses=not settings.log_recipients)
     status = os.fdopen(spec["status"], "wb", buffering=0)

@@ -45,6 +45,8 @@ def remove_pid_file(path: Path, pid: int | None = None) -> None:
 _PYTHON_OPTIONS_WITH_ARGUMENT = frozenset({"-X", "-W", "-Q"})
 # the console script, and the package run as a module
 _ENTRY_SCRIPTS = frozenset({"dedup-relay"})
+# the whole command line of a supervisor once it named itself (setproctitle, relay.supervisor)
+_TITLES = frozenset({"dedup-relay: supervisor"})
 _ENTRY_MODULES = frozenset({"relay", "relay.cli", "relay.__main__"})
 
 
@@ -56,10 +58,13 @@ def serving_relay_argv(argv: Sequence[str]) -> bool:
 
     Only those positions count: a word elsewhere that merely contains ``dedup-relay`` (a log
     file's name given to ``tail -f``, a folder named ``dedup-relay`` on the interpreter's path)
-    does not make a process the relay.
+    does not make a process the relay. A supervisor renames itself: its whole command line is
+    then exactly ``dedup-relay: supervisor``.
     """
     if not argv:
         return False
+    if len(argv) == 1 and argv[0].strip() in _TITLES:
+        return True
     rest: list[str] | None = None
     if Path(argv[0]).name in _ENTRY_SCRIPTS:
         rest = list(argv[1:])

@@ -83,10 +83,11 @@ def env_file() -> dict[str, str]:
 
 
 def test_unit_starts_serve_with_the_config_file_and_reloads_with_sighup() -> None:
-    """Type=exec; ExecStart runs the console script's `serve --config FILE` (a command and an
-    option the CLI has); ExecReload sends SIGHUP to the main process; the env file is read."""
+    """Type=notify (readiness from the main process only); ExecStart runs the console script's
+    `serve --config FILE` (a command and an option the CLI has); ExecReload sends SIGHUP to the
+    main process; the env file is read."""
     svc = service()
-    assert one("Type") == "exec"
+    assert one("Type") == "notify" and one("NotifyAccess") == "main"
     argv = shlex.split(one("ExecStart"))
     assert Path(argv[0]).name == "dedup-relay" and argv[0].startswith("/")
     assert argv[1] == "serve" and argv[1] in cli_main.commands

@@ -22,6 +22,10 @@ PY = "/srv/venv/bin/python3"
     ([PY, "-m", "relay", "serve", "--listen", "127.0.0.1:2525"], True),
     ([PY, "-X", "dev", "-u", "-m", "relay", "serve"], True),
     ([PY, "-mrelay", "serve"], True),
+    (["dedup-relay: supervisor"], True),  # the supervisor's title (setproctitle)
+    (["dedup-relay: worker 0"], False),  # a worker: not what the pid file names
+    (["tail", "-f", "dedup-relay: supervisor"], False),
+    (["dedup-relay: supervisor x"], False),
     (["dedup-relay", "--version"], False),
     (["dedup-relay", "reload", "--pid-file", "/run/dedup-relay.pid"], False),
     ([PY, "-m", "relay", "history", "--rcpt", "a@b"], False),
