@@ -52,6 +52,7 @@ from pathlib import Path
 import redis
 
 from bench.load import LoadResult, run_load
+from tests.support.postfix import POSTFIX, postfix_main_cf, postfix_master_cf, queued
 from tests.support.private_postgres import PrivatePostgres, bin_dir
 from tests.support.private_postgres import version as postgres_version
 
@@ -63,7 +64,6 @@ BEGIN = "<!-- bench/run.py: begin (generated, replaced by the next run) -->"
 END = "<!-- bench/run.py: end -->"
 SMTP_SINK = "/usr/sbin/smtp-sink"
 SMTP_SOURCE = "/usr/sbin/smtp-source"
-POSTFIX = "/usr/sbin/postfix"
 WARM_UP_MESSAGES = 200
 """Messages sent, unmeasured, to every target after it starts."""
 FP_KEYS = 100_000
@@ -288,7 +288,9 @@ class Target:
         for d in (conf, queue, data):
             d.mkdir()
         shutil.chown(data, "postfix")
-        (conf / "main.cf").write_text(postfix_main_cf(conf, queue, data, sink.port))
+        (conf / "main.cf").write_text(postfix_main_cf(
+            conf, queue, data,
+            f"relayhost = [127.0.0.1]:{sink.port}\nsmtp_tls_security_level = none\n"))
         (conf / "master.cf").write_text(postfix_master_cf(self.port))
         subprocess.run([POSTFIX, "-c", str(conf), "set-permissions"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -334,70 +336,6 @@ class Target:
         self.proc, self.tmp, self.pg, self.pg_db = None, None, None, ""
 
 
-def queued(queue_dir: Path) -> int:
-    """Messages in a Postfix queue directory (incoming, active, deferred, maildrop, hold)."""
-    count = 0
-    for sub in ("maildrop", "incoming", "active", "deferred", "hold"):
-        for _, _, files in os.walk(queue_dir / sub):
-            count += len(files)
-    return count
-
-
-def postfix_main_cf(conf: Path, queue: Path, data: Path, sink_port: int) -> str:
-    """main.cf of the private Postfix instance: a relay for 127.0.0.0/8 to the sink."""
-    return f"""\
-compatibility_level = 3.6
-config_directory = {conf}
-queue_directory = {queue}
-data_directory = {data}
-myhostname = postfix.bench
-mydomain = bench
-myorigin = postfix.bench
-mydestination =
-inet_interfaces = 127.0.0.1
-inet_protocols = ipv4
-mynetworks = 127.0.0.0/8
-relayhost = [127.0.0.1]:{sink_port}
-smtpd_relay_restrictions = permit_mynetworks, reject
-smtp_tls_security_level = none
-smtpd_tls_security_level = none
-biff = no
-append_dot_mydomain = no
-alias_maps =
-alias_database =
-local_recipient_maps =
-smtp_host_lookup = native
-maillog_file = {conf.parent / "maillog"}
-maillog_file_prefixes = {conf.parent}
-multi_instance_enable = no
-"""
-
-
-def postfix_master_cf(port: int) -> str:
-    """master.cf of the private instance: smtpd on 127.0.0.1:``port``, no chroot."""
-    services = [
-        (f"127.0.0.1:{port}", "inet", "n", "-", "n", "-", "-", "smtpd"),
-        ("pickup", "unix", "n", "-", "n", "60", "1", "pickup"),
-        ("cleanup", "unix", "n", "-", "n", "-", "0", "cleanup"),
-        ("qmgr", "unix", "n", "-", "n", "300", "1", "qmgr"),
-        ("rewrite", "unix", "-", "-", "n", "-", "-", "trivial-rewrite"),
-        ("bounce", "unix", "-", "-", "n", "-", "0", "bounce"),
-        ("defer", "unix", "-", "-", "n", "-", "0", "bounce"),
-        ("trace", "unix", "-", "-", "n", "-", "0", "bounce"),
-        ("verify", "unix", "-", "-", "n", "-", "1", "verify"),
-        ("flush", "unix", "n", "-", "n", "1000?", "0", "flush"),
-        ("proxymap", "unix", "-", "-", "n", "-", "-", "proxymap"),
-        ("smtp", "unix", "-", "-", "n", "-", "-", "smtp"),
-        ("relay", "unix", "-", "-", "n", "-", "-", "smtp"),
-        ("showq", "unix", "n", "-", "n", "-", "-", "showq"),
-        ("error", "unix", "-", "-", "n", "-", "-", "error"),
-        ("retry", "unix", "-", "-", "n", "-", "-", "error"),
-        ("discard", "unix", "-", "-", "n", "-", "-", "discard"),
-        ("anvil", "unix", "-", "-", "n", "-", "1", "anvil"),
-        ("scache", "unix", "-", "-", "n", "-", "1", "scache"),
-        ("postlog", "unix-dgram", "n", "-", "n", "-", "1", "postlogd"),
-    ]
-    return "".join(" ".join(s) + "\n" for s in services)
 
 
 # --------------------------------------------------------------------------- scenarios
