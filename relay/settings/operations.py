@@ -4,6 +4,7 @@ reload."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Set
 from pathlib import Path
@@ -22,7 +23,8 @@ class OperationsSettings(Section):
 
     workers: int | None = Field(default=None, ge=1, le=256, description=(
         "worker processes sharing the listeners, each with its own event loop, store "
-        "client and upstream pool; unset: the number of CPUs; 1: one process, no supervisor"))
+        "client and upstream pool; unset: the CPUs this process may use (its affinity and "
+        "cgroup CPU quota, rounded up); 1: one process, no supervisor"))
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description=(
         "event loop of the relay's processes: auto (uvloop when it imports, else asyncio's), "
         "uvloop (refuse to start without it) or asyncio"))
@@ -53,11 +55,17 @@ class OperationsSettings(Section):
     @property
     def effective_workers(self) -> int:
         """How many worker processes serve: ``workers``, or when unset the number of CPUs this
-        process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+        process may run on: its affinity mask (``os.cpu_count()`` where there is none), and no
+        more than its cgroup's CPU quota allows, rounded up (a container limited to 2 CPUs
+        on a 64-CPU node runs 2 workers, :func:`cgroup_cpu_limit`)."""
         if self.workers is not None:
             return self.workers
         affinity = getattr(os, "sched_getaffinity", None)
-        return max(1, len(affinity(0)) if affinity is not None else (os.cpu_count() or 1))
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+        quota = cgroup_cpu_limit()
+        if quota is not None:
+            cpus = min(cpus, math.ceil(quota))
+        return max(1, cpus)
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:
@@ -90,3 +98,48 @@ class OperationsSettings(Section):
         address = self.metrics_address
         metrics = host_port(address[0], metrics_port) if metrics_port and address else "off"
         return f"metrics {metrics}, event loop {event_loop}"
+
+
+def cgroup_cpu_limit(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                     root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs this process's cgroup quota allows (quota / period; the smallest along its
+    cgroup's ancestry: a limit on a parent holds its children too), None when there is none or
+    it cannot be read. cgroup v2: ``cpu.max`` (``"200000 100000"``, or ``"max 100000"``: no
+    limit); v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota -1: no limit)."""
+    try:
+        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    found: list[float] = []
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":  # v2: one hierarchy
+            found += [q for d in _ancestry(root, path) if (q := _v2_quota(d)) is not None]
+        elif "cpu" in controllers.split(","):
+            base = root / controllers if (root / controllers).is_dir() else root / "cpu"
+            found += [q for d in _ancestry(base, path) if (q := _v1_quota(d)) is not None]
+    return min(found) if found else None
+
+
+def _ancestry(base: Path, path: str) -> list[Path]:
+    """``base/path`` and its parents up to ``base``."""
+    parts = [p for p in path.split("/") if p]
+    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text(encoding="ascii").split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text(encoding="ascii"))
+        period = int((folder / "cpu.cfs_period_us").read_text(encoding="ascii"))
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
