@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from relay.cli.group import main as cli_main
-from relay.settings import Settings, split_host_port
+from relay.settings import Settings, load_settings, split_host_port
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = set(Settings.model_fields)
@@ -338,16 +340,88 @@ def test_image_has_the_oci_labels() -> None:
         assert labels[oci + key] == f"${{{arg}}}" and arg in args
 
 
-# --- docs/deploy/kubernetes.md -----------------------------------------------------------------
+# --- deploy/kubernetes/ ---------------------------------------------------------------------
+
+KUBERNETES = REPO / "deploy" / "kubernetes"
+
 
 def kubernetes_objects() -> dict[str, dict[str, Any]]:
-    """The objects of docs/deploy/kubernetes.md's ```yaml blocks by kind (one of each)."""
-    text = (REPO / "docs" / "deploy" / "kubernetes.md").read_text()
-    blocks = re.findall(r"^```yaml\n(.*?)^```$", text, re.S | re.M)
-    objects = [o for block in blocks for o in yaml.safe_load_all(block) if o]
+    """The objects of deploy/kubernetes/ by kind (one of each): the kustomization's resources,
+    the example Secret, the monitoring kustomization's."""
+    files = [KUBERNETES / name for name in kustomization(KUBERNETES)["resources"]]
+    files += [KUBERNETES / "secret.example.yaml"]
+    files += [KUBERNETES / "monitoring" / name
+              for name in kustomization(KUBERNETES / "monitoring")["resources"]]
+    objects = [o for f in files for o in yaml.safe_load_all(f.read_text()) if o]
     by_kind = {o["kind"]: o for o in objects}
-    assert len(by_kind) == len(objects) and {"Deployment", "Secret", "Service"} <= set(by_kind)
+    assert len(by_kind) == len(objects) and {
+        "Deployment", "Secret", "Service", "PodDisruptionBudget", "ServiceMonitor",
+        "PrometheusRule"} <= set(by_kind)
     return by_kind
+
+
+def kustomization(folder: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    return loaded
+
+
+def test_kubernetes_pod_passes_the_restricted_pod_security_standard() -> None:
+    """The checks of the "restricted" profile (kubernetes.io/docs/concepts/security/
+    pod-security-standards): non-root, RuntimeDefault seccomp, no privilege escalation, every
+    capability dropped, no host namespaces or paths; and a read-only root file system."""
+    pod = kubernetes_objects()["Deployment"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert context["readOnlyRootFilesystem"] is True
+        assert context.get("privileged") is not True
+
+
+def test_kubernetes_config_map_and_disruption_budget() -> None:
+    """The kustomization makes the ConfigMap the Deployment mounts (RELAY_CONFIG names its
+    file) and the PodDisruptionBudget covers the Deployment's pods, one away at a time."""
+    objects = kubernetes_objects()
+    (generated,) = kustomization(KUBERNETES)["configMapGenerator"]
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    volume = next(v for v in pod["volumes"] if "configMap" in v)
+    assert volume["configMap"]["name"] == generated["name"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    (file,) = generated["files"]
+    assert env["RELAY_CONFIG"] == f"{mount['mountPath']}/{file}"
+    load_settings({"upstream": "127.0.0.1:25"}, KUBERNETES / file)  # a valid settings file
+    budget = objects["PodDisruptionBudget"]["spec"]
+    assert budget["selector"] == objects["Deployment"]["spec"]["selector"]
+    assert budget["maxUnavailable"] == 1
+
+
+def test_kubernetes_prometheus_rule_is_the_shipped_alert_rules() -> None:
+    """The PrometheusRule holds exactly the groups of config/prometheus/alerts.yml, and the
+    ServiceMonitor scrapes the Service's metrics port."""
+    objects = kubernetes_objects()
+    alerts = yaml.safe_load((REPO / "config" / "prometheus" / "alerts.yml").read_text())
+    assert objects["PrometheusRule"]["spec"]["groups"] == alerts["groups"]
+    (endpoint,) = objects["ServiceMonitor"]["spec"]["endpoints"]
+    ports = {p["name"] for p in objects["Service"]["spec"]["ports"]}
+    assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+
+
+def test_kubernetes_validate_refuses_an_unknown_field(tmp_path: Path) -> None:
+    """The CI step's validator (kubernetes-validate --strict) is no rubber stamp: the shipped
+    Deployment with one misspelt field is refused."""
+    broken = tmp_path / "deployment.yaml"
+    broken.write_text((KUBERNETES / "deployment.yaml").read_text().replace(
+        "terminationGracePeriodSeconds", "terminationGracePeriodSecond"))
+    validate = Path(sys.executable).with_name("kubernetes-validate")
+    done = subprocess.run([str(validate), "--strict", str(broken)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode != 0, done.stdout
 
 
 def test_kubernetes_relays_share_one_redis_and_one_secret() -> None:
@@ -359,6 +433,7 @@ def test_kubernetes_relays_share_one_redis_and_one_secret() -> None:
     assert objects["Deployment"]["spec"]["replicas"] >= 2
     (container,) = pod["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
+    assert env.pop("RELAY_CONFIG").startswith("/")  # the ConfigMap's file (checked below)
     assert relay_env_names(env) <= FIELDS
     settings = Settings.model_validate({k[len("RELAY_"):].lower(): v for k, v in env.items()})
     assert settings.store.startswith("redis://")
@@ -395,8 +470,10 @@ def test_kubernetes_probes_grace_and_service_match_the_settings() -> None:
     assert pod["terminationGracePeriodSeconds"] > bound
     service = objects["Service"]["spec"]
     assert service["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
-    (port,) = service["ports"]
-    assert port["port"] == listen_port and ports[port["targetPort"]] == listen_port
+    by_name = {p["name"]: p for p in service["ports"]}
+    assert by_name["smtp"]["port"] == listen_port
+    assert ports[by_name["smtp"]["targetPort"]] == listen_port
+    assert ports[by_name["metrics"]["targetPort"]] == metrics_port
     notes = template["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
     assert int(notes["prometheus.io/port"]) == metrics_port
