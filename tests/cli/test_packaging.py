@@ -402,7 +402,8 @@ def test_kubernetes_config_map_and_disruption_budget() -> None:
 
 
 def test_kubernetes_prometheus_rule_is_the_shipped_alert_rules() -> None:
-    """The PrometheusRule holds exactly the groups of config/prometheus/alerts.yml, and the
+    """The PrometheusRule holds exactly the groups of config/prometheus/alerts.yml (run
+    tools/prometheus_rule.py after changing them), and the
     ServiceMonitor scrapes the Service's metrics port."""
     objects = kubernetes_objects()
     alerts = yaml.safe_load((REPO / "config" / "prometheus" / "alerts.yml").read_text())

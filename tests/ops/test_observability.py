@@ -257,7 +257,7 @@ def test_alert_rules_pass_promtool() -> None:
     result = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 async def test_content_refused_by_the_listener_is_counted_invalid(observed: Relay) -> None:
