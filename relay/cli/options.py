@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Any, NoReturn, get_origin
 
@@ -32,6 +31,7 @@ from relay.settings import (
     load_settings,
     plain_annotation,
     section_fields,
+    shown_value,
     unknown_env_vars,
 )
 
@@ -119,23 +119,7 @@ def _default(name: str, field: FieldInfo) -> str:
         return "required"
     if field.default_factory is not None:
         return f"default: {COMPUTED_DEFAULTS.get(name, 'computed at start')}"
-    return f"default: {_shown(field.default)}"
-
-
-def _shown(value: object) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, tuple):
-        return ",".join(value) if value else "empty"
-    if value == "":
-        return '"" (off)'
-    if isinstance(value, Enum):
-        return str(value.value)
-    return str(value)
+    return f"default: {shown_value(field.default)}"
 
 
 class SettingsCommand(click.Command):

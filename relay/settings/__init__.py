@@ -50,6 +50,7 @@ from relay.settings.common import (
     read_secret_file,
     redact_url,
     setting_names,
+    shown_value,
     split_host_port,
 )
 from relay.settings.dedup import POLICY_SETTINGS, DedupSettings, RateLimit, TemplatePolicy
@@ -67,7 +68,7 @@ __all__ = [
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "flag_name",
     "host_port", "is_loopback_host", "is_postgres_url", "load_settings", "plain_annotation",
     "postgres_files", "read_secret_file", "redact_url", "section_fields", "setting_names",
-    "split_host_port", "unknown_env_vars",
+    "shown_value", "split_host_port", "unknown_env_vars",
 ]
 
 # the sections in the order of --help and docs/settings.md

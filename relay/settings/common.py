@@ -77,6 +77,25 @@ def choices(annotation: Any) -> tuple[str, ...] | None:
     return None
 
 
+def shown_value(value: object, mark: Callable[[str], str] = str, sep: str = ",") -> str:
+    """A setting's default as ``--help`` and docs/settings.md show it: ``unset``, ``empty`` (a
+    list), ``"" (off)``, else the value as a file holds it; ``mark`` wraps each literal (the docs:
+    in backticks), ``sep`` joins a list's items."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return mark("true" if value else "false")
+    if isinstance(value, float):
+        return mark(f"{value:g}")
+    if isinstance(value, tuple):
+        return sep.join(mark(str(v)) for v in value) if value else "empty"
+    if value == "":
+        return f'{mark(chr(34) * 2)} (off)'
+    if isinstance(value, Enum):
+        return mark(str(value.value))
+    return mark(str(value))
+
+
 def split_csv(value: object) -> object:
     """A list setting given as a string (env var, flag): its comma-separated items, stripped,
     blanks dropped; any other value as it is (a pydantic ``mode="before"`` validator)."""

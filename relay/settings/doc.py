@@ -29,7 +29,7 @@ from relay.settings import (
     flag_name,
     section_fields,
 )
-from relay.settings.common import COMPUTED_DEFAULTS, choices, plain_annotation
+from relay.settings.common import COMPUTED_DEFAULTS, choices, plain_annotation, shown_value
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 def type_name(annotation: Any) -> str:
@@ -52,18 +52,7 @@ def default_text(name: str, field: FieldInfo) -> str:
         return "required"
     if field.default_factory is not None:
         return COMPUTED_DEFAULTS.get(name, "computed at start")
-    value = field.default
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "`true`" if value else "`false`"
-    if isinstance(value, float):
-        return f"`{value:g}`"
-    if isinstance(value, tuple):
-        return ", ".join(f"`{v}`" for v in value) if value else "empty"
-    if value == "":
-        return '`""` (off)'
-    return f"`{value}`"
+    return shown_value(field.default, mark=lambda text: f"`{text}`", sep=", ")
 
 
 def _cell(text: str) -> str:

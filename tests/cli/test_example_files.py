@@ -55,18 +55,25 @@ def test_the_printed_config_passes_check_config(tmp_path: Path) -> None:
     assert "configuration ok" in checked.stdout
 
 
-def test_a_wheel_carries_the_files_themselves(tmp_path: Path) -> None:
-    """Built from the checkout as the image builds it (no build isolation, no dependency)."""
+def build_wheel(source: Path, into: Path) -> zipfile.ZipFile:
+    """The wheel of ``source`` (a checkout or an sdist) built as the image builds it (no build
+    isolation, no dependency), its operator files checked byte for byte against the
+    repository's."""
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-q", "-w", str(tmp_path), str(REPO)],
+         "--disable-pip-version-check", "-q", "-w", str(into), str(source)],
         capture_output=True, text=True, timeout=300, check=False)
     assert built.returncode == 0, built.stderr
-    [wheel] = tmp_path.glob("dedup_relay-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        for name, path in REPOSITORY_FILES.items():
-            member = f"relay/operator_files/{EXAMPLES[name]}"
-            assert archive.read(member) == path.read_bytes(), member
+    [wheel] = into.glob("dedup_relay-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    for name, path in REPOSITORY_FILES.items():
+        member = f"relay/operator_files/{EXAMPLES[name]}"
+        assert archive.read(member) == path.read_bytes(), member
+    return archive
+
+
+def test_a_wheel_carries_the_files_themselves(tmp_path: Path) -> None:
+    build_wheel(REPO, tmp_path).close()
 
 
 def test_an_sdist_carries_tests_and_documents_and_builds_the_wheel(tmp_path: Path) -> None:
@@ -87,16 +94,7 @@ def test_an_sdist_carries_tests_and_documents_and_builds_the_wheel(tmp_path: Pat
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     assert {"README.md", "LICENSE", "CHANGELOG.md", "tests/cli/test_example_files.py",
             *(f"relay/operator_files/{f}" for f in EXAMPLES.values())} <= names
-    wheels = tmp_path / "wheels"
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-q", "-w", str(wheels), str(archive)],
-        capture_output=True, text=True, timeout=300, check=False)
-    assert built.returncode == 0, built.stderr
-    [wheel] = wheels.glob("dedup_relay-*.whl")
-    with zipfile.ZipFile(wheel) as whl:
-        for name, path in REPOSITORY_FILES.items():
-            assert whl.read(f"relay/operator_files/{EXAMPLES[name]}") == path.read_bytes()
+    with build_wheel(archive, tmp_path / "wheels") as whl:
         [metadata] = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
         meta = whl.read(metadata).decode()
     assert "License-Expression: Apache-2.0" in meta
