@@ -73,11 +73,8 @@ def store_label(settings: Settings) -> str:
     ``sqlite:////srv/relay/data/dedup-relay.db (embedded sqlite), prefix email:fp:, hex keys``.
     A relay on Redis answers nothing about keys in the quick start's SQLite file, nor a relay
     with compact keys about hex ones: this line tells them apart."""
-    kind = "redis" if settings.store.startswith("redis") else \
-        "postgresql" if settings.store.startswith(("postgresql://", "postgres://")) \
-        else "embedded sqlite"
-    return (f"{redact_url(settings.store)} ({kind}), prefix {settings.store_prefix}, "
-            f"{settings.store_key_format} keys")
+    return (f"{redact_url(settings.store)} ({settings.store_kind}), "
+            f"prefix {settings.store_prefix}, {settings.store_key_format} keys")
 
 
 class InFlightError(Exception):

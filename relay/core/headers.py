@@ -278,11 +278,6 @@ def _field_names(names: Sequence[str]) -> frozenset[bytes]:
     return frozenset(result)
 
 
-def first_field(content: bytes, name: str) -> str | None:
-    """:meth:`ParsedMessage.first` of ``content`` (parsed here)."""
-    return parse_message(content).first(name)
-
-
 def _field_start(line: bytes) -> tuple[bytes | None, list[bytes]]:
     """Split ``name: value``; (None, []) for a line that does not start a field."""
     name, colon, value = line.partition(b":")

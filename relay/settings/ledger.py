@@ -15,6 +15,7 @@ from relay.settings.common import (
     SettingsRuleError,
     check_postgres_url,
     extra_missing,
+    is_postgres_url,
     postgres_files,
     redact_url,
 )
@@ -57,7 +58,7 @@ class LedgerSettings(Section):
     def _check_ledger(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        if not value.startswith(("postgresql://", "postgres://")):
+        if not is_postgres_url(value):
             raise ValueError("ledger must be a postgresql:// (or postgres://) URL, got "
                              + repr(redact_url(value)))
         missing = extra_missing("asyncpg")

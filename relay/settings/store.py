@@ -20,6 +20,7 @@ from relay.settings.common import (
     Section,
     check_postgres_url,
     extra_missing,
+    is_postgres_url,
     postgres_files,
     readable,
     redact_url,
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.app")
 
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
-_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 # redis-py URL options that name a file (the CA bundle, a client certificate and its key)
 _STORE_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -60,14 +60,15 @@ class StoreSettings(Section):
     @classmethod
     def _check_store(cls, value: str) -> str:
         schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://",
-                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///", *_POSTGRES_SCHEMES)
+                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///", "postgresql://",
+                   "postgres://")
         if not value.startswith(schemes):
             raise ValueError(
                 "store must be a redis://, rediss:// or sqlite:///path URL, a postgresql:// "
                 "URL, or a redis+cluster://host:port,... or "
                 "redis+sentinel://host:port,.../service URL (rediss+ for TLS), got " + repr(value)
             )
-        if value.startswith(_POSTGRES_SCHEMES):
+        if is_postgres_url(value):
             missing = extra_missing("asyncpg")
             if missing is not None:
                 raise ValueError(f"a postgresql:// store needs PostgreSQL's driver: {missing}")
@@ -97,7 +98,7 @@ class StoreSettings(Section):
         """``redis``, ``postgresql`` or ``embedded sqlite``."""
         if self.store.startswith("redis"):
             return "redis"
-        return "postgresql" if self.store.startswith(_POSTGRES_SCHEMES) else "embedded sqlite"
+        return "postgresql" if is_postgres_url(self.store) else "embedded sqlite"
 
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The files the store URL names (``ssl_ca_certs=`` ..., an existing SQLite file's
@@ -119,7 +120,7 @@ class StoreSettings(Section):
         """Raise ConfigError unless the files the store URL names are usable: a Redis URL's
         TLS files readable and its ``ssl_ca_certs`` PEM certificates; a SQLite file's
         directory and format; a PostgreSQL URL's TLS and password files."""
-        if self.store.startswith(_POSTGRES_SCHEMES):
+        if is_postgres_url(self.store):
             postgres_files(self.store)
             return
         if not self.store.startswith("redis"):
@@ -146,7 +147,7 @@ class StoreSettings(Section):
         from relay.store.redis.store import RedisStore
         from relay.store.sqlite import SqliteStore, sqlite_path_from_url
 
-        if self.store.startswith(_POSTGRES_SCHEMES):  # the postgres extra: imported only here
+        if is_postgres_url(self.store):  # the postgres extra: imported only here
             from relay.store.postgres.store import PostgresStore
 
             return await PostgresStore.open(self.store, op_timeout_s=self.store_timeout)

@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 POOL_SIZE = 10
 """Most connections one relay process (one worker) opens to PostgreSQL."""
 CLEANUP_INTERVAL_S = 5.0
@@ -208,11 +207,6 @@ DELETE FROM {_T_} WHERE ctid = ANY(ARRAY(
 
 _ACTIONS = {Settle.SENT: "sent", Settle.UNKNOWN: "unknown", Settle.SENDING: "sending",
             Settle.RELEASE: "release"}
-
-
-def is_postgres_url(url: str) -> bool:
-    """Whether ``url`` names a PostgreSQL store (``postgresql://`` or ``postgres://``)."""
-    return url.startswith(POSTGRES_SCHEMES)
 
 
 def _record(row: Any, lease_ms: int | None = None) -> Record:
