@@ -243,7 +243,8 @@ class Counts:
                 f"accepted_but_lost={self.accepted_lost} unknown={self.unknown} "
                 f"gave_up={self.gave_up} unfinished={self.unfinished} "
                 f"no_reply_after_dot={self.no_reply_after_dot} stray={self.stray_copies} "
-                f"wall={self.wall_s:.1f}s concerned={self.concerned}")
+                f"wall={self.wall_s:.1f}s concerned={self.concerned} "
+                f"replies={dict(self.replies)}")
 
 
 def read_sink_log(path: Path) -> Counter[tuple[str, str]]:
