@@ -23,10 +23,12 @@ from relay.core.dsn import DsnSender
 from relay.core.interfaces import FingerprintStore
 from relay.core.message import DecisionObserver
 from relay.core.observers import OweNotices, RecordDecisions
+from relay.core.tracing import NO_TRACING
 from relay.listen import Inherited, bind, bind_error, serve_on
 from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
 from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
+from relay.ops.tracing import OtelTracer, start_tracing
 from relay.settings import Settings
 from relay.smtp.auth import SaslMechanisms
 from relay.smtp.handler import ListenerSecurity, RelayHandler, smtp_factory
@@ -71,6 +73,7 @@ class Relay:
         self.handler: RelayHandler | None = None
         self.journal: SettleJournal | None = None
         self.health: HealthMonitor | None = None
+        self.tracer: OtelTracer | None = None  # None: tracing off (no OTEL_* exporter)
         self._servers: list[asyncio.base_events.Server] = []
         self._tls_factory: ImplicitTlsFactory | None = None
         self._ops: OpsServer | None = None
@@ -85,6 +88,7 @@ class Relay:
         """Open the store and the ledger, build the upstream, the core and the listener, pay
         the settle journal, then serve SMTP and (without a supervisor) metrics."""
         s, metrics = self.settings, self.metrics
+        self.tracer = start_tracing(os.environ)
         self.store = await s.open_store(window_s=s.dedup_window)
         policy = s.dedup_policy()
         try:
@@ -111,7 +115,8 @@ class Relay:
             limiter=s.rate_limiter(self.store), rate_limits=s.rate_rules(),
             # the rate limits' ``upstream`` scope: the upstream a message would be tried on first
             upstream_name=self.upstream.preferred_name,
-            gates=() if self.ledger is None else (self.ledger,), observers=observers)
+            gates=() if self.ledger is None else (self.ledger,), observers=observers,
+            tracer=self.tracer if self.tracer is not None else NO_TRACING)
         self.security = s.security()
         self.sasl = s.sasl(on_failure=metrics.auth_failure, on_refused=metrics.auth_refused)
         self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
@@ -249,7 +254,8 @@ class Relay:
         await self._close_parts()
 
     async def _close_parts(self) -> None:
-        """Close the metrics server, the health probes, the upstream, the ledger, the store."""
+        """Close the metrics server, the health probes, the upstream, the ledger, the store;
+        export the spans still queued."""
         if self._ops is not None:
             await self._ops.stop()
         if self.health is not None:
@@ -260,6 +266,8 @@ class Relay:
             await self.ledger.close(flush_s=LEDGER_FLUSH_S)
         if self.store is not None:
             await self.store.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     def _pending(self) -> set[asyncio.Task[Any]]:
         pending: set[asyncio.Task[Any]] = set()

@@ -30,23 +30,23 @@ header() {
     "then the project: pip install --no-deps --no-build-isolation ."
 }
 
-# the relay as the image and CI run it: every extra of the relay itself (postgres, fast); the
-# versions already locked are kept (uv prefers an output file's pins) unless UPGRADE=1
+# the relay as the image and CI run it: every extra of the relay itself; the versions already
+# locked are kept (uv prefers an output file's pins) unless UPGRADE=1
+relay_extras=(--extra postgres --extra fast --extra otel)
 [ "${UPGRADE:-0}" = 1 ] || cp requirements-dev.lock "$tmp/dev.lock"
-compile pyproject.toml "$tmp/build.in" --extra dev --extra postgres --extra fast \
-  -o "$tmp/dev.lock"
+compile pyproject.toml "$tmp/build.in" --extra dev "${relay_extras[@]}" -o "$tmp/dev.lock"
 # the runtime lock takes the dev lock's versions (hash lines dropped: a constraint is a pin)
 sed -e 's/ *\\$//' -e '/^ *--hash/d' -e '/^ *#/d' "$tmp/dev.lock" >"$tmp/constraints.txt"
-compile pyproject.toml "$tmp/build.in" --extra postgres --extra fast -c "$tmp/constraints.txt" \
+compile pyproject.toml "$tmp/build.in" "${relay_extras[@]}" -c "$tmp/constraints.txt" \
   -o "$tmp/runtime.lock"
 
 # the annotations name the inputs, not this script's temporary files
 names=(-e "s|-c $tmp/constraints.txt|-c requirements-dev.lock|"
        -e "s|-r $tmp/build.in|pyproject.toml [build-system]|")
-{ header "dependencies + the postgres and fast extras + [build-system] requires + the dev extra" \
+{ header "dependencies + the relay's extras (${relay_extras[*]}) + [build-system] requires + the dev extra" \
     requirements-dev.lock
   sed "${names[@]}" "$tmp/dev.lock"; } >requirements-dev.lock
-{ header "dependencies + the postgres and fast extras + [build-system] requires" \
+{ header "dependencies + the relay's extras (${relay_extras[*]}) + [build-system] requires" \
     requirements.lock
   sed "${names[@]}" "$tmp/runtime.lock"; } >requirements.lock
 echo "wrote requirements.lock and requirements-dev.lock"

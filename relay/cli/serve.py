@@ -24,6 +24,7 @@ from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import SettingsCommand, fail, load, settings_options
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.logs import setup_logging
+from relay.ops.tracing import check_tracing
 from relay.settings import AdminSettings, Settings, check_settings, redact_url
 
 if TYPE_CHECKING:
@@ -31,10 +32,12 @@ if TYPE_CHECKING:
 
 
 def _checked(config_file: Path | None, flags: dict[str, Any]) -> Settings:
-    """The settings, validated with every file they name; exits 78 (EX_CONFIG) when not."""
+    """The settings, validated with every file they name, and the tracing the environment
+    configures; exits 78 (EX_CONFIG) when not."""
     settings = load(config_file, flags)
     try:
         check_settings(settings)
+        check_tracing(os.environ)  # the OTEL_* environment: its exporter importable
     except ConfigError as exc:
         fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
     return settings

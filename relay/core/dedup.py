@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -42,6 +43,7 @@ from relay.core.observers import CountDecisions
 from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
+from relay.core.tracing import MESSAGE, NO_TRACING, RESERVE, SETTLE, UPSTREAM, Tracer
 
 __all__ = ["Decision", "DedupCore", "InboundMessage", "Policy", "TemplateRule"]
 
@@ -99,6 +101,7 @@ class DedupCore:
         upstream_name: Callable[[], str] | None = None,
         gates: Sequence[Admission] = (),
         observers: Sequence[DecisionObserver] = (),
+        tracer: Tracer = NO_TRACING,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -115,6 +118,7 @@ class DedupCore:
         self._gates = tuple(gates)
         self._observers = (CountDecisions(metrics), *observers)
         self._clock = clock  # the relay's wall clock, unix seconds: a decision's decided_at
+        self._tracer = tracer  # the spans of a message (relay.core.tracing)
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
                                 lease_s=policy.lease_s)
 
@@ -160,8 +164,24 @@ class DedupCore:
         §1: nothing answered 250 is lost, nothing is sent twice by a retry). A gate that does
         not admit the message (a required ledger that cannot take rows, design.md §6.7) makes
         it ``451 4.3.0`` before anything is reserved. The decision is built here, once, and
-        every observer sees it.
+        every observer sees it. The work is the span ``smtp.message`` (relay.core.tracing).
         """
+        with self._tracer.span(MESSAGE) as span:
+            span.set("relay.queue_id", msg.queue_id)
+            span.set("relay.recipients", len(msg.rcpt_tos))
+            decision = await self._process(msg)
+            if span.trace_id:
+                decision = dataclasses.replace(decision, trace_id=span.trace_id)
+            span.set("relay.result", decision.result.value)
+            span.set("relay.outcomes", ",".join(sorted({o.value for o in
+                                                        decision.outcomes.values()})))
+            span.set("smtp.reply_code", decision.reply.code)
+        for observer in self._observers:
+            observer.decided(msg, decision)
+        return decision
+
+    async def _process(self, msg: InboundMessage) -> Decision:
+        """The decision on ``msg`` (:meth:`process` without the span and the observers)."""
         admitted = all(gate.admits() for gate in self._gates)
         plan = _Plan()
         headers: DedupHeaders | None = None
@@ -173,7 +193,7 @@ class DedupCore:
         else:
             headers, concluded = await self._decide(msg, plan)
         delivery = concluded.delivery
-        decision = Decision(
+        return Decision(
             reply=concluded.reply, result=concluded.result, outcomes=concluded.outcomes,
             upstream_reply=delivery.final_reply if delivery is not None else None,
             keys=plan.keys, template=headers.template if headers is not None else "",
@@ -181,9 +201,6 @@ class DedupCore:
             rcpt_results=delivery.recipients if delivery is not None else {},
             upstream=delivery.upstream if delivery is not None else "",
             refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted)
-        for observer in self._observers:
-            observer.decided(msg, decision)
-        return decision
 
     async def _decide(self, msg: InboundMessage, plan: _Plan
                       ) -> tuple[DedupHeaders | None, _Concluded]:
@@ -363,8 +380,12 @@ class DedupCore:
         if result is None:
             cut = rules.after_cut(progress.dot_written)
             if plan.send:
-                await self._settler.settle_cut(list(plan.send), token, progress.dot_written,
-                                               time.monotonic() + p.lease_s, p.window_s)
+                with self._tracer.span(SETTLE) as span:
+                    span.set("relay.settles", len(plan.send))
+                    span.set("relay.settle_actions", cut.settle.value)
+                    await self._settler.settle_cut(list(plan.send), token,
+                                                   progress.dot_written,
+                                                   time.monotonic() + p.lease_s, p.window_s)
             for rcpt, key in plan.keys.items():
                 if key in sent_for:
                     plan.verdicts[rcpt] = cut.verdict
@@ -385,7 +406,11 @@ class DedupCore:
                 ops.append(SettleOp(key=key, action=ruling.settle, reply=str(upstream.reply),
                                     window_s=p.window_s))
         if ops:
-            await self._settler.settle(ops, token, lease_ends)
+            with self._tracer.span(SETTLE) as span:
+                span.set("relay.settles", len(ops))
+                span.set("relay.settle_actions", ",".join(sorted({op.action.value
+                                                                  for op in ops})))
+                await self._settler.settle(ops, token, lease_ends)
         return self._conclude(msg, plan.verdicts, result, p=p)
 
     async def _reserve_uncut(self, keys: list[str], token: str,
@@ -420,11 +445,18 @@ class DedupCore:
             eight_bit=msg.eight_bit,
             utf8_headers=msg.utf8_headers,
         )
-        started = time.perf_counter()
-        result = await self._upstream.deliver(outbound, progress)
-        code = result.final_reply.code if result.final_reply is not None else next(
-            (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
-        self._metrics.upstream_call(time.perf_counter() - started, code, result.upstream)
+        with self._tracer.span(UPSTREAM) as span:
+            span.set("relay.recipients", len(rcpts))
+            started = time.perf_counter()
+            result = await self._upstream.deliver(outbound, progress)
+            code = result.final_reply.code if result.final_reply is not None else next(
+                (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
+            self._metrics.upstream_call(time.perf_counter() - started, code, result.upstream)
+            span.set("relay.upstream", result.upstream)
+            if code is None:
+                span.fail("no reply from the upstream")
+            else:
+                span.set("smtp.reply_code", code)
         return result
 
     async def _relay_plain(self, msg: InboundMessage, p: Policy, *,
@@ -465,12 +497,14 @@ class DedupCore:
         return _Concluded(reply=reply, result=result, outcomes=dict(outcomes))
 
     async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
-        started = time.perf_counter()
-        try:
-            out = await self._store.reserve(keys, token=token, lease_s=p.lease_s,
-                                            resend_unknown=p.unknown == "send")
-        except StoreError:
-            self._metrics.store_call("reserve", time.perf_counter() - started, False)
-            raise
-        self._metrics.store_call("reserve", time.perf_counter() - started, True)
-        return out
+        with self._tracer.span(RESERVE) as span:
+            span.set("relay.keys", len(keys))
+            started = time.perf_counter()
+            try:
+                out = await self._store.reserve(keys, token=token, lease_s=p.lease_s,
+                                                resend_unknown=p.unknown == "send")
+            except StoreError:
+                self._metrics.store_call("reserve", time.perf_counter() - started, False)
+                raise
+            self._metrics.store_call("reserve", time.perf_counter() - started, True)
+            return out

@@ -57,6 +57,8 @@ class Decision:
     is answered for (``refusals``: a 250 with refusals owes the sender a notice, RFC 5321
     section 4.2.5), ``decided_at`` (the relay's wall clock, unix seconds) and whether the
     message was ``admitted`` (False: refused because a required ledger could not take rows).
+    ``trace_id``: the message span's trace (32 hex digits; empty with tracing off), for the
+    log line.
     """
 
     reply: SmtpReply
@@ -71,6 +73,7 @@ class Decision:
     refusals: Mapping[str, RcptResult] = field(default_factory=dict)
     decided_at: float = 0.0
     admitted: bool = True
+    trace_id: str = ""
 
 
 class DecisionObserver(Protocol):

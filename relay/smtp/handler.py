@@ -276,6 +276,8 @@ class RelayHandler:
         }
         if msg.auth_user is not None:
             fields["auth_user"] = msg.auth_user
+        if decision.trace_id:
+            fields["trace_id"] = decision.trace_id
         log.info("message", extra=fields)
 
     async def handle_exception(self, error: Exception) -> str:

@@ -1,8 +1,9 @@
-"""The relay runs with its core dependencies alone: without the ``postgres`` extra (asyncpg) and
-the ``fast`` one (uvloop, hiredis) a relay on the embedded store serves and relays, and a
-setting that needs a missing extra is an invalid configuration (exit 78) that names the extra
-to install. The extras are made unimportable in real ``python -m relay`` processes (a
-``sitecustomize`` that puts None in ``sys.modules`` for them)."""
+"""The relay runs with its core dependencies alone: without the ``postgres`` extra (asyncpg), the
+``fast`` one (uvloop, hiredis) and the ``otel`` one (OpenTelemetry) a relay on the embedded
+store serves and relays, and a setting (or an ``OTEL_*`` exporter) that needs a missing extra is
+an invalid configuration (exit 78) that names the extra to install. The extras are made
+unimportable in real ``python -m relay`` processes (a ``sitecustomize`` that puts None in
+``sys.modules`` for them)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.support.cli import wait_for_port
 from tests.support.clients import message
 from tests.support.net import free_port
 
-EXTRAS = ("asyncpg", "uvloop", "hiredis")
+EXTRAS = ("asyncpg", "uvloop", "hiredis", "opentelemetry")
 POSTGRES = "postgresql://relay@127.0.0.1:5432/relay"
 
 
@@ -86,3 +87,16 @@ def test_a_setting_that_needs_the_postgres_extra_names_it(
     assert done.returncode == ExitCode.CONFIG, done.stderr
     assert "pip install 'dedup-relay[postgres]'" in done.stderr
     assert setting in done.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+@pytest.mark.parametrize("otel", [{"OTEL_TRACES_EXPORTER": "console"},
+                                  {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}],
+                         ids=["console", "otlp-endpoint"])
+def test_tracing_configured_without_the_otel_extra_names_it(
+        core_only: dict[str, str], tmp_path: Path, command: str, otel: dict[str, str]) -> None:
+    done = relay(command, "--upstream", "maildir:md", "--metrics-listen", "off",
+                 env={**core_only, **otel}, cwd=tmp_path)
+    assert done.returncode == ExitCode.CONFIG, done.stderr
+    assert "pip install 'dedup-relay[otel]'" in done.stderr
+    assert "OTEL_" in done.stderr

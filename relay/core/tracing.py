@@ -1,0 +1,89 @@
+"""The spans the core opens around one message (design.md §6.9), behind a small Protocol.
+
+:class:`Tracer` is what the core sees; :data:`NO_TRACING` is the tracer of a relay whose
+tracing is off (its spans cost one attribute lookup and do nothing). The OpenTelemetry one is
+:class:`relay.ops.tracing.OtelTracer`. Span names and attributes are fixed here, so the core
+and the docs name them once:
+
+====================  ========================================================================
+span                  attributes
+====================  ========================================================================
+``smtp.message``      ``relay.queue_id``, ``relay.recipients`` (count), ``relay.result``,
+                      ``relay.outcomes`` (the recipients' outcomes, sorted, comma-separated),
+                      ``smtp.reply_code``
+``store.reserve``     ``relay.keys`` (count)
+``upstream.transaction``  ``relay.recipients`` (count), ``relay.upstream`` (its label),
+                      ``smtp.reply_code`` (the final dot's, or the refusal's; absent: no reply)
+``store.settle``      ``relay.settles`` (count), ``relay.settle_actions`` (sorted,
+                      comma-separated)
+====================  ========================================================================
+
+No attribute carries an address, a dedupe key or a fingerprint.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Protocol
+
+AttributeValue = str | int | float | bool
+
+MESSAGE = "smtp.message"
+RESERVE = "store.reserve"
+UPSTREAM = "upstream.transaction"
+SETTLE = "store.settle"
+
+
+class Span(Protocol):
+    """One open span."""
+
+    @property
+    def trace_id(self) -> str:
+        """Its trace's id, 32 lowercase hex digits (W3C Trace Context); empty when none."""
+
+    def set(self, name: str, value: AttributeValue) -> None:
+        """Set attribute ``name``."""
+
+    def fail(self, description: str) -> None:
+        """Mark the span as failed (an exception leaving the span marks it on its own)."""
+
+
+class Tracer(Protocol):
+    """Opens spans; a span opened inside another one's ``with`` block (in the same task, or in
+    a task created there) is its child."""
+
+    def span(self, name: str) -> AbstractContextManager[Span]:
+        """A context manager that opens span ``name`` and ends it on exit."""
+
+
+class _NoSpan:
+    """The span of :data:`NO_TRACING`: its own context manager, doing nothing."""
+
+    trace_id = ""
+
+    def set(self, name: str, value: AttributeValue) -> None:
+        return None
+
+    def fail(self, description: str) -> None:
+        return None
+
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        return None
+
+
+class _NoTracing:
+    """A tracer that opens no span."""
+
+    _span = _NoSpan()
+
+    def span(self, name: str) -> AbstractContextManager[Span]:
+        return self._span
+
+
+NO_TRACING: Tracer = _NoTracing()
+"""The tracer of a relay whose tracing is off."""
