@@ -101,7 +101,8 @@ class Relay:
         metrics.declare_upstreams(entry.label for entry in s.upstream)
         self.upstream = s.failover_upstream(
             local_hostname=s.hostname, health_interval_s=s.health_interval, metrics=metrics,
-            default_pool_size=default_pool_size(s.max_connections, s.effective_workers))
+            default_pool_size=default_pool_size(s.max_connections, s.effective_workers),
+            token_provider=s.smarthost_tokens())
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)

@@ -32,7 +32,7 @@ header() {
 
 # the relay as the image and CI run it: every extra of the relay itself; the versions already
 # locked are kept (uv prefers an output file's pins) unless UPGRADE=1
-relay_extras=(--extra postgres --extra fast --extra otel)
+relay_extras=(--extra postgres --extra fast --extra otel --extra oauth)
 [ "${UPGRADE:-0}" = 1 ] || cp requirements-dev.lock "$tmp/dev.lock"
 compile pyproject.toml "$tmp/build.in" --extra dev "${relay_extras[@]}" -o "$tmp/dev.lock"
 # the runtime lock takes the dev lock's versions (hash lines dropped: a constraint is a pin)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError, model_validator
 from pydantic_settings import (
@@ -56,6 +56,7 @@ from relay.settings.common import (
 from relay.settings.dedup import POLICY_SETTINGS, DedupSettings, RateLimit, TemplatePolicy
 from relay.settings.ledger import LedgerSettings
 from relay.settings.listener import ListenerSettings
+from relay.settings.oauth import OAuthSettings
 from relay.settings.operations import OperationsSettings
 from relay.settings.store import DEFAULT_STORE_URL, StoreSettings
 from relay.settings.upstream import UpstreamEntry, UpstreamList, UpstreamSettings
@@ -63,7 +64,8 @@ from relay.settings.upstream import UpstreamEntry, UpstreamList, UpstreamSetting
 __all__ = [
     "COMPUTED_DEFAULTS", "DEFAULT_STORE_URL", "ENV_PREFIX", "FILE_ONLY_SETTINGS", "FILE_SETTINGS",
     "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
-    "DedupSettings", "LedgerSettings", "ListenerSettings", "OperationsSettings", "RateLimit",
+    "DedupSettings", "LedgerSettings", "ListenerSettings", "OAuthSettings",
+    "OperationsSettings", "RateLimit",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "flag_name",
     "host_port", "is_loopback_host", "is_postgres_url", "load_settings", "plain_annotation",
@@ -71,10 +73,13 @@ __all__ = [
     "shown_value", "split_host_port", "unknown_env_vars",
 ]
 
+if TYPE_CHECKING:
+    from relay.upstream.oauth import TokenProvider
+
 # the sections in the order of --help and docs/settings.md
 SECTIONS: tuple[type[Section], ...] = (
-    ListenerSettings, AccessSettings, UpstreamSettings, StoreSettings, DedupSettings,
-    LedgerSettings, OperationsSettings)
+    ListenerSettings, AccessSettings, UpstreamSettings, OAuthSettings, StoreSettings,
+    DedupSettings, LedgerSettings, OperationsSettings)
 
 # settings that only the config file sets (a table or an array of tables): no flag
 FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit"})
@@ -91,7 +96,7 @@ def section_fields(section: type[Section]) -> list[str]:
             if name in vars(section).get("__annotations__", {})]
 
 
-class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings,
+class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings, OAuthSettings,
                UpstreamSettings, AccessSettings, ListenerSettings, BaseSettings):
     """Every setting of the relay (see ``config/dedup-relay.example.toml`` for each one): the
     sections of :data:`SECTIONS` mixed into one object (fields in their order: the bases in
@@ -127,7 +132,47 @@ class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings,
                 f"({self.store_timeout:g} s): a working attempt renews its lease every third "
                 "of it, and a renewal may take store_timeout", "lease", "store_timeout")
         self._check_listeners_apart()
+        self._check_oauth_auth()
         return self
+
+    @property
+    def oauth_auth_upstreams(self) -> list[tuple[str, str, str | None]]:
+        """``(label, auth, user)`` of each SMTP upstream whose AUTH takes an OAuth2 token
+        (xoauth2, oauthbearer): its own ``auth`` and ``user``, else the global ones."""
+        return [(entry.label, auth, entry.user if entry.user is not None else self.upstream_user)
+                for entry in self.upstream if not entry.is_maildir
+                for auth in [entry.auth or self.upstream_auth] if auth != "password"]
+
+    def _check_oauth_auth(self) -> None:
+        """An upstream whose AUTH takes an OAuth2 token needs a provider that can fetch one;
+        a Google token is for one mailbox (upstream_user), so every such upstream logs in as
+        it."""
+        using = self.oauth_auth_upstreams
+        if not using:
+            return
+        missing = self.oauth_missing()
+        if missing:
+            label, auth, _ = using[0]
+            where = ("upstream_auth" if auth == self.upstream_auth
+                     else f"upstream {label}: auth")
+            raise SettingsRuleError(
+                f"{where} {auth} needs {', '.join(missing)} (oauth_provider "
+                f"{self.oauth_provider})", "upstream_auth", "oauth_provider",
+                *(m for m in missing if " or " not in m))
+        others = sorted({user or "" for _, _, user in using} - {self.upstream_user or ""})
+        if self.oauth_provider == "google" and others:
+            raise SettingsRuleError(
+                "oauth_provider google fetches a token for upstream_user only; an upstream "
+                f"logs in as {others[0]!r}", "oauth_provider", "upstream")
+
+    def smarthost_tokens(self) -> TokenProvider | None:
+        """The OAuth2 token provider the SMTP upstreams share (:meth:`OAuthSettings.
+        token_provider`, each token request bounded by ``upstream_connect_timeout``), None
+        when no upstream's AUTH takes a token. Raises ConfigError as that method."""
+        if not self.oauth_auth_upstreams:
+            return None
+        return self.token_provider(mailbox=self.upstream_user,
+                                   timeout_s=self.upstream_connect_timeout)
 
     def _check_listeners_apart(self) -> None:
         """Two listeners of this relay on one address would make the second bind fail."""
@@ -186,8 +231,8 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     var, file key).
     """
     checks: list[FileCheck] = []
-    for section in (UpstreamSettings, DedupSettings, AccessSettings, StoreSettings,
-                    LedgerSettings, OperationsSettings):
+    for section in (UpstreamSettings, OAuthSettings, DedupSettings, AccessSettings,
+                    StoreSettings, LedgerSettings, OperationsSettings):
         checks += section.file_checks(settings, live=not store)
     problems: list[str] = []
     for fields, action in checks:

@@ -280,7 +280,7 @@ def client_pair(cert: Path, key: Path | None, what: str) -> Callable[[], None]:
 
 
 # the optional parts of the relay and the extra that installs each (pyproject.toml)
-EXTRAS = {"asyncpg": "postgres"}
+EXTRAS = {"asyncpg": "postgres", "msal": "oauth", "google.auth": "oauth"}
 
 
 def extra_missing(module: str) -> str | None:

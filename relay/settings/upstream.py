@@ -106,8 +106,7 @@ class UpstreamSettings(Section):
     TITLE: ClassVar[str] = "Upstream (smarthost)"
     FILES: ClassVar[tuple[str, ...]] = (
         "upstream_password_file", "upstream_ca_file", "upstream_client_cert",
-        "upstream_client_key", "oauth_client_secret_file", "oauth_refresh_token_file",
-        "oauth_ca_file")
+        "upstream_client_key")
 
     upstream: UpstreamList = Field(description=(
         "smarthost HOST:PORT, or several tried in this order (comma-separated, or the flag "
@@ -156,21 +155,7 @@ class UpstreamSettings(Section):
         "PEM private key of upstream_client_cert"))
     upstream_auth: Literal["password", "xoauth2", "oauthbearer"] = Field("password", description=(
         "smarthost AUTH: password (upstream_user and its password), xoauth2 or oauthbearer "
-        "(RFC 7628) with an OAuth2 access token fetched from oauth_token_url"))
-    oauth_token_url: str | None = Field(None, description=(
-        "OAuth2 token endpoint (https://login.microsoftonline.com/TENANT/oauth2/v2.0/token, "
-        "https://oauth2.googleapis.com/token)"))
-    oauth_client_id: str | None = Field(None, description="OAuth2 client (application) id")
-    oauth_client_secret_file: Path | None = Field(None, description=(
-        "file holding the OAuth2 client secret"))
-    oauth_refresh_token_file: Path | None = Field(None, description=(
-        "file holding an OAuth2 refresh token: the refresh-token grant (Google style); "
-        "without it, the client-credentials grant (Microsoft 365 style)"))
-    oauth_scope: str | None = Field(None, description=(
-        "OAuth2 scope (https://outlook.office365.com/.default, https://mail.google.com/)"))
-    oauth_ca_file: Path | None = Field(None, description=(
-        "PEM CA certificates that sign the token endpoint's certificate (private endpoints, "
-        "tests); default: the system's"))
+        "(RFC 7628) with an OAuth2 access token from oauth_provider"))
     dsn_on_partial_failure: bool = Field(True, description=(
         "send the sender an RFC 3464 notice for recipients refused permanently after a 250"))
 
@@ -233,41 +218,21 @@ class UpstreamSettings(Section):
             if auth == "password" or entry.auth is None:
                 continue  # the global upstream_auth is checked above
             user = entry.user if entry.user is not None else self.upstream_user
-            missing = [name for name, value in (
-                ("user", user), ("oauth_token_url", self.oauth_token_url),
-                ("oauth_client_id", self.oauth_client_id)) if not value]
-            if self.oauth_refresh_token_file is None and self.oauth_client_secret_file is None:
-                missing.append("oauth_client_secret_file or oauth_refresh_token_file")
-            if missing:
+            if not user:  # the OAuth2 settings themselves: a rule between sections
                 raise SettingsRuleError(
-                    f"upstream {entry.label}: auth {auth} needs {', '.join(missing)}",
-                    "upstream", "oauth_token_url", "oauth_client_id")
+                    f"upstream {entry.label}: auth {auth} needs user (the mailbox the token "
+                    "is for)", "upstream", "upstream_user")
 
     def _check_upstream_auth(self) -> None:
-        """OAuth2 AUTH needs the mailbox, the token endpoint (HTTPS: a secret goes to it), the
-        client and a grant; a client key needs its certificate."""
+        """OAuth2 AUTH needs the mailbox (the OAuth2 settings themselves: a rule between
+        sections, relay.settings); a client key needs its certificate."""
         if (self.upstream_client_cert is None) != (self.upstream_client_key is None):
             raise SettingsRuleError("upstream_client_cert and upstream_client_key go together",
                                     "upstream_client_cert", "upstream_client_key")
-        if self.oauth_token_url is not None and not self.oauth_token_url.startswith("https://"):
-            raise SettingsRuleError("oauth_token_url must be an https:// URL: the client "
-                                    "secret and the tokens cross it", "oauth_token_url")
-        if self.upstream_auth == "password":
-            return
-        needed = ("upstream_user", "oauth_token_url", "oauth_client_id")
-        missing = [name for name in needed if not getattr(self, name)]
-        if missing:
-            why = (" (upstream_user is the mailbox the token is for)"
-                   if "upstream_user" in missing else "")
+        if self.upstream_auth != "password" and not self.upstream_user:
             raise SettingsRuleError(
-                f"upstream_auth {self.upstream_auth} needs {', '.join(missing)}{why}",
-                "upstream_auth", *missing)
-        if self.oauth_refresh_token_file is None and self.oauth_client_secret_file is None:
-            raise SettingsRuleError(
-                f"upstream_auth {self.upstream_auth} needs oauth_client_secret_file (the "
-                "client-credentials grant) or oauth_refresh_token_file (the refresh-token "
-                "grant)", "upstream_auth", "oauth_client_secret_file",
-                "oauth_refresh_token_file")
+                f"upstream_auth {self.upstream_auth} needs upstream_user (upstream_user is "
+                "the mailbox the token is for)", "upstream_auth", "upstream_user")
 
     @property
     def upstreams_with_clear_credentials(self) -> list[str]:
@@ -303,23 +268,11 @@ class UpstreamSettings(Section):
             return None
         return secret_setting(self.upstream_password_file, "upstream_password_file")
 
-    def oauth_secret_values(self) -> tuple[str | None, str | None]:
-        """The OAuth2 client secret and refresh token, read from their files (None where no
-        file is set). Raises ConfigError when a file cannot be read or holds nothing."""
-        secret = refresh = None
-        if self.oauth_client_secret_file is not None:
-            secret = secret_setting(self.oauth_client_secret_file, "oauth_client_secret_file")
-        if self.oauth_refresh_token_file is not None:
-            refresh = secret_setting(self.oauth_refresh_token_file, "oauth_refresh_token_file")
-        return secret, refresh
-
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The password and secret files (read), the CA bundles and client certificates
         (loaded as the relay will load them), each entry's own too."""
         checks: list[FileCheck] = [
-            (("upstream_password_file",), self.upstream_password_value),
-            (("oauth_client_secret_file", "oauth_refresh_token_file"),
-             self.oauth_secret_values)]
+            (("upstream_password_file",), self.upstream_password_value)]
         for entry in self.upstream:
             if entry.password_file is not None:
                 checks.append((("upstream",), functools.partial(
@@ -327,9 +280,6 @@ class UpstreamSettings(Section):
         if self.upstream_ca_file is not None:
             path = self.upstream_ca_file
             checks.append((("upstream_ca_file",), ca_bundle(path, f"{path}: no PEM CA file")))
-        if self.oauth_ca_file is not None:
-            path = self.oauth_ca_file
-            checks.append((("oauth_ca_file",), ca_bundle(path, f"{path}: no PEM CA file")))
         cert, key = self.upstream_client_cert, self.upstream_client_key
         if cert is not None:
             checks.append((("upstream_client_cert", "upstream_client_key"), client_pair(
@@ -355,13 +305,15 @@ class UpstreamSettings(Section):
         return checks
 
     def failover_upstream(self, *, local_hostname: str, default_pool_size: int,
-                          health_interval_s: float, metrics: FailoverMetrics | None = None
-                          ) -> FailoverUpstream:
+                          health_interval_s: float, metrics: FailoverMetrics | None = None,
+                          token_provider: TokenProvider | None = None) -> FailoverUpstream:
         """The upstreams in order behind one :class:`FailoverUpstream` (a single one is always
         tried: no cool-down): the Maildir for ``maildir:PATH``, else an SMTP smarthost per
         entry, each with the entry's own settings over the global ``upstream_*`` ones.
         ``default_pool_size``: idle connections per upstream when ``upstream_pool_size`` is
-        unset. Raises ConfigError when an entry's password file cannot be read."""
+        unset; ``token_provider``: the OAuth2 tokens of XOAUTH2 / OAUTHBEARER AUTH (the
+        ``oauth`` section's). Raises ConfigError when an entry's password file cannot be
+        read."""
         from relay.upstream.failover import FailoverUpstream
         from relay.upstream.maildir import MaildirUpstream
         from relay.upstream.smtp import SmtpUpstream
@@ -371,9 +323,8 @@ class UpstreamSettings(Section):
             members: list[tuple[str, Upstream]] = [
                 (first.label, MaildirUpstream(path=Path(first.address[len("maildir:") :])))]
         else:
-            provider = self.token_provider()
             members = [(entry.label, SmtpUpstream(config=self.smtp_upstream_config(
-                entry, provider, local_hostname=local_hostname,
+                entry, token_provider, local_hostname=local_hostname,
                 default_pool_size=default_pool_size))) for entry in self.upstream]
         return FailoverUpstream(
             members, cooldown_s=self.upstream_cooldown,
@@ -422,22 +373,6 @@ class UpstreamSettings(Section):
         except ValueError as exc:
             raise ConfigError(f"upstream {entry.label}: {exc} ({setting_names('upstream')})"
                               ) from exc
-
-    def token_provider(self) -> TokenProvider | None:
-        """The OAuth2 token provider of smarthost AUTH XOAUTH2 / OAUTHBEARER (one per process,
-        shared by every upstream that uses it), None without ``oauth_token_url``. Reads the
-        secret files once (a new secret needs a restart); raises ConfigError when one is bad."""
-        from relay.upstream.oauth import OAuthConfig, TokenProvider
-
-        if self.oauth_token_url is None or self.oauth_client_id is None:
-            return None
-        secret, refresh = self.oauth_secret_values()
-        if secret is None and refresh is None:
-            return None
-        return TokenProvider(OAuthConfig(
-            token_url=self.oauth_token_url, client_id=self.oauth_client_id,
-            client_secret=secret, refresh_token=refresh, scope=self.oauth_scope,
-            ca_file=self.oauth_ca_file, timeout_s=self.upstream_connect_timeout))
 
     def dsn_sender(self, upstream: Upstream, metrics: PrometheusMetrics, *, reporting_mta: str,
                    log_addresses: bool) -> DsnSender | None:

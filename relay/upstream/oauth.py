@@ -1,11 +1,17 @@
 """OAuth2 access tokens for smarthost AUTH XOAUTH2 / OAUTHBEARER (RFC 6749, RFC 7628).
 
-:class:`TokenProvider` gets an access token from the token endpoint with the
+:class:`TokenProvider` holds the relay's token: it caches it and lets one fetch run at a time,
+whatever :class:`TokenSource` gets it. :class:`FormGrant` (here, no extra library) asks the
+token endpoint with the
 client-credentials grant (RFC 6749 section 4.4: ``client_id`` + ``client_secret`` + ``scope``,
 Microsoft 365 / Entra ID) or the refresh-token grant (section 6: ``refresh_token`` +
 ``client_id`` [+ ``client_secret``], Google Workspace), POSTed as
 ``application/x-www-form-urlencoded`` over HTTPS, the endpoint's certificate verified against
-``ca_file`` when given, else the system's CAs. A token is cached until ``expires_in`` less a
+``ca_file`` when given, else the system's CAs; a refresh token the endpoint rotates (a new
+``refresh_token`` in its reply, RFC 6749 section 6) replaces the old one, in memory and in its
+file. The Microsoft (msal: certificate, workload and managed identity) and Google (google-auth:
+service account) sources are :mod:`relay.upstream.oauth_libraries`'s (the ``oauth`` extra).
+A token is cached until ``expires_in`` less a
 margin (a tenth of its life, at most 60 s); one fetch runs at a time and concurrent callers
 wait for it. :meth:`TokenProvider.invalidate` drops a token the smarthost refused (535), so
 the next caller fetches a fresh one.
@@ -13,21 +19,24 @@ the next caller fetches a fresh one.
 Failures raise :class:`TokenError` with a client-safe reason (no secret, no token): the
 endpoint unreachable or timed out, an HTTP error status, a reply that is no token. The
 secrets come from files read once, when the provider is built (a new secret needs a restart).
-A certificate credential (an Entra client assertion JWT) is not supported: it needs a JWT
-signing library the relay does not carry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import math
+import os
 import ssl
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
@@ -37,6 +46,7 @@ _MAX_MARGIN_S = 60.0  # a token is renewed this long (or a tenth of its life) be
 MAX_TOKEN_REPLY_BYTES = 64 * 1024  # a token reply past this is refused, never read whole
 _DEFAULT_LIFETIME_S = 300.0  # a reply without expires_in (RFC 6749 5.1: only RECOMMENDED)
 _MAX_ERROR_TEXT = 200
+ENTRA_TOKEN_PATH = "/oauth2/v2.0/token"  # noqa: S105 (a URL path, not a secret)
 
 
 class TokenError(Exception):
@@ -60,6 +70,7 @@ class OAuthConfig:
     scope: str | None = None
     ca_file: Path | None = None
     timeout_s: float = 30.0
+    refresh_token_file: Path | None = None  # where a rotated refresh token is written back
 
     @property
     def grant(self) -> str:
@@ -82,6 +93,18 @@ class OAuthConfig:
                 f"grant={self.grant!r}, scope={self.scope!r})")
 
 
+def entra_authority(token_url: str) -> str:
+    """The msal authority of an Entra token endpoint URL:
+    ``https://login.microsoftonline.com/TENANT/oauth2/v2.0/token`` ->
+    ``https://login.microsoftonline.com/TENANT``. Raises ValueError for another shape."""
+    if not token_url.startswith("https://") or not token_url.endswith(ENTRA_TOKEN_PATH):
+        raise ValueError(f"an Entra token endpoint is https://HOST/TENANT{ENTRA_TOKEN_PATH}")
+    authority = token_url[: -len(ENTRA_TOKEN_PATH)]
+    if authority.count("/") < 3 or authority.endswith("/"):
+        raise ValueError(f"an Entra token endpoint is https://HOST/TENANT{ENTRA_TOKEN_PATH}")
+    return authority
+
+
 def tls_context(ca_file: Path | None) -> ssl.SSLContext:
     """A verifying client context: the CAs of ``ca_file`` (PEM), else the system's.
 
@@ -90,20 +113,26 @@ def tls_context(ca_file: Path | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
 
 
+class TokenSource(Protocol):
+    """Where a :class:`TokenProvider` gets a fresh token."""
+
+    async def fetch(self) -> tuple[str, float]:
+        """A new access token and its lifetime in seconds. Raises :class:`TokenError` (its
+        reason safe to show a client) when there is none; logs why."""
+        ...
+
+
 class TokenProvider:
-    """Access tokens for one OAuth2 client; see the module docstring.
+    """Access tokens for one OAuth2 client from ``source``; see the module docstring.
 
     ``clock`` (seconds, monotonic) is injectable for tests; ``fetches`` counts token requests
     sent (successful or not).
     """
 
-    def __init__(self, config: OAuthConfig, *,
+    def __init__(self, source: TokenSource, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if config.refresh_token is None and config.client_secret is None:
-            raise ValueError("the client-credentials grant needs a client secret")
-        self._cfg = config
+        self._source = source
         self._clock = clock
-        self._ssl = tls_context(config.ca_file)
         self._token: str | None = None
         self._valid_until = 0.0
         self._lock = asyncio.Lock()
@@ -121,7 +150,8 @@ class TokenProvider:
             cached = self._cached()  # fetched by the caller that held the lock before us
             if cached is not None:
                 return cached
-            token, lifetime = await self._fetch()
+            self.fetches += 1
+            token, lifetime = await self._source.fetch()
             margin = min(_MAX_MARGIN_S, lifetime / 10)
             self._token, self._valid_until = token, self._clock() + lifetime - margin
             return token
@@ -137,9 +167,20 @@ class TokenProvider:
             return self._token
         return None
 
-    async def _fetch(self) -> tuple[str, float]:
+
+
+class FormGrant:
+    """:class:`TokenSource` of the client-credentials and refresh-token grants, POSTed by the
+    relay itself (see the module docstring). Raises ValueError for a config without a grant."""
+
+    def __init__(self, config: OAuthConfig) -> None:
+        if config.refresh_token is None and config.client_secret is None:
+            raise ValueError("the client-credentials grant needs a client secret")
+        self._cfg = config
+        self._ssl = tls_context(config.ca_file)
+
+    async def fetch(self) -> tuple[str, float]:
         """POST the grant; the token and its lifetime in seconds. Raises TokenError."""
-        self.fetches += 1
         url = self._cfg.token_url
         timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
         try:
@@ -167,10 +208,29 @@ class TokenProvider:
                       url, status, self._cfg.grant, self._cfg.client_id, _error_text(body))
             raise TokenError(f"token endpoint refused, HTTP {status}")
         try:
-            return _parse(body)
+            token, lifetime, rotated = _parse(body)
         except ValueError as exc:
             log.error("OAuth2 token endpoint %s gave no usable token: %s", url, exc)
             raise TokenError("token endpoint reply malformed") from exc
+        if rotated is not None and self._cfg.refresh_token not in (None, rotated):
+            await self._keep_refresh_token(rotated)
+        return token, lifetime
+
+    async def _keep_refresh_token(self, rotated: str) -> None:
+        """Use ``rotated`` from now on, and write it over ``refresh_token_file`` (atomically,
+        mode 0600) so a restart uses it too: an endpoint that rotates revokes the old one."""
+        self._cfg = dataclasses.replace(self._cfg, refresh_token=rotated)
+        path = self._cfg.refresh_token_file
+        if path is None:
+            return
+        try:
+            await asyncio.to_thread(_write_secret, path, rotated)
+        except OSError as exc:
+            log.error("OAuth2: the token endpoint rotated the refresh token and it could not "
+                      "be written to %s (%s): this process uses the new one, a restart would "
+                      "read the old one", path, exc)
+            return
+        log.info("OAuth2: the token endpoint rotated the refresh token; kept in %s", path)
 
 
 class _ReplyTooLarge(Exception):
@@ -194,8 +254,25 @@ async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
     raise _ReplyTooLarge(f"reply over {MAX_TOKEN_REPLY_BYTES} bytes refused")
 
 
-def _parse(body: bytes) -> tuple[str, float]:
-    """``access_token`` and ``expires_in`` of a token response (RFC 6749 section 5.1).
+def _write_secret(path: Path, value: str) -> None:
+    """Replace ``path`` with ``value`` (a new file in its folder, mode 0600, renamed over it).
+    Raises OSError."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(value + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _parse(body: bytes) -> tuple[str, float, str | None]:
+    """``access_token``, ``expires_in`` and the ``refresh_token`` (None without one) of a
+    token response (RFC 6749 sections 5.1 and 6).
 
     Raises ValueError (its text names the fault, never the token) for anything else.
     """
@@ -217,7 +294,10 @@ def _parse(body: bytes) -> tuple[str, float]:
     if (isinstance(lifetime, bool) or not isinstance(lifetime, int | float)
             or not math.isfinite(lifetime) or lifetime <= 0):
         raise ValueError("expires_in is not a finite positive number")
-    return token, float(lifetime)
+    refresh = reply.get("refresh_token")
+    if not isinstance(refresh, str) or not refresh or not refresh.isprintable():
+        refresh = None
+    return token, float(lifetime), refresh
 
 
 def _error_text(body: bytes) -> str:

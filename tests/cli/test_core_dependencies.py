@@ -21,7 +21,7 @@ from tests.support.cli import wait_for_port
 from tests.support.clients import message
 from tests.support.net import free_port
 
-EXTRAS = ("asyncpg", "uvloop", "hiredis", "opentelemetry")
+EXTRAS = ("asyncpg", "uvloop", "hiredis", "opentelemetry", "msal", "google")
 POSTGRES = "postgresql://relay@127.0.0.1:5432/relay"
 
 
@@ -100,3 +100,17 @@ def test_tracing_configured_without_the_otel_extra_names_it(
     assert done.returncode == ExitCode.CONFIG, done.stderr
     assert "pip install 'dedup-relay[otel]'" in done.stderr
     assert "OTEL_" in done.stderr
+
+
+@pytest.mark.parametrize("provider", [
+    ("--oauth-provider", "microsoft", "--oauth-managed-identity", "system"),
+    ("--oauth-provider", "google", "--oauth-service-account-file", "sa.json"),
+], ids=["microsoft", "google"])
+def test_an_oauth_provider_without_the_oauth_extra_names_it(
+        core_only: dict[str, str], tmp_path: Path, provider: tuple[str, ...]) -> None:
+    done = relay("check-config", "--upstream", "smtp.example.com:587", "--upstream-auth",
+                 "xoauth2", "--upstream-user", "relay@example.com", *provider,
+                 env=core_only, cwd=tmp_path)
+    assert done.returncode == ExitCode.CONFIG, done.stderr
+    assert "pip install 'dedup-relay[oauth]'" in done.stderr
+    assert "oauth_provider" in done.stderr

@@ -68,12 +68,18 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "upstream_client_cert": ("client.pem", Path("client.pem")),
     "upstream_client_key": ("client.key", Path("client.key")),
     "upstream_auth": ("xoauth2", "xoauth2"),
-    "oauth_token_url": ("https://127.0.0.1:8443/token", "https://127.0.0.1:8443/token"),
+    "oauth_provider": ("microsoft", "microsoft"),
+    "oauth_token_url": ("https://127.0.0.1:8443/tenant/oauth2/v2.0/token",
+                        "https://127.0.0.1:8443/tenant/oauth2/v2.0/token"),
     "oauth_client_id": ("relay-app", "relay-app"),
     "oauth_client_secret_file": ("secret.txt", Path("secret.txt")),
     "oauth_refresh_token_file": ("refresh.txt", Path("refresh.txt")),
     "oauth_scope": ("https://mail.google.com/", "https://mail.google.com/"),
     "oauth_ca_file": ("oauth-ca.pem", Path("oauth-ca.pem")),
+    "oauth_certificate_file": ("entra.pem", Path("entra.pem")),
+    "oauth_federated_token_file": ("federated.jwt", Path("federated.jwt")),
+    "oauth_managed_identity": ("system", "system"),
+    "oauth_service_account_file": ("google.json", Path("google.json")),
     "store": ("redis://127.0.0.1:6379/3", "redis://127.0.0.1:6379/3"),
     "store_prefix": ("app:fp:", "app:fp:"),
     "store_key_format": ("compact", "compact"),
@@ -111,6 +117,14 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "in_doubt_alert_after": ("600", 600.0),
 }
 SECOND_RUN = {"upstream_password", "fingerprint_secret_file"}  # each excludes another setting
+# the OAuth2 credentials exclude each other (and the microsoft provider of the first run takes
+# neither the refresh token nor a service account): one run each, with its provider
+OAUTH_RUNS: list[tuple[set[str], list[str]]] = [
+    ({"oauth_refresh_token_file", "oauth_client_secret_file"}, []),
+    ({"oauth_federated_token_file"}, ["--oauth-provider", "microsoft"]),
+    ({"oauth_managed_identity"}, ["--oauth-provider", "microsoft"]),
+    ({"oauth_service_account_file"}, ["--oauth-provider", "google"]),
+]
 
 
 def _argv(names: set[str]) -> list[str]:
@@ -146,12 +160,14 @@ def test_every_setting_has_a_sample() -> None:
 
 
 def test_every_setting_reaches_the_settings_through_its_flag() -> None:
-    """Each generated flag sets its own field, as typed on the command line (two runs: the
-    password file and the password itself exclude each other)."""
-    first = set(SAMPLES) - SECOND_RUN
-    second = SECOND_RUN | {"upstream"}
-    for names in (first, second):
-        settings = _parsed(_argv(names))
+    """Each generated flag sets its own field, as typed on the command line (several runs: the
+    password file and the password itself exclude each other, as the OAuth2 credentials
+    do)."""
+    oauth = {name for names, _ in OAUTH_RUNS for name in names}
+    runs = [(set(SAMPLES) - SECOND_RUN - oauth, []), (SECOND_RUN | {"upstream"}, []),
+            *((names | {"upstream"}, extra) for names, extra in OAUTH_RUNS)]
+    for names, extra in runs:
+        settings = _parsed(_argv(names) + extra)
         for name in names:
             value = getattr(settings, name)
             if isinstance(value, SecretStr):

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiosmtpd.smtp import SMTP
 
 from relay.core.interfaces import DeliveryResult, OutboundMessage, RcptStatus
-from relay.upstream.oauth import OAuthConfig, TokenError, TokenProvider
+from relay.upstream.oauth import FormGrant, OAuthConfig, TokenError, TokenProvider
 from relay.upstream.smtp import SmtpUpstream, SmtpUpstreamConfig
 from tests.support.clients import message
 from tests.support.oauth import (
@@ -81,7 +81,7 @@ def provider(endpoint: TokenEndpoint, *, refresh: bool = False,
         token_url=endpoint.url, client_id="client-1", client_secret=SECRET,
         refresh_token=REFRESH if refresh else None, scope="https://outlook.office365.com/.default",
         ca_file=endpoint.ca_file, timeout_s=5.0)
-    return TokenProvider(config, **({"clock": clock} if clock is not None else {}))
+    return TokenProvider(FormGrant(config), **({"clock": clock} if clock is not None else {}))
 
 
 def upstream(port: int, tokens: TokenProvider | None, *, auth: str = "xoauth2",
@@ -281,7 +281,7 @@ async def test_the_token_endpoint_is_verified_against_its_ca(
     """Without the endpoint's CA (the system's CAs do not know it) no token is fetched."""
     config = OAuthConfig(token_url=endpoint.url, client_id="c", client_secret=SECRET)
     with pytest.raises(TokenError, match="unreachable"):
-        await TokenProvider(config).token()
+        await TokenProvider(FormGrant(config)).token()
     assert endpoint.fetches == 0
 
 
