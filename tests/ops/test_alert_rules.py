@@ -61,3 +61,17 @@ def test_a_refused_reload_alerts() -> None:
     """What docs/operating/reload.md tells the operator to alert on is a shipped rule."""
     expr = str(rules()["DedupRelayReloadRefused"]["expr"])
     assert "relay_config_reloads_total" in expr and "refused" in expr
+
+
+def test_every_rule_links_its_section_of_the_runbook() -> None:
+    """Each ``runbook_url`` is the external label ``dedup_relay_docs`` followed by the anchor
+    of a section of docs/operating/alerts.md that is titled with the alert's name (mkdocs
+    anchors: the heading lowercased)."""
+    page = (HERE.parents[1] / "docs" / "operating" / "alerts.md").read_text()
+    headings = {line[3:].strip().lower() for line in page.splitlines() if line.startswith("## ")}
+    for name, rule in rules().items():
+        annotations = rule["annotations"]
+        assert isinstance(annotations, dict)
+        assert annotations["runbook_url"] == (
+            "{{ $externalLabels.dedup_relay_docs }}/operating/alerts/#" + name.lower()), name
+        assert name.lower() in headings, name
