@@ -144,21 +144,23 @@ class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings,
                 for auth in [entry.auth or self.upstream_auth] if auth != "password"]
 
     def _check_oauth_auth(self) -> None:
-        """An upstream whose AUTH takes an OAuth2 token needs a provider that can fetch one;
-        a Google token is for one mailbox (upstream_user), so every such upstream logs in as
-        it."""
+        """An upstream whose AUTH takes an OAuth2 token needs its mailbox (``upstream_user``,
+        or the entry's ``user``) and a provider that can fetch a token; a Google token is for
+        one mailbox (upstream_user), so every such upstream logs in as it."""
         using = self.oauth_auth_upstreams
-        if not using:
-            return
-        missing = self.oauth_missing()
-        if missing:
-            label, auth, _ = using[0]
-            where = ("upstream_auth" if auth == self.upstream_auth
-                     else f"upstream {label}: auth")
+        oauth_missing = self.oauth_missing()
+        for label, auth, user in using:
+            own = any(e.label == label and e.auth is not None for e in self.upstream)
+            mailbox = [] if user else ["user" if own else "upstream_user"]
+            missing = [*mailbox, *oauth_missing]
+            if not missing:
+                continue
+            where = f"upstream {label}: auth" if own else "upstream_auth"
+            why = " (the mailbox the token is for)" if mailbox else ""
+            names = [n for m in missing for n in m.split(" or ") if n != "user"]
             raise SettingsRuleError(
-                f"{where} {auth} needs {', '.join(missing)} (oauth_provider "
-                f"{self.oauth_provider})", "upstream_auth", "oauth_provider",
-                *(m for m in missing if " or " not in m))
+                f"{where} {auth} needs {', '.join(missing)}{why} (oauth_provider "
+                f"{self.oauth_provider})", "upstream" if own else "upstream_auth", *names)
         others = sorted({user or "" for _, _, user in using} - {self.upstream_user or ""})
         if self.oauth_provider == "google" and others:
             raise SettingsRuleError(

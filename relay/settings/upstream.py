@@ -199,9 +199,8 @@ class UpstreamSettings(Section):
         return self
 
     def _check_upstream_entries(self) -> None:
-        """The cool-down's cap is not below it; each ``upstream`` entry's own settings hold
-        together with the global ones (OAuth2 AUTH needs its mailbox and the token endpoint;
-        a client certificate goes with its key)."""
+        """The cool-down's cap is not below it; each ``upstream`` entry's client certificate
+        goes with its key (its own or the global one)."""
         if self.upstream_cooldown_max < self.upstream_cooldown:
             raise SettingsRuleError(
                 f"upstream_cooldown_max ({self.upstream_cooldown_max:g} s) must not be below "
@@ -214,25 +213,15 @@ class UpstreamSettings(Section):
                 raise SettingsRuleError(
                     f"upstream {entry.label}: client_cert and client_key go together",
                     "upstream", "upstream_client_cert", "upstream_client_key")
-            auth = entry.auth or self.upstream_auth
-            if auth == "password" or entry.auth is None:
-                continue  # the global upstream_auth is checked above
-            user = entry.user if entry.user is not None else self.upstream_user
-            if not user:  # the OAuth2 settings themselves: a rule between sections
-                raise SettingsRuleError(
-                    f"upstream {entry.label}: auth {auth} needs user (the mailbox the token "
-                    "is for)", "upstream", "upstream_user")
+        # an OAuth2 AUTH's mailbox and token: a rule between sections (relay.settings)
 
     def _check_upstream_auth(self) -> None:
-        """OAuth2 AUTH needs the mailbox (the OAuth2 settings themselves: a rule between
-        sections, relay.settings); a client key needs its certificate."""
+        """A client key needs its certificate (what OAuth2 AUTH needs is a rule between
+        sections: relay.settings)."""
         if (self.upstream_client_cert is None) != (self.upstream_client_key is None):
             raise SettingsRuleError("upstream_client_cert and upstream_client_key go together",
                                     "upstream_client_cert", "upstream_client_key")
-        if self.upstream_auth != "password" and not self.upstream_user:
-            raise SettingsRuleError(
-                f"upstream_auth {self.upstream_auth} needs upstream_user (upstream_user is "
-                "the mailbox the token is for)", "upstream_auth", "upstream_user")
+
 
     @property
     def upstreams_with_clear_credentials(self) -> list[str]:

@@ -577,8 +577,10 @@ def test_what_cannot_change_live(tmp_path: Path) -> None:
 
 
 def test_upstream_secrets_and_certificates_replaced_in_place_are_named(tmp_path: Path) -> None:
-    """The smarthost's CA bundle, client certificate and key, and the OAuth2 secret files are
-    read once at start: one replaced at its path is named "needs a restart", not ignored."""
+    """The smarthost's CA bundle, client certificate and key, and the OAuth2 client secret and
+    CA are read once at start: one replaced at its path is named "needs a restart", not
+    ignored. The refresh token's file is not: the relay itself writes a rotated token there
+    (relay.upstream.oauth.FormGrant), which is no change of configuration."""
     pki = make_pki(tmp_path)
     secret, refresh = tmp_path / "client-secret", tmp_path / "refresh-token"
     secret.write_text("s1")
@@ -598,7 +600,7 @@ def test_upstream_secrets_and_certificates_replaced_in_place_are_named(tmp_path:
     assert changed.applied == ()
     assert set(changed.restart) == {
         "upstream_ca_file", "upstream_client_cert", "upstream_client_key",
-        "oauth_client_secret_file", "oauth_refresh_token_file", "oauth_ca_file"}
+        "oauth_client_secret_file", "oauth_ca_file"}
 
 
 @WORKERS
