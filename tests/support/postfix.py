@@ -22,10 +22,12 @@ def available() -> bool:
     return Path(POSTFIX).exists() and os.geteuid() == 0
 
 
-def queued(queue_dir: Path) -> int:
-    """Messages in a Postfix queue directory (incoming, active, deferred, maildrop, hold)."""
+def queued(queue_dir: Path, subs: tuple[str, ...] = (
+        "maildrop", "incoming", "active", "deferred", "hold")) -> int:
+    """Messages in a Postfix queue directory's ``subs`` (all its queues by default;
+    ``("deferred",)``: those whose delivery attempt failed and that wait for a retry)."""
     count = 0
-    for sub in ("maildrop", "incoming", "active", "deferred", "hold"):
+    for sub in subs:
         for _, _, files in os.walk(queue_dir / sub):
             count += len(files)
     return count
