@@ -1,1 +1,1 @@
-"""The relay benchmark of issue 10: ``python -m bench.run`` (see bench/README.md)."""
+"""The relay benchmark: ``python -m bench.run`` (see bench/README.md)."""

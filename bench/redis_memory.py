@@ -1,4 +1,4 @@
-"""Redis ``used_memory`` per SENT fingerprint, hex and compact keys (issue 10: at most 160 B).
+"""Redis ``used_memory`` per SENT fingerprint, hex and compact keys (the target: at most 160 B).
 
 One command (from the repository root)::
 

@@ -1,4 +1,4 @@
-"""The relay benchmark of issue 10: Postfix, a naive relay and dedup-relay, interleaved.
+"""The relay benchmark: Postfix, a naive relay and dedup-relay, interleaved.
 
 One command (from the repository root)::
 
@@ -67,7 +67,7 @@ SMTP_SOURCE = "/usr/sbin/smtp-source"
 WARM_UP_MESSAGES = 200
 """Messages sent, unmeasured, to every target after it starts."""
 FP_KEYS = 100_000
-"""Fingerprints of the Redis memory measurement in a full run (issue 10 asks at least 100,000)."""
+"""Fingerprints of the Redis memory measurement in a full run (the target asks at least 100,000)."""
 
 
 # --------------------------------------------------------------------------- processes
@@ -570,7 +570,7 @@ SEQUENTIAL = SCENARIOS[3].name
 
 def verdicts(results: dict[tuple[str, str], list[Cell]],
              memory: dict[str, FpMemory]) -> Iterator[str]:
-    """Markdown lines: each target of issue 10, the measured ratio of medians, met or not."""
+    """Markdown lines: each target of the benchmark, the measured ratio of medians, met or not."""
     def med(target: str, scenario: str, attr: str) -> float:
         return _med(values(results.get((target, scenario), []), attr))
 
@@ -595,7 +595,7 @@ def verdicts(results: dict[tuple[str, str], list[Cell]],
               med("Postfix", SEQUENTIAL, "p50_ms"), 1.0, at_most=True)
     ratio(f"{NEW_1}: Redis CPU ms/msg x naive", med(redis_, NEW_1, "cpu_ms"),
           med("naive relay", NEW_1, "cpu_ms"), 1.0, at_most=True)
-    yield "| target of issue 10 | measured (ratio of medians) | wanted | met |"
+    yield "| target | measured (ratio of medians) | wanted | met |"
     yield "|---|---|---|---|"
     for what, r, want, met in rows:
         yield f"| {what} | {_fmt(r, 2)} | {want} | {'yes' if met else '**no**'} |"
@@ -613,7 +613,7 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
     reps, counts = plan.reps, plan.counts
     lines = [
         BEGIN,
-        "## Relay throughput against Postfix (`bench/run.py`, issue 10)",
+        "## Relay throughput against Postfix (`bench/run.py`)",
         "",
         *(([plan.label, ""]) if plan.label else []),
         f"Command: `{command}`, run {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}, "
@@ -663,7 +663,7 @@ def render(command: str, plan: Plan, results: dict[tuple[str, str], list[Cell]],
         "here: with `in_flow_delay = 0s` its p99 was 47 ms and its p50 22 ms for 1500 messages,",
         "20 sessions, a new connection each). Its latency is to its queue, not to the sink.",
         "",
-        "### Against the targets of issue 10",
+        "### Against the targets",
         "",
         *verdicts(results, memory),
         *tables(results, [t for t in plan.targets if not t.memory_only], plan.scenarios),
