@@ -28,13 +28,14 @@ from relay.listen import Inherited, bind, bind_error, serve_on
 from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
 from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
-from relay.ops.tracing import OtelTracer, start_tracing
+from relay.ops.tracing import FLUSH_S, OtelTracer, start_tracing
 from relay.settings import Settings
 from relay.smtp.auth import SaslMechanisms
 from relay.smtp.handler import ListenerSecurity, RelayHandler, smtp_factory
 from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.store.journal import SettleJournal
 from relay.upstream.failover import FailoverUpstream
+from relay.upstream.oauth import TokenProvider
 from relay.upstream.pool import default_pool_size
 
 if TYPE_CHECKING:  # the postgres extra: imported only where a ledger is configured
@@ -43,7 +44,8 @@ if TYPE_CHECKING:  # the postgres extra: imported only where a ledger is configu
 log = logging.getLogger("relay.app")
 
 LEDGER_FLUSH_S = 5.0
-"""Seconds the audit ledger's queued rows get to land when the relay stops."""
+"""Seconds the audit ledger's queued rows, and a token request in flight, get to land when
+the relay stops."""
 
 
 class Relay:
@@ -66,6 +68,7 @@ class Relay:
         self.store: FingerprintStore | None = None
         self.ledger: PostgresLedger | None = None
         self.upstream: FailoverUpstream | None = None
+        self.tokens: TokenProvider | None = None  # OAuth2 tokens of smarthost AUTH
         self.dsn: DsnSender | None = None
         self.core: DedupCore | None = None
         self.security: ListenerSecurity | None = None
@@ -99,10 +102,11 @@ class Relay:
             self.store = None
             raise
         metrics.declare_upstreams(entry.label for entry in s.upstream)
+        self.tokens = s.smarthost_tokens()
         self.upstream = s.failover_upstream(
             local_hostname=s.hostname, health_interval_s=s.health_interval, metrics=metrics,
             default_pool_size=default_pool_size(s.max_connections, s.effective_workers),
-            token_provider=s.smarthost_tokens())
+            token_provider=self.tokens)
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)
@@ -255,20 +259,27 @@ class Relay:
         await self._close_parts()
 
     async def _close_parts(self) -> None:
-        """Close the metrics server, the health probes, the upstream, the ledger, the store;
-        export the spans still queued."""
+        """Close the metrics server, the health probes, the upstream; wait for the OAuth2
+        token request in flight (its reply may rotate the refresh token) while the ledger's
+        rows land (both within :data:`LEDGER_FLUSH_S`); close the store; export the spans
+        still queued."""
         if self._ops is not None:
             await self._ops.stop()
         if self.health is not None:
             await self.health.stop()
         if self.upstream is not None:
             await self.upstream.close()
+        closing = []
+        if self.tokens is not None:
+            closing.append(self.tokens.close(timeout_s=LEDGER_FLUSH_S))
         if self.ledger is not None:  # every message is answered: its rows are queued
-            await self.ledger.close(flush_s=LEDGER_FLUSH_S)
+            closing.append(self.ledger.close(flush_s=LEDGER_FLUSH_S))
+        await asyncio.gather(*closing)
         if self.store is not None:
             await self.store.close()
-        if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.shutdown)
+        if self.tracer is not None and not await asyncio.to_thread(self.tracer.shutdown):
+            log.warning("tracing: the spans still queued were not exported within %.0f s: "
+                        "dropped", FLUSH_S)
 
     def _pending(self) -> set[asyncio.Task[Any]]:
         pending: set[asyncio.Task[Any]] = set()

@@ -170,12 +170,12 @@ class DedupCore:
             span.set("relay.queue_id", msg.queue_id)
             span.set("relay.recipients", len(msg.rcpt_tos))
             decision = await self._process(msg)
-            if span.trace_id:
+            if span.recording:
                 decision = dataclasses.replace(decision, trace_id=span.trace_id)
-            span.set("relay.result", decision.result.value)
-            span.set("relay.outcomes", ",".join(sorted({o.value for o in
-                                                        decision.outcomes.values()})))
-            span.set("smtp.reply_code", decision.reply.code)
+                span.set("relay.result", decision.result.value)
+                span.set("relay.outcomes", ",".join(sorted({o.value for o in
+                                                            decision.outcomes.values()})))
+                span.set("smtp.reply_code", decision.reply.code)
         for observer in self._observers:
             observer.decided(msg, decision)
         return decision
@@ -406,12 +406,17 @@ class DedupCore:
                 ops.append(SettleOp(key=key, action=ruling.settle, reply=str(upstream.reply),
                                     window_s=p.window_s))
         if ops:
-            with self._tracer.span(SETTLE) as span:
+            await self._settle(ops, token, lease_ends)
+        return self._conclude(msg, plan.verdicts, result, p=p)
+
+    async def _settle(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
+        """Settle ``ops`` in the span ``store.settle``."""
+        with self._tracer.span(SETTLE) as span:
+            if span.recording:
                 span.set("relay.settles", len(ops))
                 span.set("relay.settle_actions", ",".join(sorted({op.action.value
                                                                   for op in ops})))
-                await self._settler.settle(ops, token, lease_ends)
-        return self._conclude(msg, plan.verdicts, result, p=p)
+            await self._settler.settle(ops, token, lease_ends)
 
     async def _reserve_uncut(self, keys: list[str], token: str,
                              p: Policy) -> list[Reservation]:

@@ -39,8 +39,14 @@ class Span(Protocol):
     """One open span."""
 
     @property
+    def recording(self) -> bool:
+        """Whether it is kept (sampled): attributes set on a span that is not are dropped, so
+        a caller may skip the work of building them."""
+
+    @property
     def trace_id(self) -> str:
-        """Its trace's id, 32 lowercase hex digits (W3C Trace Context); empty when none."""
+        """Its trace's id, 32 lowercase hex digits (W3C Trace Context); empty when it is not
+        sampled (no exporter will hold that trace)."""
 
     def set(self, name: str, value: AttributeValue) -> None:
         """Set attribute ``name``."""
@@ -60,6 +66,7 @@ class Tracer(Protocol):
 class _NoSpan:
     """The span of :data:`NO_TRACING`: its own context manager, doing nothing."""
 
+    recording = False
     trace_id = ""
 
     def set(self, name: str, value: AttributeValue) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -123,9 +124,15 @@ class _OtelSpan:
         self._span = span
 
     @property
+    def recording(self) -> bool:
+        return bool(self._span.is_recording())
+
+    @property
     def trace_id(self) -> str:
         context = self._span.get_span_context()
-        return f"{context.trace_id:032x}" if context.is_valid else ""
+        if not context.is_valid or not context.trace_flags.sampled:
+            return ""
+        return f"{context.trace_id:032x}"
 
     def set(self, name: str, value: AttributeValue) -> None:
         self._span.set_attribute(name, value)
@@ -150,11 +157,19 @@ class OtelTracer:
     def span(self, name: str) -> AbstractContextManager[Span]:
         return self._open(name)
 
-    def shutdown(self, timeout_s: float = FLUSH_S) -> None:
-        """Export what is queued (at most ``timeout_s``), then stop the exporters. Blocks:
-        call it off the event loop."""
-        self._provider.force_flush(timeout_millis=int(timeout_s * 1000))
-        self._provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_S) -> bool:
+        """Export what is queued and stop the exporters, in a daemon thread waited for at
+        most ``timeout_s`` seconds (the SDK's own flush does not keep to its timeout against
+        a collector that does not answer); False when it did not end in time (the rest is
+        dropped when the process exits). Blocks: call it off the event loop."""
+        def stop() -> None:
+            self._provider.force_flush(timeout_millis=int(timeout_s * 1000))
+            self._provider.shutdown()
+
+        worker = threading.Thread(target=stop, name="otel-shutdown", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        return not worker.is_alive()
 
 
 def _exporter(name: str, protocol: str) -> Any:
@@ -172,8 +187,8 @@ def start_tracing(env: Mapping[str, str]) -> OtelTracer | None:
     """This process's tracer: None when ``env`` (the process environment: the SDK reads its
     other variables from ``os.environ`` itself) configures no exporter, else an
     :class:`OtelTracer` exporting in batches (``OTEL_BSP_*``) to each
-    exporter, its resource the ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME`` ones with
-    ``service.name`` ``dedup-relay`` and ``service.version`` by default, and ``process.pid``
+    exporter, its resource the ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME`` ones over
+    the defaults ``service.name`` ``dedup-relay``, ``service.version`` and ``process.pid``
     (which worker). Sampling is
     ``OTEL_TRACES_SAMPLER`` (default: every message). Raises ConfigError as
     :func:`check_tracing`."""
@@ -184,7 +199,9 @@ def start_tracing(env: Mapping[str, str]) -> OtelTracer | None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.version": __version__, "process.pid": os.getpid()})
+    # the relay's values are defaults: OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME win
+    resource = Resource({"service.version": __version__, "process.pid": os.getpid()}).merge(
+        Resource.create())
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
     # stopped by the relay (OtelTracer.shutdown, bounded), not by an atexit hook

@@ -67,8 +67,9 @@ class OAuthSettings(Section):
         "file holding the OAuth2 client secret"))
     oauth_refresh_token_file: Path | None = Field(None, description=(
         "file holding an OAuth2 refresh token: the refresh-token grant (generic provider); "
-        "without it, the client-credentials grant. A refresh token the endpoint rotates is "
-        "written back to this file"))
+        "without it, the client-credentials grant. Read again before each refresh; a "
+        "refresh token the endpoint rotates is written back to this file (its folder "
+        "writable: the workers lock .<name>.lock there)"))
     oauth_certificate_file: Path | None = Field(None, description=(
         "microsoft: PEM file holding the app registration's certificate and its unencrypted "
         "private key (a signed client assertion instead of a secret)"))

@@ -17,8 +17,14 @@ wait for it. :meth:`TokenProvider.invalidate` drops a token the smarthost refuse
 the next caller fetches a fresh one.
 
 Failures raise :class:`TokenError` with a client-safe reason (no secret, no token): the
-endpoint unreachable or timed out, an HTTP error status, a reply that is no token. The
-secrets come from files read once, when the provider is built (a new secret needs a restart).
+endpoint unreachable or timed out, an HTTP error status, a reply that is no token. The client
+secret comes from its file, read once when the provider is built (a new secret needs a
+restart). The refresh token's file is shared by every worker of the relay: a refresh grant
+holds an exclusive ``flock`` on ``.<file>.lock`` beside it, reads the file again (another
+worker may have rotated the token) and writes a rotated token back before letting go, so one
+worker refreshes at a time, each with the token in force. A fetch started is not abandoned by
+its caller's cancellation (it may carry a rotated refresh token): it runs to its end, and
+:meth:`TokenProvider.close` waits for it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -33,7 +40,7 @@ import os
 import ssl
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -135,26 +142,36 @@ class TokenProvider:
         self._clock = clock
         self._token: str | None = None
         self._valid_until = 0.0
-        self._lock = asyncio.Lock()
+        self._inflight: asyncio.Task[str] | None = None
         self.fetches = 0
 
     async def token(self) -> str:
-        """A valid access token: the cached one, else a fresh one (one fetch at a time).
+        """A valid access token: the cached one, else a fresh one (one fetch at a time: a
+        caller arriving during a fetch waits for that one). A caller cancelled while it waits
+        leaves the fetch running (:meth:`close` waits for it).
 
         Raises :class:`TokenError` when the endpoint gives none.
         """
         cached = self._cached()
         if cached is not None:
             return cached
-        async with self._lock:
-            cached = self._cached()  # fetched by the caller that held the lock before us
-            if cached is not None:
-                return cached
+        if self._inflight is None:
             self.fetches += 1
-            token, lifetime = await self._source.fetch()
-            margin = min(_MAX_MARGIN_S, lifetime / 10)
-            self._token, self._valid_until = token, self._clock() + lifetime - margin
-            return token
+            self._inflight = asyncio.get_running_loop().create_task(self._fetch())
+            self._inflight.add_done_callback(self._fetched)
+        return await asyncio.shield(self._inflight)
+
+    async def close(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for the fetch in flight, whose reply may carry a
+        rotated refresh token that must reach its file; cancel it past that."""
+        task = self._inflight
+        if task is None:
+            return
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+        if not done:
+            log.error("OAuth2: the token request still runs after %.0f s: cancelled",
+                      timeout_s)
+            task.cancel()
 
     def invalidate(self, token: str) -> None:
         """Forget ``token`` (the smarthost refused it) unless a newer one replaced it already:
@@ -162,11 +179,22 @@ class TokenProvider:
         if self._token == token:
             self._token = None
 
+    async def _fetch(self) -> str:
+        token, lifetime = await self._source.fetch()
+        margin = min(_MAX_MARGIN_S, lifetime / 10)
+        self._token, self._valid_until = token, self._clock() + lifetime - margin
+        return token
+
+    def _fetched(self, task: asyncio.Task[str]) -> None:
+        if self._inflight is task:
+            self._inflight = None
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller that awaited it may have been cancelled
+
     def _cached(self) -> str | None:
         if self._token is not None and self._clock() < self._valid_until:
             return self._token
         return None
-
 
 
 class FormGrant:
@@ -178,9 +206,36 @@ class FormGrant:
             raise ValueError("the client-credentials grant needs a client secret")
         self._cfg = config
         self._ssl = tls_context(config.ca_file)
+        self._in_file = config.refresh_token  # the refresh token its file held when last seen
 
     async def fetch(self) -> tuple[str, float]:
-        """POST the grant; the token and its lifetime in seconds. Raises TokenError."""
+        """POST the grant; the token and its lifetime in seconds. A refresh grant with a
+        token file holds the file's lock and reads it first (the module docstring). Raises
+        TokenError."""
+        path = self._cfg.refresh_token_file
+        if self._cfg.refresh_token is None or path is None:
+            return await self._post()
+        path = Path(await asyncio.to_thread(os.path.realpath, path))
+        async with _exclusive(path.with_name(f".{path.name}.lock"),
+                              wait_s=self._cfg.timeout_s + _LOCK_MARGIN_S):
+            await self._read_refresh_token(path)
+            return await self._post()
+
+    async def _read_refresh_token(self, path: Path) -> None:
+        """Take the refresh token in ``path`` when it is not the one last seen there (another
+        worker rotated it, or the operator replaced it); keep this process's own otherwise
+        (one it could not write back)."""
+        try:
+            text = (await asyncio.to_thread(path.read_text, encoding="utf-8")).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("OAuth2: the refresh token file %s cannot be read (%s): the token "
+                        "this process holds is used", path, exc)
+            return
+        if text and text != self._in_file:
+            self._cfg = dataclasses.replace(self._cfg, refresh_token=text)
+            self._in_file = text
+
+    async def _post(self) -> tuple[str, float]:
         url = self._cfg.token_url
         timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
         try:
@@ -230,7 +285,42 @@ class FormGrant:
                       "be written to %s (%s): this process uses the new one, a restart would "
                       "read the old one", path, exc)
             return
+        self._in_file = rotated
         log.info("OAuth2: the token endpoint rotated the refresh token; kept in %s", path)
+
+
+_LOCK_MARGIN_S = 5.0  # a refresh waits this much longer than a token request for the lock
+_LOCK_POLL_S = 0.02
+
+
+@contextlib.asynccontextmanager
+async def _exclusive(lock_path: Path, *, wait_s: float) -> AsyncIterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created, mode 0600), polled without
+    blocking the loop for at most ``wait_s`` seconds. A lock file that cannot be created (a
+    read-only folder, where no rotated token could be written either) is logged and gone
+    without. Raises TokenError past ``wait_s``."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        log.warning("OAuth2: no lock file %s (%s): workers may refresh at once", lock_path,
+                    exc.strerror)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.error("OAuth2: %s still locked after %.0f s by another refresh",
+                              lock_path, wait_s)
+                    raise TokenError("token refresh busy") from None
+                await asyncio.sleep(_LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class _ReplyTooLarge(Exception):
@@ -255,19 +345,26 @@ async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
 
 
 def _write_secret(path: Path, value: str) -> None:
-    """Replace ``path`` with ``value`` (a new file in its folder, mode 0600, renamed over it).
-    Raises OSError."""
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Replace the file ``path`` names (through symbolic links: the link stays) with
+    ``value``: a new file in its folder, mode 0600, synced, renamed over it, the folder
+    synced. Raises OSError."""
+    target = Path(os.path.realpath(path))
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(value + "\n")
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temp, path)
+        os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+    folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _parse(body: bytes) -> tuple[str, float, str | None]:
@@ -280,6 +377,8 @@ def _parse(body: bytes) -> tuple[str, float, str | None]:
         reply = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError("not JSON") from None
+    except RecursionError:  # arrays or objects nested past the interpreter's stack
+        raise ValueError("JSON nested too deep") from None
     if not isinstance(reply, dict):
         raise ValueError("not a JSON object")
     token = reply.get("access_token")
@@ -305,7 +404,7 @@ def _error_text(body: bytes) -> str:
     its first bytes; shortened, for the log."""
     try:
         reply = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         reply = None
     if isinstance(reply, dict) and "error" in reply:
         text = f"{reply.get('error')}: {reply.get('error_description', '')}"

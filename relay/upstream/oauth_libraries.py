@@ -55,8 +55,10 @@ class _TimedSession(requests.Session):
 
     def request(self, method: Any, url: Any, *args: Any, **kwargs: Any
                 ) -> requests.Response:
-        kwargs.setdefault("timeout", self._timeout_s)
-        kwargs["verify"] = self.verify  # msal passes its own verify=True: the CA file wins
+        # the libraries pass their own (google-auth: 120 s, msal: its own): ours wins, as the
+        # CA file does over msal's verify=True
+        kwargs["timeout"] = self._timeout_s
+        kwargs["verify"] = self.verify
         return super().request(method, url, *args, **kwargs)
 
 
@@ -102,13 +104,17 @@ def _msal_token(result: Mapping[str, Any] | None, what: str) -> tuple[str, float
     raise TokenError("token endpoint refused")
 
 
-async def _in_thread(call: Callable[[], tuple[str, float]], what: str) -> tuple[str, float]:
-    """Run a library's blocking fetch in a thread; its transport failures become TokenError."""
+async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *,
+                     unreachable: tuple[type[Exception], ...] = ()) -> tuple[str, float]:
+    """Run a library's blocking fetch in a thread; its failures become TokenError: requests'
+    and the socket's, and ``unreachable`` (the library's own transport error), as
+    ``token endpoint unreachable``; any other as ``token endpoint refused``."""
+    transport: tuple[type[Exception], ...] = (requests.RequestException, OSError, *unreachable)
     try:
         return await asyncio.to_thread(call)
     except TokenError:
         raise
-    except (requests.RequestException, OSError) as exc:
+    except transport as exc:
         log.error("OAuth2 (%s): token endpoint unreachable (%s: %s)", what,
                   type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT])
         raise TokenError("token endpoint unreachable") from exc
@@ -231,6 +237,7 @@ class GoogleServiceAccount:
 
     def __init__(self, *, info: Mapping[str, Any], subject: str, scope: str,
                  ca_file: Path | None = None, timeout_s: float = 30.0) -> None:
+        from google.auth.exceptions import TransportError
         from google.auth.transport.requests import Request
         from google.oauth2 import service_account
 
@@ -241,6 +248,7 @@ class GoogleServiceAccount:
                                                       str(ca_file) if ca_file else True))
         self._now: Callable[[], datetime.datetime] = functools.partial(
             datetime.datetime.now, datetime.UTC)
+        self._unreachable: tuple[type[Exception], ...] = (TransportError,)
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
@@ -252,4 +260,4 @@ class GoogleServiceAccount:
                 return token, 300.0
             ends = expiry.replace(tzinfo=datetime.UTC)  # google-auth: naive UTC
             return token, max(1.0, (ends - self._now()).total_seconds())
-        return await _in_thread(call, self._what)
+        return await _in_thread(call, self._what, unreachable=self._unreachable)

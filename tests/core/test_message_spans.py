@@ -11,6 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import StatusCode
 
 from relay.core.dedup import DedupCore
@@ -80,6 +81,26 @@ async def test_a_relayed_message_is_one_span_with_reserve_upstream_and_settle_ch
     assert dict(named[SETTLE].attributes or {}) == {"relay.settles": 1,
                                                     "relay.settle_actions": "sent"}
     no_address_or_key(spans)
+    assert decision.trace_id == f"{root.context.trace_id:032x}"  # the log line's trace_id
+
+
+async def test_a_message_not_sampled_has_no_trace_id(prefix: str) -> None:
+    """With the sampler saying no, nothing is exported and the decision (the log line) names
+    no trace that no backend will hold."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = OtelTracer(provider)
+    store = RedisStore.from_url(REDIS_URL)
+    try:
+        decision = await traced_core(store, CountingUpstream(), prefix, tracer).process(
+            one_message())
+    finally:
+        await store.close()
+        tracer.shutdown()
+    assert decision.reply.code == 250
+    assert decision.trace_id == ""
+    assert exporter.get_finished_spans() == ()
 
 
 async def test_a_duplicate_is_answered_after_the_reserve_alone(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from relay.core.errors import ConfigError
 from relay.core.tracing import MESSAGE, RESERVE, SETTLE, UPSTREAM
-from relay.ops.tracing import Exporters, check_tracing, exporters
+from relay.ops.tracing import Exporters, check_tracing, exporters, start_tracing
 from tests.support.clients import message, send
 from tests.support.net import free_port
 from tests.support.relays import start_serve
@@ -191,3 +193,39 @@ async def test_every_worker_exports_its_spans_over_otlp_http(
             assert names == sorted([MESSAGE, RESERVE, UPSTREAM, SETTLE]), names
     assert {resource["service.name"] for resource, _ in spans} == {"relay-under-test"}
     assert len({resource["process.pid"] for resource, _ in spans}) == 2
+
+
+async def test_the_stop_waits_for_a_silent_collector_no_longer_than_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that takes the connection and never answers: the tracer's stop gives up
+    after its bound (the SDK's exporter would wait its own 10 s per attempt, and retry)."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT",
+                           f"http://127.0.0.1:{silent.getsockname()[1]}")
+        tracer = start_tracing({"OTEL_TRACES_EXPORTER": "otlp"})
+        assert tracer is not None
+        with tracer.span(MESSAGE):
+            pass
+        started = time.monotonic()
+        assert await asyncio.to_thread(tracer.shutdown, 1.0) is False
+        assert time.monotonic() - started < 3.0
+    finally:
+        silent.close()
+
+
+def test_the_resource_attributes_of_the_environment_win(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``service.version`` and ``process.pid`` are the relay's defaults: an operator's
+    ``OTEL_RESOURCE_ATTRIBUTES`` overrides them (and ``service.name`` stays the relay's
+    unless named)."""
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.version=build-7,team=mail")
+    tracer = start_tracing({"OTEL_TRACES_EXPORTER": "console"})
+    assert tracer is not None
+    with tracer.span(MESSAGE):
+        pass
+    assert tracer.shutdown(5.0)
+    span = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    attributes = span["resource"]["attributes"]
+    assert attributes["service.version"] == "build-7" and attributes["team"] == "mail"
+    assert attributes["service.name"] == "dedup-relay" and "process.pid" in attributes

@@ -21,6 +21,21 @@ from tests.support.sink import SinkHandler
 TOKEN_PATH = "/oauth2/v2.0/token"
 
 
+async def serve_https(app: web.Application, ca: trustme.CA,
+                      port: int = 0) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` over HTTPS on 127.0.0.1:``port`` (0: a free one) with a certificate of
+    ``ca``; its runner (``cleanup()`` closes the port) and the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=context)
+    await site.start()
+    server = site._server
+    assert isinstance(server, asyncio.base_events.Server) and server.sockets
+    return runner, server.sockets[0].getsockname()[1]
+
+
 @dataclass
 class TokenEndpoint:
     """An OAuth2 token endpoint on https://127.0.0.1:``port``/oauth2/v2.0/token.
@@ -69,7 +84,8 @@ class TokenEndpoint:
         if self.stream_bytes:
             return await self._stream(request)
         if self.raw is not None:
-            return web.Response(body=self.raw, content_type="application/json")
+            return web.Response(body=self.raw, status=self.status,
+                                content_type="application/json")
         if self.status != 200:
             return web.json_response(
                 {"error": "invalid_client", "error_description": "no such client"},
@@ -98,16 +114,7 @@ class TokenEndpoint:
         """Serve (on the same port when it served before)."""
         app = web.Application()
         app.router.add_post(TOKEN_PATH, self._token)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.ca.issue_cert("127.0.0.1").configure_cert(context)
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=context)
-        await site.start()
-        if self.port == 0:
-            server = site._server
-            assert isinstance(server, asyncio.base_events.Server) and server.sockets
-            self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_https(app, self.ca, self.port)
 
     async def stop(self) -> None:
         """Close the port: requests then fail to connect."""

@@ -202,6 +202,9 @@ async def test_token_endpoint_down_is_451_then_delivered_once_back(
     (200, b'{"access_token": "t", "expires_in": NaN}', "token endpoint reply malformed"),
     (200, b'{"access_token": "t", "expires_in": 1e400}', "token endpoint reply malformed"),
     (200, b'{"access_token": "' + b"x" * 70000 + b'"}', "token endpoint reply too large"),
+    # nested past the JSON parser's recursion limit, within the size bound
+    (200, b"[" * 30000 + b"]" * 30000, "token endpoint reply malformed"),
+    (400, b'{"error": ' + b"[" * 30000 + b"]" * 30000 + b"}", "token endpoint refused, HTTP 400"),
 ])
 async def test_a_refusing_or_malformed_token_endpoint_is_451_without_the_secret_logged(
         endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture, status: int,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import ssl
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from relay.upstream.oauth_libraries import (
     load_certificate,
     load_service_account,
 )
+from tests.support.oauth import serve_https
 
 TENANT = "contoso"
 CLIENT = "11111111-2222-3333-4444-555555555555"
@@ -62,6 +64,9 @@ class IdentityProvider:
     requests: list[dict[str, str]] = field(default_factory=list)
     issued: int = 0
     rotate_refresh: bool = False
+    refresh_in_force: str | None = None  # with rotate_refresh: the one refresh token it takes
+    reply_delay_s: float = 0.0  # a rotating reply waits this long, the rotation done
+    replying: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
 
     @property
@@ -141,9 +146,16 @@ class IdentityProvider:
         if form.get("grant_type") != "refresh_token" or not form.get(
                 "refresh_token", "").startswith("rt-"):
             return self._refused("refresh token")
-        if self.rotate_refresh:  # each refresh token is good once; the reply names the next
-            return self._token(refresh_token=f"rt-{self.issued + 2}")
-        return self._token()
+        if not self.rotate_refresh:
+            return self._token()
+        # each refresh token is good once: the reply names the next, the old one is revoked
+        if self.refresh_in_force not in (None, form["refresh_token"]):
+            return web.json_response({"error": "invalid_grant"}, status=400)
+        self.refresh_in_force = f"rt-{self.issued + 2}"
+        reply = self._token(refresh_token=self.refresh_in_force)
+        self.replying.set()
+        await asyncio.sleep(self.reply_delay_s)  # rotated here already, whatever the client does
+        return reply
 
     async def start(self) -> None:
         app = web.Application()
@@ -152,15 +164,7 @@ class IdentityProvider:
         app.router.add_get("/msi/token", self._managed_identity)
         app.router.add_post("/google/token", self._google)
         app.router.add_post("/generic/token", self._generic)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.ca.issue_cert("127.0.0.1").configure_cert(context)
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=context)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.base_events.Server) and server.sockets
-        self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve_https(app, self.ca)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -345,8 +349,108 @@ async def test_a_rotated_refresh_token_is_kept_and_written_back(
     assert [r["refresh_token"] for r in idp.requests] == ["rt-0", "rt-2"]
     assert refresh_file.read_text().strip() == "rt-3"
     assert refresh_file.stat().st_mode & 0o777 == 0o600
+    # no temporary file left; the workers' lock file stays
     assert [p.name for p in await asyncio.to_thread(lambda: list(tmp_path.iterdir()))
-            if p.name.startswith(".refresh")] == []
+            if p.name.startswith(".refresh")] == [".refresh-token.lock"]
+
+
+def refresh_grant(idp: IdentityProvider, refresh_file: Path) -> TokenProvider:
+    """One worker's token provider over the refresh token in ``refresh_file``, as the
+    settings build it (the token read from the file once, at start)."""
+    return TokenProvider(FormGrant(OAuthConfig(
+        token_url=f"{idp.base}/generic/token", client_id="c",
+        refresh_token=refresh_file.read_text().strip(), ca_file=idp.ca_file, timeout_s=5.0,
+        refresh_token_file=refresh_file)))
+
+
+def held(refresh_file: Path) -> str:
+    """The refresh token ``refresh_file`` holds."""
+    return refresh_file.read_text().strip()
+
+
+@pytest.fixture
+def rotating(idp: IdentityProvider, tmp_path: Path) -> Path:
+    """The identity provider rotates refresh tokens; the file holding the first one."""
+    idp.rotate_refresh = True
+    refresh_file = tmp_path / "refresh-token"
+    refresh_file.write_text("rt-0\n")
+    return refresh_file
+
+
+async def test_a_worker_refreshes_with_the_token_another_worker_rotated(
+        idp: IdentityProvider, rotating: Path) -> None:
+    """Two workers started with the same refresh token: once one has rotated it (the
+    endpoint revoking the old one), the other's next refresh sends the new one."""
+    first, second = refresh_grant(idp, rotating), refresh_grant(idp, rotating)
+    assert await first.token() == "at-1"
+    assert await second.token() == "at-2"
+    first.invalidate("at-1")
+    assert await first.token() == "at-3"
+    sent = [r["refresh_token"] for r in idp.requests]
+    assert sent == ["rt-0", "rt-2", "rt-3"], sent
+    assert held(rotating) == idp.refresh_in_force
+
+
+async def test_workers_refreshing_at_once_take_turns(
+        idp: IdentityProvider, rotating: Path) -> None:
+    """Four workers fetching at the same moment: the file's lock lets one refresh at a time,
+    each with the token the one before it wrote; none is refused."""
+    idp.reply_delay_s = 0.1
+    workers = [refresh_grant(idp, rotating) for _ in range(4)]
+    tokens = await asyncio.gather(*(w.token() for w in workers))
+    assert sorted(tokens) == ["at-1", "at-2", "at-3", "at-4"]
+    assert [r["refresh_token"] for r in idp.requests] == ["rt-0", "rt-2", "rt-3", "rt-4"]
+
+
+async def test_a_refresh_cut_after_the_rotation_still_keeps_the_new_token(
+        idp: IdentityProvider, rotating: Path) -> None:
+    """The caller is cancelled (a shutdown's cut) once the endpoint has rotated the token but
+    before its reply arrived: the fetch runs on, the provider's close waits for it, and the
+    file holds the new token."""
+    idp.reply_delay_s = 0.5
+    tokens = refresh_grant(idp, rotating)
+    caller = asyncio.create_task(tokens.token())
+    await asyncio.wait_for(idp.replying.wait(), 5)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await tokens.close(timeout_s=5.0)
+    assert held(rotating) == "rt-2" == idp.refresh_in_force
+
+
+async def test_a_rotated_token_is_written_through_a_symbolic_link(
+        idp: IdentityProvider, tmp_path: Path) -> None:
+    """The configured file is a link to the secret: the link stays, its target gets the
+    rotated token."""
+    idp.rotate_refresh = True
+    (tmp_path / "secrets").mkdir()
+    target = tmp_path / "secrets" / "refresh-token"
+    target.write_text("rt-0\n")
+    link = tmp_path / "refresh-token"
+    link.symlink_to(target)
+    assert await refresh_grant(idp, link).token() == "at-1"
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text().strip() == "rt-2"
+
+
+async def test_a_token_endpoint_that_never_answers_is_unreachable_after_the_timeout(
+        tmp_path: Path, idp: IdentityProvider) -> None:
+    """google-auth asks with its own 120 s timeout; the relay's bound wins: a token endpoint
+    that accepts and never answers is ``unreachable`` after ``timeout_s``."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        path = service_account_file(tmp_path, idp)
+        info = {**load_service_account(path),
+                "token_uri": f"https://127.0.0.1:{silent.getsockname()[1]}/token"}
+        tokens = TokenProvider(GoogleServiceAccount(info=info, subject=MAILBOX,
+                                                    scope="https://mail.google.com/",
+                                                    ca_file=idp.ca_file, timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(TokenError, match="unreachable"):
+            await asyncio.wait_for(tokens.token(), 30)
+        assert time.monotonic() - started < 10
+    finally:
+        silent.close()
 
 
 def settings(**values: Any) -> Settings:
