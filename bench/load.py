@@ -11,7 +11,9 @@ reused connection) to the reply to the final dot, in seconds.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +22,16 @@ MESSAGE_BYTES = 2048
 
 DUP_DISTANCE = 41
 """A duplicate repeats the key of the message this many positions earlier (odd: a unique one)."""
+
+
+@dataclass(frozen=True)
+class Login:
+    """STARTTLS with ``tls`` (a client context trusting the server's CA), then AUTH PLAIN as
+    ``user`` / ``password``: every new connection of a load that has one."""
+
+    tls: ssl.SSLContext
+    user: str
+    password: str
 
 
 @dataclass
@@ -61,12 +73,19 @@ class Client:
         self.writer = writer
 
     @classmethod
-    async def open(cls, host: str, port: int) -> Client:
-        """Connect, read the greeting and say EHLO; raises on a non-2xx reply."""
+    async def open(cls, host: str, port: int, login: Login | None = None) -> Client:
+        """Connect, read the greeting and say EHLO; with ``login``, STARTTLS (RFC 3207), EHLO
+        again and AUTH PLAIN (RFC 4616). Raises on an unexpected reply."""
         reader, writer = await asyncio.open_connection(host, port)
         client = cls(reader, writer)
         await client.expect(2)
         await client.command(b"EHLO load.bench", 2)
+        if login is not None:
+            await client.command(b"STARTTLS", 2)
+            await writer.start_tls(login.tls, server_hostname=host)
+            await client.command(b"EHLO load.bench", 2)
+            plain = base64.b64encode(f"\0{login.user}\0{login.password}".encode())
+            await client.command(b"AUTH PLAIN " + plain, 2)
         return client
 
     async def reply(self) -> int:
@@ -131,8 +150,10 @@ def original_of(n: int, duplicate_every: int) -> int:
 
 
 async def send_one(result: LoadResult, client: Client | None, host: str, port: int,
-                   rcpts: list[str], payload: bytes, reuse: bool) -> Client | None:
-    """One message (on ``client``, or a new connection); records it in ``result``.
+                   rcpts: list[str], payload: bytes, reuse: bool,
+                   login: Login | None = None) -> Client | None:
+    """One message (on ``client``, or a new connection, logged in with ``login``); records it
+    in ``result``.
 
     Returns the connection to reuse, or None.
     """
@@ -140,7 +161,7 @@ async def send_one(result: LoadResult, client: Client | None, host: str, port: i
     result.sent += 1
     try:
         if client is None:
-            client = await Client.open(host, port)
+            client = await Client.open(host, port, login)
         await client.send(rcpts, payload)
         result.accepted += 1
         result.latencies_s.append(time.perf_counter() - started)
@@ -162,10 +183,12 @@ async def send_one(result: LoadResult, client: Client | None, host: str, port: i
 
 async def run_load(host: str, port: int, *, messages: int, sessions: int, rcpts: int,
                    reuse: bool, prefix: str, duplicate_every: int = 0,
-                   keyed: bool = True, timeout_s: float = 60.0) -> LoadResult:
+                   keyed: bool = True, timeout_s: float = 60.0,
+                   login: Login | None = None) -> LoadResult:
     """Send ``messages`` messages over ``sessions`` concurrent sessions; returns the figures.
 
     ``reuse``: each session keeps one connection for all its messages (else one per message).
+    ``login``: each connection STARTTLS + AUTH PLAIN first (its time is in the latency).
     ``duplicate_every = 2``: the 50 % duplicate mix (see the module docstring). ``timeout_s``:
     seconds one message may take.
     """
@@ -179,7 +202,7 @@ async def run_load(host: str, port: int, *, messages: int, sessions: int, rcpts:
             to = [f"user{m}.{i}@example.net" for i in range(rcpts)]
             payload = build_message(n, f"{prefix}{m}" if keyed else None, to)
             client = await asyncio.wait_for(
-                send_one(result, client, host, port, to, payload, reuse), timeout_s)
+                send_one(result, client, host, port, to, payload, reuse, login), timeout_s)
         if client is not None:
             await client.close()
 

@@ -3,7 +3,9 @@
 A single-process aiosmtpd server. At the final dot it reads the ``X-Dedupe-Key`` header, sends
 one Redis ``SET fingerprint 1 NX PX window`` per recipient (fingerprint: SHA-256 of key and
 recipient), and relays the message to the recipients that were new over a pooled aiosmtplib
-connection to the upstream; no lease, no SENT mark, no retry. Run::
+connection to the upstream; no lease, no SENT mark, no retry. With ``--tls-cert`` and
+``--tls-key`` it offers STARTTLS, and with ``--users`` (``user:password`` lines) AUTH PLAIN and
+LOGIN over TLS, checked against that dictionary. Run::
 
     python -m bench.naive_relay --listen 127.0.0.1:2526 --upstream 127.0.0.1:2527 \
         --redis redis://127.0.0.1:6379/0 --prefix naive:
@@ -14,12 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import hmac
 import re
 import signal
+import ssl
+from pathlib import Path
+from typing import Any
 
 import aiosmtplib
 import redis.asyncio as aioredis
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 KEY_RE = re.compile(rb"^X-Dedupe-Key:[ \t]*([^\r\n]*)", re.IGNORECASE | re.MULTILINE)
 WINDOW_MS = 86_400_000
@@ -93,15 +99,39 @@ class Handler:
         return "250 2.0.0 OK: relayed"
 
 
-async def serve(listen: str, upstream: str, redis_url: str, prefix: str, pool_size: int) -> None:
+class Dictionary:
+    """aiosmtpd authenticator: the login's password equals ``users[login]``."""
+
+    def __init__(self, users: dict[str, str]) -> None:
+        self.users = users
+
+    def __call__(self, server: SMTP, session: Session, envelope: Envelope, mechanism: str,
+                 auth_data: Any) -> AuthResult:
+        if not isinstance(auth_data, LoginPassword):
+            return AuthResult(success=False, handled=False)
+        wanted = self.users.get(auth_data.login.decode("utf-8", "replace"))
+        ok = wanted is not None and hmac.compare_digest(wanted.encode(), auth_data.password)
+        return AuthResult(success=ok)
+
+
+def read_users(path: Path) -> dict[str, str]:
+    """``user:password`` lines."""
+    pairs = (line.split(":", 1) for line in path.read_text().splitlines() if ":" in line)
+    return {user: password for user, password in pairs}
+
+
+async def serve(listen: str, upstream: str, redis_url: str, prefix: str, pool_size: int,
+                tls: ssl.SSLContext | None = None, users: dict[str, str] | None = None) -> None:
     """Run until SIGTERM or SIGINT."""
     host, port = listen.rsplit(":", 1)
     up_host, up_port = upstream.rsplit(":", 1)
     store = aioredis.Redis.from_url(redis_url)
     handler = Handler(store, prefix, Pool(up_host, int(up_port), pool_size))
     loop = asyncio.get_running_loop()
+    authenticator = Dictionary(users) if users else None
     server = await loop.create_server(
-        lambda: SMTP(handler, hostname="naive.bench", enable_SMTPUTF8=True), host, int(port))
+        lambda: SMTP(handler, hostname="naive.bench", enable_SMTPUTF8=True, tls_context=tls,
+                     authenticator=authenticator, auth_require_tls=True), host, int(port))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -119,8 +149,17 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     parser.add_argument("--prefix", default="naive:", help="key prefix of the fingerprints")
     parser.add_argument("--pool-size", type=int, default=20, help="idle upstream connections kept")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: STARTTLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM key of --tls-cert")
+    parser.add_argument("--users", type=Path, help="user:password lines: AUTH over TLS")
     args = parser.parse_args()
-    asyncio.run(serve(args.listen, args.upstream, args.redis, args.prefix, args.pool_size))
+    tls = None
+    if args.tls_cert is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    users = read_users(args.users) if args.users is not None else None
+    asyncio.run(serve(args.listen, args.upstream, args.redis, args.prefix, args.pool_size,
+                      tls, users))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import logging
@@ -183,14 +184,15 @@ class VerifiedCache:
         self._clock = clock
         self._until: OrderedDict[bytes, float] = OrderedDict()
 
-    def _digest(self, username: str, password_hash: str, secret: bytes) -> bytes:
+    def digest(self, username: str, password_hash: str, secret: bytes) -> bytes:
+        """The keyed digest (32 bytes) that stands for this user, hash and password."""
         material = b"\0".join((username.encode("utf-8", "surrogatepass"),
                                 password_hash.encode("ascii"), secret))
         return hmac.new(self._key, material, hashlib.sha256).digest()
 
     def holds(self, username: str, password_hash: str, secret: bytes) -> bool:
         """True when this user, hash and password were verified within the last ``ttl_s``."""
-        digest = self._digest(username, password_hash, secret)
+        digest = self.digest(username, password_hash, secret)
         until = self._until.get(digest)
         if until is None:
             return False
@@ -201,7 +203,7 @@ class VerifiedCache:
 
     def add(self, username: str, password_hash: str, secret: bytes) -> None:
         """Remember a successful check for ``ttl_s`` seconds."""
-        digest = self._digest(username, password_hash, secret)
+        digest = self.digest(username, password_hash, secret)
         self._until[digest] = self._clock() + self._ttl_s
         self._until.move_to_end(digest)
         while len(self._until) > self._max:
@@ -224,6 +226,7 @@ class CredentialFile:
         self._dummy = _dummy_like(next(iter(self._entries.values()), None))
         self._checks = asyncio.Semaphore(_MAX_CONCURRENT_CHECKS)
         self.verified = VerifiedCache()
+        self._checking: dict[bytes, asyncio.Task[bool]] = {}  # by VerifiedCache.digest
 
     def __repr__(self) -> str:
         return f"<CredentialFile {self.source} users={len(self._entries)}>"
@@ -281,19 +284,33 @@ class CredentialFile:
         """True when ``password`` (UTF-8) is the password of ``username`` (exact match).
 
         The hash check runs in a worker thread, at most a few at a time; credentials verified
-        within :data:`VERIFIED_TTL_S` are answered from :attr:`verified` without one. An
-        unknown user is checked against a dummy hash, so both take about the same time. Never
-        raises for bad input: a password that cannot match is simply False.
+        within :data:`VERIFIED_TTL_S` are answered from :attr:`verified` without one, and the
+        same user and password asked again while their check runs wait for that check (the
+        connections an application opens at once after a start pay one check, not one each).
+        An unknown user is checked against a dummy hash, so both take about the same time.
+        Never raises for bad input: a password that cannot match is simply False.
         """
         entry = self._entries.get(username)
         secret = password.encode("utf-8", "surrogatepass")
-        if entry is not None and self.verified.holds(username, entry.password_hash, secret):
+        if entry is None:
+            await self._hash_check(self._dummy, secret)
+            return False
+        if self.verified.holds(username, entry.password_hash, secret):
             return True
-        async with self._checks:
-            ok = await asyncio.to_thread(_check_hash, entry or self._dummy, secret)
-        if ok and entry is not None:
+        digest = self.verified.digest(username, entry.password_hash, secret)
+        checking = self._checking.get(digest)
+        if checking is None:
+            checking = asyncio.ensure_future(self._hash_check(entry, secret))
+            self._checking[digest] = checking
+            checking.add_done_callback(lambda _: self._checking.pop(digest, None))
+        ok = await asyncio.shield(checking)
+        if ok:
             self.verified.add(username, entry.password_hash, secret)
-        return ok and entry is not None
+        return ok
+
+    async def _hash_check(self, entry: _Entry, secret: bytes) -> bool:
+        async with self._checks:
+            return await asyncio.to_thread(_check_hash, entry, secret)
 
 
 class GuessBudget:
@@ -404,7 +421,9 @@ class SaslMechanisms:
     Guessing is bounded by a :class:`GuessBudget` per client address, across connections:
     at most ``max_failures`` attempts within ``failure_window_s`` seconds, charged when an
     attempt is made (a guess whose client hangs up counts; a success is refunded). An attempt
-    from a spent address is not checked: it calls ``on_refused`` and is answered ``421
+    from an address whose budget is held by attempts still being checked waits for them (an
+    application's parallel logins are not refused for being parallel); from an address whose
+    budget failures spent, it is not checked: it calls ``on_refused`` and is answered ``421
     4.7.0``, and the connection is closed; so is the failure that spends the budget. Failures
     at a user name are counted too, but only to slow them down: a user is never locked out,
     so a right password from an address with budget left is accepted whoever guessed at that
@@ -431,7 +450,8 @@ class SaslMechanisms:
         self._on_failure = on_failure
         self._on_refused = on_refused
         self._failure_delay_s = failure_delay_s
-        self._checking: set[asyncio.Task[bool]] = set()  # checks whose client may have gone
+        # the checks running, by client address (their clients may have gone)
+        self._checking: dict[str, set[asyncio.Task[bool]]] = {}
 
     @property
     def credentials(self) -> CredentialFile:
@@ -488,18 +508,24 @@ class SaslMechanisms:
         host = _peer_host(server)
         address = f"address:{host}"
         keys = [address] + ([f"user:{username}"] if username else [])
-        if self._budget.exhausted([address]):
-            await asyncio.sleep(self._failure_delay_s)
-            if self._on_refused is not None:
-                self._on_refused()
-            log.warning("auth budget spent, attempt refused unchecked", extra={"peer": host})
-            return await self._close(server)
+        while self._budget.exhausted([address]):
+            # attempts of this address still being checked hold budget a success refunds:
+            # wait for one to end, then look again; spent by failures alone, refuse
+            earlier = self._checking.get(host)
+            if not earlier:
+                await asyncio.sleep(self._failure_delay_s)
+                if self._on_refused is not None:
+                    self._on_refused()
+                log.warning("auth budget spent, attempt refused unchecked",
+                            extra={"peer": host})
+                return await self._close(server)
+            await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
         prior = max(self._budget.spent(key) for key in keys)
         token = self._budget.charge(keys)
         # the check and its failure count run to the end even if the client hangs up
         checking = asyncio.ensure_future(self._verify(mechanism, host, username, password))
-        self._checking.add(checking)
-        checking.add_done_callback(self._checking.discard)
+        self._checking.setdefault(host, set()).add(checking)
+        checking.add_done_callback(functools.partial(self._checked, host))
         if await asyncio.shield(checking):
             self._budget.refund(token)
             log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
@@ -509,6 +535,13 @@ class SaslMechanisms:
         floor_s = min(self._failure_delay_s * (prior + 1), _MAX_DELAY_S)
         await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
         return await self._fail(server, address)
+
+    def _checked(self, host: str, checking: asyncio.Task[bool]) -> None:
+        earlier = self._checking.get(host)
+        if earlier is not None:
+            earlier.discard(checking)
+            if not earlier:
+                del self._checking[host]
 
     async def _verify(self, mechanism: str, host: str, username: str | None,
                       password: str | None) -> bool:

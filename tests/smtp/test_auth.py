@@ -610,6 +610,40 @@ async def test_parallel_guesses_get_no_more_than_the_budget(start_server: StartS
         await client.close()
 
 
+async def test_parallel_logins_with_the_right_password_are_all_accepted_after_one_check(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An application opening twenty connections at once (a start, or the first minute after
+    the verified cache expired) from one address: every login is 235, although more attempts
+    than ``max_failures`` are in flight together (those past the budget wait for the ones
+    being checked, whose success refunds it), and the twenty share one hash check."""
+    calls = _counting_hash_checks(monkeypatch)
+    server = await start_server(max_failures=3, failure_delay_s=0.2)
+    clients = [await server.client() for _ in range(20)]
+    answers = await asyncio.gather(*(c.cmd(f"AUTH PLAIN {PLAIN_OK}") for c in clients))
+    assert answers == [str(replies.AUTH_SUCCEEDED)] * 20
+    assert (server.failures, server.refused, len(calls)) == ([], [], 1)
+    for client in clients:
+        await client.close()
+
+
+async def test_parallel_guesses_after_a_right_login_in_flight_still_get_the_budget(
+        start_server: StartServer) -> None:
+    """Waiting for attempts in flight does not widen the budget: one right login and ten
+    wrong ones at once from one address: the right one is 235, at most ``max_failures``
+    wrong ones are checked, the rest refused unchecked."""
+    server = await start_server(max_failures=3, failure_delay_s=0.2)
+    clients = [await server.client() for _ in range(11)]
+    right = asyncio.create_task(clients[0].cmd(f"AUTH PLAIN {PLAIN_OK}"))
+    await until(lambda: len(server.handler.servers) == 1, within_s=5, what="the right login")
+    wrong = await asyncio.gather(*(c.cmd(f"AUTH PLAIN {PLAIN_WRONG}") for c in clients[1:]))
+    assert await right == str(replies.AUTH_SUCCEEDED)
+    assert wrong.count(str(replies.AUTH_FAILED)) <= 2
+    assert len(server.failures) == 3
+    assert len(server.refused) == 7
+    for client in clients:
+        await client.close()
+
+
 async def test_a_right_password_is_answered_without_the_failure_delay(
     start_server: StartServer
 ) -> None:
