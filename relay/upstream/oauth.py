@@ -278,8 +278,16 @@ class FormGrant:
         path = self._cfg.refresh_token_file
         if path is None:
             return
+        # the write runs to its end even if this fetch is cancelled (a stop's bound): the
+        # lock is let go only once the file holds the new token
+        write = asyncio.ensure_future(asyncio.to_thread(_write_secret, path, rotated))
         try:
-            await asyncio.to_thread(_write_secret, path, rotated)
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])
+            if not write.exception():
+                self._in_file = rotated
+            raise
         except OSError as exc:
             log.error("OAuth2: the token endpoint rotated the refresh token and it could not "
                       "be written to %s (%s): this process uses the new one, a restart would "
@@ -296,9 +304,11 @@ _LOCK_POLL_S = 0.02
 @contextlib.asynccontextmanager
 async def _exclusive(lock_path: Path, *, wait_s: float) -> AsyncIterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (created, mode 0600), polled without
-    blocking the loop for at most ``wait_s`` seconds. A lock file that cannot be created (a
-    read-only folder, where no rotated token could be written either) is logged and gone
-    without. Raises TokenError past ``wait_s``."""
+    blocking the loop. The holder writes its pid and start into the file; a waiter gives up
+    when one holder kept it ``wait_s`` seconds (a queue of workers each refreshing in time
+    is waited out). A lock file that cannot be created (a read-only folder, where no rotated
+    token could be written either) is logged and gone without. Raises TokenError past
+    ``wait_s`` of one holder."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -307,17 +317,22 @@ async def _exclusive(lock_path: Path, *, wait_s: float) -> AsyncIterator[None]:
         yield
         return
     try:
-        deadline = time.monotonic() + wait_s
+        holder, deadline = b"", time.monotonic() + wait_s
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.error("OAuth2: %s still locked after %.0f s by another refresh",
-                              lock_path, wait_s)
+                now_holding = os.pread(fd, 64, 0)
+                if now_holding != holder:  # another holder: it gets its own wait_s
+                    holder, deadline = now_holding, time.monotonic() + wait_s
+                elif time.monotonic() >= deadline:
+                    log.error("OAuth2: %s held by one refresh for %.0f s (%s)", lock_path,
+                              wait_s, holder.decode("ascii", "replace"))
                     raise TokenError("token refresh busy") from None
                 await asyncio.sleep(_LOCK_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.monotonic_ns()}".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -347,7 +362,7 @@ async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
 def _write_secret(path: Path, value: str) -> None:
     """Replace the file ``path`` names (through symbolic links: the link stays) with
     ``value``: a new file in its folder, mode 0600, synced, renamed over it, the folder
-    synced. Raises OSError."""
+    synced (a warning when it cannot be). Raises OSError when the file is not replaced."""
     target = Path(os.path.realpath(path))
     fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
@@ -360,11 +375,15 @@ def _write_secret(path: Path, value: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    try:  # the rename done, the file holds the token: a folder that cannot sync is a warning
+        folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        log.warning("OAuth2: %s written, its folder not synced (%s): a power loss may undo "
+                    "the rename", target, exc.strerror)
 
 
 def _parse(body: bytes) -> tuple[str, float, str | None]:

@@ -1,8 +1,8 @@
 """Token sources that are a maintained library's (the ``oauth`` extra): Microsoft Entra ID through
 msal, Google through google-auth. Each is a :class:`relay.upstream.oauth.TokenSource`; the
 relay's :class:`relay.upstream.oauth.TokenProvider` keeps its cache and its one fetch at a time
-in front of them. The libraries block (requests): each fetch runs in a thread, every HTTP
-request bounded by ``timeout_s``.
+in front of them. The libraries block (requests): each fetch runs in a daemon thread of its
+own, every HTTP request bounded by ``timeout_s`` and the whole fetch by twice that.
 
 - :class:`EntraClient`: the client-credentials grant of a confidential client (msal
   ``ConfidentialClientApplication``) with a client secret, a certificate (a client assertion
@@ -22,21 +22,26 @@ library's error (never a secret) is logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
 from relay.upstream.oauth import TokenError, entra_authority
 
 log = logging.getLogger("relay.upstream.oauth")
+
+_T = TypeVar("_T")
+_REQUESTS_PER_FETCH = 2  # msal's first fetch asks the authority's discovery document too
 
 _MAX_ERROR_TEXT = 200
 
@@ -104,16 +109,24 @@ def _msal_token(result: Mapping[str, Any] | None, what: str) -> tuple[str, float
     raise TokenError("token endpoint refused")
 
 
-async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *,
+async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *, deadline_s: float,
                      unreachable: tuple[type[Exception], ...] = ()) -> tuple[str, float]:
-    """Run a library's blocking fetch in a thread; its failures become TokenError: requests'
+    """Run a library's blocking fetch in a daemon thread of its own, waited for at most
+    ``deadline_s`` seconds (a request's timeout bounds each read, not a reply that trickles,
+    nor the library's retries); its failures become TokenError: past the deadline, requests'
     and the socket's, and ``unreachable`` (the library's own transport error), as
-    ``token endpoint unreachable``; any other as ``token endpoint refused``."""
+    ``token endpoint unreachable``; any other as ``token endpoint refused``. A fetch left
+    past its deadline, or by a stop, finishes in its thread unwaited, and never holds up the
+    process's exit."""
     transport: tuple[type[Exception], ...] = (requests.RequestException, OSError, *unreachable)
     try:
-        return await asyncio.to_thread(call)
+        return await asyncio.wait_for(_daemon_thread(call), deadline_s)
     except TokenError:
         raise
+    except TimeoutError as exc:
+        log.error("OAuth2 (%s): token endpoint unreachable (no token within %.0f s)", what,
+                  deadline_s)
+        raise TokenError("token endpoint unreachable") from exc
     except transport as exc:
         log.error("OAuth2 (%s): token endpoint unreachable (%s: %s)", what,
                   type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT])
@@ -122,6 +135,29 @@ async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *,
         log.error("OAuth2 (%s): no token (%s: %s)", what, type(exc).__name__,
                   str(exc)[:_MAX_ERROR_TEXT])
         raise TokenError("token endpoint refused") from exc
+
+
+async def _daemon_thread(call: Callable[[], _T]) -> _T:
+    """``call()`` in a new daemon thread; its result or exception."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():  # the caller may have stopped waiting
+            outcome()
+
+    def run() -> None:
+        try:
+            result = call()
+        except Exception as exc:  # handed to the waiting task
+            report: Callable[[], None] = functools.partial(done.set_exception, exc)
+        else:
+            report = functools.partial(done.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, report)
+
+    threading.Thread(target=run, name="oauth-token", daemon=True).start()
+    return await done
 
 
 @dataclass(frozen=True, repr=False)
@@ -155,6 +191,7 @@ class EntraClient:
             _entra_app, client_id, credential.for_msal(), entra_authority(token_url),
             _TimedSession(timeout_s, str(ca_file) if ca_file else True), timeout_s)
         self._app: Any = None
+        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
@@ -167,7 +204,7 @@ class EntraClient:
             self._app.token_cache = msal.TokenCache()
             return _msal_token(self._app.acquire_token_for_client(scopes=self._scopes),
                                self._what)
-        return await _in_thread(call, self._what)
+        return await _in_thread(call, self._what, deadline_s=self._deadline_s)
 
 
 def _entra_app(client_id: str, credential: str | dict[str, Any], authority: str,
@@ -201,12 +238,13 @@ class EntraManagedIdentity:
         self._client = functools.partial(
             msal.ManagedIdentityClient, which,
             http_client=_TimedSession(timeout_s, str(ca_file) if ca_file else True))
+        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
             return _msal_token(self._client().acquire_token_for_client(
                 resource=self._resource), self._what)
-        return await _in_thread(call, self._what)
+        return await _in_thread(call, self._what, deadline_s=self._deadline_s)
 
 
 def load_service_account(path: Path) -> dict[str, Any]:
@@ -249,6 +287,7 @@ class GoogleServiceAccount:
         self._now: Callable[[], datetime.datetime] = functools.partial(
             datetime.datetime.now, datetime.UTC)
         self._unreachable: tuple[type[Exception], ...] = (TransportError,)
+        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
@@ -260,4 +299,5 @@ class GoogleServiceAccount:
                 return token, 300.0
             ends = expiry.replace(tzinfo=datetime.UTC)  # google-auth: naive UTC
             return token, max(1.0, (ends - self._now()).total_seconds())
-        return await _in_thread(call, self._what, unreachable=self._unreachable)
+        return await _in_thread(call, self._what, deadline_s=self._deadline_s,
+                                unreachable=self._unreachable)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import errno
 import json
+import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from relay.settings import Settings
+from relay.upstream import oauth
 from relay.upstream.oauth import FormGrant, OAuthConfig, TokenError, TokenProvider
 from relay.upstream.oauth_libraries import (
     EntraClient,
@@ -354,13 +358,14 @@ async def test_a_rotated_refresh_token_is_kept_and_written_back(
             if p.name.startswith(".refresh")] == [".refresh-token.lock"]
 
 
-def refresh_grant(idp: IdentityProvider, refresh_file: Path) -> TokenProvider:
+def refresh_grant(idp: IdentityProvider, refresh_file: Path,
+                  timeout_s: float = 5.0) -> TokenProvider:
     """One worker's token provider over the refresh token in ``refresh_file``, as the
     settings build it (the token read from the file once, at start)."""
     return TokenProvider(FormGrant(OAuthConfig(
         token_url=f"{idp.base}/generic/token", client_id="c",
-        refresh_token=refresh_file.read_text().strip(), ca_file=idp.ca_file, timeout_s=5.0,
-        refresh_token_file=refresh_file)))
+        refresh_token=refresh_file.read_text().strip(), ca_file=idp.ca_file,
+        timeout_s=timeout_s, refresh_token_file=refresh_file)))
 
 
 def held(refresh_file: Path) -> str:
@@ -402,6 +407,60 @@ async def test_workers_refreshing_at_once_take_turns(
     assert [r["refresh_token"] for r in idp.requests] == ["rt-0", "rt-2", "rt-3", "rt-4"]
 
 
+async def test_a_queue_of_refreshes_longer_than_one_timeout_is_waited_out(
+        idp: IdentityProvider, rotating: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight workers queued on the lock behind an endpoint that takes 0.2 s each: the last
+    waits 1.4 s, past one request's timeout (0.5 s, no margin here), yet each holder kept the
+    lock within it, so none gives up."""
+    monkeypatch.setattr(oauth, "_LOCK_MARGIN_S", 0.0)
+    idp.reply_delay_s = 0.2
+    workers = [refresh_grant(idp, rotating, timeout_s=0.5) for _ in range(8)]
+    tokens = await asyncio.gather(*(w.token() for w in workers))
+    assert len(set(tokens)) == 8 and len(idp.requests) == 8
+
+
+async def test_a_stop_cutting_the_write_back_lets_the_lock_go_only_once_written(
+        idp: IdentityProvider, rotating: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop's bound cancels a refresh while its rotated token is being written (a slow
+    disk): the lock is held until the file holds it, so the next worker refreshes with it."""
+    real_write = oauth._write_secret
+
+    def slow_write(path: Path, value: str) -> None:
+        time.sleep(0.5)
+        real_write(path, value)
+
+    monkeypatch.setattr(oauth, "_write_secret", slow_write)
+    first, second = refresh_grant(idp, rotating), refresh_grant(idp, rotating)
+    fetching = asyncio.create_task(first.token())
+    await asyncio.wait_for(idp.replying.wait(), 5)
+    await asyncio.sleep(0.1)  # the reply read, the write under way
+    await first.close(timeout_s=0.05)
+    with pytest.raises(asyncio.CancelledError):
+        await fetching
+    assert await second.token() == "at-2"
+    assert [r["refresh_token"] for r in idp.requests] == ["rt-0", "rt-2"]
+
+
+async def test_a_folder_that_cannot_sync_leaves_the_rotation_kept(
+        idp: IdentityProvider, rotating: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A filesystem whose folders refuse fsync (EINVAL): the rename holds the new token, so it
+    is a WARNING, not the ERROR that says a restart would read the old one."""
+    real_fsync = os.fsync
+
+    def no_folder_sync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folder_sync)
+    tokens = refresh_grant(idp, rotating)
+    with caplog.at_level(logging.INFO):
+        assert await tokens.token() == "at-1"
+    assert held(rotating) == "rt-2"
+    assert "not synced" in caplog.text and "could not be written" not in caplog.text
+
+
 async def test_a_refresh_cut_after_the_rotation_still_keeps_the_new_token(
         idp: IdentityProvider, rotating: Path) -> None:
     """The caller is cancelled (a shutdown's cut) once the endpoint has rotated the token but
@@ -431,6 +490,41 @@ async def test_a_rotated_token_is_written_through_a_symbolic_link(
     assert await refresh_grant(idp, link).token() == "at-1"
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert target.read_text().strip() == "rt-2"
+
+
+async def test_a_token_reply_that_trickles_is_unreachable_after_the_fetch_deadline(
+        tmp_path: Path, idp: IdentityProvider) -> None:
+    """An endpoint that sends its reply a byte every 0.2 s never trips a 0.5 s read timeout;
+    the whole fetch is bounded (twice the timeout) all the same."""
+    finished = asyncio.Event()
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        for byte in b'{"access_token": "never-finished", "expires_in": 3600}' * 4:
+            if finished.is_set():
+                break
+            await response.write(bytes([byte]))
+            await asyncio.sleep(0.2)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/token", trickle)
+    runner, port = await serve_https(app, idp.ca)
+    try:
+        info = {**load_service_account(service_account_file(tmp_path, idp)),
+                "token_uri": f"https://127.0.0.1:{port}/token"}
+        tokens = TokenProvider(GoogleServiceAccount(info=info, subject=MAILBOX,
+                                                    scope="https://mail.google.com/",
+                                                    ca_file=idp.ca_file, timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(TokenError, match="unreachable"):
+            await tokens.token()
+        assert time.monotonic() - started < 3
+    finally:
+        finished.set()
+        await asyncio.sleep(0.5)  # the reply ends; the abandoned fetch's thread reads its end
+        await runner.cleanup()
 
 
 async def test_a_token_endpoint_that_never_answers_is_unreachable_after_the_timeout(
