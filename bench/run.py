@@ -361,6 +361,15 @@ class Target:
         self.pid = int(pid_file.read_text().split()[0])
         wait_port(self.port)
 
+    def log_tail(self, lines: int = 5) -> str:
+        """The last ``lines`` of the target's stderr (dedup-relay logs WARNING and up there),
+        indented; empty for Postfix and the sink."""
+        path = self.tmp / "stderr.log" if self.tmp is not None else None
+        if path is None or not path.exists():
+            return ""
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"      {line[:300]}" for line in tail)
+
     def drain(self, timeout_s: float = 120.0) -> bool:
         """Postfix: wait until its queue is empty (every message reached the sink)."""
         if self.kind != "postfix" or self.tmp is None:
@@ -884,6 +893,8 @@ async def run(plan: Plan, seed: int) -> tuple[dict[tuple[str, str], list[Cell]],
                         print(f"  {target.name:34} {sc.name[:52]:52} {cell.rate:7.0f} msg/s "
                               f"p50 {_fmt(cell.p50_ms)} ms cpu {cell.cpu_ms:.2f} ms/msg"
                               f" failed {cell.failed}", flush=True)
+                        if cell.failed:
+                            print(target.log_tail(), flush=True)
                 finally:
                     target.stop()
         for target in plan.targets:
