@@ -522,12 +522,13 @@ class SaslMechanisms:
             await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
         prior = max(self._budget.spent(key) for key in keys)
         token = self._budget.charge(keys)
-        # the check and its failure count run to the end even if the client hangs up
-        checking = asyncio.ensure_future(self._verify(mechanism, host, username, password))
+        # the check, its refund or its failure count run to the end even if the client hangs
+        # up; the refund is the task's own, so budget is never held by a check that is over
+        checking = asyncio.ensure_future(
+            self._verify(mechanism, host, username, password, token))
         self._checking.setdefault(host, set()).add(checking)
         checking.add_done_callback(functools.partial(self._checked, host))
         if await asyncio.shield(checking):
-            self._budget.refund(token)
             log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
             log.debug("auth succeeded for user", extra={"username": username})
             return AuthResult(success=True, auth_data=username,
@@ -544,12 +545,15 @@ class SaslMechanisms:
                 del self._checking[host]
 
     async def _verify(self, mechanism: str, host: str, username: str | None,
-                      password: str | None) -> bool:
+                      password: str | None, token: tuple[float, tuple[str, ...]]) -> bool:
         """Whether ``username`` and ``password`` are right (RFC 4616: authcid and passwd are
-        1*SAFE, so either empty fails); a failure is counted and logged here."""
+        1*SAFE, so either empty fails); a success gives the attempt's charge (``token``)
+        back, a failure is counted and logged here."""
         ok = bool(username and password) and await self._credentials.verify(
             username or "", password or "")
-        if not ok:
+        if ok:
+            self._budget.refund(token)
+        else:
             if self._on_failure is not None:
                 self._on_failure()
             log.info("auth failed", extra={
