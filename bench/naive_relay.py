@@ -111,7 +111,8 @@ class Dictionary:
             return AuthResult(success=False, handled=False)
         wanted = self.users.get(auth_data.login.decode("utf-8", "replace"))
         ok = wanted is not None and hmac.compare_digest(wanted.encode(), auth_data.password)
-        return AuthResult(success=ok)
+        # handled=False: aiosmtpd answers the failure (535); True would leave it unanswered
+        return AuthResult(success=ok, handled=ok)
 
 
 def read_users(path: Path) -> dict[str, str]:
