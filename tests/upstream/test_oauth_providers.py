@@ -492,6 +492,24 @@ async def test_a_rotated_token_is_written_through_a_symbolic_link(
     assert target.read_text().strip() == "rt-2"
 
 
+def google_tokens(folder: Path, idp: IdentityProvider, port: int) -> TokenProvider:
+    """A service account's token provider whose token endpoint is https://127.0.0.1:``port``,
+    each request bounded by 0.5 s."""
+    info = {**load_service_account(service_account_file(folder, idp)),
+            "token_uri": f"https://127.0.0.1:{port}/token"}
+    return TokenProvider(GoogleServiceAccount(info=info, subject=MAILBOX,
+                                              scope="https://mail.google.com/",
+                                              ca_file=idp.ca_file, timeout_s=0.5))
+
+
+async def unreachable_within(tokens: TokenProvider, bound_s: float) -> None:
+    """``tokens.token()`` fails ``unreachable`` within ``bound_s`` seconds."""
+    started = time.monotonic()
+    with pytest.raises(TokenError, match="unreachable"):
+        await asyncio.wait_for(tokens.token(), 30)
+    assert time.monotonic() - started < bound_s
+
+
 async def test_a_token_reply_that_trickles_is_unreachable_after_the_fetch_deadline(
         tmp_path: Path, idp: IdentityProvider) -> None:
     """An endpoint that sends its reply a byte every 0.2 s never trips a 0.5 s read timeout;
@@ -512,15 +530,7 @@ async def test_a_token_reply_that_trickles_is_unreachable_after_the_fetch_deadli
     app.router.add_post("/token", trickle)
     runner, port = await serve_https(app, idp.ca)
     try:
-        info = {**load_service_account(service_account_file(tmp_path, idp)),
-                "token_uri": f"https://127.0.0.1:{port}/token"}
-        tokens = TokenProvider(GoogleServiceAccount(info=info, subject=MAILBOX,
-                                                    scope="https://mail.google.com/",
-                                                    ca_file=idp.ca_file, timeout_s=0.5))
-        started = time.monotonic()
-        with pytest.raises(TokenError, match="unreachable"):
-            await tokens.token()
-        assert time.monotonic() - started < 3
+        await unreachable_within(google_tokens(tmp_path, idp, port), 3)
     finally:
         finished.set()
         await asyncio.sleep(0.5)  # the reply ends; the abandoned fetch's thread reads its end
@@ -533,16 +543,7 @@ async def test_a_token_endpoint_that_never_answers_is_unreachable_after_the_time
     that accepts and never answers is ``unreachable`` after ``timeout_s``."""
     silent = socket.create_server(("127.0.0.1", 0))
     try:
-        path = service_account_file(tmp_path, idp)
-        info = {**load_service_account(path),
-                "token_uri": f"https://127.0.0.1:{silent.getsockname()[1]}/token"}
-        tokens = TokenProvider(GoogleServiceAccount(info=info, subject=MAILBOX,
-                                                    scope="https://mail.google.com/",
-                                                    ca_file=idp.ca_file, timeout_s=0.5))
-        started = time.monotonic()
-        with pytest.raises(TokenError, match="unreachable"):
-            await asyncio.wait_for(tokens.token(), 30)
-        assert time.monotonic() - started < 10
+        await unreachable_within(google_tokens(tmp_path, idp, silent.getsockname()[1]), 10)
     finally:
         silent.close()
 
