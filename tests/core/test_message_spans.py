@@ -17,6 +17,7 @@ from opentelemetry.trace import StatusCode
 from relay.core.dedup import DedupCore
 from relay.core.errors import StoreError
 from relay.core.interfaces import Reservation
+from relay.core.message import Decision
 from relay.core.tracing import MESSAGE, RESERVE, SETTLE, UPSTREAM
 from relay.ops.tracing import OtelTracer
 from relay.store.redis.store import RedisStore
@@ -39,6 +40,16 @@ def traced_core(store: RedisStore, upstream: CountingUpstream, prefix: str,
     return make_core(store, upstream, prefix, tracer=tracer)
 
 
+async def relayed_once(prefix: str, tracer: OtelTracer) -> Decision:
+    """The decision on one message through a traced core over a real Redis."""
+    store = RedisStore.from_url(REDIS_URL)
+    try:
+        return await traced_core(store, CountingUpstream(), prefix, tracer).process(
+            one_message())
+    finally:
+        await store.close()
+
+
 def by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
     named = {s.name: s for s in spans}
     assert len(named) == len(spans), [s.name for s in spans]
@@ -54,12 +65,7 @@ def no_address_or_key(spans: tuple[ReadableSpan, ...]) -> None:
 async def test_a_relayed_message_is_one_span_with_reserve_upstream_and_settle_children(
         prefix: str, recorded: tuple[OtelTracer, InMemorySpanExporter]) -> None:
     tracer, exporter = recorded
-    store = RedisStore.from_url(REDIS_URL)
-    try:
-        decision = await traced_core(store, CountingUpstream(), prefix, tracer).process(
-            one_message())
-    finally:
-        await store.close()
+    decision = await relayed_once(prefix, tracer)
     assert decision.reply.code == 250
     spans = exporter.get_finished_spans()
     named = by_name(spans)
@@ -91,12 +97,9 @@ async def test_a_message_not_sampled_has_no_trace_id(prefix: str) -> None:
     provider = TracerProvider(sampler=ALWAYS_OFF)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = OtelTracer(provider)
-    store = RedisStore.from_url(REDIS_URL)
     try:
-        decision = await traced_core(store, CountingUpstream(), prefix, tracer).process(
-            one_message())
+        decision = await relayed_once(prefix, tracer)
     finally:
-        await store.close()
         tracer.shutdown()
     assert decision.reply.code == 250
     assert decision.trace_id == ""
