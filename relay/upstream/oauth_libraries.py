@@ -109,15 +109,16 @@ def _msal_token(result: Mapping[str, Any] | None, what: str) -> tuple[str, float
     raise TokenError("token endpoint refused")
 
 
-async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *, deadline_s: float,
+async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *, timeout_s: float,
                      unreachable: tuple[type[Exception], ...] = ()) -> tuple[str, float]:
     """Run a library's blocking fetch in a daemon thread of its own, waited for at most
-    ``deadline_s`` seconds (a request's timeout bounds each read, not a reply that trickles,
-    nor the library's retries); its failures become TokenError: past the deadline, requests'
-    and the socket's, and ``unreachable`` (the library's own transport error), as
-    ``token endpoint unreachable``; any other as ``token endpoint refused``. A fetch left
-    past its deadline, or by a stop, finishes in its thread unwaited, and never holds up the
-    process's exit."""
+    :data:`_REQUESTS_PER_FETCH` x ``timeout_s`` (its requests' timeout, seconds: that bounds
+    each read, not a reply that trickles, nor the library's retries); its failures become
+    TokenError: past the deadline, requests' and the socket's, and ``unreachable`` (the
+    library's own transport error), as ``token endpoint unreachable``; any other as
+    ``token endpoint refused``. A fetch left past its deadline, or by a stop, finishes in its
+    thread unwaited, and never holds up the process's exit."""
+    deadline_s = _REQUESTS_PER_FETCH * timeout_s
     transport: tuple[type[Exception], ...] = (requests.RequestException, OSError, *unreachable)
     try:
         return await asyncio.wait_for(_daemon_thread(call), deadline_s)
@@ -191,7 +192,7 @@ class EntraClient:
             _entra_app, client_id, credential.for_msal(), entra_authority(token_url),
             _TimedSession(timeout_s, str(ca_file) if ca_file else True), timeout_s)
         self._app: Any = None
-        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
+        self._timeout_s = timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
@@ -204,7 +205,7 @@ class EntraClient:
             self._app.token_cache = msal.TokenCache()
             return _msal_token(self._app.acquire_token_for_client(scopes=self._scopes),
                                self._what)
-        return await _in_thread(call, self._what, deadline_s=self._deadline_s)
+        return await _in_thread(call, self._what, timeout_s=self._timeout_s)
 
 
 def _entra_app(client_id: str, credential: str | dict[str, Any], authority: str,
@@ -238,13 +239,13 @@ class EntraManagedIdentity:
         self._client = functools.partial(
             msal.ManagedIdentityClient, which,
             http_client=_TimedSession(timeout_s, str(ca_file) if ca_file else True))
-        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
+        self._timeout_s = timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
             return _msal_token(self._client().acquire_token_for_client(
                 resource=self._resource), self._what)
-        return await _in_thread(call, self._what, deadline_s=self._deadline_s)
+        return await _in_thread(call, self._what, timeout_s=self._timeout_s)
 
 
 def load_service_account(path: Path) -> dict[str, Any]:
@@ -287,7 +288,7 @@ class GoogleServiceAccount:
         self._now: Callable[[], datetime.datetime] = functools.partial(
             datetime.datetime.now, datetime.UTC)
         self._unreachable: tuple[type[Exception], ...] = (TransportError,)
-        self._deadline_s = _REQUESTS_PER_FETCH * timeout_s
+        self._timeout_s = timeout_s
 
     async def fetch(self) -> tuple[str, float]:
         def call() -> tuple[str, float]:
@@ -299,5 +300,5 @@ class GoogleServiceAccount:
                 return token, 300.0
             ends = expiry.replace(tzinfo=datetime.UTC)  # google-auth: naive UTC
             return token, max(1.0, (ends - self._now()).total_seconds())
-        return await _in_thread(call, self._what, deadline_s=self._deadline_s,
+        return await _in_thread(call, self._what, timeout_s=self._timeout_s,
                                 unreachable=self._unreachable)
