@@ -300,10 +300,15 @@ class CredentialFile:
         digest = self.verified.digest(username, entry.password_hash, secret)
         checking = self._checking.get(digest)
         if checking is None:
-            checking = asyncio.ensure_future(self._hash_check(entry, secret))
+            checking = asyncio.ensure_future(self._remembered_check(username, entry, secret))
             self._checking[digest] = checking
             checking.add_done_callback(lambda _: self._checking.pop(digest, None))
-        ok = await asyncio.shield(checking)
+        return await asyncio.shield(checking)
+
+    async def _remembered_check(self, username: str, entry: _Entry, secret: bytes) -> bool:
+        """The hash check of ``username``'s ``entry``; a success is remembered in
+        :attr:`verified` (once, for every caller that shares this check)."""
+        ok = await self._hash_check(entry, secret)
         if ok:
             self.verified.add(username, entry.password_hash, secret)
         return ok
