@@ -38,7 +38,14 @@ from relay.core.interfaces import (
 )
 from relay.core.rules import sending_record
 from relay.store import sqlite_limits
-from relay.store.sqlite_writer import BUSY_POLL_MS, Op, Writer, begin_immediate, locked
+from relay.store.sqlite_writer import (
+    BUSY_POLL_MS,
+    Op,
+    Writer,
+    begin_immediate,
+    locked,
+    pause,
+)
 
 _T = TypeVar("_T")
 
@@ -536,16 +543,16 @@ def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
     processes opening a new file at once can see SQLITE_BUSY here; the schema is created and
     upgraded in one BEGIN IMMEDIATE so two processes never both add a column.
     """
-    pause = 0.001
+    pause_s = 0.001
     while True:
         try:
             conn.execute("PRAGMA journal_mode = WAL")
             break
         except sqlite3.OperationalError as exc:
-            if not locked(exc) or time.monotonic() + pause > deadline:
+            if not locked(exc) or time.monotonic() + pause_s > deadline:
                 raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause(pause_s)
+            pause_s = min(pause_s * 2, 0.05)
     # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss or an OS
     # crash, and a lost SENDING or SENT row lets a retried message through twice. FULL fsyncs
     # the WAL at every COMMIT; group commit shares that fsync among concurrent calls.

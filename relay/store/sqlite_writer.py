@@ -42,7 +42,20 @@ def begin_immediate(conn: sqlite3.Connection, deadline: float) -> None:
         except sqlite3.OperationalError as exc:
             if not locked(exc) or time.monotonic() >= deadline:
                 raise
-            time.sleep(0.0005)
+            pause(0.0005)
+
+
+_NEVER_SET = threading.Event()
+
+
+def pause(seconds: float) -> None:
+    """Block this thread for ``seconds`` (a relative wait on the monotonic clock).
+
+    Not :func:`time.sleep`: since Python 3.11 it sleeps until an absolute ``CLOCK_MONOTONIC``
+    deadline (``clock_nanosleep(TIMER_ABSTIME)``), which libfaketime 0.9.10 (the ``faketime``
+    that runs a process with its wall clock offset) answers EINVAL, so every sleep raised
+    OSError. A wait on an event that is never set has no such call."""
+    _NEVER_SET.wait(seconds)
 
 
 def locked(exc: sqlite3.OperationalError) -> bool:

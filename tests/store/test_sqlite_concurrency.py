@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import sqlite3
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,8 @@ import pytest
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, State
 from relay.store.sqlite import SqliteStore
+from tests.support.cli import REPO
+from tests.support.faultbench_lib import _libfaketime
 from tests.support.sqlite_procs import race_processes
 
 LEASE_S = 60.0
@@ -126,6 +130,45 @@ async def test_opening_a_file_another_connection_is_writing_waits_for_it(
         timer.join()
         blocker.close()
     assert reservation.reserved
+
+
+_WAITS_UNDER_FAKETIME = """
+import asyncio, sqlite3, sys, threading
+from relay.store.sqlite import SqliteStore
+
+def held(db, seconds):
+    blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    blocker.execute("CREATE TABLE IF NOT EXISTS other (a)")
+    blocker.execute("BEGIN IMMEDIATE")
+    timer = threading.Timer(seconds, lambda: blocker.execute("ROLLBACK"))
+    timer.start()
+    return timer
+
+async def main(db):
+    opening = held(db, 0.2)  # the switch to WAL meets a held lock
+    store = await SqliteStore.open(db, op_timeout_s=5.0)
+    opening.join()
+    writing = held(db, 0.2)  # so does the reserve's BEGIN IMMEDIATE
+    [reservation] = await store.reserve(["k"], token="t", lease_s=60)
+    writing.join()
+    await store.close()
+    assert reservation.reserved, reservation
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="libfaketime")
+def test_a_process_with_its_wall_clock_offset_waits_for_a_held_lock(tmp_path: Path) -> None:
+    """Under libfaketime (wall clock 20 s ahead, monotonic clock real, as the clock-skew tests
+    run a relay) opening a new file and reserving both wait out another connection's write
+    lock and succeed (there time.sleep raises OSError, EINVAL)."""
+    env = {"LD_PRELOAD": _libfaketime(), "FAKETIME": "+20s", "FAKETIME_NO_CACHE": "1",
+           "FAKETIME_DONT_FAKE_MONOTONIC": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", _WAITS_UNDER_FAKETIME, str(tmp_path / "d.db")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.timeout(90)
