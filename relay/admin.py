@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import getpass
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from relay.core.address import mailbox_problem
 from relay.core.errors import InvalidAddressError
-from relay.core.interfaces import FingerprintStore, Record, State, StateCounter, StateCounts
+from relay.core.interfaces import (
+    FingerprintStore,
+    LedgerAction,
+    LedgerEntry,
+    Record,
+    State,
+    StateCounter,
+    StateCounts,
+)
 from relay.core.keys import KeyRules, header_values, recipient_key
 from relay.core.rules import reads_as
 from relay.settings import Settings, redact_url
@@ -98,25 +108,27 @@ def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
 
 
 async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
-                  force: bool = False, operator: str | None = None) -> tuple[Record, bool]:
+                  force: bool = False, operator: str | None = None,
+                  role: str | None = None) -> tuple[Record, bool]:
     """Delete ``key``, but only while it still holds what was inspected (compare-and-delete: an
     attempt that took the key over in between is never wiped); return (what it held, whether
     something was deleted).
 
     Raises :class:`InFlightError` (nothing done) when the record is in flight and not
     ``force``. Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS
-    user), the reason and the record released. Raises :class:`relay.core.errors.StoreError`.
+    user) and the console ``role`` when given, the reason and the record released. Raises
+    :class:`relay.core.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force)
     deleted = await store.force_release(key, expected=before)
     _audit("fingerprint released by an operator", "admin_release", key, before, lease_s,
-           reason, operator, released=deleted)
+           reason, operator, role, released=deleted)
     return before, deleted
 
 
 async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                     window_s: float, force: bool = False, operator: str | None = None,
-                    keep_expiry: bool = False) -> Record:
+                    role: str | None = None, keep_expiry: bool = False) -> Record:
     """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
     found the message delivered, so its retries are duplicates. Returns what it held.
 
@@ -134,7 +146,7 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
     await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
                                 window_s=window_s)
     _audit("fingerprint marked sent by an operator", "admin_mark_sent", key, before, lease_s,
-           reason, operator)
+           reason, operator, role)
     return before
 
 
@@ -149,11 +161,50 @@ async def _not_in_flight(store: FingerprintStore, key: str, lease_s: float,
 
 
 def _audit(message: str, event: str, key: str, before: Record, lease_s: float, reason: str,
-           operator: str | None, **fields: object) -> None:
+           operator: str | None, role: str | None, **fields: object) -> None:
     audit.warning(message, extra={
         "event": event, "operator": operator or os_user(), "reason": reason,
+        **({} if role is None else {"role": role}),
         **fields, "previous": describe(key, before, lease_s),
     })
+
+
+_OUTCOMES = {LedgerAction.RELEASE: "released", LedgerAction.MARK_SENT: "marked_sent"}
+
+
+class OperatorRow:
+    """The ledger row of a release / mark-sent (design.md §6.7): the store key, the recipient
+    when the operator gave it (else ""), the template and key as the relay normalizes them;
+    its time is taken when :meth:`entry` is called (after the action)."""
+
+    def __init__(self, settings: Settings, action: LedgerAction, key: str, *,
+                 rcpt: str | None = None, templates: Sequence[str] = (),
+                 keys: Sequence[str] = ()) -> None:
+        headers = header_values(keys, templates, max_chars=settings.max_key_chars)
+        self._fields: dict[str, Any] = {
+            "outcome": _OUTCOMES[action], "action": action, "recipient": rcpt or "",
+            "store_key": key, "template": headers.template, "dedupe_key": headers.key}
+
+    def entry(self, reply: str) -> LedgerEntry:
+        """The row with ``reply``, decided now."""
+        return LedgerEntry(decided_at=time.time(), reply=reply, **self._fields)
+
+    def released(self, before: Record, deleted: bool, *, who: str, reason: str
+                 ) -> LedgerEntry | None:
+        """The row of a release by ``who``: written when it deleted the record, and when
+        there was none (the decision settles an in-doubt row whose record already left the
+        store: its window passed), else None (the record changed under the compare-and-delete:
+        it may still be in doubt, nothing was settled)."""
+        if deleted:
+            return self.entry(f"released by {who}: {reason}")
+        if before.state is State.ABSENT:
+            return self.entry(f"nothing to release (no record: its window passed, or released "
+                              f"before); settled by {who}: {reason}")
+        return None
+
+    def marked_sent(self, *, who: str, reason: str) -> LedgerEntry:
+        """The row of a mark-sent by ``who`` (its reply: what the record now holds)."""
+        return self.entry(f"marked sent by an operator: {reason} ({who})")
 
 
 async def count_states(store: FingerprintStore, settings: Settings, *, older_than_h: float,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from relay.console.server import Console
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.dedup import DedupCore
 from relay.core.dsn import DsnSender
@@ -80,6 +81,7 @@ class Relay:
         self._servers: list[asyncio.base_events.Server] = []
         self._tls_factory: ImplicitTlsFactory | None = None
         self._ops: OpsServer | None = None
+        self.console: Console | None = None  # without a supervisor, with console_listen
         self._stopped = False
         self.port = self.tls_port = self.metrics_port = 0
 
@@ -138,7 +140,21 @@ class Relay:
                           smtp_factory(self.handler, limits, self.security, s.processing_s,
                                        implicit_tls=True))
         await self._start_health()
+        await self._start_console()
         self._log_started()
+
+    async def _start_console(self) -> None:
+        """Without a supervisor, serve the console on the relay's own store client (a worker's
+        is its supervisor's); its metrics go with the relay's."""
+        s = self.settings
+        address = s.console_address
+        if address is None or self.inherited is not None:
+            return
+        self.console = Console(s, store=self.store, registry=self.registry)
+        try:
+            await self.console.start()
+        except OSError as exc:
+            raise bind_error(*address, "console_listen", exc) from exc
 
     async def _serve(self, factory: Any, tls_factory: Any) -> None:
         """Serve the SMTP listener and, with TLS configured, the implicit-TLS one (plain TCP:
@@ -203,10 +219,11 @@ class Relay:
         if self._first_worker:
             for warning in s.dedup_warnings():
                 log.warning("%s", warning)
-        log.info("listening on %s; upstream %s, store %s, %s", listeners,
+        log.info("listening on %s; upstream %s, store %s, %s%s", listeners,
                  s.describe_upstream(), s.describe_store(),
                  s.describe_operations(metrics_port,
-                                             "uvloop" if loop == "uvloop" else "asyncio"))
+                                       "uvloop" if loop == "uvloop" else "asyncio"),
+                 "" if self.console is None else f", {self.console.describe()}")
         for warning in s.upstream_warnings():
             log.warning("%s", warning)
 
@@ -265,6 +282,8 @@ class Relay:
         still queued."""
         if self._ops is not None:
             await self._ops.stop()
+        if self.console is not None:
+            await self.console.stop()
         if self.health is not None:
             await self.health.stop()
         if self.upstream is not None:

@@ -45,10 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from setproctitle import setproctitle
 
+from relay.console.server import Console
 from relay.core.cancellation import AFTER_DOT_WAIT_S
-from relay.core.errors import ConfigError, StartupError
+from relay.core.errors import ConfigError, StartupError, StoreError
 from relay.listen import Inherited, Listeners, bind_error, bind_listeners
 from relay.ops.health import ComponentStatus
 from relay.ops.http import OpsServer
@@ -233,6 +235,9 @@ class Supervisor:
         self.metrics_port = 0
         self._listeners: Listeners | None = None
         self._ops: OpsServer | None = None
+        self._registry: CollectorRegistry | None = None  # the ops server's (metrics on)
+        self._console_sock: socket.socket | None = None
+        self.console: Console | None = None
         self._stopping = asyncio.Event()
         self._signal: int | None = None
         self._give_up: int | None = None
@@ -264,6 +269,7 @@ class Supervisor:
         try:
             self._listeners = await bind_listeners(self.settings)
             self._bind_ops()
+            self._console_sock = self._bind_console()
             self._tasks = [asyncio.create_task(self._keep(w)) for w in self.workers]
             await self._await_first_start()
             if not self._stopping.is_set() and self.workers[0].served.is_set():
@@ -384,8 +390,9 @@ class Supervisor:
         metrics = "off"
         if self._ops is not None and self.settings.metrics_address is not None:
             metrics = host_port(self.settings.metrics_address[0], self.metrics_port)
-        log.info("supervisor %d: %d workers on SMTP port %d, metrics %s", os.getpid(),
-                 self.count, listeners.port, metrics)
+        log.info("supervisor %d: %d workers on SMTP port %d, metrics %s, %s", os.getpid(),
+                 self.count, listeners.port, metrics,
+                 "console off" if self.console is None else self.console.describe())
 
     def _bind_ops(self) -> None:
         """Bind the metrics port (not listening yet: :meth:`_start_ops` serves it once worker 0
@@ -394,20 +401,9 @@ class Supervisor:
         if s.metrics_address is None:
             return
         host, port = s.metrics_address
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(
-                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-            sock = socket.socket(family, kind, proto)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(address)
-            except OSError:
-                sock.close()
-                raise
-        except OSError as exc:
-            raise bind_error(host, port, "metrics_listen", exc) from exc
+        sock = _bound(host, port, "metrics_listen")
         self.metrics_dir = tempfile.mkdtemp(prefix="dedup-relay-metrics-")
-        registry = workers_registry(self.metrics_dir, self._worker_pids)
+        registry = self._registry = workers_registry(self.metrics_dir, self._worker_pids)
         self.reloads = ConfigReloadMetrics(registry=registry)  # once per reload, not per worker
         self._ops = OpsServer(registry=registry, health=WorkersReadiness(self), host=host,
                               port=port, sock=sock)
@@ -418,10 +414,37 @@ class Supervisor:
         return {w.index: w.proc.pid for w in self.workers
                 if w.proc is not None and w.proc.poll() is None}
 
+    async def _stop_ops(self) -> None:
+        """Stop the metrics server and the console (or close its socket, never served)."""
+        if self._ops is not None:
+            await self._ops.stop()
+        if self.console is not None:
+            await self.console.stop()
+        else:
+            _unused(self._console_sock)
+
+    def _bind_console(self) -> socket.socket | None:
+        """Bind the console's port (served by :meth:`_start_ops` once worker 0 serves), None
+        without a console. Raises :class:`StartupError`."""
+        address = self.settings.console_address
+        return None if address is None else _bound(*address, "console_listen")
+
     async def _start_ops(self) -> None:
-        """Serve /metrics, /healthz and /readyz on the bound metrics socket."""
+        """Serve /metrics, /healthz and /readyz on the bound metrics socket, and the console
+        (one for every worker, on its own store client). A console that cannot start stops
+        the relay (exit 69), gracefully."""
         if self._ops is not None:
             await self._ops.start()
+        if self._console_sock is None:
+            return
+        try:
+            self.console = Console(self.settings, store=None, registry=self._registry,
+                                   sock=self._console_sock)
+            await self.console.start()
+        except (ConfigError, StartupError, StoreError, OSError) as exc:
+            log.error("cannot start the console: %s", exc)
+            self._give_up = EX_UNAVAILABLE
+            self._on_signal(signal.SIGTERM)
 
     def _on_signal(self, sig: int) -> None:
         self._signal = sig
@@ -556,14 +579,36 @@ class Supervisor:
                     worker.proc.kill()
                 await exited(worker.proc)
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._ops is not None:
-            await self._ops.stop()
+        await self._stop_ops()
         if self._listeners is not None:
             self._listeners.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
         if self._snapshot_dir is not None:
             shutil.rmtree(self._snapshot_dir, ignore_errors=True)
+
+
+def _unused(sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.close()
+
+
+def _bound(host: str, port: int, setting: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet). Raises :class:`StartupError`
+    naming ``setting``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise bind_error(host, port, setting, exc) from exc
+    return sock
 
 
 def _exit_text(code: int) -> str:

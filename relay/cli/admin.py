@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import sys
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -33,6 +32,7 @@ import click
 from relay.admin import (
     FingerprintInput,
     InFlightError,
+    OperatorRow,
     count_states,
     describe,
     key_for,
@@ -56,6 +56,7 @@ from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, S
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
 from relay.settings import (
+    CONSOLE_ROLES,
     DEFAULT_STORE_URL,
     AdminSettings,
     Settings,
@@ -182,19 +183,12 @@ def register(main: click.Group) -> None:
         configured, also a `released` row there, or nothing done when it does not answer)."""
         settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
                                         auth_user, store_key, reason, log_format)
-        row = _OperatorRow(settings, LedgerAction.RELEASE, key, rcpt, templates, keys,
-                           reply=f"released by {os_user()}: {reason}")
-        # written also when there was no record: the operator's decision settles an in-doubt
-        # ledger entry whose record already left the store (its window passed), which
-        # in-doubt and its alert would otherwise list for the retention; not when the record
-        # changed under the compare-and-delete (it may still be in doubt: nothing settled)
+        row = OperatorRow(settings, LedgerAction.RELEASE, key, rcpt=rcpt, templates=templates,
+                          keys=keys)
         (before, deleted), unrecorded = _run_audited(
             settings, lambda store: release(store, key, reason=reason, lease_s=settings.lease,
                                             force=force),
-            lambda done: row.entry() if done[1] else row.entry(
-                reply=f"nothing to release (no record: its window passed, or released "
-                      f"before); settled by {os_user()}: {reason}")
-            if done[0].state is State.ABSENT else None)
+            lambda done: row.released(*done, who=os_user(), reason=reason))
         click.echo(json.dumps({"released": deleted,
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "released")
@@ -216,14 +210,13 @@ def register(main: click.Group) -> None:
         settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
                                         auth_user, store_key, reason, log_format)
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
-        # the reply the record now holds (relay.admin.mark_sent writes it)
-        row = _OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt, templates, keys,
-                           reply=f"marked sent by an operator: {reason} ({os_user()})")
+        row = OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt=rcpt,
+                          templates=templates, keys=keys)
         before, unrecorded = _run_audited(
             settings, lambda store: mark_sent(
                 store, key, reason=reason, lease_s=settings.lease, window_s=window_s,
                 force=force, keep_expiry=store_key is not None),
-            lambda _: row.entry())
+            lambda _: row.marked_sent(who=os_user(), reason=reason))
         click.echo(json.dumps({"marked_sent": True,
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "marked sent")
@@ -291,8 +284,14 @@ def _register_hash_password(main: click.Group) -> None:
                   show_default=True)
     @click.option("--password-stdin", is_flag=True,
                   help="read the password from standard input instead of prompting")
-    def hash_password_command(user: str, scheme: str, password_stdin: bool) -> None:
-        """Print a `user:hash` line for --auth-file (the password never appears in argv)."""
+    @click.option("--role", type=click.Choice(CONSOLE_ROLES), default=None,
+                  help="a console user's role: prints `user:hash:role` for "
+                       "--console-auth-file (viewer reads, operator also releases and marks "
+                       "sent)")
+    def hash_password_command(user: str, scheme: str, password_stdin: bool,
+                              role: str | None) -> None:
+        """Print a `user:hash` line for --auth-file, or with --role a `user:hash:role` line
+        for --console-auth-file (the password never appears in argv)."""
         from relay.smtp.auth import Scheme, format_entry, hash_password
 
         if password_stdin:
@@ -302,7 +301,8 @@ def _register_hash_password(main: click.Group) -> None:
         if not password:
             fail(ExitCode.USAGE, "an empty password is not allowed")
         try:
-            click.echo(format_entry(user, hash_password(password, scheme=cast(Scheme, scheme))))
+            click.echo(format_entry(user, hash_password(password, scheme=cast(Scheme, scheme)),
+                                    role))
         except ValueError as exc:
             fail(ExitCode.USAGE, str(exc))
 
@@ -349,30 +349,6 @@ def announce_ledger(url: str) -> None:
 def quiet_logging(log_format: str) -> None:
     """Only errors from the store's start-up checks: a command's output is its answer."""
     setup_logging("ERROR", log_format)
-
-
-_OUTCOMES = {LedgerAction.RELEASE: "released", LedgerAction.MARK_SENT: "marked_sent"}
-
-
-class _OperatorRow:
-    """The ledger row of a release / mark-sent: the store key, the recipient when given with
-    ``--rcpt`` (else ""), the template and key as the relay normalizes them, decided now by
-    ``HOSTNAME/cli``."""
-
-    def __init__(self, settings: Settings, action: LedgerAction, key: str, rcpt: str | None,
-                 templates: tuple[str, ...], keys: tuple[str, ...], reply: str = "") -> None:
-        headers = header_values(keys, templates, max_chars=settings.max_key_chars)
-        self._fields: dict[str, Any] = {
-            "outcome": _OUTCOMES[action], "action": action, "recipient": rcpt or "",
-            "store_key": key, "template": headers.template, "dedupe_key": headers.key,
-            "reply": reply}
-
-    def entry(self, reply: str | None = None) -> LedgerEntry:
-        """The row, decided now (with ``reply`` instead of the one given, when given)."""
-        fields = dict(self._fields)
-        if reply is not None:
-            fields["reply"] = reply
-        return LedgerEntry(decided_at=time.time(), **fields)
 
 
 def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:

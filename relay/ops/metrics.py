@@ -334,6 +334,45 @@ class ConfigReloadMetrics:
             self._last.set(now)
 
 
+CONSOLE_SIGN_INS = ("succeeded", "failed", "refused")
+CONSOLE_REFUSALS = ("anonymous", "csrf", "role", "expired")
+CONSOLE_ACTIONS = ("release", "mark_sent")
+
+
+class ConsoleMetrics:
+    """The web console's counters, registered on ``registry`` (the single process's, or the
+    supervisor's own; None: a private one, metrics off):
+    ``relay_console_sign_ins_total{result}`` (``succeeded``, ``failed``: a wrong user or
+    password, ``refused``: the address's guess budget was spent, unchecked),
+    ``relay_console_refusals_total{reason}`` (requests refused: ``anonymous`` without a
+    session, ``expired`` session, ``csrf`` token missing or wrong, ``role`` a viewer's action)
+    and ``relay_console_actions_total{action}`` (``release``, ``mark_sent`` done)."""
+
+    def __init__(self, *, registry: CollectorRegistry | None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        sign_ins = Counter("relay_console_sign_ins", "Console sign-ins by result", ["result"],
+                           registry=registry)
+        refusals = Counter("relay_console_refusals", "Console requests refused by reason",
+                           ["reason"], registry=registry)
+        actions = Counter("relay_console_actions", "Console actions done by kind", ["action"],
+                          registry=registry)
+        self._sign_ins = {r: sign_ins.labels(r) for r in CONSOLE_SIGN_INS}
+        self._refusals = {r: refusals.labels(r) for r in CONSOLE_REFUSALS}
+        self._actions = {a: actions.labels(a) for a in CONSOLE_ACTIONS}
+
+    def signed_in(self, result: str) -> None:
+        """Count one sign-in attempt (a :data:`CONSOLE_SIGN_INS` value)."""
+        self._sign_ins[result].inc()
+
+    def refused(self, reason: str) -> None:
+        """Count one refused request (a :data:`CONSOLE_REFUSALS` value)."""
+        self._refusals[reason].inc()
+
+    def acted(self, action: str) -> None:
+        """Count one action done (a :data:`CONSOLE_ACTIONS` value)."""
+        self._actions[action].inc()
+
+
 def workers_registry(path: str, worker_pids: Callable[[], Mapping[int, int]]
                      ) -> CollectorRegistry:
     """The supervisor's registry (``workers`` > 1): every worker's metrics read from the

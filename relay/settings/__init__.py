@@ -8,10 +8,10 @@ Each field's ``description`` is its ``--help`` text and its line of docs/setting
 Durations are seconds (floats), sizes bytes.
 
 Each part's section (:mod:`relay.settings.listener`, ``access``, ``upstream``, ``store``,
-``dedup``, ``ledger``, ``operations``) holds its fields, its validators, the builder of its
-part, its file checks, the settings it applies on reload and its start-up description. This
-module holds only what spans sections: the rules between them, the file checks of all, and
-loading.
+``dedup``, ``ledger``, ``console``, ``operations``) holds its fields, its validators, the
+builder of its part, its file checks, the settings it applies on reload and its start-up
+description. This module holds only what spans sections: the rules between them, the file
+checks of all, and loading.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from relay.settings.common import (
     shown_value,
     split_host_port,
 )
+from relay.settings.console import CONSOLE_ROLES, ConsoleSettings
 from relay.settings.dedup import POLICY_SETTINGS, DedupSettings, RateLimit, TemplatePolicy
 from relay.settings.ledger import LedgerSettings
 from relay.settings.listener import ListenerSettings
@@ -62,9 +63,10 @@ from relay.settings.store import DEFAULT_STORE_URL, StoreSettings
 from relay.settings.upstream import UpstreamEntry, UpstreamList, UpstreamSettings
 
 __all__ = [
-    "COMPUTED_DEFAULTS", "DEFAULT_STORE_URL", "ENV_PREFIX", "FILE_ONLY_SETTINGS", "FILE_SETTINGS",
+    "COMPUTED_DEFAULTS", "CONSOLE_ROLES", "DEFAULT_STORE_URL", "ENV_PREFIX",
+    "FILE_ONLY_SETTINGS", "FILE_SETTINGS",
     "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
-    "DedupSettings", "LedgerSettings", "ListenerSettings", "OAuthSettings",
+    "ConsoleSettings", "DedupSettings", "LedgerSettings", "ListenerSettings", "OAuthSettings",
     "OperationsSettings", "RateLimit",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "flag_name",
@@ -79,7 +81,7 @@ if TYPE_CHECKING:
 # the sections in the order of --help and docs/settings.md
 SECTIONS: tuple[type[Section], ...] = (
     ListenerSettings, AccessSettings, UpstreamSettings, OAuthSettings, StoreSettings,
-    DedupSettings, LedgerSettings, OperationsSettings)
+    DedupSettings, LedgerSettings, ConsoleSettings, OperationsSettings)
 
 # settings that only the config file sets (a table or an array of tables): no flag
 FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit"})
@@ -96,8 +98,9 @@ def section_fields(section: type[Section]) -> list[str]:
             if name in vars(section).get("__annotations__", {})]
 
 
-class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings, OAuthSettings,
-               UpstreamSettings, AccessSettings, ListenerSettings, BaseSettings):
+class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSettings,
+               StoreSettings, OAuthSettings, UpstreamSettings, AccessSettings, ListenerSettings,
+               BaseSettings):
     """Every setting of the relay (see ``config/dedup-relay.example.toml`` for each one): the
     sections of :data:`SECTIONS` mixed into one object (fields in their order: the bases in
     reverse), so every ``RELAY_*`` name, file key and flag is the field's own name.
@@ -133,7 +136,32 @@ class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings,
                 "of it, and a renewal may take store_timeout", "lease", "store_timeout")
         self._check_listeners_apart()
         self._check_oauth_auth()
+        self._check_console_in_clear()
         return self
+
+    @property
+    def console_certificate(self) -> tuple[Path, Path] | None:
+        """The console's (certificate, key): its own, else the SMTP listener's; None when
+        neither is set, or with ``console_plain_http``."""
+        if self.console_plain_http:
+            return None
+        if self.console_tls_cert is not None and self.console_tls_key is not None:
+            return self.console_tls_cert, self.console_tls_key
+        if self.tls_cert is not None and self.tls_key is not None:
+            return self.tls_cert, self.tls_key
+        return None
+
+    def _check_console_in_clear(self) -> None:
+        """A console off this host serves HTTPS, unless the operator says a proxy does."""
+        if self.console_listen is None or self.console_on_loopback \
+                or self.console_plain_http or self.console_certificate is not None:
+            return
+        raise SettingsRuleError(
+            f"console_listen {self.console_listen} is off this host and has no certificate: "
+            "passwords would cross the network in clear; set console_tls_cert and "
+            "console_tls_key (or the listener's tls_cert), or console_plain_http behind a "
+            "proxy that terminates TLS", "console_listen", "console_tls_cert",
+            "console_plain_http")
 
     @property
     def oauth_auth_upstreams(self) -> list[tuple[str, str, str | None]]:
@@ -180,7 +208,7 @@ class Settings(OperationsSettings, LedgerSettings, DedupSettings, StoreSettings,
         """Two listeners of this relay on one address would make the second bind fail."""
         wildcard = {"0.0.0.0", "::", "*"}  # noqa: S104 (compared, not bound)
         bound: list[tuple[str, int, str]] = []
-        for field in ("listen", "tls_listen", "metrics_listen"):
+        for field in ("listen", "tls_listen", "metrics_listen", "console_listen"):
             value = getattr(self, field)
             if value is None or value == "off":
                 continue
@@ -234,7 +262,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     """
     checks: list[FileCheck] = []
     for section in (UpstreamSettings, OAuthSettings, DedupSettings, AccessSettings,
-                    StoreSettings, LedgerSettings, OperationsSettings):
+                    StoreSettings, LedgerSettings, ConsoleSettings, OperationsSettings):
         checks += section.file_checks(settings, live=not store)
     problems: list[str] = []
     for fields, action in checks:

@@ -9,9 +9,11 @@ prompts compared byte for byte by the client.
 
 The credentials file holds one ``username:hash`` per line, the hash made by bcrypt
 (``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
-:func:`format_entry`. Hash checks run in a worker thread (they cost ~100 ms each). Passwords,
-hashes and AUTH blobs are never logged or put in an exception; the username is logged at DEBUG
-only. The authenticated identity is part of the dedup fingerprint only with ``scope_by_auth``.
+:func:`format_entry`. A file of users with roles (the console's) holds ``username:hash:role``
+lines (neither hash form holds a ``:``). Hash checks run in a worker thread (they cost ~100 ms
+each). Passwords, hashes and AUTH blobs are never logged or put in an exception; the username
+is logged at DEBUG only. The authenticated identity is part of the dedup fingerprint only with
+``scope_by_auth``.
 
 :class:`SaslMechanisms` plugs into aiosmtpd: the listener's handler exposes its ``auth_PLAIN``
 and ``auth_LOGIN`` (aiosmtpd offers every handler method named ``auth_<MECH>``).
@@ -49,6 +51,7 @@ Scheme = Literal["argon2", "bcrypt"]
 
 _BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
 _BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
+_ROLE = re.compile(r"[a-z][a-z_]*")
 _BCRYPT_MAX_BYTES = 72  # bcrypt 5 refuses longer secrets instead of truncating them
 _MAX_DELAY_S = 5.0  # cap of the growing delay before an AUTH attempt is answered
 _MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget (oldest go)
@@ -83,20 +86,27 @@ def hash_password(password: str, *, scheme: Scheme = "argon2") -> str:
     raise ValueError(f"unknown hash scheme {scheme!r} (argon2 or bcrypt)")
 
 
-def format_entry(username: str, password_hash: str) -> str:
-    """Return the credentials file line ``username:hash`` (without a newline).
+def format_entry(username: str, password_hash: str, role: str | None = None) -> str:
+    """Return the credentials file line ``username:hash``, or ``username:hash:role`` with a
+    ``role`` (without a newline).
 
     Raises ValueError when ``username`` is empty, starts with ``#``, or holds ``:``,
-    whitespace or a control character, or when ``password_hash`` is not a bcrypt or argon2
-    hash; the message never repeats the hash.
+    whitespace or a control character, when ``password_hash`` is not a bcrypt or argon2
+    hash, or when ``role`` is empty or not a lowercase word; the message never repeats the
+    hash.
     """
-    reason = _username_problem(username)
+    reason = _username_problem(username) or _hash_problem(password_hash)
+    if reason is None and role is not None and not _ROLE.fullmatch(role):
+        reason = f"the role {role!r} is not a lowercase word"
     if reason is not None:
         raise ValueError(reason)
-    reason = _hash_problem(password_hash)
-    if reason is not None:
-        raise ValueError(reason)
-    return f"{username}:{password_hash}"
+    return f"{username}:{password_hash}" + ("" if role is None else f":{role}")
+
+
+def failure_floor_s(delay_s: float, prior_failures: int) -> float:
+    """Seconds a failed sign-in is answered after it was made: ``delay_s`` x (1 +
+    ``prior_failures``, the attempts already in the window), at most 5 s."""
+    return min(delay_s * (prior_failures + 1), _MAX_DELAY_S)
 
 
 def _username_problem(username: str) -> str | None:
@@ -131,7 +141,7 @@ def _hash_problem(password_hash: str) -> str | None:
         extract_parameters(password_hash)
     except InvalidHashError:
         return "the argon2 hash is malformed"
-    if any(ch.isspace() or not ch.isprintable() for ch in password_hash):
+    if any(ch.isspace() or not ch.isprintable() or ch == ":" for ch in password_hash):
         return "the argon2 hash is malformed"
     return None
 
@@ -140,6 +150,7 @@ def _hash_problem(password_hash: str) -> str | None:
 class _Entry:
     scheme: Scheme
     password_hash: str = field(repr=False)
+    role: str | None = None
 
 
 def _check_hash(entry: _Entry, secret: bytes) -> bool:
@@ -234,6 +245,12 @@ class CredentialFile:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def role(self, username: str) -> str | None:
+        """The role of ``username`` in a file loaded with roles; None for an unknown user (or
+        a file without roles)."""
+        entry = self._entries.get(username)
+        return None if entry is None else entry.role
+
     def replace_with(self, other: CredentialFile) -> None:
         """Take the users of ``other`` (a configuration reload read the file again): the next
         AUTH is checked against them; an exchange already checking keeps the entry it read."""
@@ -243,14 +260,16 @@ class CredentialFile:
         self.verified = other.verified  # the new file's: nothing verified under the old one
 
     @classmethod
-    def load(cls, path: Path) -> CredentialFile:
+    def load(cls, path: Path, *, roles: tuple[str, ...] | None = None) -> CredentialFile:
         """Read the credentials file at ``path`` (UTF-8).
 
-        One ``username:hash`` per line; blank lines and lines starting with ``#`` are skipped.
+        One ``username:hash`` per line, or with ``roles`` one ``username:hash:role`` with a
+        role of ``roles``; blank lines and lines starting with ``#`` are skipped.
         Raises :class:`relay.core.errors.ConfigError` naming the file (and line number) when it
         cannot be read, is not UTF-8, has a malformed line, a hash that is neither bcrypt
-        nor argon2, a duplicate user, or no user at all. The message never quotes a hash.
-        Blocking (file read plus one hash to build the unknown-user dummy, ~100 ms).
+        nor argon2, a missing or unknown role, a duplicate user, or no user at all. The
+        message never quotes a hash. Blocking (file read plus one hash to build the
+        unknown-user dummy, ~100 ms).
         """
         try:
             text = path.read_bytes().decode("utf-8")
@@ -265,16 +284,21 @@ class CredentialFile:
             if not line or line.startswith("#"):
                 continue
             username, colon, password_hash = line.partition(":")
+            role = None
+            if roles is not None:
+                password_hash, _, role = password_hash.rpartition(":")
             reason = (
-                "expected username:hash" if not colon
-                else _username_problem(username) or _hash_problem(password_hash))
+                "expected username:hash" + (":role" if roles is not None else "")
+                if not colon or role == "" else
+                _username_problem(username) or _hash_problem(password_hash)
+                or _role_problem(role, roles))
             if reason is None and username in entries:
                 reason = f"duplicate user {username!r} (first on line {first_line[username]})"
             if reason is not None:
                 raise ConfigError(f"{path}, line {number}: {reason}")
             scheme = _scheme_of(password_hash)
             assert scheme is not None  # _hash_problem() accepted it
-            entries[username] = _Entry(scheme, password_hash)
+            entries[username] = _Entry(scheme, password_hash, role)
             first_line[username] = number
         if not entries:
             raise ConfigError(f"{path}: the auth file defines no user")
@@ -316,6 +340,13 @@ class CredentialFile:
     async def _hash_check(self, entry: _Entry, secret: bytes) -> bool:
         async with self._checks:
             return await asyncio.to_thread(_check_hash, entry, secret)
+
+
+def _role_problem(role: str | None, roles: tuple[str, ...] | None) -> str | None:
+    """Why ``role`` is not one of ``roles`` (None: a file without roles), or None."""
+    if roles is None or role in roles:
+        return None
+    return f"unknown role {role!r} (one of {', '.join(roles)})"
 
 
 class GuessBudget:
@@ -538,7 +569,7 @@ class SaslMechanisms:
             log.debug("auth succeeded for user", extra={"username": username})
             return AuthResult(success=True, auth_data=username,
                               message=str(replies.AUTH_SUCCEEDED))
-        floor_s = min(self._failure_delay_s * (prior + 1), _MAX_DELAY_S)
+        floor_s = failure_floor_s(self._failure_delay_s, prior)
         await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
         return await self._fail(server, address)
 

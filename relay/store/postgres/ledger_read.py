@@ -1,6 +1,6 @@
-"""The audit ledger as the admin commands read and write it (design.md §6.7):
-``dedup-relay history``, ``dedup-relay in-doubt`` and the operator rows of ``release`` and
-``mark-sent``.
+"""The audit ledger as the admin commands and the console read and write it (design.md §6.7):
+``dedup-relay history``, ``dedup-relay in-doubt``, the operator rows of ``release`` and
+``mark-sent``, the console's stats and CSV export.
 
 :class:`LedgerReader` holds one connection (no pool, no background task: a command's life is
 one question) to the database of ``dedup_relay_ledger`` (:mod:`.migrations`), opened with the
@@ -12,8 +12,9 @@ counts them for the gauge).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -58,6 +59,28 @@ SELECT * FROM (
 ) AS each_key
 ORDER BY decided_at, recorded_at LIMIT $2
 """
+
+
+# $1 seconds back from now, $2 most templates: the suppressed duplicates per template decided in
+# that time. recorded_at >= decided_at (a row lands after it was decided, both on the
+# database's clock), so the recorded_at bound only lets its index skip older rows.
+_SUPPRESSED = f"""
+SELECT template, count(*) AS suppressed FROM {_L_}
+WHERE recorded_at >= now() - make_interval(secs => $1)
+  AND decided_at >= now() - make_interval(secs => $1) AND outcome = 'suppressed'
+GROUP BY template ORDER BY suppressed DESC, template LIMIT $2
+"""
+
+# $1 from, $2 to (timestamptz): the rows decided in [from, to), oldest first (recorded_at bound
+# as above)
+_PERIOD = f"""
+SELECT {_FIELDS} FROM {_L_}
+WHERE recorded_at >= $1 AND decided_at >= $1 AND decided_at < $2
+ORDER BY decided_at, recorded_at, row_id
+"""
+
+EXPORT_BATCH = 500
+"""Rows an export reads from the database at a time (its memory bound)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,39 @@ class LedgerReader:
         records = await self._call("ledger in-doubt", _IN_DOUBT,
                                    max(0, int(older_than_s * 1000)), limit)
         return [_in_doubt_row(r) for r in records]
+
+    async def suppressed_by_template(self, *, since_s: float, limit: int
+                                     ) -> list[tuple[str, int]]:
+        """(template, duplicates suppressed) decided in the last ``since_s`` seconds, the most
+        first, at most ``limit`` templates (``""``: messages without a template)."""
+        records = await self._call("ledger stats", _SUPPRESSED, float(since_s), limit)
+        return [(str(r["template"]), int(r["suppressed"])) for r in records]
+
+    async def period(self, start: datetime, end: datetime) -> AsyncIterator[list[HistoryRow]]:
+        """The rows decided in [``start``, ``end``) (timezone-aware), oldest first, in batches
+        of :data:`EXPORT_BATCH` read one at a time from a server-side cursor in one
+        read-only transaction (memory bounded whatever the period holds). Each batch's read
+        is bounded by the timeout."""
+        with as_store_error("ledger export", self._timeout_s, _ERRORS):
+            async with asyncio.timeout(self._timeout_s):
+                transaction = self._conn.transaction(readonly=True,
+                                                     isolation="repeatable_read")
+                await transaction.start()
+        try:
+            with as_store_error("ledger export", self._timeout_s, _ERRORS):
+                async with asyncio.timeout(self._timeout_s):
+                    cursor = await self._conn.cursor(_PERIOD, start, end)
+            while True:
+                with as_store_error("ledger export", self._timeout_s, _ERRORS):
+                    async with asyncio.timeout(self._timeout_s):
+                        records = await cursor.fetch(EXPORT_BATCH)
+                if not records:
+                    break
+                yield [_history_row(r) for r in records]
+        finally:
+            with contextlib.suppress(*_ERRORS, TimeoutError):
+                async with asyncio.timeout(self._timeout_s):
+                    await transaction.rollback()
 
     async def write(self, entries: Sequence[LedgerEntry], options: LedgerOptions) -> None:
         """Write ``entries`` now, in one statement (an operator action's audit row), recipient

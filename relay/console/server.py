@@ -1,0 +1,597 @@
+"""The web console (design.md §6.9, docs/console.md): server-rendered pages for support,
+compliance and the on-call engineer, on ``console_listen``, one per relay (served by the
+supervisor with several workers, else by the relay's process).
+
+Pages (each answers an anonymous request 302 to ``/login``, or 401 for ``/export.csv`` and
+every POST): ``/history`` (one fingerprint's ledger rows oldest first and the store's state),
+``/in-doubt`` (the unresolved in-doubt decisions; an operator releases or marks one sent, with
+a reason), ``/stats`` (records by state, duplicates suppressed per template in the last 24 h,
+in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, streamed).
+
+Every POST carries its session's CSRF token (the sign-in form a token of its own cookie),
+else 403. Responses are never cached, framed or sniffed, and load nothing from elsewhere
+(Content-Security-Policy). Its connections are capped and idle ones closed
+(:func:`relay.ops.http.capped`), so a scanner cannot take the process's descriptors. The
+ledger is read through one connection per request (:class:`LedgerReader`), so a long export
+holds up no other page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import hmac
+import io
+import logging
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
+
+import jinja2
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from relay.admin import (
+    FingerprintInput,
+    InFlightError,
+    OperatorRow,
+    count_states,
+    describe,
+    key_for,
+    mark_sent,
+    release,
+    stats_report,
+)
+from relay.console.sessions import Session, Sessions, SignInResult, SignIns
+from relay.core.address import mask_address
+from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, StateCounts
+from relay.ops.http import capped
+from relay.ops.metrics import ConsoleMetrics
+from relay.settings import Settings, redact_url
+
+if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
+    from relay.store.postgres.ledger_read import HistoryRow, LedgerReader
+
+log = logging.getLogger("relay.console")
+
+SESSION_COOKIE = "dedup_relay_session"
+LOGIN_COOKIE = "dedup_relay_login"  # the sign-in form's own CSRF token (no session yet)
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 30.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
+MAX_BODY = 64 * 1024  # a form's body at most (bytes)
+MAX_ROWS = 1000  # rows a page shows at most (the oldest); the CSV export has no cap
+STATS_TTL_S = 30.0  # a stats page's counts are reused this long (a full count of the store)
+STATS_MAX_KEYS = 1_000_000  # Redis: keys one count scans at most (as `dedup-relay stats`)
+STATS_TEMPLATES = 50  # templates the stats page lists at most
+MAX_EXPORT_DAYS = 400 * 1.0  # the ledger keeps rows 400 days by default: a longer period is a typo
+_ANONYMOUS_PATHS = frozenset({"/login", "/static/console.css", "/favicon.ico"})
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": ("default-src 'none'; style-src 'self'; img-src 'self'; "
+                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "recipient",
+              "template", "dedupe_key", "reply", "upstream_queue_id", "upstream",
+              "message_id", "queue_id", "client_reply", "instance")
+"""The columns of ``/export.csv``, in order: a ledger row as ``dedup-relay history --json``
+names its fields (times ISO 8601 UTC)."""
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_DONE = {"release": "released", "mark_sent": "marked sent"}
+_SESSION = web.RequestKey("session", Session)  # the request's signed-in session
+
+
+class ConsoleError(Exception):
+    """A request the console refuses: ``status`` and a sentence for the page."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Stats:
+    counts: StateCounts
+    at: float
+
+
+def csv_cell(value: object) -> str:
+    """``value`` as a CSV cell a spreadsheet shows as text: a text starting with ``=``, ``+``,
+    ``-``, ``@``, a tab or a carriage return gets a leading ``'`` (OWASP's advice against
+    formula injection: a recipient or reply is the sender's text); None is empty."""
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        return _iso(value)
+    text = str(value)
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def _iso(at: datetime) -> str:
+    return at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_instant(text: str, *, what: str) -> datetime:
+    """``2026-12-05`` (midnight UTC), ``2026-12-05T14:30`` or a full ISO 8601 time (UTC when it
+    names no offset) as a timezone-aware datetime. Raises :class:`ConsoleError` (400)."""
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConsoleError(400, f"{what}: {text!r} is no date (2026-12-05 or "
+                                "2026-12-05T14:30, UTC)") from None
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+class Console:
+    """The console's web server: ``await start()``, then ``await stop()``.
+
+    ``store``: the relay's store client when the console shares its process, else None (the
+    console opens its own at start and closes it at stop). ``registry``: where its metrics go
+    (None: not exported). ``sock``: a socket already bound to ``console_listen``.
+    Raises ConfigError from the constructor when the users file or the certificate does not
+    load."""
+
+    def __init__(self, settings: Settings, *, store: FingerprintStore | None,
+                 registry: CollectorRegistry | None, sock: socket.socket | None = None) -> None:
+        address = settings.console_address
+        assert address is not None  # built only with a console_listen
+        self.settings = settings
+        self._address = address
+        self._sock = sock
+        self._store = store
+        self._own_store = store is None
+        self._tls: ssl.SSLContext | None = settings.console_tls_context(
+            settings.console_certificate)
+        self.metrics = ConsoleMetrics(registry=registry)
+        self.sessions = Sessions(idle_s=settings.console_session_timeout)
+        self.sign_ins = SignIns(settings.console_users(),
+                                failure_delay_s=settings.auth_failure_delay,
+                                max_failures=settings.auth_max_failures,
+                                failure_window_s=settings.auth_failure_window)
+        self._pages = jinja2.Environment(
+            loader=jinja2.PackageLoader("relay.console", "templates"),
+            autoescape=True, undefined=jinja2.StrictUndefined)
+        self._stats: _Stats | None = None
+        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def tls(self) -> bool:
+        """Whether the console serves HTTPS."""
+        return self._tls is not None
+
+    # -- life ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the store (when not shared), bind (unless given a socket) and serve; ``port``
+        is the bound port afterwards. Raises OSError when the address cannot be bound, the
+        store's errors when it cannot be opened."""
+        if self._store is None:
+            s = self.settings
+            self._store = await s.open_store(window_s=s.dedup_window)
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY)
+        app.router.add_get("/", self._home)
+        app.router.add_get("/login", self._login_page)
+        app.router.add_post("/login", self._login)
+        app.router.add_post("/logout", self._logout)
+        app.router.add_get("/history", self._history)
+        app.router.add_get("/in-doubt", self._in_doubt)
+        app.router.add_post("/in-doubt/resolve", self._resolve)
+        app.router.add_get("/stats", self._stats_page)
+        app.router.add_get("/export.csv", self._export)
+        app.router.add_get("/static/console.css", self._css)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        assert self._runner.server is not None
+        factory = capped(self._runner.server, max_connections=MAX_CONNECTIONS,
+                         idle_timeout_s=IDLE_TIMEOUT_S)
+        loop = asyncio.get_running_loop()
+        handshake_s = HANDSHAKE_TIMEOUT_S if self._tls is not None else None
+        if self._sock is not None:
+            self._server = await loop.create_server(factory, sock=self._sock, ssl=self._tls,
+                                                    ssl_handshake_timeout=handshake_s)
+        else:
+            self._server = await loop.create_server(factory, *self._address, ssl=self._tls,
+                                                    ssl_handshake_timeout=handshake_s)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop serving, end open requests (aiohttp's shutdown), close an own store."""
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._own_store and self._store is not None:
+            await self._store.close()
+            self._store = None
+
+    def describe(self) -> str:
+        """The console for a start-up line: ``console https://HOST:PORT/``."""
+        return self.settings.describe_console(self.port, tls=self.tls)
+
+    # -- the guard: sessions, CSRF, headers -----------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        """Every request but the sign-in page and the style sheet needs a live session; every
+        POST its CSRF token. The security headers go on every answer."""
+        try:
+            if request.path not in _ANONYMOUS_PATHS:
+                session, expired = self.sessions.find(request.cookies.get(SESSION_COOKIE))
+                if session is None:
+                    self.metrics.refused("expired" if expired else "anonymous")
+                    return self._headers(self._anonymous(request))
+                request[_SESSION] = session
+                if request.method == "POST":
+                    form = await request.post()
+                    token = form.get("csrf")
+                    if not session.csrf_matches(token if isinstance(token, str) else None):
+                        self.metrics.refused("csrf")
+                        log.warning("console request refused: CSRF token missing or wrong",
+                                    extra={"user": session.user, "path": request.path,
+                                           "peer": request.remote})
+                        raise ConsoleError(403, "This form has expired or did not come from "
+                                                "this console: open the page again.")
+            response = await handler(request)
+        except ConsoleError as exc:
+            response = self._page("error.html", request, status=exc.status,
+                                  message=str(exc))
+        except web.HTTPException as exc:  # a redirect
+            self._headers(exc)
+            raise
+        return self._headers(response)
+
+    def _headers(self, response: web.StreamResponse) -> web.StreamResponse:
+        if not response.prepared:
+            response.headers.update(_SECURITY_HEADERS)
+            if self._tls is not None:
+                response.headers["Strict-Transport-Security"] = "max-age=31536000"
+        return response
+
+    def _anonymous(self, request: web.Request) -> web.StreamResponse:
+        """302 to the sign-in page for a page read in a browser, else 401."""
+        if request.method == "GET" and request.path != "/export.csv":
+            target = request.path_qs if request.path != "/" else "/history"
+            raise web.HTTPFound(f"/login?{urlencode({'next': target})}")
+        return web.Response(status=401, text="sign in first: /login\n",
+                            headers={"WWW-Authenticate": 'FormBased realm="dedup-relay"'})
+
+    def _cookie(self, response: web.StreamResponse, name: str, value: str, *,
+                max_age: int | None) -> None:
+        response.set_cookie(name, value, httponly=True, secure=self._tls is not None,
+                            samesite="Strict", path="/", max_age=max_age)
+
+    # -- pages ------------------------------------------------------------------------------
+
+    def _page(self, name: str, request: web.Request, *, status: int = 200,
+              **values: Any) -> web.Response:
+        session = request.get(_SESSION)
+        body = self._pages.get_template(name).render(
+            session=session, path=request.path, ledger=self.settings.ledger is not None,
+            **values)
+        return web.Response(text=body, status=status, content_type="text/html",
+                            charset="utf-8")
+
+    async def _home(self, request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound("/history")
+
+    async def _css(self, request: web.Request) -> web.StreamResponse:
+        assert self._pages.loader is not None
+        source = self._pages.loader.get_source(self._pages, "console.css")[0]
+        return web.Response(text=source, content_type="text/css", charset="utf-8")
+
+    async def _login_page(self, request: web.Request) -> web.StreamResponse:
+        return self._login_form(request, status=200, message=None)
+
+    def _login_form(self, request: web.Request, *, status: int, message: str | None
+                    ) -> web.StreamResponse:
+        token = secrets.token_urlsafe(32)
+        response = self._page("login.html", request, status=status, csrf=token,
+                              next=_local_path(request.query.get("next", "/history")),
+                              message=message)
+        self._cookie(response, LOGIN_COOKIE, token, max_age=3600)
+        return response
+
+    async def _login(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()
+        expected = request.cookies.get(LOGIN_COOKIE, "")
+        given = form.get("csrf")
+        if not expected or not isinstance(given, str) or not _same(given, expected):
+            self.metrics.refused("csrf")
+            raise ConsoleError(403, "The sign-in form expired or did not come from this "
+                                    "console: open the page again.")
+        user, password = str(form.get("user", "")), str(form.get("password", ""))
+        peer = request.remote or "unknown"
+        result, role = await self.sign_ins.check(peer, user, password)
+        self.metrics.signed_in(result)
+        if result is not SignInResult.SUCCEEDED or role is None:
+            log.warning("console sign-in %s", result.value, extra={"peer": peer})
+            message = ("Too many failed sign-ins from your address: wait and try again."
+                       if result is SignInResult.REFUSED else "Wrong user name or password.")
+            return self._login_form(request, status=429 if result is SignInResult.REFUSED
+                                    else 401, message=message)
+        token, _ = self.sessions.start(user, role)
+        log.info("console sign-in", extra={"user": user, "role": role, "peer": peer})
+        response = web.HTTPSeeOther(_local_path(str(form.get("next", "/history"))))
+        self._cookie(response, SESSION_COOKIE, token, max_age=None)
+        response.del_cookie(LOGIN_COOKIE, path="/")
+        raise response
+
+    async def _logout(self, request: web.Request) -> web.StreamResponse:
+        session = request[_SESSION]
+        self.sessions.end(request.cookies.get(SESSION_COOKIE))
+        log.info("console sign-out", extra={"user": session.user, "peer": request.remote})
+        response = web.HTTPSeeOther("/login")
+        response.del_cookie(SESSION_COOKIE, path="/")
+        raise response
+
+    async def _history(self, request: web.Request) -> web.StreamResponse:
+        """One fingerprint: by recipient + template + key, or by its store key."""
+        query = request.query
+        fields = {name: query.get(name, "").strip() for name in
+                  ("rcpt", "template", "key", "store_key")}
+        if not any(fields.values()):
+            return self._page("history.html", request, fields=fields, key=None)
+        key = self._selected_key(fields)
+        assert self._store is not None
+        try:
+            record = await self._store.inspect(key)
+        except StoreError as exc:
+            raise ConsoleError(503, f"The store did not answer: {exc}") from exc
+        rows: list[HistoryRow] | None = None
+        if self.settings.ledger is not None:
+            async with self._ledger() as reader:
+                rows = await _ledger_call(reader.history(key, limit=MAX_ROWS))
+        return self._page("history.html", request, fields=fields, key=key,
+                          shown_rcpt=self._shown(fields["rcpt"]),
+                          state=describe(key, record, self.settings.lease), rows=rows,
+                          cut=rows is not None and len(rows) >= MAX_ROWS,
+                          done=query.get("done"))
+
+    def _selected_key(self, fields: dict[str, str]) -> str:
+        s = self.settings
+        if fields["store_key"]:
+            if fields["rcpt"] or fields["key"] or fields["template"]:
+                raise ConsoleError(400, "Give a recipient and key, or a store key, not both.")
+            if not fields["store_key"].startswith(s.store_prefix):
+                raise ConsoleError(400, f"That is no fingerprint of this relay: its store keys "
+                                        f"start with {s.store_prefix!r}.")
+            return fields["store_key"]
+        if not fields["rcpt"] or not fields["key"]:
+            raise ConsoleError(400, "Give the recipient and the X-Dedupe-Key (and the "
+                                    "X-Template when the message had one), or a store key.")
+        given = FingerprintInput(rcpt=fields["rcpt"], keys=[fields["key"]],
+                                 templates=[fields["template"]] if fields["template"] else [])
+        try:
+            return key_for(s, given)[1]
+        except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
+            raise ConsoleError(400, str(exc)) from exc
+
+    def _shown(self, address: str) -> str:
+        """An address as far as the ledger (or, without one, the log) shows it."""
+        s = self.settings
+        full = s.ledger_recipients == "full" if s.ledger is not None else s.log_recipients
+        return address if full or not address else mask_address(address)
+
+    async def _in_doubt(self, request: web.Request) -> web.StreamResponse:
+        if self.settings.ledger is None:
+            return self._page("in_doubt.html", request, rows=None, cut=False)
+        async with self._ledger() as reader:
+            rows = await _ledger_call(reader.in_doubt(older_than_s=0, limit=MAX_ROWS))
+        return self._page("in_doubt.html", request, rows=rows, cut=len(rows) >= MAX_ROWS)
+
+    async def _resolve(self, request: web.Request) -> web.StreamResponse:
+        """An operator's release or mark-sent of one in-doubt fingerprint, with a reason: the
+        ledger must answer before the store is touched (an action is never left unrecorded),
+        then the store acts, then the row is written, as ``dedup-relay release`` /
+        ``mark-sent --store-key`` do."""
+        session = request[_SESSION]
+        form = await request.post()
+        action, key = str(form.get("action", "")), str(form.get("store_key", "")).strip()
+        reason = str(form.get("reason", "")).strip()
+        if session.role != "operator":
+            self.metrics.refused("role")
+            log.warning("console action refused: not an operator", extra={
+                "user": session.user, "role": session.role, "action": action,
+                "store_key": key, "peer": request.remote})
+            raise ConsoleError(403, "Only an operator can release or mark sent; you are "
+                                    f"signed in as a {session.role}.")
+        if action not in ("release", "mark_sent"):
+            raise ConsoleError(400, "Choose release or mark sent.")
+        if not reason:
+            raise ConsoleError(400, "Say why (the reason goes into the audit ledger and log).")
+        if not key.startswith(self.settings.store_prefix):
+            raise ConsoleError(400, "That is no fingerprint of this relay.")
+        entry = await self._act(session, action, key, reason)
+        self.metrics.acted(action)
+        log.info("console %s", action.replace("_", " "), extra={
+            "user": session.user, "role": session.role, "store_key": key,
+            "reason": reason, "recorded": entry is not None, "peer": request.remote})
+        raise web.HTTPSeeOther("/history?" + urlencode({"store_key": key,
+                                                        "done": _DONE[action]}))
+
+    async def _act(self, session: Session, action: str, key: str, reason: str
+                   ) -> LedgerEntry | None:
+        """Do ``action`` on ``key`` and write its ledger row (when there is a ledger); the
+        row written, None when none was. Raises :class:`ConsoleError`."""
+        s = self.settings
+        if s.ledger is None:
+            return await self._act_on_store(session, action, key, reason)
+        async with self._ledger() as reader:
+            entry = await self._act_on_store(session, action, key, reason)
+            if entry is None:
+                return None
+            options = s.ledger_options(instance=f"{s.hostname}/console",
+                                       secret=s.fingerprint_secret_bytes)
+            try:
+                await reader.write([entry], options)
+            except StoreError as exc:
+                log.error("console action done but its ledger row was not written",
+                          extra={"user": session.user, "store_key": key, "error": str(exc)})
+                raise ConsoleError(503, f"The record was {_DONE[action]}, but its ledger row "
+                                        f"was not written: {exc}") from exc
+            return entry
+
+    async def _act_on_store(self, session: Session, action: str, key: str, reason: str
+                            ) -> LedgerEntry | None:
+        """The store's half of :meth:`_act`: the ledger row it calls for (None: none)."""
+        s, store = self.settings, self._store
+        assert store is not None
+        who = f"{session.user} ({session.role}, console)"
+        operator = f"console:{session.user}"
+        row = OperatorRow(s, LedgerAction.RELEASE if action == "release"
+                          else LedgerAction.MARK_SENT, key)
+        try:
+            if action == "release":
+                before, deleted = await release(store, key, reason=reason, lease_s=s.lease,
+                                                operator=operator, role=session.role)
+                return row.released(before, deleted, who=who, reason=reason)
+            await mark_sent(store, key, reason=reason, lease_s=s.lease,
+                            window_s=s.dedup_window, operator=operator, role=session.role,
+                            keep_expiry=True)
+            return row.marked_sent(who=who, reason=reason)
+        except InFlightError as exc:
+            raise ConsoleError(409, f"Refused: {exc}") from exc
+        except StoreError as exc:
+            raise ConsoleError(503, f"The store did not answer; nothing was done: {exc}"
+                               ) from exc
+
+    async def _stats_page(self, request: web.Request) -> web.StreamResponse:
+        counts = await self._counts()
+        report = stats_report(self.settings, counts, 24)
+        templates: list[tuple[str, int]] | None = None
+        unresolved: int | None = None
+        if self.settings.ledger is not None:
+            async with self._ledger() as reader:
+                templates = await _ledger_call(reader.suppressed_by_template(
+                    since_s=86400, limit=STATS_TEMPLATES))
+                unresolved = len(await _ledger_call(reader.in_doubt(older_than_s=0,
+                                                                    limit=MAX_ROWS)))
+        return self._page("stats.html", request, report=report, templates=templates,
+                          unresolved=unresolved, unresolved_cut=unresolved == MAX_ROWS,
+                          store=redact_url(self.settings.store))
+
+    async def _counts(self) -> StateCounts:
+        """The store's records by state, counted at most every :data:`STATS_TTL_S` (a full
+        count reads every record: a page left refreshing must not load the store)."""
+        now = time.monotonic()
+        if self._stats is not None and now - self._stats.at < STATS_TTL_S:
+            return self._stats.counts
+        assert self._store is not None
+        try:
+            counts = await count_states(self._store, self.settings, older_than_h=24,
+                                        max_keys=STATS_MAX_KEYS)
+        except (StoreError, TypeError) as exc:
+            raise ConsoleError(503, f"The store could not be counted: {exc}") from exc
+        self._stats = _Stats(counts, now)
+        return counts
+
+    async def _export(self, request: web.Request) -> web.StreamResponse:
+        """The ledger rows decided in [from, to) as CSV, streamed batch by batch."""
+        session = request[_SESSION]
+        if self.settings.ledger is None:
+            raise ConsoleError(404, "No audit ledger is configured: there is nothing to "
+                                    "export.")
+        now = datetime.now(tz=UTC)
+        start = parse_instant(request.query.get("from", ""), what="from") \
+            if request.query.get("from") else now - timedelta(days=1)
+        end = parse_instant(request.query.get("to", ""), what="to") \
+            if request.query.get("to") else now
+        if end <= start:
+            raise ConsoleError(400, "The period is empty: 'to' must come after 'from'.")
+        if end - start > timedelta(days=MAX_EXPORT_DAYS):
+            raise ConsoleError(400, f"The period is longer than {MAX_EXPORT_DAYS:.0f} days.")
+        name = f"dedup-relay-ledger-{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}.csv"
+        async with self._ledger() as reader:
+            batches = reader.period(start, end)
+            first = await _ledger_call(anext(batches, []))
+            response = web.StreamResponse(headers={
+                "Content-Type": "text/csv; charset=utf-8",
+                "Content-Disposition": f"attachment; filename=\"{quote(name)}\""})
+            self._headers(response)
+            await response.prepare(request)
+            rows = await _stream_csv(response, first, batches)
+            await response.write_eof()
+        log.info("console export", extra={"user": session.user, "role": session.role,
+                                          "from": _iso(start), "to": _iso(end), "rows": rows,
+                                          "peer": request.remote})
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _ledger(self) -> AsyncIterator[LedgerReader]:
+        """A connection to the ledger for this request; 503 when it does not answer."""
+        from relay.store.postgres.ledger_read import LedgerReader  # the postgres extra
+        from relay.store.postgres.migrations import SchemaError
+
+        url = self.settings.ledger
+        assert url is not None
+        try:
+            reader = await LedgerReader.open(url, timeout_s=self.settings.ledger_timeout)
+        except (StoreError, SchemaError) as exc:
+            raise ConsoleError(503, f"The audit ledger did not answer: {exc}") from exc
+        try:
+            yield reader
+        finally:
+            await reader.close()
+
+
+async def _ledger_call(call: Awaitable[Any]) -> Any:
+    """``call``'s result; a :class:`StoreError` becomes a 503 page."""
+    try:
+        return await call
+    except StoreError as exc:
+        raise ConsoleError(503, f"The audit ledger failed: {exc}") from exc
+
+
+async def _stream_csv(response: web.StreamResponse, first: list[HistoryRow],
+                      rest: AsyncIterator[list[HistoryRow]]) -> int:
+    """Write the header and every batch as CSV lines (RFC 4180: CRLF); returns the rows. A
+    ledger failure after the first batch cannot change the status any more: the file ends
+    with a line saying it is incomplete."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(CSV_FIELDS)
+    rows, batch = 0, first
+    while batch:
+        for row in batch:
+            writer.writerow([csv_cell(getattr(row, name)) for name in CSV_FIELDS])
+        rows += len(batch)
+        await response.write(buffer.getvalue().encode("utf-8"))
+        buffer.seek(0)
+        buffer.truncate()
+        try:
+            batch = await anext(rest, [])
+        except StoreError as exc:
+            log.error("console export cut short", extra={"rows": rows, "error": str(exc)})
+            writer.writerow([f"# incomplete: the ledger failed after {rows} rows: {exc}"])
+            batch = []
+    await response.write(buffer.getvalue().encode("utf-8"))
+    return rows
+
+
+def _same(a: str, b: str) -> bool:
+    """Whether two tokens are equal (constant-time)."""
+    return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode("utf-8", "replace"))
+
+
+def _local_path(target: str) -> str:
+    """``target`` when it is a path on this console (``/...``, not ``//host``), else
+    ``/history``: a sign-in never sends the browser elsewhere (an open redirect)."""
+    if target.startswith("/") and not target.startswith(("//", "/\\")) \
+            and not any(ch.isspace() or ord(ch) < 32 for ch in target):
+        return target
+    return "/history"

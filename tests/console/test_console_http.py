@@ -1,0 +1,332 @@
+"""The console over real HTTP, served by an in-process relay (Redis store, a real aiosmtpd
+sink, the audit ledger in a private PostgreSQL schema): anonymous requests, the sign-in's
+CSRF token, wrong passwords and the guess budget, the session cookie, a viewer's and an
+operator's resolution of an in-doubt message (the ledger row and the audit line), the CSV
+export, and a console without a ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import asyncpg
+import pytest
+
+from relay.app import Relay
+from relay.core.interfaces import LedgerEntry
+from relay.store.postgres.ledger import LedgerOptions, insert_rows, row_of
+from tests.support.clients import message, send
+from tests.support.console import (
+    OPERATOR,
+    OPERATOR_PASSWORD,
+    VIEWER,
+    VIEWER_PASSWORD,
+    Browser,
+    browser,
+    csrf_of,
+    users_file,
+)
+from tests.support.metrics import sample
+from tests.support.pki import make_pki
+from tests.support.postgres import wait_ledger_rows
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
+
+pytestmark = pytest.mark.timeout(60)
+
+RCPT = "jane.roe@example.net"
+
+
+async def console_relay(make_relay: MakeRelay, sink: Sink, tmp_path: Path,
+                        **extra: Any) -> Relay:
+    """A relay serving the console on a free loopback port (failure delay 0.2 s)."""
+    values: dict[str, Any] = {
+        "upstream": f"127.0.0.1:{sink.port}", "upstream_timeout": 0.6,
+        "console_listen": "127.0.0.1:0", "console_auth_file": users_file(tmp_path),
+        "auth_failure_delay": 0.2, **extra}
+    return await make_relay(**values)
+
+
+@pytest.fixture
+async def web() -> AsyncIterator[list[Browser]]:
+    """The browsers a test opened (closed at its end)."""
+    opened: list[Browser] = []
+    yield opened
+    for b in opened:
+        await b.http.close()
+
+
+def opened(web: list[Browser], relay: Relay, scheme: str = "http", **session: object
+           ) -> Browser:
+    assert relay.console is not None
+    b = browser(f"{scheme}://127.0.0.1:{relay.console.port}", **session)
+    web.append(b)
+    return b
+
+
+def counted(relay: Relay, name: str, **labels: str) -> float:
+    return sample(relay.registry, name, **labels)
+
+
+async def test_every_page_refuses_an_anonymous_request(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """Without a session each page answers 302 to /login (remembering where it was going),
+    the export and every POST 401; only the sign-in page and its style sheet answer. Every
+    answer carries the security headers."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                metrics_listen="127.0.0.1:0")
+    b = opened(web, relay)
+    for path in ("/", "/history?rcpt=a%40b.example&key=k", "/in-doubt", "/stats"):
+        status, _, response = await b.get(path)
+        assert status == 302, path
+        assert response.headers["Location"].startswith("/login?next=/"), path
+        assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"]
+        assert response.headers["Cache-Control"] == "no-store"
+    status, _, _ = await b.get("/export.csv?from=2026-01-01&to=2026-02-01")
+    assert status == 401
+    for path in ("/in-doubt/resolve", "/logout"):
+        status, _, _ = await b.post(path, {"store_key": "x", "action": "release",
+                                           "reason": "r", "csrf": "guess"})
+        assert status == 401, path
+    status, page, _ = await b.get("/login")
+    assert status == 200 and 'name="password"' in page
+    status, _, _ = await b.get("/static/console.css")
+    assert status == 200
+    assert counted(relay, "relay_console_refusals_total", reason="anonymous") == 7
+
+
+async def test_a_sign_in_without_its_forms_token_is_refused(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
+    """A sign-in posted without the token of the sign-in page's cookie (a form on another
+    site) is 403, before the password is looked at; so is one with another page's token."""
+    relay = await console_relay(make_relay, sink, tmp_path)
+    b = opened(web, relay)
+    status, _, _ = await b.post("/login", {"user": VIEWER, "password": VIEWER_PASSWORD})
+    assert status == 403
+    _, page, _ = await b.get("/login")
+    other = opened(web, relay)
+    status, _, _ = await other.post("/login", {"csrf": csrf_of(page), "user": VIEWER,
+                                               "password": VIEWER_PASSWORD})
+    assert status == 403
+    assert counted(relay, "relay_console_refusals_total", reason="csrf") == 2
+    assert counted(relay, "relay_console_sign_ins_total", result="succeeded") == 0
+
+
+async def test_wrong_passwords_wait_and_spend_the_addresss_budget(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A wrong password is answered 401 no sooner than the failure delay (growing with the
+    failures before it), an unknown user the same; once the address's budget is spent even
+    the right password is refused 429 unchecked. The password is never logged."""
+    relay = await console_relay(make_relay, sink, tmp_path, auth_max_failures=2)
+    b = opened(web, relay)
+    caplog.set_level(logging.INFO, logger="relay.console")
+    started = time.monotonic()
+    status, page, _ = await b.sign_in(VIEWER, "wrong-pw")
+    first_s = time.monotonic() - started
+    assert status == 401 and "Wrong user name or password" in page
+    assert first_s >= 0.2
+    started = time.monotonic()
+    status, _, _ = await b.sign_in("nobody", "wrong-pw")
+    assert status == 401 and time.monotonic() - started >= 0.4  # 0.2 x (1 + 1 failure)
+    status, page, _ = await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    assert status == 429 and "Too many failed sign-ins" in page
+    assert [counted(relay, "relay_console_sign_ins_total", result=r)
+            for r in ("succeeded", "failed", "refused")] == [0, 2, 1]
+    assert "wrong-pw" not in caplog.text and VIEWER_PASSWORD not in caplog.text
+
+
+async def test_a_session_cookie_is_httponly_and_strict_and_sign_in_stays_on_the_console(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
+    """The session cookie is HttpOnly and SameSite=Strict (not Secure over plain HTTP); a
+    sign-in whose next page is another site goes to /history instead (no open redirect); the
+    session reads pages until sign-out ends it."""
+    relay = await console_relay(make_relay, sink, tmp_path)
+    b = opened(web, relay)
+    status, _, response = await b.sign_in(VIEWER, VIEWER_PASSWORD, "//evil.example/x")
+    assert status == 303 and response.headers["Location"] == "/history"
+    cookie = response.cookies["dedup_relay_session"]
+    assert cookie["httponly"] and cookie["samesite"] == "Strict" and not cookie["secure"]
+    status, page, _ = await b.get("/stats")
+    assert status == 200 and f"{VIEWER} (viewer)" in page
+    status, _, _ = await b.post("/logout", {"csrf": csrf_of(page)})
+    assert status == 303
+    status, _, _ = await b.get("/stats")
+    assert status == 302
+    assert counted(relay, "relay_console_sign_ins_total", result="succeeded") == 1
+
+
+async def in_doubt_message(relay: Relay, sink: Sink, ledger_url: str) -> str:
+    """Send a message the sink takes and never answers (in doubt); its store key, once its
+    ``unknown`` row landed."""
+    sink.handler.hang_after_dot_s = 2.0
+    assert (await send(relay.port, [RCPT], message(key="pay-7", template="receipt"))).code \
+        == 451
+    sink.handler.hang_after_dot_s = 0.0
+    [row] = await wait_ledger_rows(ledger_url, 1)
+    assert row["outcome"] == "unknown"
+    return str(row["store_key"])
+
+
+async def test_an_operator_resolves_an_in_doubt_message_a_viewer_cannot(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The in-doubt page lists the message (masked recipient, its store key); a viewer's
+    release is 403 and changes nothing; an operator's without the page's CSRF token is 403,
+    without a reason 400; with both the record is marked sent, the ledger gets a
+    ``marked_sent`` row naming the operator, the role and the reason, the audit log a line
+    with them, and the history page shows the row."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                metrics_listen="127.0.0.1:0")
+    key = await in_doubt_message(relay, sink, ledger_url)
+    viewer = opened(web, relay)
+    await viewer.sign_in(VIEWER, VIEWER_PASSWORD)
+    status, page, _ = await viewer.get("/in-doubt")
+    assert status == 200 and key in page and "j***@example.net" in page
+    assert RCPT not in page
+    status, refused, _ = await viewer.post("/in-doubt/resolve", {
+        "csrf": csrf_of(page), "store_key": key, "action": "release", "reason": "looked"})
+    assert status == 403 and "Only an operator" in refused
+    assert (await relay.store.inspect(key)).state.value == "unknown"  # type: ignore[union-attr]
+
+    operator = opened(web, relay)
+    await operator.sign_in(OPERATOR, OPERATOR_PASSWORD)
+    _, page, _ = await operator.get("/in-doubt")
+    form = {"store_key": key, "action": "mark_sent", "reason": "smarthost log: delivered"}
+    status, _, _ = await operator.post("/in-doubt/resolve", form)
+    assert status == 403
+    status, _, _ = await operator.post("/in-doubt/resolve", {**form, "csrf": csrf_of(page),
+                                                             "reason": "  "})
+    assert status == 400
+    caplog.set_level(logging.INFO, logger="relay.audit")
+    status, _, response = await operator.post("/in-doubt/resolve",
+                                              {**form, "csrf": csrf_of(page)})
+    assert status == 303
+    assert (await relay.store.inspect(key)).state.value == "sent"  # type: ignore[union-attr]
+    rows = await wait_ledger_rows(ledger_url, 2)
+    assert [r["outcome"] for r in rows] == ["unknown", "marked_sent"]
+    assert rows[1]["store_key"] == key and rows[1]["action"] == "mark_sent"
+    assert rows[1]["reply"] == (f"marked sent by an operator: smarthost log: delivered "
+                                f"({OPERATOR} (operator, console))")
+    assert rows[1]["instance"] == "relay.test/console"
+    [line] = [r for r in caplog.records if r.name == "relay.audit"]
+    assert (line.operator, line.role, line.reason) == (  # type: ignore[attr-defined]
+        f"console:{OPERATOR}", "operator", "smarthost log: delivered")
+    status, history, _ = await operator.get(response.headers["Location"])
+    assert status == 200 and "marked_sent" in history and "The record was marked sent" in history
+    _, page, _ = await operator.get("/in-doubt")
+    assert key not in page and "Nothing is in doubt" in page
+    assert counted(relay, "relay_console_actions_total", action="mark_sent") == 1
+    assert counted(relay, "relay_console_refusals_total", reason="role") == 1
+
+
+async def test_history_finds_a_message_by_recipient_template_and_key(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """Sent, then its retry suppressed: the history page by recipient, template and key shows
+    both rows oldest first (upstream reply and queue id, Message-ID) and the store's SENT
+    record; the recipient is shown masked, as the ledger holds it; a recipient the relay
+    refuses is a 400 page naming why."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
+    sent = message(key="pay-9", template="receipt", extra="Message-ID: <p9@app.example>\r\n")
+    for _ in range(2):
+        assert (await send(relay.port, [RCPT], sent)).code == 250
+    await wait_ledger_rows(ledger_url, 2)
+    b = opened(web, relay)
+    await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}&template=receipt&key=pay-9")
+    assert status == 200
+    assert page.index("relayed") < page.index("suppressed")
+    assert "SINK1" in page and "&lt;p9@app.example&gt;" in page
+    assert 'id="state-value">sent<' in page
+    assert "j***@example.net" in page and RCPT not in page.replace(f'value="{RCPT}"', "")
+    status, page, _ = await b.get("/history?rcpt=not-an-address&key=pay-9")
+    assert status == 400
+
+
+async def test_export_streams_a_periods_rows_as_csv(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """1,200 rows decided in a period (more than one batch) and two outside it: the export
+    is every row of the period oldest first, one header line, addresses as the ledger holds
+    them (masked), and a reply that a spreadsheet would run as a formula quoted as text."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
+    start = datetime(2026, 3, 1, tzinfo=UTC)
+    entries = [LedgerEntry(decided_at=(start + timedelta(seconds=i)).timestamp(),
+                           outcome="relayed", recipient=f"user{i}@example.net",
+                           store_key=f"email:fp:{i}", reply="250 ok") for i in range(1200)]
+    entries[5] = LedgerEntry(decided_at=(start + timedelta(seconds=5)).timestamp(),
+                             outcome="refused_perm", recipient="x@example.net",
+                             reply="=HYPERLINK(\"http://evil.example\")")
+    entries += [LedgerEntry(decided_at=(start - timedelta(days=1)).timestamp(),
+                            outcome="relayed", recipient="old@example.net"),
+                LedgerEntry(decided_at=(start + timedelta(days=2)).timestamp(),
+                            outcome="relayed", recipient="late@example.net")]
+    conn = await asyncpg.connect(ledger_url, timeout=10)
+    try:
+        await insert_rows(conn, [row_of(e, LedgerOptions(instance="relay-a/1"))
+                                 for e in entries])
+    finally:
+        await conn.close()
+    b = opened(web, relay)
+    await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    async with b.http.get(f"{b.base}/export.csv?from=2026-03-01&to=2026-03-02") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"] == "text/csv; charset=utf-8"
+        assert "attachment" in response.headers["Content-Disposition"]
+        text = await response.text()
+    got = list(csv.DictReader(io.StringIO(text)))
+    assert len(got) == 1200
+    assert got[0]["recipient"] == "u***@example.net" and got[0]["decided_at"].endswith("Z")
+    assert got[5]["reply"] == "'=HYPERLINK(\"http://evil.example\")"
+    assert [int(r["store_key"].rsplit(":", 1)[1]) for r in got if r["store_key"]] == [
+        i for i in range(1200) if i != 5]
+    status, page, _ = await b.get("/export.csv?from=2026-03-02&to=2026-03-01")
+    assert status == 400 and "period is empty" in page
+    status, page, _ = await b.get("/export.csv?from=yesterday")
+    assert status == 400
+
+
+async def test_without_a_ledger_the_history_is_the_stores_state_alone(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
+    """No ledger configured: the history page shows the store's record and says the ledger
+    is missing; the in-doubt page says where its list comes from; the export is 404."""
+    relay = await console_relay(make_relay, sink, tmp_path)
+    assert (await send(relay.port, [RCPT], message(key="pay-1"))).code == 250
+    b = opened(web, relay)
+    await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}&template=welcome&key=pay-1")
+    assert status == 200 and 'id="no-ledger"' in page and 'id="state-value">sent<' in page
+    status, page, _ = await b.get("/in-doubt")
+    assert status == 200 and 'id="no-ledger"' in page
+    status, _, _ = await b.get("/export.csv")
+    assert status == 404
+
+
+async def test_over_tls_the_cookie_is_secure_and_transport_security_is_asked(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
+    """With the listener's certificate the console serves HTTPS only: the session cookie is
+    Secure and answers carry Strict-Transport-Security; plain HTTP gets no page."""
+    pki = make_pki(tmp_path)
+    relay = await console_relay(make_relay, sink, tmp_path, tls_cert=pki.cert,
+                                tls_key=pki.key)
+    assert relay.console is not None and relay.console.tls
+    b = opened(web, relay, scheme="https",
+               connector=aiohttp.TCPConnector(ssl=pki.client_context))
+    status, _, response = await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    assert status == 303
+    assert response.cookies["dedup_relay_session"]["secure"]
+    assert "max-age" in response.headers["Strict-Transport-Security"]
+    plain = opened(web, relay)
+    with pytest.raises(aiohttp.ClientError):
+        await asyncio.wait_for(plain.get("/login"), 5)
