@@ -21,6 +21,7 @@ from relay.console.server import Console
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.core.dedup import DedupCore
 from relay.core.dsn import DsnSender
+from relay.core.errors import ConfigError
 from relay.core.interfaces import FingerprintStore
 from relay.core.message import DecisionObserver
 from relay.core.observers import OweNotices, RecordDecisions
@@ -240,6 +241,11 @@ class Relay:
             merged.apply_dedup_live(applied, core=self.core,
                                      declare_rate_limits=self.metrics.declare_rate_limits)
         merged.apply_operations_live(applied)
+        if self.console is not None and "console_auth_file" in applied:
+            try:
+                await self.console.reload_users(merged)
+            except ConfigError as exc:  # checked by the reload already: a file changed since
+                log.error("console users not read again: %s", exc)
         self.settings = merged
 
     def count_reload(self, *, applied: bool) -> None:

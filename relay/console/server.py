@@ -217,6 +217,15 @@ class Console:
             await self._store.close()
             self._store = None
 
+    async def reload_users(self, settings: Settings) -> None:
+        """Read ``settings``' users file again (a reload): the next sign-in is checked against
+        it, and a session of a user it no longer names, or names with another role, ends at
+        its next request. Raises ConfigError (nothing changed) when it does not load."""
+        users = await asyncio.to_thread(settings.console_users)
+        self.sign_ins.users.replace_with(users)
+        self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
+        log.info("console users read again", extra={"users": len(users)})
+
     def describe(self) -> str:
         """The console for a start-up line: ``console https://HOST:PORT/``."""
         return self.settings.describe_console(self.port, tls=self.tls)

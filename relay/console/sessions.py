@@ -97,6 +97,12 @@ class Sessions:
         if token:
             self._open.pop(_digest(token), None)
 
+    def keep_only(self, still: Callable[[Session], bool]) -> None:
+        """End every session for which ``still(session)`` is false (its user was removed from
+        the users file, or its role changed)."""
+        for digest in [d for d, session in self._open.items() if not still(session)]:
+            del self._open[digest]
+
     def __len__(self) -> int:
         return len(self._open)
 

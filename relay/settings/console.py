@@ -1,6 +1,6 @@
-"""The web console (design.md §6.9, docs/console.md): its listener, who may sign in (a
-``user:hash:role`` file), its HTTPS certificate (its own, or the SMTP listener's) and how long a
-session lasts; built into :class:`relay.console.server.Console`."""
+"""The web console (design.md §6.9, docs/operating/console.md): its listener, who may sign in
+(a ``user:hash:role`` file, read again on reload), its HTTPS certificate (its own, or the SMTP
+listener's) and how long a session lasts; built into :class:`relay.console.server.Console`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class ConsoleSettings(Section):
     """The web console for support and compliance (off by default)."""
 
     TITLE: ClassVar[str] = "Console"
+    LIVE: ClassVar[tuple[str, ...]] = ("console_auth_file",)
+    FILES: ClassVar[tuple[str, ...]] = ("console_auth_file",)
 
     console_listen: str | None = Field(None, description=(
         "HOST:PORT of the web console (a message's history, in-doubt review, stats, CSV "

@@ -286,7 +286,8 @@ class CredentialFile:
             username, colon, password_hash = line.partition(":")
             role = None
             if roles is not None:
-                password_hash, _, role = password_hash.rpartition(":")
+                head, has_role, role = password_hash.rpartition(":")
+                password_hash, role = (head, role) if has_role else (password_hash, "")
             reason = (
                 "expected username:hash" + (":role" if roles is not None else "")
                 if not colon or role == "" else

@@ -115,6 +115,12 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "ledger_recipients": ("full", "full"),
     "ledger_keys": ("plain", "plain"),
     "in_doubt_alert_after": ("600", 600.0),
+    "console_listen": ("127.0.0.1:8725", "127.0.0.1:8725"),
+    "console_auth_file": ("console-users", Path("console-users")),
+    "console_tls_cert": ("console.pem", Path("console.pem")),
+    "console_tls_key": ("console.key", Path("console.key")),
+    "console_plain_http": (None, True),
+    "console_session_timeout": ("600", 600.0),
 }
 SECOND_RUN = {"upstream_password", "fingerprint_secret_file"}  # each excludes another setting
 # the OAuth2 credentials exclude each other (and the microsoft provider of the first run takes

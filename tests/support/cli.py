@@ -14,13 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = REPO / "config" / "dedup-relay.example.toml"
 
 
-def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m relay ARGS` to completion (check-config and friends)."""
+def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
+            input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m relay ARGS` to completion (check-config and friends), ``input_text`` on
+    its standard input."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "relay", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False,
+                          input=input_text)
 
 
 def start_relay(cwd: Path, port: int, upstream: str, metrics: str = "off"
