@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -97,8 +98,18 @@ class Console:
         ``then`` (a click returns before the next page has loaded)."""
         clicked = (within or self.driver).find_element(By.CSS_SELECTOR, css)
         clicked.click()
-        WebDriverWait(self.driver, 15).until(expected_conditions.staleness_of(clicked))
-        WebDriverWait(self.driver, 15).until(
+
+        def left(_: WebDriver) -> bool:
+            """The clicked element's page is gone (chromedriver says so as a stale element,
+            or, mid-navigation, as a node that no longer belongs to the document)."""
+            try:
+                clicked.is_enabled()
+            except WebDriverException:  # StaleElementReferenceException is one
+                return True
+            return False
+
+        WebDriverWait(self.driver, 15).until(left)
+        WebDriverWait(self.driver, 15, ignored_exceptions=(WebDriverException,)).until(
             expected_conditions.presence_of_element_located((By.CSS_SELECTOR, then)))
 
     def sign_in(self, user: str, password: str) -> None:
