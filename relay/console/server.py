@@ -525,8 +525,10 @@ class Console:
         if end - start > timedelta(days=MAX_EXPORT_DAYS):
             raise ConsoleError(400, f"The period is longer than {MAX_EXPORT_DAYS:.0f} days.")
         name = f"dedup-relay-ledger-{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}.csv"
-        async with self._ledger() as reader:
-            batches = reader.period(start, end)
+        async with self._ledger() as reader, \
+                contextlib.aclosing(reader.period(start, end)) as batches:
+            # closed here, also when the client leaves mid-download: its transaction ends
+            # before the connection does
             first = await _ledger_call(anext(batches, []))
             response = web.StreamResponse(headers={
                 "Content-Type": "text/csv; charset=utf-8",

@@ -330,3 +330,36 @@ async def test_over_tls_the_cookie_is_secure_and_transport_security_is_asked(
     plain = opened(web, relay)
     with pytest.raises(aiohttp.ClientError):
         await asyncio.wait_for(plain.get("/login"), 5)
+
+
+async def test_a_download_left_half_way_ends_its_ledger_transaction(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """A client that closes the connection after the export's first bytes (of 5,000 rows)
+    leaves no transaction open on the ledger's database, and the next export is whole."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
+    start = datetime(2026, 4, 1, tzinfo=UTC)
+    conn = await asyncpg.connect(ledger_url, timeout=10)
+    try:
+        await insert_rows(conn, [row_of(LedgerEntry(
+            decided_at=(start + timedelta(milliseconds=i)).timestamp(), outcome="relayed",
+            recipient=f"user{i}@example.net", reply="250 " + "x" * 200),
+            LedgerOptions(instance="relay-a/1")) for i in range(5000)])
+        b = opened(web, relay)
+        await b.sign_in(VIEWER, VIEWER_PASSWORD)
+        url = f"{b.base}/export.csv?from=2026-04-01&to=2026-04-02"
+        async with b.http.get(url) as response:
+            assert response.status == 200
+            assert await response.content.read(1000)
+            response.close()  # the client leaves
+        deadline = time.monotonic() + 10
+        while await conn.fetchval(  # noqa: ASYNC110 (the database's view, polled)
+                "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'"
+                " AND query LIKE '%dedup_relay_ledger%' AND pid <> pg_backend_pid()"):
+            assert time.monotonic() < deadline, "a transaction stayed open"
+            await asyncio.sleep(0.05)
+    finally:
+        await conn.close()
+    async with b.http.get(url) as response:
+        text = await response.text()
+    assert len(list(csv.DictReader(io.StringIO(text)))) == 5000

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -187,7 +187,8 @@ class LedgerReader:
         records = await self._call("ledger stats", _SUPPRESSED, float(since_s), limit)
         return [(str(r["template"]), int(r["suppressed"])) for r in records]
 
-    async def period(self, start: datetime, end: datetime) -> AsyncIterator[list[HistoryRow]]:
+    async def period(self, start: datetime, end: datetime
+                     ) -> AsyncGenerator[list[HistoryRow], None]:
         """The rows decided in [``start``, ``end``) (timezone-aware), oldest first, in batches
         of :data:`EXPORT_BATCH` read one at a time from a server-side cursor in one
         read-only transaction (memory bounded whatever the period holds). Each batch's read
