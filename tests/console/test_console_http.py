@@ -353,9 +353,9 @@ async def test_a_download_left_half_way_ends_its_ledger_transaction(
             assert await response.content.read(1000)
             response.close()  # the client leaves
         deadline = time.monotonic() + 10
-        while await conn.fetchval(  # noqa: ASYNC110 (the database's view, polled)
+        while await conn.fetchval(  # the export's statement (its period bound), left open
                 "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'"
-                " AND query LIKE '%dedup_relay_ledger%' AND pid <> pg_backend_pid()"):
+                " AND query LIKE '%decided_at < $2%' AND pid <> pg_backend_pid()"):
             assert time.monotonic() < deadline, "a transaction stayed open"
             await asyncio.sleep(0.05)
     finally:
