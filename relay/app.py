@@ -241,11 +241,11 @@ class Relay:
             merged.apply_dedup_live(applied, core=self.core,
                                      declare_rate_limits=self.metrics.declare_rate_limits)
         merged.apply_operations_live(applied)
-        if self.console is not None and "console_auth_file" in applied:
+        if self.console is not None:
             try:
-                await self.console.reload_users(merged)
+                await self.console.reload(merged, applied)
             except ConfigError as exc:  # checked by the reload already: a file changed since
-                log.error("console users not read again: %s", exc)
+                log.error("console not reloaded: %s", exc)
         self.settings = merged
 
     def count_reload(self, *, applied: bool) -> None:

@@ -149,7 +149,8 @@ def compare(running: Settings, new: Settings, before: Mapping[str, str | None],
         return bool(getattr(running, name) != getattr(new, name)
                     or (name in before and before.get(name) != after.get(name)))
 
-    switched = AccessSettings.restart_needed(running, new)  # TLS or AUTH switched on or off
+    # TLS or AUTH switched on or off, the console's HTTPS switched on or off
+    switched = AccessSettings.restart_needed(running, new) | running.console_restart_needed(new)
     for name in Settings.model_fields:
         if not changed(name):
             continue

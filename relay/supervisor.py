@@ -344,11 +344,11 @@ class Supervisor:
         self._reloader.commit(changes)
         self.settings = changes.merged  # a worker started from now on gets these
         set_level(changes.merged.log_level)
-        if self.console is not None and "console_auth_file" in changes.applied:
+        if self.console is not None:
             try:
-                await self.console.reload_users(changes.merged)
-            except ConfigError as exc:  # checked by prepare(): the file changed since
-                log.error("console users not read again: %s", exc)
+                await self.console.reload(changes.merged, frozenset(changes.applied))
+            except ConfigError as exc:  # checked by prepare(): a file changed since
+                log.error("console not reloaded: %s", exc)
         missing = await self._forward_reload()
         if missing:  # they keep the rules they had: the relay is split until they apply it
             log.error("configuration reload partly applied: %s; worker(s) %s did not apply it "

@@ -29,6 +29,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, S
 from relay.ops.http import capped
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
+from relay.smtp.tls import rotate_certificate
 
 if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
     from relay.store.postgres.ledger_read import HistoryRow, LedgerReader
@@ -217,14 +219,22 @@ class Console:
             await self._store.close()
             self._store = None
 
-    async def reload_users(self, settings: Settings) -> None:
-        """Read ``settings``' users file again (a reload): the next sign-in is checked against
-        it, and a session of a user it no longer names, or names with another role, ends at
-        its next request. Raises ConfigError (nothing changed) when it does not load."""
-        users = await asyncio.to_thread(settings.console_users)
-        self.sign_ins.users.replace_with(users)
-        self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
-        log.info("console users read again", extra={"users": len(users)})
+    async def reload(self, settings: Settings, applied: AbstractSet[str]) -> None:
+        """Apply a reload: the certificate (its own, or the listener's) is read again from the
+        next handshake, as the listener's is; with ``console_auth_file`` in ``applied`` the
+        users file is read again: the next sign-in is checked against it, and a session of a
+        user it no longer names, or names with another role, ends at its next request. Raises
+        ConfigError when a file does not load; then nothing was changed."""
+        users = None
+        if "console_auth_file" in applied:
+            users = await asyncio.to_thread(settings.console_users)
+        pair = settings.console_certificate
+        if self._tls is not None and pair is not None:
+            await asyncio.to_thread(rotate_certificate, self._tls, *pair)
+        if users is not None:
+            self.sign_ins.users.replace_with(users)
+            self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
+            log.info("console users read again", extra={"users": len(users)})
 
     def describe(self) -> str:
         """The console for a start-up line: ``console https://HOST:PORT/``."""
@@ -329,8 +339,10 @@ class Console:
         self.metrics.signed_in(result)
         if result is not SignInResult.SUCCEEDED or role is None:
             log.warning("console sign-in %s", result.value, extra={"peer": peer})
-            message = ("Too many failed sign-ins from your address: wait and try again."
-                       if result is SignInResult.REFUSED else "Wrong user name or password.")
+            window_min = max(1, round(self.settings.auth_failure_window / 60))
+            message = (f"Too many failed sign-ins from your address: try again in up to "
+                       f"{window_min} min." if result is SignInResult.REFUSED
+                       else "Wrong user name or password.")
             return self._login_form(request, status=429 if result is SignInResult.REFUSED
                                     else 401, message=message)
         token, _ = self.sessions.start(user, role)

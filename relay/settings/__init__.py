@@ -151,6 +151,13 @@ class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSetting
             return self.tls_cert, self.tls_key
         return None
 
+    def console_restart_needed(self, new: Settings) -> set[str]:
+        """The console's certificate settings when its HTTPS is switched on or off going from
+        these settings to ``new`` (it serves as it started; a new pair is taken live)."""
+        if (self.console_certificate is None) == (new.console_certificate is None):
+            return set()
+        return {"console_tls_cert", "console_tls_key", "console_plain_http"}
+
     def _check_console_in_clear(self) -> None:
         """A console off this host serves HTTPS, unless the operator says a proxy does."""
         if self.console_listen is None or self.console_on_loopback \

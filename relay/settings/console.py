@@ -30,8 +30,9 @@ class ConsoleSettings(Section):
     """The web console for support and compliance (off by default)."""
 
     TITLE: ClassVar[str] = "Console"
-    LIVE: ClassVar[tuple[str, ...]] = ("console_auth_file",)
-    FILES: ClassVar[tuple[str, ...]] = ("console_auth_file",)
+    LIVE: ClassVar[tuple[str, ...]] = ("console_auth_file", "console_tls_cert", "console_tls_key")
+    FILES: ClassVar[tuple[str, ...]] = ("console_auth_file", "console_tls_cert",
+                                        "console_tls_key")
 
     console_listen: str | None = Field(None, description=(
         "HOST:PORT of the web console (a message's history, in-doubt review, stats, CSV "
@@ -63,6 +64,11 @@ class ConsoleSettings(Section):
         if (self.console_tls_cert is None) != (self.console_tls_key is None):
             raise SettingsRuleError("console_tls_cert and console_tls_key go together",
                                     "console_tls_cert", "console_tls_key")
+        if self.console_plain_http and self.console_tls_cert is not None:
+            raise SettingsRuleError(
+                "console_plain_http and console_tls_cert contradict each other: the console "
+                "serves either plain HTTP (behind a proxy that terminates TLS) or HTTPS",
+                "console_plain_http", "console_tls_cert")
         if self.console_listen is None:
             return self
         if self.console_auth_file is None:
@@ -112,6 +118,10 @@ class ConsoleSettings(Section):
             checks.append((("console_tls_cert", "console_tls_key"),
                            lambda: self.console_tls_context((cert, key))))
         return checks
+
+    def describe_console_check(self) -> str:
+        """The console for check-config's line: ``, console HOST:PORT``, or nothing."""
+        return "" if self.console_listen is None else f", console {self.console_listen}"
 
     def describe_console(self, port: int, *, tls: bool) -> str:
         """The console for the start-up line (``port``: the bound one, 0: off; ``tls``:

@@ -122,7 +122,8 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "console_plain_http": (None, True),
     "console_session_timeout": ("600", 600.0),
 }
-SECOND_RUN = {"upstream_password", "fingerprint_secret_file"}  # each excludes another setting
+SECOND_RUN = {"upstream_password", "fingerprint_secret_file",  # each excludes another setting
+              "console_plain_http"}
 # the OAuth2 credentials exclude each other (and the microsoft provider of the first run takes
 # neither the refresh token nor a service account): one run each, with its provider
 OAUTH_RUNS: list[tuple[set[str], list[str]]] = [

@@ -32,11 +32,13 @@ def settings(**values: Any) -> Any:
       "console_tls_cert": "c.pem"}, "go together"),
     ({"console_listen": "127.0.0.1:9725", "console_auth_file": "u"}, "one address"),
     ({"console_listen": "127.0.0.1:x", "console_auth_file": "u"}, "console_listen"),
+    ({"console_listen": "127.0.0.1:8725", "console_auth_file": "u", "console_tls_cert": "c",
+      "console_tls_key": "k", "console_plain_http": True}, "contradict"),
 ])
 def test_settings_a_console_refuses(values: dict[str, str], refused: str) -> None:
     """Each rule: the users file is needed; off this host without a certificate is refused;
     a certificate needs its key; another listener's address is taken (metrics on 9725); the
-    address is HOST:PORT."""
+    address is HOST:PORT; plain HTTP and a certificate of its own exclude each other."""
     with pytest.raises(ConfigError, match=refused):
         settings(**values)
 
@@ -186,3 +188,19 @@ def test_a_period_bound_that_is_no_date() -> None:
 ])
 def test_the_page_after_sign_in_stays_on_the_console(target: str, kept: str) -> None:
     assert _local_path(target) == kept
+
+
+@pytest.mark.parametrize(("before", "after", "restart"), [
+    ({}, {"tls_cert": "l.pem", "tls_key": "l.key"}, True),
+    ({"console_tls_cert": "c.pem", "console_tls_key": "c.key"},
+     {"console_tls_cert": "d.pem", "console_tls_key": "d.key"}, False),
+    ({"console_tls_cert": "c.pem", "console_tls_key": "c.key"}, {"console_plain_http": True},
+     True),
+])
+def test_a_reload_that_switches_the_consoles_https_needs_a_restart(
+        before: dict[str, Any], after: dict[str, Any], restart: bool) -> None:
+    """HTTPS switched on (the listener's certificate now set) or off (plain HTTP asked for)
+    needs a restart; another certificate pair is taken live."""
+    running = settings(console_listen="127.0.0.1:8725", console_auth_file="u", **before)
+    new = settings(console_listen="127.0.0.1:8725", console_auth_file="u", **after)
+    assert bool(running.console_restart_needed(new)) is restart
