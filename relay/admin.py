@@ -91,6 +91,11 @@ class InFlightError(Exception):
     """The record belongs to an attempt that may still be delivering (refused unless forced)."""
 
 
+class NotInDoubtError(InFlightError):
+    """The record is not the one the operator decided on: it no longer reads as in doubt
+    (another operator or a retry settled it meanwhile), so nothing was done."""
+
+
 def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
     """A record as plain data for printing: state, what a retry would read it as
     (``reads_as``), times as ISO 8601 UTC, TTL in seconds.
@@ -109,17 +114,19 @@ def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
 
 async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                   force: bool = False, operator: str | None = None,
-                  role: str | None = None) -> tuple[Record, bool]:
+                  role: str | None = None,
+                  only_if: Callable[[Record], bool] | None = None) -> tuple[Record, bool]:
     """Delete ``key``, but only while it still holds what was inspected (compare-and-delete: an
     attempt that took the key over in between is never wiped); return (what it held, whether
     something was deleted).
 
     Raises :class:`InFlightError` (nothing done) when the record is in flight and not
-    ``force``. Writes one ``relay.audit`` line (WARNING) with the operator (default: the OS
-    user) and the console ``role`` when given, the reason and the record released. Raises
-    :class:`relay.core.errors.StoreError`.
+    ``force``, and :class:`NotInDoubtError` (nothing done) when ``only_if`` (a console's "still
+    in doubt") is false for the record read. Writes one ``relay.audit`` line (WARNING) with
+    the operator (default: the OS user) and the console ``role`` when given, the reason and
+    the record released. Raises :class:`relay.core.errors.StoreError`.
     """
-    before = await _not_in_flight(store, key, lease_s, force)
+    before = await _not_in_flight(store, key, lease_s, force, only_if)
     deleted = await store.force_release(key, expected=before)
     _audit("fingerprint released by an operator", "admin_release", key, before, lease_s,
            reason, operator, role, released=deleted)
@@ -128,7 +135,8 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
 
 async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                     window_s: float, force: bool = False, operator: str | None = None,
-                    role: str | None = None, keep_expiry: bool = False) -> Record:
+                    role: str | None = None, keep_expiry: bool = False,
+                    only_if: Callable[[Record], bool] | None = None) -> Record:
     """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
     found the message delivered, so its retries are duplicates. Returns what it held.
 
@@ -137,9 +145,10 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
     about the send) then keeps its own expiry when that is later than ``window_s`` from now: a
     template's longer window is never cut short.
 
-    Raises :class:`InFlightError` as :func:`release`, and :class:`relay.core.errors.StoreError`.
+    Raises :class:`InFlightError` and :class:`NotInDoubtError` as :func:`release`, and
+    :class:`relay.core.errors.StoreError`.
     """
-    before = await _not_in_flight(store, key, lease_s, force)
+    before = await _not_in_flight(store, key, lease_s, force, only_if)
     if keep_expiry and before.ttl_s is not None and before.state in (
             State.SENDING, State.SENT, State.UNKNOWN):
         window_s = max(window_s, before.ttl_s)
@@ -151,8 +160,13 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
 
 
 async def _not_in_flight(store: FingerprintStore, key: str, lease_s: float,
-                         force: bool) -> Record:
+                         force: bool, only_if: Callable[[Record], bool] | None = None
+                         ) -> Record:
     before = await store.inspect(key)
+    if only_if is not None and not only_if(before):
+        raise NotInDoubtError(
+            f"{key} is {reads_as(before, lease_s).value} now, no longer in doubt: it was "
+            "settled meanwhile (by another operator, or a retry); nothing was done")
     if not force and reads_as(before, lease_s) is State.PENDING:
         raise InFlightError(
             f"{key} is {before.state.value}: an attempt may still be delivering it; wait for "

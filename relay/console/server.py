@@ -53,8 +53,16 @@ from relay.admin import (
 from relay.console.sessions import Session, Sessions, SignInResult, SignIns
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
-from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, StateCounts
-from relay.ops.http import capped
+from relay.core.interfaces import (
+    FingerprintStore,
+    LedgerAction,
+    LedgerEntry,
+    Record,
+    State,
+    StateCounts,
+)
+from relay.core.rules import reads_as
+from relay.ops.http import ConnectionCap
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
 from relay.smtp.tls import rotate_certificate
@@ -69,6 +77,11 @@ LOGIN_COOKIE = "dedup_relay_login"  # the sign-in form's own CSRF token (no sess
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
+MAX_PER_ADDRESS = 16  # connections from one client address (a browser opens 6 at most)
+LIFETIME_S = 60.0  # a connection's life when no request is being answered on it (a trickle)
+WRITE_TIMEOUT_S = 30.0  # an export's write waits this long for the client to read, at most
+SHUTDOWN_S = 5.0  # requests still running at stop get this long
+MAX_LEDGER_CONNECTIONS = 8  # requests reading the ledger at once (one connection each)
 MAX_BODY = 64 * 1024  # a form's body at most (bytes)
 MAX_ROWS = 1000  # rows a page shows at most (the oldest); the CSV export has no cap
 STATS_TTL_S = 30.0  # a stats page's counts are reused this long (a full count of the store)
@@ -90,7 +103,9 @@ CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "re
 """The columns of ``/export.csv``, in order: a ledger row as ``dedup-relay history --json``
 names its fields (times ISO 8601 UTC)."""
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-_DONE = {"release": "released", "mark_sent": "marked sent"}
+DONE = {"released": "released", "marked_sent": "marked sent",
+        "settled": "no longer in the store (its window passed): its in-doubt row is settled"}
+"""What an operator's action did, by the ``done`` code of the page it leads to."""
 _SESSION = web.RequestKey("session", Session)  # the request's signed-in session
 
 
@@ -165,6 +180,8 @@ class Console:
             loader=jinja2.PackageLoader("relay.console", "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined)
         self._stats: _Stats | None = None
+        self._ledger_slots = asyncio.Semaphore(MAX_LEDGER_CONNECTIONS)
+        self._cap: ConnectionCap | None = None
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -194,11 +211,12 @@ class Console:
         app.router.add_get("/stats", self._stats_page)
         app.router.add_get("/export.csv", self._export)
         app.router.add_get("/static/console.css", self._css)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         await self._runner.setup()
         assert self._runner.server is not None
-        factory = capped(self._runner.server, max_connections=MAX_CONNECTIONS,
-                         idle_timeout_s=IDLE_TIMEOUT_S)
+        factory = self._cap = ConnectionCap(
+            self._runner.server, max_connections=MAX_CONNECTIONS, idle_timeout_s=IDLE_TIMEOUT_S,
+            max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S)
         loop = asyncio.get_running_loop()
         handshake_s = HANDSHAKE_TIMEOUT_S if self._tls is not None else None
         if self._sock is not None:
@@ -235,6 +253,7 @@ class Console:
             self.sign_ins.users.replace_with(users)
             self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
             log.info("console users read again", extra={"users": len(users)})
+        self.settings = settings  # the live ones: the dedup window of a mark-sent, ...
 
     def describe(self) -> str:
         """The console for a start-up line: ``console https://HOST:PORT/``."""
@@ -247,7 +266,15 @@ class Console:
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
         """Every request but the sign-in page and the style sheet needs a live session; every
-        POST its CSRF token. The security headers go on every answer."""
+        POST its CSRF token. The security headers go on every answer. While a request is
+        answered its connection is not closed for being idle or old."""
+        assert self._cap is not None
+        with self._cap.busy(request.transport):
+            return await self._guarded(request, handler)
+
+    async def _guarded(self, request: web.Request,
+                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
         try:
             if request.path not in _ANONYMOUS_PATHS:
                 session, expired = self.sessions.find(request.cookies.get(SESSION_COOKIE))
@@ -381,7 +408,7 @@ class Console:
                           shown_rcpt=self._shown(fields["rcpt"]),
                           state=describe(key, record, self.settings.lease), rows=rows,
                           cut=rows is not None and len(rows) >= MAX_ROWS,
-                          done=query.get("done"))
+                          done=DONE.get(query.get("done", "")))
 
     def _selected_key(self, fields: dict[str, str]) -> str:
         s = self.settings
@@ -437,25 +464,28 @@ class Console:
             raise ConsoleError(400, "Say why (the reason goes into the audit ledger and log).")
         if not key.startswith(self.settings.store_prefix):
             raise ConsoleError(400, "That is no fingerprint of this relay.")
-        entry = await self._act(session, action, key, reason)
+        entry, done = await self._act(session, action, key, reason)
         self.metrics.acted(action)
         log.info("console %s", action.replace("_", " "), extra={
-            "user": session.user, "role": session.role, "store_key": key,
+            "user": session.user, "role": session.role, "store_key": key, "done": done,
             "reason": reason, "recorded": entry is not None, "peer": request.remote})
-        raise web.HTTPSeeOther("/history?" + urlencode({"store_key": key,
-                                                        "done": _DONE[action]}))
+        raise web.HTTPSeeOther("/history?" + urlencode({"store_key": key, "done": done}))
 
     async def _act(self, session: Session, action: str, key: str, reason: str
-                   ) -> LedgerEntry | None:
-        """Do ``action`` on ``key`` and write its ledger row (when there is a ledger); the
-        row written, None when none was. Raises :class:`ConsoleError`."""
+                   ) -> tuple[LedgerEntry | None, str]:
+        """Do ``action`` on ``key``, which must still be in doubt (the store's record reads
+        as unknown, or it left the store and the ledger still lists it unresolved), and
+        write its ledger row (when there is a ledger); (the row written or None, what was
+        done: a :data:`DONE` key). Raises :class:`ConsoleError`."""
         s = self.settings
         if s.ledger is None:
-            return await self._act_on_store(session, action, key, reason)
+            return await self._act_on_store(session, action, key, reason, listed=False)
         async with self._ledger() as reader:
-            entry = await self._act_on_store(session, action, key, reason)
+            listed = await _ledger_call(reader.unresolved(key))
+            entry, done = await self._act_on_store(session, action, key, reason,
+                                                   listed=listed)
             if entry is None:
-                return None
+                return None, done
             options = s.ledger_options(instance=f"{s.hostname}/console",
                                        secret=s.fingerprint_secret_bytes)
             try:
@@ -463,29 +493,40 @@ class Console:
             except StoreError as exc:
                 log.error("console action done but its ledger row was not written",
                           extra={"user": session.user, "store_key": key, "error": str(exc)})
-                raise ConsoleError(503, f"The record was {_DONE[action]}, but its ledger row "
+                raise ConsoleError(503, f"The record was {DONE[done]}, but its ledger row "
                                         f"was not written: {exc}") from exc
-            return entry
+            return entry, done
 
-    async def _act_on_store(self, session: Session, action: str, key: str, reason: str
-                            ) -> LedgerEntry | None:
-        """The store's half of :meth:`_act`: the ledger row it calls for (None: none)."""
+    async def _act_on_store(self, session: Session, action: str, key: str, reason: str, *,
+                            listed: bool) -> tuple[LedgerEntry | None, str]:
+        """The store's half of :meth:`_act` (``listed``: the ledger lists ``key`` in doubt):
+        the ledger row it calls for (None: none) and what was done."""
         s, store = self.settings, self._store
         assert store is not None
         who = f"{session.user} ({session.role}, console)"
         operator = f"console:{session.user}"
         row = OperatorRow(s, LedgerAction.RELEASE if action == "release"
                           else LedgerAction.MARK_SENT, key)
+
+        def in_doubt(record: Record) -> bool:
+            return reads_as(record, s.lease) is State.UNKNOWN or (
+                listed and record.state is State.ABSENT)
+
         try:
             if action == "release":
                 before, deleted = await release(store, key, reason=reason, lease_s=s.lease,
-                                                operator=operator, role=session.role)
-                return row.released(before, deleted, who=who, reason=reason)
+                                                operator=operator, role=session.role,
+                                                only_if=in_doubt)
+                entry = row.released(before, deleted, who=who, reason=reason)
+                if entry is None:  # the compare-and-delete lost: it changed meanwhile
+                    raise ConsoleError(409, "Refused: the record changed while it was being "
+                                            "released; nothing was done. Look again.")
+                return entry, "released" if deleted else "settled"
             await mark_sent(store, key, reason=reason, lease_s=s.lease,
                             window_s=s.dedup_window, operator=operator, role=session.role,
-                            keep_expiry=True)
-            return row.marked_sent(who=who, reason=reason)
-        except InFlightError as exc:
+                            keep_expiry=True, only_if=in_doubt)
+            return row.marked_sent(who=who, reason=reason), "marked_sent"
+        except InFlightError as exc:  # NotInDoubtError is one
             raise ConsoleError(409, f"Refused: {exc}") from exc
         except StoreError as exc:
             raise ConsoleError(503, f"The store did not answer; nothing was done: {exc}"
@@ -537,21 +578,35 @@ class Console:
         if end - start > timedelta(days=MAX_EXPORT_DAYS):
             raise ConsoleError(400, f"The period is longer than {MAX_EXPORT_DAYS:.0f} days.")
         name = f"dedup-relay-ledger-{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}.csv"
-        async with self._ledger() as reader, \
-                contextlib.aclosing(reader.period(start, end)) as batches:
-            # closed here, also when the client leaves mid-download: its transaction ends
-            # before the connection does
-            first = await _ledger_call(anext(batches, []))
-            response = web.StreamResponse(headers={
-                "Content-Type": "text/csv; charset=utf-8",
-                "Content-Disposition": f"attachment; filename=\"{quote(name)}\""})
-            self._headers(response)
-            await response.prepare(request)
-            rows = await _stream_csv(response, first, batches)
-            await response.write_eof()
-        log.info("console export", extra={"user": session.user, "role": session.role,
-                                          "from": _iso(start), "to": _iso(end), "rows": rows,
-                                          "peer": request.remote})
+        sent = _Sent()
+        try:
+            async with self._ledger() as reader, \
+                    contextlib.aclosing(reader.period(start, end)) as batches:
+                # closed here, also when the client leaves mid-download: its transaction
+                # ends before the connection does
+                first = await _ledger_call(anext(batches, []))
+                response = web.StreamResponse(headers={
+                    "Content-Type": "text/csv; charset=utf-8",
+                    "Content-Disposition": f"attachment; filename=\"{quote(name)}\""})
+                self._headers(response)
+                await response.prepare(request)
+                await _stream_csv(response, first, batches, sent)
+                await _within(WRITE_TIMEOUT_S, response.write_eof())
+                sent.whole = not sent.why
+        except (ConnectionError, TimeoutError) as exc:  # the client left, or stopped reading
+            if not sent.started:
+                raise
+            if request.transport is not None:
+                request.transport.abort()
+            sent.why = f"the client left or stopped reading ({type(exc).__name__})"
+            return response
+        finally:
+            if sent.started:
+                log.log(logging.INFO if sent.whole else logging.WARNING,
+                        "console export" if sent.whole else "console export cut short",
+                        extra={"user": session.user, "role": session.role,
+                               "from": _iso(start), "to": _iso(end), "rows": sent.rows,
+                               "why": sent.why, "peer": request.remote})
         return response
 
     @contextlib.asynccontextmanager
@@ -560,16 +615,25 @@ class Console:
         from relay.store.postgres.ledger_read import LedgerReader  # the postgres extra
         from relay.store.postgres.migrations import SchemaError
 
-        url = self.settings.ledger
+        url, timeout_s = self.settings.ledger, self.settings.ledger_timeout
         assert url is not None
         try:
-            reader = await LedgerReader.open(url, timeout_s=self.settings.ledger_timeout)
-        except (StoreError, SchemaError) as exc:
-            raise ConsoleError(503, f"The audit ledger did not answer: {exc}") from exc
+            async with asyncio.timeout(timeout_s):
+                await self._ledger_slots.acquire()
+        except TimeoutError:
+            raise ConsoleError(503, f"The audit ledger is busy ({MAX_LEDGER_CONNECTIONS} "
+                                    "requests read it already): try again.") from None
         try:
-            yield reader
+            try:
+                reader = await LedgerReader.open(url, timeout_s=timeout_s)
+            except (StoreError, SchemaError) as exc:
+                raise ConsoleError(503, f"The audit ledger did not answer: {exc}") from exc
+            try:
+                yield reader
+            finally:
+                await reader.close()
         finally:
-            await reader.close()
+            self._ledger_slots.release()
 
 
 async def _ledger_call(call: Awaitable[Any]) -> Any:
@@ -580,30 +644,46 @@ async def _ledger_call(call: Awaitable[Any]) -> Any:
         raise ConsoleError(503, f"The audit ledger failed: {exc}") from exc
 
 
+@dataclass
+class _Sent:
+    """How far an export got: ``rows`` written, whether it was ``whole``, ``why`` not."""
+
+    started: bool = False
+    rows: int = 0
+    whole: bool = False
+    why: str = ""
+
+
+async def _within(timeout_s: float, call: Awaitable[None]) -> None:
+    async with asyncio.timeout(timeout_s):
+        await call
+
+
 async def _stream_csv(response: web.StreamResponse, first: list[HistoryRow],
-                      rest: AsyncIterator[list[HistoryRow]]) -> int:
-    """Write the header and every batch as CSV lines (RFC 4180: CRLF); returns the rows. A
-    ledger failure after the first batch cannot change the status any more: the file ends
-    with a line saying it is incomplete."""
+                      rest: AsyncIterator[list[HistoryRow]], sent: _Sent) -> None:
+    """Write the header and every batch as CSV lines (RFC 4180: CRLF), counting them in
+    ``sent``. A ledger failure after the first batch cannot change the status any more: the
+    file ends with a line saying it is incomplete. Raises TimeoutError when one write waits
+    longer than :data:`WRITE_TIMEOUT_S` for the client to read."""
+    sent.started = True
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\r\n")
     writer.writerow(CSV_FIELDS)
-    rows, batch = 0, first
+    batch = first
     while batch:
         for row in batch:
             writer.writerow([csv_cell(getattr(row, name)) for name in CSV_FIELDS])
-        rows += len(batch)
-        await response.write(buffer.getvalue().encode("utf-8"))
+        await _within(WRITE_TIMEOUT_S, response.write(buffer.getvalue().encode("utf-8")))
+        sent.rows += len(batch)
         buffer.seek(0)
         buffer.truncate()
         try:
             batch = await anext(rest, [])
         except StoreError as exc:
-            log.error("console export cut short", extra={"rows": rows, "error": str(exc)})
-            writer.writerow([f"# incomplete: the ledger failed after {rows} rows: {exc}"])
+            sent.why = f"the ledger failed: {exc}"
+            writer.writerow([f"# incomplete: the ledger failed after {sent.rows} rows: {exc}"])
             batch = []
-    await response.write(buffer.getvalue().encode("utf-8"))
-    return rows
+    await _within(WRITE_TIMEOUT_S, response.write(buffer.getvalue().encode("utf-8")))
 
 
 def _same(a: str, b: str) -> bool:

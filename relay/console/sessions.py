@@ -31,6 +31,9 @@ MAX_AGE_S = 12 * 3600.0
 """The longest a session lasts, however active (seconds)."""
 MAX_SESSIONS = 10_000
 """Sessions kept at most; the least recently used are ended first."""
+MAX_PER_USER = 20
+"""Sessions one user keeps at most (their least recently used ends first): one user signing
+in again and again cannot push everyone else's sessions out."""
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Sessions:
         now = self._clock()
         session = Session(user=user, role=role, csrf=secrets.token_urlsafe(32), started=now,
                           seen=now)
+        mine = [d for d, s in self._open.items() if s.user == user]
+        for digest in mine[:max(0, len(mine) - MAX_PER_USER + 1)]:
+            del self._open[digest]
         self._open[_digest(token)] = session
         while len(self._open) > self._max:
             self._open.popitem(last=False)
@@ -123,29 +129,51 @@ class SignIns:
         self.users = users
         self._delay_s = failure_delay_s
         self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
+        self._checking: dict[str, set[asyncio.Task[str | None]]] = {}  # by client address
 
     async def check(self, host: str, user: str, password: str
                     ) -> tuple[SignInResult, str | None]:
         """(how it ended, the user's role when it succeeded).
 
-        From an address whose budget is spent the attempt is not checked (``refused``, after
-        the failure delay). A failure is answered no sooner than its delay floor; a success
-        at once, its charge refunded."""
+        An attempt from an address whose budget is held by attempts still being checked
+        waits for them (parallel sign-ins with the right password are not refused for being
+        parallel); from an address whose budget failures spent it is not checked
+        (``refused``, after the failure delay). A failure is answered no sooner than its
+        delay floor; a success at once, its charge refunded by the check itself."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         address = f"address:{host}"
-        if self._budget.exhausted([address]):
-            await asyncio.sleep(self._delay_s)
-            return SignInResult.REFUSED, None
+        while self._budget.exhausted([address]):
+            earlier = self._checking.get(host)
+            if not earlier:
+                await asyncio.sleep(self._delay_s)
+                return SignInResult.REFUSED, None
+            await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
         keys = [address] + ([f"user:{user}"] if user else [])
         prior = max(self._budget.spent(key) for key in keys)
-        token = self._budget.charge(keys)
-        ok = bool(user and password) and await asyncio.shield(
-            self.users.verify(user, password))
-        role = self.users.role(user) if ok else None
-        if ok and role is not None:
-            self._budget.refund(token)
+        checking = asyncio.ensure_future(self._role(user, password, self._budget.charge(keys)))
+        self._checking.setdefault(host, set()).add(checking)
+        checking.add_done_callback(lambda done: self._checked(host, done))
+        role = await asyncio.shield(checking)
+        if role is not None:
             return SignInResult.SUCCEEDED, role
         floor_s = failure_floor_s(self._delay_s, prior)
         await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
         return SignInResult.FAILED, None
+
+    async def _role(self, user: str, password: str, token: tuple[float, tuple[str, ...]]
+                    ) -> str | None:
+        """``user``'s role when ``password`` is theirs (the attempt's charge, ``token``,
+        given back), else None."""
+        ok = bool(user and password) and await self.users.verify(user, password)
+        role = self.users.role(user) if ok else None
+        if role is not None:
+            self._budget.refund(token)
+        return role
+
+    def _checked(self, host: str, done: asyncio.Task[str | None]) -> None:
+        earlier = self._checking.get(host)
+        if earlier is not None:
+            earlier.discard(done)
+            if not earlier:
+                del self._checking[host]

@@ -16,8 +16,9 @@ connects and sends nothing, or stalls mid-request, or keeps an idle keep-alive o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import cast
 
@@ -32,40 +33,63 @@ IDLE_TIMEOUT_S = 10.0  # below Prometheus' 15 s scrape interval: it reconnects p
 
 
 class _CappedConnection(asyncio.Protocol):
-    """One connection of the ops server: aiohttp's protocol behind a count and an idle timer.
+    """One connection under a :class:`ConnectionCap`: aiohttp's protocol behind the cap's
+    counts and two timers (every call is passed on to ``inner``).
 
-    ``inner`` is aiohttp's request handler (every call is passed on); ``open_`` the set of the
-    connections counted now, shared by the server. Over ``max_connections`` the connection is
-    aborted before aiohttp sees it.
+    Over the cap's total or per-address limit the connection is aborted before aiohttp sees
+    it. It is aborted when no byte came for ``idle_timeout_s``, and when it has lived
+    ``lifetime_s`` (a client trickling one byte at a time), unless a response is being
+    streamed on it (:meth:`ConnectionCap.busy`): then both wait until the response is done.
     """
 
-    def __init__(self, inner: asyncio.Protocol, open_: set[_CappedConnection],
-                 max_connections: int, idle_timeout_s: float) -> None:
+    def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self._inner = inner
-        self._open = open_
-        self._max_connections = max_connections
-        self._idle_timeout_s = idle_timeout_s
+        self._cap = cap
         self._timer: asyncio.TimerHandle | None = None
+        self._end: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
+        self.host = ""
+        self.busy = 0
+        self._expired = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tcp = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport subclass
-        if len(self._open) >= self._max_connections:
+        peer = tcp.get_extra_info("peername")
+        self.host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self._cap.admit(self):
             tcp.abort()
             return
-        self._open.add(self)
         self._transport = tcp
         self._restart_timer()
+        if self._cap.lifetime_s is not None:
+            self._end = asyncio.get_running_loop().call_later(self._cap.lifetime_s,
+                                                              self._idle)
         self._inner.connection_made(transport)
 
     def _restart_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._idle_timeout_s, self._idle)
+        self._timer = asyncio.get_running_loop().call_later(self._cap.idle_timeout_s,
+                                                            self._idle)
 
     def _idle(self) -> None:
-        if self._transport is not None:
+        if self.busy:
+            self._expired = True  # closed once the response is done
+        elif self._transport is not None:
             self._transport.abort()
+
+    def released(self) -> None:
+        """A streamed response ended: the timers count again (one that ran out meanwhile
+        closes the connection now)."""
+        if self.busy == 0:
+            if self._expired and self._transport is not None:
+                self._transport.abort()
+            else:
+                self._restart_timer()
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._transport
 
     def data_received(self, data: bytes) -> None:
         self._restart_timer()
@@ -81,21 +105,80 @@ class _CappedConnection(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self not in self._open:  # refused over the cap: aiohttp never saw it
+        if not self._cap.forget(self):  # refused over the cap: aiohttp never saw it
             return
-        self._open.discard(self)
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._end):
+            if timer is not None:
+                timer.cancel()
         self._inner.connection_lost(exc)
+
+
+class ConnectionCap:
+    """A protocol factory for ``loop.create_server`` serving ``factory``'s protocols (aiohttp's
+    request handler) with at most ``max_connections`` open at once, at most
+    ``max_per_address`` from one client address (None: no such limit), each closed after
+    ``idle_timeout_s`` seconds with no byte received and, when ``lifetime_s`` is given, after
+    that many seconds in all (see :class:`_CappedConnection`)."""
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], *, max_connections: int,
+                 idle_timeout_s: float, max_per_address: int | None = None,
+                 lifetime_s: float | None = None) -> None:
+        self._factory = factory
+        self._max = max_connections
+        self._max_per_address = max_per_address
+        self.idle_timeout_s = idle_timeout_s
+        self.lifetime_s = lifetime_s
+        self._open: set[_CappedConnection] = set()
+        self._per_address: dict[str, int] = {}
+
+    def __call__(self) -> asyncio.Protocol:
+        return _CappedConnection(self._factory(), self)
+
+    def admit(self, connection: _CappedConnection) -> bool:
+        """Count ``connection`` in, or False when it is over a limit."""
+        from_host = self._per_address.get(connection.host, 0)
+        if len(self._open) >= self._max or (
+                self._max_per_address is not None and from_host >= self._max_per_address):
+            return False
+        self._open.add(connection)
+        self._per_address[connection.host] = from_host + 1
+        return True
+
+    def forget(self, connection: _CappedConnection) -> bool:
+        """Count ``connection`` out; False when it was never counted in."""
+        if connection not in self._open:
+            return False
+        self._open.discard(connection)
+        left = self._per_address.get(connection.host, 1) - 1
+        if left > 0:
+            self._per_address[connection.host] = left
+        else:
+            self._per_address.pop(connection.host, None)
+        return True
+
+    @contextlib.contextmanager
+    def busy(self, transport: asyncio.BaseTransport | None) -> Iterator[None]:
+        """While the block runs (a response streamed for longer than a timer), the connection
+        of ``transport`` is not closed for being idle or old."""
+        connection = next((c for c in self._open if c.transport is transport), None)
+        if connection is None:
+            yield
+            return
+        connection.busy += 1
+        try:
+            yield
+        finally:
+            connection.busy -= 1
+            connection.released()
 
 
 def capped(factory: Callable[[], asyncio.Protocol], *, max_connections: int,
            idle_timeout_s: float) -> Callable[[], asyncio.Protocol]:
     """A protocol factory for ``loop.create_server`` serving ``factory``'s protocols with at
     most ``max_connections`` open at once and each closed after ``idle_timeout_s`` seconds
-    with no byte received (see :class:`_CappedConnection`)."""
-    open_: set[_CappedConnection] = set()
-    return lambda: _CappedConnection(factory(), open_, max_connections, idle_timeout_s)
+    with no byte received (a :class:`ConnectionCap` without the other limits)."""
+    return ConnectionCap(factory, max_connections=max_connections,
+                         idle_timeout_s=idle_timeout_s)
 
 
 class OpsServer:

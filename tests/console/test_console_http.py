@@ -363,3 +363,76 @@ async def test_a_download_left_half_way_ends_its_ledger_transaction(
     async with b.http.get(url) as response:
         text = await response.text()
     assert len(list(csv.DictReader(io.StringIO(text)))) == 5000
+
+
+async def test_only_a_record_still_in_doubt_is_resolved(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """Two operators on one in-doubt page: the first marks it sent, the second's release is
+    refused 409 and leaves the SENT record (a released duplicate would go out again); a key
+    that was sent and never in doubt, or never seen, is refused the same way; the page after
+    an action says only what was done."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
+    assert relay.store is not None
+    key = await in_doubt_message(relay, sink, ledger_url)
+    assert (await send(relay.port, ["sent@example.net"], message(key="k-sent"))).code == 250
+    [sent_key] = [r["store_key"] for r in await wait_ledger_rows(ledger_url, 2)
+                  if r["outcome"] == "relayed"]
+    first, second = opened(web, relay), opened(web, relay)
+    pages = []
+    for b in (first, second):
+        await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
+        pages.append((await b.get("/in-doubt"))[1])
+    status, _, _ = await first.post("/in-doubt/resolve", {
+        "csrf": csrf_of(pages[0]), "store_key": key, "action": "mark_sent", "reason": "seen"})
+    assert status == 303
+    status, page, _ = await second.post("/in-doubt/resolve", {
+        "csrf": csrf_of(pages[1]), "store_key": key, "action": "release", "reason": "late"})
+    assert status == 409 and "no longer in doubt" in page
+    assert (await relay.store.inspect(key)).state.value == "sent"
+    never = relay.settings.store_prefix + "0" * 64
+    for other in (sent_key, never):
+        for action in ("release", "mark_sent"):
+            status, _, _ = await second.post("/in-doubt/resolve", {
+                "csrf": csrf_of(pages[1]), "store_key": other, "action": action,
+                "reason": "r"})
+            assert status == 409, (other, action)
+    assert (await relay.store.inspect(sent_key)).state.value == "sent"
+    assert (await relay.store.inspect(never)).state.value == "absent"
+    assert [r["outcome"] for r in await wait_ledger_rows(ledger_url, 3)].count(
+        "marked_sent") == 1
+    _, page, _ = await first.get(f"/history?store_key={key}&done=hacked%20by%20me")
+    assert "hacked" not in page and 'id="done"' not in page
+
+
+async def test_parallel_sign_ins_with_the_right_password_all_go_through(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
+    """Eight sign-ins at once from one address (a team behind one proxy) with a budget of
+    two: each waits for the checks holding the budget, none is refused."""
+    relay = await console_relay(make_relay, sink, tmp_path, auth_max_failures=2)
+    browsers = [opened(web, relay) for _ in range(8)]
+    results = await asyncio.gather(*(b.sign_in(OPERATOR, OPERATOR_PASSWORD)
+                                     for b in browsers))
+    assert [status for status, _, _ in results] == [303] * 8
+    assert counted(relay, "relay_console_sign_ins_total", result="refused") == 0
+
+
+async def test_a_reload_gives_the_console_the_live_settings(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """After a reload that lengthens dedup_window (600 s to 7200 s), a mark-sent from the
+    console keeps the record for the new window, as `dedup-relay mark-sent` would."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                dedup_window=600)
+    assert relay.store is not None
+    key = await in_doubt_message(relay, sink, ledger_url)
+    await relay.apply(relay.settings.model_copy(update={"dedup_window": 7200.0}),
+                      frozenset({"dedup_window"}))
+    b = opened(web, relay)
+    await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
+    _, page, _ = await b.get("/in-doubt")
+    status, _, _ = await b.post("/in-doubt/resolve", {
+        "csrf": csrf_of(page), "store_key": key, "action": "mark_sent", "reason": "seen"})
+    assert status == 303
+    ttl = (await relay.store.inspect(key)).ttl_s
+    assert ttl is not None and 7000 < ttl <= 7200, ttl

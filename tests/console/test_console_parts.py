@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from relay.console.server import ConsoleError, _local_path, csv_cell, parse_instant
-from relay.console.sessions import MAX_AGE_S, Sessions
+from relay.console.sessions import MAX_AGE_S, MAX_PER_USER, Sessions
 from relay.core.errors import ConfigError
 from relay.settings import CONSOLE_ROLES, load_settings
 from relay.smtp.auth import CredentialFile, format_entry
@@ -204,3 +204,14 @@ def test_a_reload_that_switches_the_consoles_https_needs_a_restart(
     running = settings(console_listen="127.0.0.1:8725", console_auth_file="u", **before)
     new = settings(console_listen="127.0.0.1:8725", console_auth_file="u", **after)
     assert bool(running.console_restart_needed(new)) is restart
+
+
+def test_one_user_signing_in_again_and_again_ends_only_their_own_sessions() -> None:
+    """Past MAX_PER_USER sessions of one user their least recently used ends; another
+    user's session, older than all of them, stays."""
+    sessions = Sessions(idle_s=60, clock=Clock())
+    theirs, _ = sessions.start("otto", "operator")
+    tokens = [sessions.start("vera", "viewer")[0] for _ in range(MAX_PER_USER + 5)]
+    assert sessions.find(theirs)[0] is not None
+    assert [sessions.find(t)[0] is not None for t in tokens] == [False] * 5 + [
+        True] * MAX_PER_USER

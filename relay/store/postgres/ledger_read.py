@@ -79,6 +79,11 @@ WHERE recorded_at >= $1 AND decided_at >= $1 AND decided_at < $2
 ORDER BY decided_at, recorded_at, row_id
 """
 
+# $1 min age in ms (UNRESOLVED_WHERE), $2 store key: whether it is in doubt, unresolved
+_UNRESOLVED_KEY = f"""
+SELECT EXISTS (SELECT 1 FROM {_L_} u WHERE u.store_key = $2 AND {UNRESOLVED_WHERE}) AS found
+"""
+
 EXPORT_BATCH = 500
 """Rows an export reads from the database at a time (its memory bound)."""
 
@@ -179,6 +184,12 @@ class LedgerReader:
         records = await self._call("ledger in-doubt", _IN_DOUBT,
                                    max(0, int(older_than_s * 1000)), limit)
         return [_in_doubt_row(r) for r in records]
+
+    async def unresolved(self, store_key: str) -> bool:
+        """Whether ``store_key`` is in doubt in the ledger, unresolved (as :meth:`in_doubt`
+        lists it)."""
+        records = await self._call("ledger in-doubt", _UNRESOLVED_KEY, 0, store_key)
+        return bool(records and records[0]["found"])
 
     async def suppressed_by_template(self, *, since_s: float, limit: int
                                      ) -> list[tuple[str, int]]:

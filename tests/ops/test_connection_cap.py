@@ -1,0 +1,95 @@
+"""relay.ops.http.ConnectionCap around a real aiohttp server on loopback: a response streamed
+for longer than the idle timer is not cut, a client trickling its request is closed at the
+connection's lifetime, and connections from one address are capped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from relay.ops.http import ConnectionCap
+
+pytestmark = pytest.mark.timeout(30)
+
+IDLE_S, LIFETIME_S = 0.3, 0.8
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[int]:
+    """A server whose /slow streams for 1.5 s (five times the idle timer) inside busy()."""
+    cap: ConnectionCap
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        with cap.busy(request.transport):
+            response = web.StreamResponse()
+            await response.prepare(request)
+            for _ in range(15):
+                await response.write(b"x" * 100)
+                await asyncio.sleep(0.1)
+            await response.write_eof()
+            return response
+
+    app = web.Application()
+    app.router.add_get("/slow", slow)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    assert runner.server is not None
+    cap = ConnectionCap(runner.server, max_connections=10, idle_timeout_s=IDLE_S,
+                        max_per_address=3, lifetime_s=LIFETIME_S)
+    server = await asyncio.get_running_loop().create_server(cap, "127.0.0.1", 0)
+    yield int(server.sockets[0].getsockname()[1])
+    server.close()
+    await runner.cleanup()
+
+
+async def test_a_streamed_response_outlives_the_idle_timer(served: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    body = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert body.startswith(b"HTTP/1.1 200") and body.count(b"x" * 100) == 15
+
+
+async def test_a_trickling_request_is_closed_at_the_lifetime(served: int) -> None:
+    """One byte every 0.2 s keeps the idle timer from running out; the lifetime closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    started = time.monotonic()
+    closed_after = None
+    for byte in b"GET /slow HTTP/1.1\r\nHost: x\r\n":
+        writer.write(bytes([byte]))
+        try:
+            await writer.drain()
+            if await asyncio.wait_for(reader.read(1), 0.2) == b"":
+                closed_after = time.monotonic() - started
+                break
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            closed_after = time.monotonic() - started
+            break
+    writer.close()
+    assert closed_after is not None and LIFETIME_S - 0.1 < closed_after < LIFETIME_S + 1
+
+
+async def test_connections_from_one_address_are_capped(served: int) -> None:
+    """The fourth connection from 127.0.0.1 is closed at once, nothing read; once one of
+    the three closes, a new one is served."""
+    held = [await asyncio.open_connection("127.0.0.1", served) for _ in range(3)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    held[0][1].close()
+    await asyncio.sleep(0.1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
+    writer.close()
+    for _, w in held[1:]:
+        w.close()
