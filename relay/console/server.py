@@ -6,7 +6,8 @@ Pages (each answers an anonymous request 302 to ``/login``, or 401 for ``/export
 every POST): ``/history`` (one fingerprint's ledger rows oldest first and the store's state),
 ``/in-doubt`` (the unresolved in-doubt decisions; an operator releases or marks one sent, with
 a reason), ``/stats`` (records by state, duplicates suppressed per template in the last 24 h,
-in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, streamed).
+in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, streamed:
+:mod:`relay.console.export`).
 
 Every POST carries its session's CSRF token (the sign-in form a token of its own cookie),
 else 403. Responses are never cached, framed or sniffed, and load nothing from elsewhere
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
 import hmac
-import io
 import logging
 import secrets
 import socket
@@ -31,9 +30,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import jinja2
 from aiohttp import web
@@ -50,6 +49,8 @@ from relay.admin import (
     release,
     stats_report,
 )
+from relay.console.errors import ConsoleError
+from relay.console.export import Sent, file_name, iso, period_of, stream_csv
 from relay.console.sessions import Session, Sessions, SignInResult, SignIns
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
@@ -79,7 +80,6 @@ IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
 MAX_PER_ADDRESS = 16  # connections from one client address (a browser opens 6 at most)
 LIFETIME_S = 60.0  # a connection's life when no request is being answered on it (a trickle)
-WRITE_TIMEOUT_S = 30.0  # an export's write waits this long for the client to read, at most
 SHUTDOWN_S = 5.0  # requests still running at stop get this long
 MAX_LEDGER_CONNECTIONS = 8  # requests reading the ledger at once (one connection each)
 MAX_BODY = 64 * 1024  # a form's body at most (bytes)
@@ -87,7 +87,6 @@ MAX_ROWS = 1000  # rows a page shows at most (the oldest); the CSV export has no
 STATS_TTL_S = 30.0  # a stats page's counts are reused this long (a full count of the store)
 STATS_MAX_KEYS = 1_000_000  # Redis: keys one count scans at most (as `dedup-relay stats`)
 STATS_TEMPLATES = 50  # templates the stats page lists at most
-MAX_EXPORT_DAYS = 400 * 1.0  # the ledger keeps rows 400 days by default: a longer period is a typo
 _ANONYMOUS_PATHS = frozenset({"/login", "/static/console.css", "/favicon.ico"})
 _SECURITY_HEADERS = {
     "Content-Security-Policy": ("default-src 'none'; style-src 'self'; img-src 'self'; "
@@ -97,57 +96,16 @@ _SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "recipient",
-              "template", "dedupe_key", "reply", "upstream_queue_id", "upstream",
-              "message_id", "queue_id", "client_reply", "instance")
-"""The columns of ``/export.csv``, in order: a ledger row as ``dedup-relay history --json``
-names its fields (times ISO 8601 UTC)."""
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 DONE = {"released": "released", "marked_sent": "marked sent",
         "settled": "no longer in the store (its window passed): its in-doubt row is settled"}
 """What an operator's action did, by the ``done`` code of the page it leads to."""
 _SESSION = web.RequestKey("session", Session)  # the request's signed-in session
 
 
-class ConsoleError(Exception):
-    """A request the console refuses: ``status`` and a sentence for the page."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass
 class _Stats:
     counts: StateCounts
     at: float
-
-
-def csv_cell(value: object) -> str:
-    """``value`` as a CSV cell a spreadsheet shows as text: a text starting with ``=``, ``+``,
-    ``-``, ``@``, a tab or a carriage return gets a leading ``'`` (OWASP's advice against
-    formula injection: a recipient or reply is the sender's text); None is empty."""
-    if value is None:
-        return ""
-    if isinstance(value, datetime):
-        return _iso(value)
-    text = str(value)
-    return "'" + text if text.startswith(_FORMULA_START) else text
-
-
-def _iso(at: datetime) -> str:
-    return at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_instant(text: str, *, what: str) -> datetime:
-    """``2026-12-05`` (midnight UTC), ``2026-12-05T14:30`` or a full ISO 8601 time (UTC when it
-    names no offset) as a timezone-aware datetime. Raises :class:`ConsoleError` (400)."""
-    try:
-        at = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConsoleError(400, f"{what}: {text!r} is no date (2026-12-05 or "
-                                "2026-12-05T14:30, UTC)") from None
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 class Console:
@@ -347,7 +305,7 @@ class Console:
                     ) -> web.StreamResponse:
         token = secrets.token_urlsafe(32)
         response = self._page("login.html", request, status=status, csrf=token,
-                              next=_local_path(request.query.get("next", "/history")),
+                              next=local_path(request.query.get("next", "/history")),
                               message=message)
         self._cookie(response, LOGIN_COOKIE, token, max_age=3600)
         return response
@@ -374,7 +332,7 @@ class Console:
                                     else 401, message=message)
         token, _ = self.sessions.start(user, role)
         log.info("console sign-in", extra={"user": user, "role": role, "peer": peer})
-        response = web.HTTPSeeOther(_local_path(str(form.get("next", "/history"))))
+        response = web.HTTPSeeOther(local_path(str(form.get("next", "/history"))))
         self._cookie(response, SESSION_COOKIE, token, max_age=None)
         response.del_cookie(LOGIN_COOKIE, path="/")
         raise response
@@ -563,22 +521,14 @@ class Console:
         return counts
 
     async def _export(self, request: web.Request) -> web.StreamResponse:
-        """The ledger rows decided in [from, to) as CSV, streamed batch by batch."""
+        """The ledger rows decided in [from, to) as CSV (:mod:`relay.console.export`)."""
         session = request[_SESSION]
         if self.settings.ledger is None:
             raise ConsoleError(404, "No audit ledger is configured: there is nothing to "
                                     "export.")
-        now = datetime.now(tz=UTC)
-        start = parse_instant(request.query.get("from", ""), what="from") \
-            if request.query.get("from") else now - timedelta(days=1)
-        end = parse_instant(request.query.get("to", ""), what="to") \
-            if request.query.get("to") else now
-        if end <= start:
-            raise ConsoleError(400, "The period is empty: 'to' must come after 'from'.")
-        if end - start > timedelta(days=MAX_EXPORT_DAYS):
-            raise ConsoleError(400, f"The period is longer than {MAX_EXPORT_DAYS:.0f} days.")
-        name = f"dedup-relay-ledger-{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}.csv"
-        sent = _Sent()
+        start, end = period_of(request.query.get("from", ""), request.query.get("to", ""),
+                               now=datetime.now(tz=UTC))
+        sent = Sent()
         try:
             async with self._ledger() as reader, \
                     contextlib.aclosing(reader.period(start, end)) as batches:
@@ -587,25 +537,16 @@ class Console:
                 first = await _ledger_call(anext(batches, []))
                 response = web.StreamResponse(headers={
                     "Content-Type": "text/csv; charset=utf-8",
-                    "Content-Disposition": f"attachment; filename=\"{quote(name)}\""})
+                    "Content-Disposition": f"attachment; filename=\"{file_name(start, end)}\""})
                 self._headers(response)
                 await response.prepare(request)
-                await _stream_csv(response, first, batches, sent)
-                await _within(WRITE_TIMEOUT_S, response.write_eof())
-                sent.whole = not sent.why
-        except (ConnectionError, TimeoutError) as exc:  # the client left, or stopped reading
-            if not sent.started:
-                raise
-            if request.transport is not None:
-                request.transport.abort()
-            sent.why = f"the client left or stopped reading ({type(exc).__name__})"
-            return response
+                await stream_csv(request, response, first, batches, sent)
         finally:
             if sent.started:
                 log.log(logging.INFO if sent.whole else logging.WARNING,
                         "console export" if sent.whole else "console export cut short",
                         extra={"user": session.user, "role": session.role,
-                               "from": _iso(start), "to": _iso(end), "rows": sent.rows,
+                               "from": iso(start), "to": iso(end), "rows": sent.rows,
                                "why": sent.why, "peer": request.remote})
         return response
 
@@ -644,54 +585,12 @@ async def _ledger_call(call: Awaitable[Any]) -> Any:
         raise ConsoleError(503, f"The audit ledger failed: {exc}") from exc
 
 
-@dataclass
-class _Sent:
-    """How far an export got: ``rows`` written, whether it was ``whole``, ``why`` not."""
-
-    started: bool = False
-    rows: int = 0
-    whole: bool = False
-    why: str = ""
-
-
-async def _within(timeout_s: float, call: Awaitable[None]) -> None:
-    async with asyncio.timeout(timeout_s):
-        await call
-
-
-async def _stream_csv(response: web.StreamResponse, first: list[HistoryRow],
-                      rest: AsyncIterator[list[HistoryRow]], sent: _Sent) -> None:
-    """Write the header and every batch as CSV lines (RFC 4180: CRLF), counting them in
-    ``sent``. A ledger failure after the first batch cannot change the status any more: the
-    file ends with a line saying it is incomplete. Raises TimeoutError when one write waits
-    longer than :data:`WRITE_TIMEOUT_S` for the client to read."""
-    sent.started = True
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\r\n")
-    writer.writerow(CSV_FIELDS)
-    batch = first
-    while batch:
-        for row in batch:
-            writer.writerow([csv_cell(getattr(row, name)) for name in CSV_FIELDS])
-        await _within(WRITE_TIMEOUT_S, response.write(buffer.getvalue().encode("utf-8")))
-        sent.rows += len(batch)
-        buffer.seek(0)
-        buffer.truncate()
-        try:
-            batch = await anext(rest, [])
-        except StoreError as exc:
-            sent.why = f"the ledger failed: {exc}"
-            writer.writerow([f"# incomplete: the ledger failed after {sent.rows} rows: {exc}"])
-            batch = []
-    await _within(WRITE_TIMEOUT_S, response.write(buffer.getvalue().encode("utf-8")))
-
-
 def _same(a: str, b: str) -> bool:
     """Whether two tokens are equal (constant-time)."""
     return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode("utf-8", "replace"))
 
 
-def _local_path(target: str) -> str:
+def local_path(target: str) -> str:
     """``target`` when it is a path on this console (``/...``, not ``//host``), else
     ``/history``: a sign-in never sends the browser elsewhere (an open redirect)."""
     if target.startswith("/") and not target.startswith(("//", "/\\")) \

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from relay.console.server import ConsoleError, _local_path, csv_cell, parse_instant
+from relay.console.errors import ConsoleError
+from relay.console.export import csv_cell, parse_instant
+from relay.console.server import local_path
 from relay.console.sessions import MAX_AGE_S, MAX_PER_USER, Sessions
 from relay.core.errors import ConfigError
 from relay.settings import CONSOLE_ROLES, load_settings
@@ -187,7 +189,7 @@ def test_a_period_bound_that_is_no_date() -> None:
     ("/x\r\nSet-Cookie: a=b", "/history"),
 ])
 def test_the_page_after_sign_in_stays_on_the_console(target: str, kept: str) -> None:
-    assert _local_path(target) == kept
+    assert local_path(target) == kept
 
 
 @pytest.mark.parametrize(("before", "after", "restart"), [
