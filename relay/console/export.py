@@ -117,6 +117,9 @@ async def stream_csv(request: web.Request, response: web.StreamResponse,
         if request.transport is not None:
             request.transport.abort()
         sent.why = f"the client left or stopped reading ({type(exc).__name__})"
+    except asyncio.CancelledError:
+        sent.why = "the relay stopped"
+        raise
 
 
 async def _write_rows(response: web.StreamResponse, first: list[HistoryRow],

@@ -29,7 +29,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -80,8 +80,9 @@ IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
 MAX_PER_ADDRESS = 16  # connections from one client address (a browser opens 6 at most)
 LIFETIME_S = 60.0  # a connection's life when no request is being answered on it (a trickle)
-SHUTDOWN_S = 5.0  # requests still running at stop get this long
-MAX_LEDGER_CONNECTIONS = 8  # requests reading the ledger at once (one connection each)
+SHUTDOWN_S = 2.5  # requests still running at stop get this long, twice (aiohttp's two waits)
+MAX_LEDGER_CONNECTIONS = 8  # page requests reading the ledger at once (one connection each)
+MAX_EXPORTS = 4  # exports at once (each a connection and a read-only transaction)
 MAX_BODY = 64 * 1024  # a form's body at most (bytes)
 MAX_ROWS = 1000  # rows a page shows at most (the oldest); the CSV export has no cap
 STATS_TTL_S = 30.0  # a stats page's counts are reused this long (a full count of the store)
@@ -100,6 +101,14 @@ DONE = {"released": "released", "marked_sent": "marked sent",
         "settled": "no longer in the store (its window passed): its in-doubt row is settled"}
 """What an operator's action did, by the ``done`` code of the page it leads to."""
 _SESSION = web.RequestKey("session", Session)  # the request's signed-in session
+
+
+@dataclass
+class _KeyLock:
+    """The lock of one store key's actions and how many requests hold or wait for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 @dataclass
@@ -138,7 +147,11 @@ class Console:
             loader=jinja2.PackageLoader("relay.console", "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined)
         self._stats: _Stats | None = None
-        self._ledger_slots = asyncio.Semaphore(MAX_LEDGER_CONNECTIONS)
+        # ledger connections: the pages' and the exports' apart, so that long downloads never
+        # keep an operator from the in-doubt page
+        self._page_slots = asyncio.Semaphore(MAX_LEDGER_CONNECTIONS)
+        self._export_slots = asyncio.Semaphore(MAX_EXPORTS)
+        self._acting: dict[str, _KeyLock] = {}  # operators' actions, by store key
         self._cap: ConnectionCap | None = None
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -224,11 +237,23 @@ class Console:
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
         """Every request but the sign-in page and the style sheet needs a live session; every
-        POST its CSRF token. The security headers go on every answer. While a request is
-        answered its connection is not closed for being idle or old."""
+        POST its CSRF token. The security headers go on every answer. Once a request's body
+        is in (received under the connection's timers: a body that never comes is closed
+        with its connection), its connection is not closed for being idle or old while it is
+        answered; one whose time ran out meanwhile closes after its response."""
         assert self._cap is not None
-        with self._cap.busy(request.transport):
-            return await self._guarded(request, handler)
+        if request.method == "POST":
+            await request.read()  # at most MAX_BODY (413 past it), kept for request.post()
+        with self._cap.busy(request.transport) as timed_out:
+            try:
+                response = await self._guarded(request, handler)
+            except web.HTTPException as exc:  # a redirect
+                if timed_out():
+                    exc.force_close()
+                raise
+            if timed_out():
+                response.force_close()
+            return response
 
     async def _guarded(self, request: web.Request,
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -422,7 +447,17 @@ class Console:
             raise ConsoleError(400, "Say why (the reason goes into the audit ledger and log).")
         if not key.startswith(self.settings.store_prefix):
             raise ConsoleError(400, "That is no fingerprint of this relay.")
-        entry, done = await self._act(session, action, key, reason)
+        # one action per key at a time: a release and a mark-sent sent together must not both
+        # pass the "still in doubt" check (mark-sent writes over what it read)
+        held = self._acting.setdefault(key, _KeyLock())
+        held.users += 1
+        try:
+            async with held.lock:
+                entry, done = await self._act(session, action, key, reason)
+        finally:
+            held.users -= 1
+            if held.users == 0:
+                del self._acting[key]
         self.metrics.acted(action)
         log.info("console %s", action.replace("_", " "), extra={
             "user": session.user, "role": session.role, "store_key": key, "done": done,
@@ -530,7 +565,7 @@ class Console:
                                now=datetime.now(tz=UTC))
         sent = Sent()
         try:
-            async with self._ledger() as reader, \
+            async with self._ledger(self._export_slots) as reader, \
                     contextlib.aclosing(reader.period(start, end)) as batches:
                 # closed here, also when the client leaves mid-download: its transaction
                 # ends before the connection does
@@ -551,8 +586,11 @@ class Console:
         return response
 
     @contextlib.asynccontextmanager
-    async def _ledger(self) -> AsyncIterator[LedgerReader]:
-        """A connection to the ledger for this request; 503 when it does not answer."""
+    async def _ledger(self, slots: asyncio.Semaphore | None = None
+                      ) -> AsyncIterator[LedgerReader]:
+        """A connection to the ledger for this request, taken from ``slots`` (default: the
+        pages'); 503 when none is free within the ledger's timeout, or it does not answer."""
+        slots = self._page_slots if slots is None else slots
         from relay.store.postgres.ledger_read import LedgerReader  # the postgres extra
         from relay.store.postgres.migrations import SchemaError
 
@@ -560,10 +598,10 @@ class Console:
         assert url is not None
         try:
             async with asyncio.timeout(timeout_s):
-                await self._ledger_slots.acquire()
+                await slots.acquire()
         except TimeoutError:
-            raise ConsoleError(503, f"The audit ledger is busy ({MAX_LEDGER_CONNECTIONS} "
-                                    "requests read it already): try again.") from None
+            raise ConsoleError(503, "The audit ledger is busy (other requests read it "
+                                    "already): try again.") from None
         try:
             try:
                 reader = await LedgerReader.open(url, timeout_s=timeout_s)
@@ -574,7 +612,7 @@ class Console:
             finally:
                 await reader.close()
         finally:
-            self._ledger_slots.release()
+            slots.release()
 
 
 async def _ledger_call(call: Awaitable[Any]) -> Any:

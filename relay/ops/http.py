@@ -78,14 +78,18 @@ class _CappedConnection(asyncio.Protocol):
         elif self._transport is not None:
             self._transport.abort()
 
+    @property
+    def expired(self) -> bool:
+        """Whether a timer ran out while a request was answered (its response should close
+        the connection once it is sent: ``Connection: close``)."""
+        return self._expired
+
     def released(self) -> None:
-        """A streamed response ended: the timers count again (one that ran out meanwhile
-        closes the connection now)."""
+        """A request was answered: the idle timer counts again (a connection whose timer ran
+        out meanwhile was told to close after its response; if it is still open when the idle
+        time passes again, it is aborted then)."""
         if self.busy == 0:
-            if self._expired and self._transport is not None:
-                self._transport.abort()
-            else:
-                self._restart_timer()
+            self._restart_timer()
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -157,16 +161,20 @@ class ConnectionCap:
         return True
 
     @contextlib.contextmanager
-    def busy(self, transport: asyncio.BaseTransport | None) -> Iterator[None]:
-        """While the block runs (a response streamed for longer than a timer), the connection
-        of ``transport`` is not closed for being idle or old."""
+    def busy(self, transport: asyncio.BaseTransport | None
+             ) -> Iterator[Callable[[], bool]]:
+        """While the block runs (a request being answered, a response streamed for longer
+        than a timer), the connection of ``transport`` is not closed for being idle or old.
+        Yields a function that says whether a timer ran out meanwhile: the block's response
+        should then close the connection when sent (aiohttp's ``force_close()``), instead
+        of the connection being cut under it."""
         connection = next((c for c in self._open if c.transport is transport), None)
         if connection is None:
-            yield
+            yield lambda: False
             return
         connection.busy += 1
         try:
-            yield
+            yield lambda: connection.expired
         finally:
             connection.busy -= 1
             connection.released()

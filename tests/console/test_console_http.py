@@ -436,3 +436,43 @@ async def test_a_reload_gives_the_console_the_live_settings(
     assert status == 303
     ttl = (await relay.store.inspect(key)).ttl_s
     assert ttl is not None and 7000 < ttl <= 7200, ttl
+
+
+async def test_a_request_body_that_never_comes_is_closed_with_its_connection(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A POST that announces a body and sends none is closed when the idle time passes
+    (0.5 s here), without a session: it does not hold its connection for good."""
+    monkeypatch.setattr("relay.console.server.IDLE_TIMEOUT_S", 0.5)
+    relay = await console_relay(make_relay, sink, tmp_path)
+    assert relay.console is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.console.port)
+    writer.write(b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                 b"Content-Type: application/x-www-form-urlencoded\r\n\r\n")
+    started = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    assert time.monotonic() - started < 5
+
+
+async def test_a_release_and_a_mark_sent_at_once_settle_the_record_once(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """Two operators resolve one in-doubt record at the same moment, one releasing, one
+    marking sent: one is done, the other refused 409; the ledger has one operator row."""
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
+    key = await in_doubt_message(relay, sink, ledger_url)
+    first, second = opened(web, relay), opened(web, relay)
+    pages = []
+    for b in (first, second):
+        await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
+        pages.append((await b.get("/in-doubt"))[1])
+    results = await asyncio.gather(
+        first.post("/in-doubt/resolve", {"csrf": csrf_of(pages[0]), "store_key": key,
+                                         "action": "release", "reason": "not delivered"}),
+        second.post("/in-doubt/resolve", {"csrf": csrf_of(pages[1]), "store_key": key,
+                                          "action": "mark_sent", "reason": "delivered"}))
+    assert sorted(status for status, _, _ in results) == [303, 409]
+    await asyncio.sleep(0.3)  # a second row, had one been written, has landed
+    rows = await wait_ledger_rows(ledger_url, 2)
+    assert [r["outcome"] for r in rows][0] == "unknown" and len(rows) == 2, rows

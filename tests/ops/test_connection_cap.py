@@ -1,6 +1,7 @@
 """relay.ops.http.ConnectionCap around a real aiohttp server on loopback: a response streamed
 for longer than the idle timer is not cut, a client trickling its request is closed at the
-connection's lifetime, and connections from one address are capped."""
+connection's lifetime, a request being answered when the lifetime runs out still gets its
+answer, and connections from one address are capped."""
 
 from __future__ import annotations
 
@@ -34,8 +35,18 @@ async def served() -> AsyncIterator[int]:
             await response.write_eof()
             return response
 
+    async def late(request: web.Request) -> web.StreamResponse:
+        """Answered 1 s after it came: past the connection's lifetime when sent at 0.2 s."""
+        with cap.busy(request.transport) as timed_out:
+            await asyncio.sleep(1.0)
+            response = web.Response(text="late")
+            if timed_out():
+                response.force_close()
+            return response
+
     app = web.Application()
     app.router.add_get("/slow", slow)
+    app.router.add_get("/late", late)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
     await runner.setup()
     assert runner.server is not None
@@ -93,3 +104,15 @@ async def test_connections_from_one_address_are_capped(served: int) -> None:
     writer.close()
     for _, w in held[1:]:
         w.close()
+
+
+async def test_a_request_answered_when_the_lifetime_ran_out_gets_its_answer(served: int) -> None:
+    """Asked at 0.2 s and answered at 1.2 s (the lifetime ran out at 0.8 s, the idle timer
+    at 0.5 s): the answer comes, saying Connection: close, and then the connection closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    await asyncio.sleep(0.2)
+    writer.write(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"late"), answer
+    assert b"Connection: close" in answer
