@@ -12,7 +12,7 @@ in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, st
 Every POST carries its session's CSRF token (the sign-in form a token of its own cookie),
 else 403. Responses are never cached, framed or sniffed, and load nothing from elsewhere
 (Content-Security-Policy). Its connections are capped and idle ones closed
-(:func:`relay.ops.http.capped`), so a scanner cannot take the process's descriptors. The
+(:class:`relay.ops.http.CappedSite`), so a scanner cannot take the process's descriptors. The
 ledger is read through one connection per request (:class:`LedgerReader`), so a long export
 holds up no other page.
 """
@@ -63,7 +63,7 @@ from relay.core.interfaces import (
     StateCounts,
 )
 from relay.core.rules import reads_as
-from relay.ops.http import ConnectionCap
+from relay.ops.http import CappedSite, ConnectionCap
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
 from relay.smtp.tls import rotate_certificate
@@ -153,8 +153,7 @@ class Console:
         self._export_slots = asyncio.Semaphore(MAX_EXPORTS)
         self._acting: dict[str, _KeyLock] = {}  # operators' actions, by store key
         self._cap: ConnectionCap | None = None
-        self._server: asyncio.Server | None = None
-        self._runner: web.AppRunner | None = None
+        self._site: CappedSite | None = None
         self.port = 0
 
     @property
@@ -182,28 +181,19 @@ class Console:
         app.router.add_get("/stats", self._stats_page)
         app.router.add_get("/export.csv", self._export)
         app.router.add_get("/static/console.css", self._css)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
-        await self._runner.setup()
-        assert self._runner.server is not None
-        factory = self._cap = ConnectionCap(
-            self._runner.server, max_connections=MAX_CONNECTIONS, idle_timeout_s=IDLE_TIMEOUT_S,
+        self._site = CappedSite(
+            app, host=self._address[0], port=self._address[1], sock=self._sock, tls=self._tls,
+            handshake_timeout_s=HANDSHAKE_TIMEOUT_S, shutdown_timeout_s=SHUTDOWN_S,
+            max_connections=MAX_CONNECTIONS, idle_timeout_s=IDLE_TIMEOUT_S,
             max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S)
-        loop = asyncio.get_running_loop()
-        handshake_s = HANDSHAKE_TIMEOUT_S if self._tls is not None else None
-        if self._sock is not None:
-            self._server = await loop.create_server(factory, sock=self._sock, ssl=self._tls,
-                                                    ssl_handshake_timeout=handshake_s)
-        else:
-            self._server = await loop.create_server(factory, *self._address, ssl=self._tls,
-                                                    ssl_handshake_timeout=handshake_s)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        await self._site.start()
+        self._cap = self._site.cap
+        self.port = self._site.port
 
     async def stop(self) -> None:
         """Stop serving, end open requests (aiohttp's shutdown), close an own store."""
-        if self._server is not None:
-            self._server.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._site is not None:
+            await self._site.stop()
         if self._own_store and self._store is not None:
             await self._store.close()
             self._store = None

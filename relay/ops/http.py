@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -180,13 +181,48 @@ class ConnectionCap:
             connection.released()
 
 
-def capped(factory: Callable[[], asyncio.Protocol], *, max_connections: int,
-           idle_timeout_s: float) -> Callable[[], asyncio.Protocol]:
-    """A protocol factory for ``loop.create_server`` serving ``factory``'s protocols with at
-    most ``max_connections`` open at once and each closed after ``idle_timeout_s`` seconds
-    with no byte received (a :class:`ConnectionCap` without the other limits)."""
-    return ConnectionCap(factory, max_connections=max_connections,
-                         idle_timeout_s=idle_timeout_s)
+class CappedSite:
+    """An aiohttp application served on TCP behind a :class:`ConnectionCap`: ``await
+    start()``, then ``await stop()``. ``sock``: a socket already bound (to host:port), served
+    instead of binding; ``tls``: serve HTTPS, each handshake within ``handshake_timeout_s``;
+    ``shutdown_timeout_s``: how long aiohttp lets running requests finish at stop (it waits
+    that long twice); ``limits``: the cap's keyword arguments."""
+
+    def __init__(self, app: web.Application, *, host: str, port: int,
+                 sock: socket.socket | None = None, tls: ssl.SSLContext | None = None,
+                 handshake_timeout_s: float = 10.0, shutdown_timeout_s: float = 60.0,
+                 **limits: Any) -> None:
+        self._app = app
+        self._host, self._port, self._sock = host, port, sock
+        self._tls, self._handshake_timeout_s = tls, handshake_timeout_s
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+        self._limits = limits
+        self._server: asyncio.Server | None = None
+        self.cap: ConnectionCap | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        """Bind (unless given a socket) and serve; ``port`` is the bound port afterwards
+        (``0`` picks a free one). Raises OSError when the address cannot be bound."""
+        await self._runner.setup()
+        assert self._runner.server is not None  # set by setup()
+        factory = self.cap = ConnectionCap(self._runner.server, **self._limits)
+        loop = asyncio.get_running_loop()
+        handshake_s = self._handshake_timeout_s if self._tls is not None else None
+        if self._sock is None:
+            self._server = await loop.create_server(factory, self._host, self._port,
+                                                    ssl=self._tls,
+                                                    ssl_handshake_timeout=handshake_s)
+        else:
+            self._server = await loop.create_server(factory, sock=self._sock, ssl=self._tls,
+                                                    ssl_handshake_timeout=handshake_s)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop accepting, then close the open connections (aiohttp's shutdown)."""
+        if self._server is not None:
+            self._server.close()
+        await self._runner.cleanup()
 
 
 class OpsServer:
@@ -198,15 +234,10 @@ class OpsServer:
                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         """``sock``: a socket already bound (to host:port), served instead of binding;
         ``max_connections`` and ``idle_timeout_s`` (seconds) bound its connections."""
-        self._sock = sock
-        self._max_connections = max_connections
-        self._idle_timeout_s = idle_timeout_s
-        self._server: asyncio.Server | None = None
         self._registry = registry
         self._health = health
-        self._host = host
-        self._port = port
-        self._runner: web.AppRunner | None = None
+        self._site = CappedSite(self._app(), host=host, port=port, sock=sock,
+                                max_connections=max_connections, idle_timeout_s=idle_timeout_s)
         self.port = 0
 
     def _app(self) -> web.Application:
@@ -218,24 +249,12 @@ class OpsServer:
 
     async def start(self) -> None:
         """Bind and serve; ``port`` is the bound port afterwards (``0`` picks a free one)."""
-        self._runner = web.AppRunner(self._app(), access_log=None)
-        await self._runner.setup()
-        assert self._runner.server is not None  # set by setup()
-        factory = capped(self._runner.server, max_connections=self._max_connections,
-                         idle_timeout_s=self._idle_timeout_s)
-        loop = asyncio.get_running_loop()
-        if self._sock is None:
-            self._server = await loop.create_server(factory, self._host, self._port)
-        else:
-            self._server = await loop.create_server(factory, sock=self._sock)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        await self._site.start()
+        self.port = self._site.port
 
     async def stop(self) -> None:
         """Stop accepting, then close the open connections (aiohttp's shutdown)."""
-        if self._server is not None:
-            self._server.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._site.stop()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """The registry in the format the scraper asks for: OpenMetrics when its ``Accept``

@@ -365,6 +365,17 @@ async def test_a_download_left_half_way_ends_its_ledger_transaction(
     assert len(list(csv.DictReader(io.StringIO(text)))) == 5000
 
 
+async def operators_on_the_in_doubt_page(web: list[Browser], relay: Relay, count: int
+                                         ) -> tuple[list[Browser], list[str]]:
+    """``count`` operators signed in, each with the in-doubt page open (its HTML)."""
+    browsers = [opened(web, relay) for _ in range(count)]
+    pages = []
+    for b in browsers:
+        await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
+        pages.append((await b.get("/in-doubt"))[1])
+    return browsers, pages
+
+
 async def test_only_a_record_still_in_doubt_is_resolved(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
         ledger_url: str) -> None:
@@ -378,11 +389,7 @@ async def test_only_a_record_still_in_doubt_is_resolved(
     assert (await send(relay.port, ["sent@example.net"], message(key="k-sent"))).code == 250
     [sent_key] = [r["store_key"] for r in await wait_ledger_rows(ledger_url, 2)
                   if r["outcome"] == "relayed"]
-    first, second = opened(web, relay), opened(web, relay)
-    pages = []
-    for b in (first, second):
-        await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
-        pages.append((await b.get("/in-doubt"))[1])
+    (first, second), pages = await operators_on_the_in_doubt_page(web, relay, 2)
     status, _, _ = await first.post("/in-doubt/resolve", {
         "csrf": csrf_of(pages[0]), "store_key": key, "action": "mark_sent", "reason": "seen"})
     assert status == 303
@@ -462,11 +469,7 @@ async def test_a_release_and_a_mark_sent_at_once_settle_the_record_once(
     marking sent: one is done, the other refused 409; the ledger has one operator row."""
     relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url)
     key = await in_doubt_message(relay, sink, ledger_url)
-    first, second = opened(web, relay), opened(web, relay)
-    pages = []
-    for b in (first, second):
-        await b.sign_in(OPERATOR, OPERATOR_PASSWORD)
-        pages.append((await b.get("/in-doubt"))[1])
+    (first, second), pages = await operators_on_the_in_doubt_page(web, relay, 2)
     results = await asyncio.gather(
         first.post("/in-doubt/resolve", {"csrf": csrf_of(pages[0]), "store_key": key,
                                          "action": "release", "reason": "not delivered"}),
