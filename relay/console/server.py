@@ -146,6 +146,8 @@ class Console:
         self._pages = jinja2.Environment(
             loader=jinja2.PackageLoader("relay.console", "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined)
+        assert self._pages.loader is not None
+        self._style = self._pages.loader.get_source(self._pages, "console.css")[0]  # read once
         self._stats: _Stats | None = None
         # ledger connections: the pages' and the exports' apart, so that long downloads never
         # keep an operator from the in-doubt page
@@ -309,9 +311,7 @@ class Console:
         raise web.HTTPFound("/history")
 
     async def _css(self, request: web.Request) -> web.StreamResponse:
-        assert self._pages.loader is not None
-        source = self._pages.loader.get_source(self._pages, "console.css")[0]
-        return web.Response(text=source, content_type="text/css", charset="utf-8")
+        return web.Response(text=self._style, content_type="text/css", charset="utf-8")
 
     async def _login_page(self, request: web.Request) -> web.StreamResponse:
         return self._login_form(request, status=200, message=None)
@@ -524,10 +524,9 @@ class Console:
             async with self._ledger() as reader:
                 templates = await _ledger_call(reader.suppressed_by_template(
                     since_s=86400, limit=STATS_TEMPLATES))
-                unresolved = len(await _ledger_call(reader.in_doubt(older_than_s=0,
-                                                                    limit=MAX_ROWS)))
+                unresolved = await _ledger_call(reader.count_unresolved())
         return self._page("stats.html", request, report=report, templates=templates,
-                          unresolved=unresolved, unresolved_cut=unresolved == MAX_ROWS,
+                          unresolved=unresolved,
                           store=redact_url(self.settings.store))
 
     async def _counts(self) -> StateCounts:

@@ -201,6 +201,8 @@ async def test_an_operator_resolves_an_in_doubt_message_a_viewer_cannot(
 
     operator = opened(web, relay)
     await operator.sign_in(OPERATOR, OPERATOR_PASSWORD)
+    _, stats, _ = await operator.get("/stats")
+    assert 'id="unresolved">1<' in stats
     _, page, _ = await operator.get("/in-doubt")
     form = {"store_key": key, "action": "mark_sent", "reason": "smarthost log: delivered"}
     status, _, _ = await operator.post("/in-doubt/resolve", form)

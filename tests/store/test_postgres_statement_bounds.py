@@ -138,9 +138,9 @@ async def test_the_in_doubt_count_reads_the_in_doubt_rows_not_the_whole_ledger(
             "VALUES (gen_random_uuid(), now() - interval '1 day', 'decide', 'unknown', "
             "'k:doubt', 'u***@example.net')")
         await conn.execute("ANALYZE dedup_relay_ledger")
-        assert await conn.fetchval(ledger_module._COUNT_UNRESOLVED, 3_600_000) == 1
+        assert await conn.fetchval(ledger_module.COUNT_UNRESOLVED, 3_600_000) == 1
         plan = json.loads(await conn.fetchval(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + ledger_module._COUNT_UNRESOLVED, 3_600_000))
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + ledger_module.COUNT_UNRESOLVED, 3_600_000))
         read = _ledger_rows_read(plan)
         assert read <= 500, f"the in-doubt count read {read} ledger rows for 1 in doubt"
     finally:

@@ -111,7 +111,8 @@ AND NOT EXISTS (
     SELECT 1 FROM {_L_} r WHERE r.store_key = u.store_key AND r.decided_at > u.decided_at
     AND r.outcome IN ({", ".join(f"'{o}'" for o in RESOLVING)}))
 """
-_COUNT_UNRESOLVED = f"SELECT count(DISTINCT u.store_key) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
+COUNT_UNRESOLVED = f"SELECT count(DISTINCT u.store_key) FROM {_L_} u WHERE {UNRESOLVED_WHERE}"
+"""$1 min age in ms: how many store keys are in doubt, unresolved (the gauge, the console)."""
 
 
 def _refused_data(exc: StoreError) -> bool:
@@ -412,7 +413,7 @@ class PostgresLedger:
         """Count the unresolved in-doubt decisions older than ``in_doubt_after_s`` into the
         gauge; return the count. Raises :class:`StoreError`."""
         count = await self._call("ledger in-doubt", lambda conn: conn.fetchval(
-            _COUNT_UNRESOLVED, int(self._options.in_doubt_after_s * 1000)),
+            COUNT_UNRESOLVED, int(self._options.in_doubt_after_s * 1000)),
             timeout_s=BACKGROUND_TIMEOUT_S)
         value = int(count) if isinstance(count, int) else 0
         self._metrics.in_doubt_unresolved(value)

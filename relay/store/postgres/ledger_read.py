@@ -25,6 +25,7 @@ from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
 from relay.store.postgres.calls import ERRORS, as_store_error, close_connection
 from relay.store.postgres.ledger import (
+    COUNT_UNRESOLVED,
     UNRESOLVED_WHERE,
     LedgerOptions,
     clock_offset,
@@ -190,6 +191,11 @@ class LedgerReader:
         lists it)."""
         records = await self._call("ledger in-doubt", _UNRESOLVED_KEY, 0, store_key)
         return bool(records and records[0]["found"])
+
+    async def count_unresolved(self) -> int:
+        """How many store keys are in doubt, unresolved (as :meth:`in_doubt` lists them)."""
+        records = await self._call("ledger in-doubt", COUNT_UNRESOLVED, 0)
+        return int(records[0][0]) if records else 0
 
     async def suppressed_by_template(self, *, since_s: float, limit: int
                                      ) -> list[tuple[str, int]]:
