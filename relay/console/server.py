@@ -51,7 +51,7 @@ from relay.admin import (
 )
 from relay.console.errors import ConsoleError
 from relay.console.export import Sent, file_name, iso, period_of, stream_csv
-from relay.console.sessions import Session, Sessions, SignInResult, SignIns
+from relay.console.sessions import Session, Sessions, SignIns
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.interfaces import (
@@ -66,6 +66,7 @@ from relay.core.rules import reads_as
 from relay.ops.http import CappedSite, ConnectionCap
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
+from relay.smtp.auth import AttemptResult
 from relay.smtp.tls import rotate_certificate
 
 if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
@@ -337,13 +338,13 @@ class Console:
         peer = request.remote or "unknown"
         result, role = await self.sign_ins.check(peer, user, password)
         self.metrics.signed_in(result)
-        if result is not SignInResult.SUCCEEDED or role is None:
+        if result is not AttemptResult.SUCCEEDED or role is None:
             log.warning("console sign-in %s", result.value, extra={"peer": peer})
             window_min = max(1, round(self.settings.auth_failure_window / 60))
             message = (f"Too many failed sign-ins from your address: try again in up to "
-                       f"{window_min} min." if result is SignInResult.REFUSED
+                       f"{window_min} min." if result is AttemptResult.REFUSED
                        else "Wrong user name or password.")
-            return self._login_form(request, status=429 if result is SignInResult.REFUSED
+            return self._login_form(request, status=429 if result is AttemptResult.REFUSED
                                     else 401, message=message)
         token, _ = self.sessions.start(user, role)
         log.info("console sign-in", extra={"user": user, "role": role, "peer": peer})

@@ -15,8 +15,6 @@ the same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import hashlib
 import hmac
 import secrets
@@ -25,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relay.smtp.auth import CredentialFile, GuessBudget, failure_floor_s
+from relay.smtp.auth import AttemptResult, Attempts, CredentialFile
 
 MAX_AGE_S = 12 * 3600.0
 """The longest a session lasts, however active (seconds)."""
@@ -113,67 +111,23 @@ class Sessions:
         return len(self._open)
 
 
-class SignInResult(enum.StrEnum):
-    """How a sign-in ended (the ``result`` label of ``relay_console_sign_ins_total``)."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    REFUSED = "refused"
-
-
 class SignIns:
-    """Checks sign-ins against ``users`` (a :class:`CredentialFile` loaded with roles)."""
+    """Checks sign-ins against ``users`` (a :class:`CredentialFile` loaded with roles) under
+    SMTP AUTH's rule (:class:`relay.smtp.auth.Attempts`: the budget per client address, the
+    failure delay)."""
 
     def __init__(self, users: CredentialFile, *, failure_delay_s: float, max_failures: int,
                  failure_window_s: float) -> None:
-        self.users = users
-        self._delay_s = failure_delay_s
-        self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
-        self._checking: dict[str, set[asyncio.Task[str | None]]] = {}  # by client address
+        self.attempts = Attempts(credentials=users, failure_delay_s=failure_delay_s,
+                                 max_failures=max_failures, failure_window_s=failure_window_s)
+
+    @property
+    def users(self) -> CredentialFile:
+        """Who may sign in (:meth:`CredentialFile.replace_with` on reload)."""
+        return self.attempts.credentials
 
     async def check(self, host: str, user: str, password: str
-                    ) -> tuple[SignInResult, str | None]:
-        """(how it ended, the user's role when it succeeded).
-
-        An attempt from an address whose budget is held by attempts still being checked
-        waits for them (parallel sign-ins with the right password are not refused for being
-        parallel); from an address whose budget failures spent it is not checked
-        (``refused``, after the failure delay). A failure is answered no sooner than its
-        delay floor; a success at once, its charge refunded by the check itself."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        address = f"address:{host}"
-        while self._budget.exhausted([address]):
-            earlier = self._checking.get(host)
-            if not earlier:
-                await asyncio.sleep(self._delay_s)
-                return SignInResult.REFUSED, None
-            await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
-        keys = [address] + ([f"user:{user}"] if user else [])
-        prior = max(self._budget.spent(key) for key in keys)
-        checking = asyncio.ensure_future(self._role(user, password, self._budget.charge(keys)))
-        self._checking.setdefault(host, set()).add(checking)
-        checking.add_done_callback(lambda done: self._checked(host, done))
-        role = await asyncio.shield(checking)
-        if role is not None:
-            return SignInResult.SUCCEEDED, role
-        floor_s = failure_floor_s(self._delay_s, prior)
-        await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
-        return SignInResult.FAILED, None
-
-    async def _role(self, user: str, password: str, token: tuple[float, tuple[str, ...]]
-                    ) -> str | None:
-        """``user``'s role when ``password`` is theirs (the attempt's charge, ``token``,
-        given back), else None."""
-        ok = bool(user and password) and await self.users.verify(user, password)
-        role = self.users.role(user) if ok else None
-        if role is not None:
-            self._budget.refund(token)
-        return role
-
-    def _checked(self, host: str, done: asyncio.Task[str | None]) -> None:
-        earlier = self._checking.get(host)
-        if earlier is not None:
-            earlier.discard(done)
-            if not earlier:
-                del self._checking[host]
+                    ) -> tuple[AttemptResult, str | None]:
+        """(how it ended, the user's role when it succeeded)."""
+        result = await self.attempts.check(host, user, password)
+        return result, self.users.role(user) if result is AttemptResult.SUCCEEDED else None

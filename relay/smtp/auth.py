@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import enum
 import functools
 import hashlib
 import hmac
@@ -406,6 +407,95 @@ class GuessBudget:
                 charges.remove(stamp)
 
 
+class AttemptResult(enum.StrEnum):
+    """How a password attempt ended (the console's ``relay_console_sign_ins_total`` label)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # checked and wrong (answered at its delay floor)
+    REFUSED = "refused"  # not checked: the address's budget is spent by failures
+
+
+class Attempts:
+    """Password attempts against a :class:`CredentialFile` under a :class:`GuessBudget` per
+    client address, the one rule of SMTP AUTH (:class:`SaslMechanisms`) and the console's
+    sign-in.
+
+    An attempt is charged when it is made (a guess whose client hangs up counts) and a success
+    gives its charge back inside its own check, so the budget is never held by a check that is
+    over. An attempt from an address whose budget is held by attempts still being checked
+    waits for them (parallel logins with the right password are not refused for being
+    parallel); from an address whose budget failures spent it is not checked: ``refused``,
+    answered after ``failure_delay_s``. Failures at a user name are counted too, but only to
+    slow them down: a user is never locked out. A right password is answered as soon as it is
+    verified; a failure no sooner than ``failure_delay_s`` x (1 + the attempts already in the
+    window of the address or of the user), at most 5 s. Raises ValueError for a negative
+    delay, ``max_failures`` below 1 or a window <= 0.
+    """
+
+    def __init__(self, *, credentials: CredentialFile, failure_delay_s: float,
+                 max_failures: int, failure_window_s: float) -> None:
+        if failure_delay_s < 0:
+            raise ValueError("failure_delay_s must be >= 0")
+        self.credentials = credentials
+        self._delay_s = failure_delay_s
+        self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
+        # the checks running, by client address (their clients may have gone)
+        self._checking: dict[str, set[asyncio.Task[bool]]] = {}
+
+    def spent(self, host: str) -> int:
+        """The attempts of client address ``host`` in the window."""
+        return self._budget.spent(f"address:{host}")
+
+    def exhausted(self, host: str) -> bool:
+        """Whether client address ``host`` has no attempt left."""
+        return self._budget.exhausted([f"address:{host}"])
+
+    async def check(self, host: str, username: str | None, password: str | None, *,
+                    on_failure: Callable[[], None] | None = None) -> AttemptResult:
+        """Charge, check and time one attempt from client address ``host`` (``username`` None:
+        the exchange named none that can be decoded; ``password`` None: it fails before its
+        password matters; either empty fails, RFC 4616's 1*SAFE). ``on_failure`` is called
+        once the check found it wrong, also when the caller was cancelled meanwhile."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while self.exhausted(host):
+            earlier = self._checking.get(host)
+            if not earlier:
+                await asyncio.sleep(self._delay_s)
+                return AttemptResult.REFUSED
+            await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
+        keys = [f"address:{host}"] + ([f"user:{username}"] if username else [])
+        prior = max(self._budget.spent(key) for key in keys)
+        # the check, its refund or its failure run to the end even if the caller is cancelled
+        checking = asyncio.ensure_future(
+            self._verify(username, password, self._budget.charge(keys), on_failure))
+        self._checking.setdefault(host, set()).add(checking)
+        checking.add_done_callback(functools.partial(self._checked, host))
+        if await asyncio.shield(checking):
+            return AttemptResult.SUCCEEDED
+        floor_s = failure_floor_s(self._delay_s, prior)
+        await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
+        return AttemptResult.FAILED
+
+    def _checked(self, host: str, checking: asyncio.Task[bool]) -> None:
+        earlier = self._checking.get(host)
+        if earlier is not None:
+            earlier.discard(checking)
+            if not earlier:
+                del self._checking[host]
+
+    async def _verify(self, username: str | None, password: str | None,
+                      token: tuple[float, tuple[str, ...]],
+                      on_failure: Callable[[], None] | None) -> bool:
+        ok = bool(username and password) and await self.credentials.verify(
+            username or "", password or "")
+        if ok:
+            self._budget.refund(token)
+        elif on_failure is not None:
+            on_failure()
+        return ok
+
+
 async def _first_response(server: SMTP, args: list[str], challenge: str | bytes, *,
                           encode_to_b64: bool = True) -> bytes | None:
     """The client's first SASL response: the AUTH line's initial response (RFC 4954 section
@@ -453,26 +543,17 @@ def _peer_host(server: SMTP) -> str:
 
 
 class SaslMechanisms:
-    """SASL PLAIN and LOGIN for aiosmtpd, checked against a :class:`CredentialFile`.
+    """SASL PLAIN and LOGIN for aiosmtpd, checked against a :class:`CredentialFile` under
+    :class:`Attempts`' rule (the guess budget per client address, across connections; the
+    failure delay; a user never locked out).
 
-    Guessing is bounded by a :class:`GuessBudget` per client address, across connections:
-    at most ``max_failures`` attempts within ``failure_window_s`` seconds, charged when an
-    attempt is made (a guess whose client hangs up counts; a success is refunded). An attempt
-    from an address whose budget is held by attempts still being checked waits for them (an
-    application's parallel logins are not refused for being parallel); from an address whose
-    budget failures spent, it is not checked: it calls ``on_refused`` and is answered ``421
-    4.7.0``, and the connection is closed; so is the failure that spends the budget. Failures
-    at a user name are counted too, but only to slow them down: a user is never locked out,
-    so a right password from an address with budget left is accepted whoever guessed at that
-    user before (anyone who knows a name could otherwise lock its owner out).
-
-    A right password is answered as soon as it is verified. A failure is answered
-    ``failure_delay_s`` times (1 + the attempts already in the window of the address or of
-    the user, whichever made more) after it was made, at most 5 s. Each failure calls
+    A right password is answered ``235`` as soon as it is verified; a failure ``535`` at its
+    delay floor, or ``421 4.7.0`` with the connection closed when it spent the address's
+    budget; an attempt from an address whose budget failures spent is not checked: it calls
+    ``on_refused`` and is answered ``421 4.7.0``, the connection closed. Each failure calls
     ``on_failure`` (for a metric) once its check is done, also when the client hung up
     before the answer. A cancelled exchange (``*``) or bad base64 is answered ``501`` by
-    aiosmtpd and is not counted. Raises ValueError for a negative delay, ``max_failures``
-    below 1 or a window <= 0.
+    aiosmtpd and is not counted. Raises ValueError as :class:`Attempts`.
     """
 
     def __init__(self, *, credentials: CredentialFile,
@@ -480,20 +561,15 @@ class SaslMechanisms:
                  on_refused: Callable[[], None] | None = None,
                  failure_delay_s: float = 1.0, max_failures: int = 5,
                  failure_window_s: float = 600.0) -> None:
-        if failure_delay_s < 0:
-            raise ValueError("failure_delay_s must be >= 0")
-        self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
-        self._credentials = credentials
+        self.attempts = Attempts(credentials=credentials, failure_delay_s=failure_delay_s,
+                                 max_failures=max_failures, failure_window_s=failure_window_s)
         self._on_failure = on_failure
         self._on_refused = on_refused
-        self._failure_delay_s = failure_delay_s
-        # the checks running, by client address (their clients may have gone)
-        self._checking: dict[str, set[asyncio.Task[bool]]] = {}
 
     @property
     def credentials(self) -> CredentialFile:
         """The users AUTH is checked against (:meth:`CredentialFile.replace_with` on reload)."""
-        return self._credentials
+        return self.attempts.credentials
 
     async def auth_PLAIN(self, server: SMTP, args: list[str]) -> AuthResult:
         """``AUTH PLAIN [initial-response]`` (RFC 4616); ``args`` is the AUTH line split.
@@ -534,75 +610,40 @@ class SaslMechanisms:
 
     async def _check(self, server: SMTP, mechanism: str, username: str | None,
                      password: str | None) -> AuthResult:
-        """Charge the attempt, check it (not when malformed), answer a success at once and a
-        failure at the delay floor.
+        """One attempt under :class:`Attempts`' rule: ``235`` at once when right; a failure
+        ``535`` at its delay floor, or ``421`` and closed when it spent the budget; refused
+        unchecked ``421`` and closed.
 
         ``username`` is None when the exchange named none that can be decoded, ``password``
         None when the attempt fails before its password matters.
         """
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         host = _peer_host(server)
-        address = f"address:{host}"
-        keys = [address] + ([f"user:{username}"] if username else [])
-        while self._budget.exhausted([address]):
-            # attempts of this address still being checked hold budget a success refunds:
-            # wait for one to end, then look again; spent by failures alone, refuse
-            earlier = self._checking.get(host)
-            if not earlier:
-                await asyncio.sleep(self._failure_delay_s)
-                if self._on_refused is not None:
-                    self._on_refused()
-                log.warning("auth budget spent, attempt refused unchecked",
-                            extra={"peer": host})
-                return await self._close(server)
-            await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
-        prior = max(self._budget.spent(key) for key in keys)
-        token = self._budget.charge(keys)
-        # the check, its refund or its failure count run to the end even if the client hangs
-        # up; the refund is the task's own, so budget is never held by a check that is over
-        checking = asyncio.ensure_future(
-            self._verify(mechanism, host, username, password, token))
-        self._checking.setdefault(host, set()).add(checking)
-        checking.add_done_callback(functools.partial(self._checked, host))
-        if await asyncio.shield(checking):
+        result = await self.attempts.check(host, username, password, on_failure=functools.partial(
+            self._failed, mechanism, host, username))
+        if result is AttemptResult.SUCCEEDED:
             log.info("auth succeeded", extra={"mechanism": mechanism, "peer": host})
             log.debug("auth succeeded for user", extra={"username": username})
             return AuthResult(success=True, auth_data=username,
                               message=str(replies.AUTH_SUCCEEDED))
-        floor_s = failure_floor_s(self._failure_delay_s, prior)
-        await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
-        return await self._fail(server, address)
+        if result is AttemptResult.REFUSED:
+            if self._on_refused is not None:
+                self._on_refused()
+            log.warning("auth budget spent, attempt refused unchecked", extra={"peer": host})
+            return await self._close(server)
+        return await self._fail(server, host)
 
-    def _checked(self, host: str, checking: asyncio.Task[bool]) -> None:
-        earlier = self._checking.get(host)
-        if earlier is not None:
-            earlier.discard(checking)
-            if not earlier:
-                del self._checking[host]
+    def _failed(self, mechanism: str, host: str, username: str | None) -> None:
+        """A failed check: counted (``on_failure``) and logged."""
+        if self._on_failure is not None:
+            self._on_failure()
+        log.info("auth failed", extra={"mechanism": mechanism, "peer": host,
+                                       "failures": self.attempts.spent(host)})
+        if username is not None:
+            log.debug("auth failed for user", extra={"username": username})
 
-    async def _verify(self, mechanism: str, host: str, username: str | None,
-                      password: str | None, token: tuple[float, tuple[str, ...]]) -> bool:
-        """Whether ``username`` and ``password`` are right (RFC 4616: authcid and passwd are
-        1*SAFE, so either empty fails); a success gives the attempt's charge (``token``)
-        back, a failure is counted and logged here."""
-        ok = bool(username and password) and await self._credentials.verify(
-            username or "", password or "")
-        if ok:
-            self._budget.refund(token)
-        else:
-            if self._on_failure is not None:
-                self._on_failure()
-            log.info("auth failed", extra={
-                "mechanism": mechanism, "peer": host,
-                "failures": self._budget.spent(f"address:{host}")})
-            if username is not None:
-                log.debug("auth failed for user", extra={"username": username})
-        return ok
-
-    async def _fail(self, server: SMTP, address: str) -> AuthResult:
+    async def _fail(self, server: SMTP, host: str) -> AuthResult:
         """Answer a failure: 535, or 421 and close when it spent the address's budget."""
-        if not self._budget.exhausted([address]):
+        if not self.attempts.exhausted(host):
             return AuthResult(success=False, handled=False, message=str(replies.AUTH_FAILED))
         log.warning("too many auth failures, closing", extra={"peer": _peer_host(server)})
         return await self._close(server)

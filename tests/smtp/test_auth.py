@@ -27,7 +27,13 @@ from relay.core.errors import ConfigError
 from relay.ops.metrics import PrometheusMetrics
 from relay.smtp import auth
 from relay.smtp.access import ConnectionGate, parse_networks
-from relay.smtp.auth import CredentialFile, SaslMechanisms, format_entry, hash_password
+from relay.smtp.auth import (
+    Attempts,
+    CredentialFile,
+    SaslMechanisms,
+    format_entry,
+    hash_password,
+)
 from relay.smtp.session import RelaySMTP
 from tests.support.clients import RawClient
 from tests.support.waiting import until
@@ -634,13 +640,13 @@ async def test_a_right_login_has_given_its_charge_back_when_its_check_is_over(
     was refused ``421`` although every earlier login had succeeded (the benchmark met it about
     once per 1500 logins)."""
     spent_when_over: list[int] = []
-    real_checked = SaslMechanisms._checked
+    real_checked = Attempts._checked
 
-    def checked(self: SaslMechanisms, host: str, task: asyncio.Task[bool]) -> None:
-        spent_when_over.append(self._budget.spent(f"address:{host}"))
+    def checked(self: Attempts, host: str, task: asyncio.Task[bool]) -> None:
+        spent_when_over.append(self.spent(host))
         real_checked(self, host, task)
 
-    monkeypatch.setattr(SaslMechanisms, "_checked", checked)
+    monkeypatch.setattr(Attempts, "_checked", checked)
     server = await start_server(max_failures=5)
     clients = [await server.client() for _ in range(5)]
     answers = await asyncio.gather(*(c.cmd(f"AUTH PLAIN {PLAIN_OK}") for c in clients))
