@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import socket
@@ -51,7 +50,7 @@ from relay.admin import (
 )
 from relay.console.errors import ConsoleError
 from relay.console.export import Sent, file_name, iso, period_of, stream_csv
-from relay.console.sessions import Session, Sessions, SignIns
+from relay.console.sessions import Session, Sessions, SignIns, tokens_match
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.interfaces import (
@@ -330,7 +329,7 @@ class Console:
         form = await request.post()
         expected = request.cookies.get(LOGIN_COOKIE, "")
         given = form.get("csrf")
-        if not expected or not isinstance(given, str) or not _same(given, expected):
+        if not expected or not isinstance(given, str) or not tokens_match(given, expected):
             self.metrics.refused("csrf")
             raise ConsoleError(403, "The sign-in form expired or did not come from this "
                                     "console: open the page again.")
@@ -611,11 +610,6 @@ async def _ledger_call(call: Awaitable[Any]) -> Any:
         return await call
     except StoreError as exc:
         raise ConsoleError(503, f"The audit ledger failed: {exc}") from exc
-
-
-def _same(a: str, b: str) -> bool:
-    """Whether two tokens are equal (constant-time)."""
-    return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode("utf-8", "replace"))
 
 
 def local_path(target: str) -> str:

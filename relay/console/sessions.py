@@ -47,8 +47,13 @@ class Session:
 
     def csrf_matches(self, given: str | None) -> bool:
         """Whether ``given`` is this session's CSRF token (constant-time)."""
-        return given is not None and hmac.compare_digest(given.encode("utf-8", "replace"),
-                                                         self.csrf.encode("ascii"))
+        return given is not None and tokens_match(given, self.csrf)
+
+
+def tokens_match(given: str, expected: str) -> bool:
+    """Whether the token ``given`` is ``expected`` (constant-time; any text is compared)."""
+    return hmac.compare_digest(given.encode("utf-8", "replace"),
+                               expected.encode("utf-8", "replace"))
 
 
 def _digest(token: str) -> bytes:
