@@ -31,13 +31,13 @@ from relay.ops.health import HealthMonitor
 from relay.ops.http import OpsServer
 from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
 from relay.ops.tracing import FLUSH_S, OtelTracer, start_tracing
-from relay.settings import Settings
+from relay.settings import Settings, file_warnings
 from relay.smtp.auth import SaslMechanisms
 from relay.smtp.handler import ListenerSecurity, RelayHandler, smtp_factory
 from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 from relay.store.journal import SettleJournal
 from relay.upstream.failover import FailoverUpstream
-from relay.upstream.oauth import TokenProvider
+from relay.upstream.oauth import TOKEN_FAILURES, TokenProvider
 from relay.upstream.pool import default_pool_size
 
 if TYPE_CHECKING:  # the postgres extra: imported only where a ledger is configured
@@ -105,7 +105,9 @@ class Relay:
             self.store = None
             raise
         metrics.declare_upstreams(entry.label for entry in s.upstream)
-        self.tokens = s.smarthost_tokens()
+        self.tokens = s.smarthost_tokens(on_failure=metrics.oauth_token_failure)
+        if self.tokens is not None:
+            metrics.declare_token_failures(TOKEN_FAILURES)
         self.upstream = s.failover_upstream(
             local_hostname=s.hostname, health_interval_s=s.health_interval, metrics=metrics,
             default_pool_size=default_pool_size(s.max_connections, s.effective_workers),
@@ -218,7 +220,7 @@ class Relay:
             self.inherited.metrics_port
         loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
         if self._first_worker:
-            for warning in s.dedup_warnings():
+            for warning in [*s.dedup_warnings(), *file_warnings(s)]:
                 log.warning("%s", warning)
         log.info("listening on %s; upstream %s, store %s, %s%s", listeners,
                  s.describe_upstream(), s.describe_store(),

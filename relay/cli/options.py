@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_origin
 
@@ -30,6 +30,7 @@ from relay.settings import (
     flag_name,
     load_settings,
     plain_annotation,
+    redact_url,
     section_fields,
     shown_value,
     unknown_env_vars,
@@ -62,6 +63,31 @@ def load(config_file: Path | None, flags: dict[str, Any], *,
         return load_settings(flags, config_file, base=base)
     except ConfigError as exc:
         fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+
+
+# the settings whose value is a secret itself (a flag's value is in every user's `ps`)
+_SECRET_FLAGS = frozenset(flag_name(name) for name, field in Settings.model_fields.items()
+                          if plain_annotation(field.annotation) is SecretStr)
+
+
+def scrubbed_argv(argv: Sequence[str]) -> list[str] | None:
+    """``argv`` with the value of each secret flag (``--upstream-password``,
+    ``--fingerprint-secret``; as ``--flag VALUE`` or ``--flag=VALUE``) as ``***`` and the
+    password of each URL (``--store redis://:PASSWORD@host``) redacted (:func:`redact_url`);
+    None when there is nothing to hide."""
+    scrubbed, hide_next = [], False
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if hide_next:
+            arg = "***"
+        elif eq and flag in _SECRET_FLAGS:
+            arg = f"{flag}=***"
+        elif "://" in arg:
+            arg = f"{flag}={redact_url(value)}" if eq and flag.startswith("--") \
+                else redact_url(arg)
+        hide_next = arg in _SECRET_FLAGS
+        scrubbed.append(arg)
+    return None if scrubbed == list(argv) else scrubbed
 
 
 def config_option(func: Callable[..., Any]) -> Callable[..., Any]:

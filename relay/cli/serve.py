@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from relay.cli.exit_codes import ExitCode, epilog
-from relay.cli.options import SettingsCommand, fail, load, settings_options
+from relay.cli.options import SettingsCommand, fail, load, scrubbed_argv, settings_options
 from relay.core.errors import ConfigError, StartupError
 from relay.ops.logs import setup_logging
 from relay.ops.tracing import check_tracing
-from relay.settings import AdminSettings, Settings, check_settings, redact_url
+from relay.settings import AdminSettings, Settings, check_settings, file_warnings, redact_url
 
 if TYPE_CHECKING:
     from relay.reload import SettingsSource
@@ -59,6 +59,7 @@ def register(main: click.Group) -> None:
         """
         early: list[int] = []  # a SIGHUP before the event loop's handler: reloaded once served
         signal.signal(signal.SIGHUP, lambda sig, _: early.append(sig))
+        _hide_secrets_from_ps()
         from relay.reload import SettingsSource
         from relay.supervisor import run_loop_for  # the loop settings.event_loop names
 
@@ -81,11 +82,15 @@ def register(main: click.Group) -> None:
     def check_config(config_file: Path | None, **flags: Any) -> None:
         """Check the settings as serve does before it starts: every value, and every file they
         name (TLS certificate and key, credentials, password file, CA files of the store URL,
-        the settle journal's directory). Exit 0 when serve would start, 78 with one line per
-        problem when not. Opens no store and binds no port."""
+        the settle journal's directory, the workers' refresh-token lock). Exit 0 when serve
+        would start, 78 with one line per problem when not. Opens no store and binds no port.
+        What serve would warn about at start (a secret file open to its group or others)
+        is a `warning:` line on stderr."""
         from relay.supervisor import loop_factory
 
         settings = _checked(config_file, flags)
+        for warning in file_warnings(settings):
+            click.echo(f"dedup-relay: warning: {warning}", err=True)
         try:  # serve refuses to start (69) without the loop it must run on
             loop_factory(uvloop_wanted=settings.event_loop == "uvloop", required=True)
         except StartupError as exc:
@@ -105,6 +110,18 @@ def register(main: click.Group) -> None:
         settings = load(config_file, flags, base=AdminSettings)
         ok = _serving(settings, timeout)
         sys.exit(int(ExitCode.OK if ok else ExitCode.NOT_FOUND))
+
+
+def _hide_secrets_from_ps() -> None:
+    """Rewrite this process's command line (``/proc/PID/cmdline``, what ``ps`` shows every
+    user of the host) without the secrets its flags carry (:func:`scrubbed_argv`): the
+    words stay, the values are ``***``. A supervisor renames itself later; a relay of one
+    worker keeps this line."""
+    scrubbed = scrubbed_argv(sys.orig_argv)
+    if scrubbed is not None:
+        from setproctitle import setproctitle
+
+        setproctitle(" ".join(scrubbed))
 
 
 async def _serve(settings: Settings, source: SettingsSource, early: list[int]) -> None:

@@ -638,3 +638,7 @@ class Metrics(Protocol):
     def rate_limited(self, label: str) -> None:
         """Count one message refused by the rate limit ``label`` (a configured limit's)."""
         ...
+
+    def tls_handshake_failed(self, listener: str) -> None:
+        """Count one failed client TLS handshake on ``listener`` (``starttls``, ``implicit``)."""
+        ...

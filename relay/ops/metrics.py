@@ -36,6 +36,7 @@ from relay.core.interfaces import DsnResult, Outcome, Result
 
 STORE_OPS = ("reserve", "settle", "renew")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
+TLS_LISTENERS = ("starttls", "implicit")
 
 
 # a counter's ``_created`` series (a gauge per counter, in the text format) tells a scraper
@@ -123,6 +124,14 @@ class PrometheusMetrics:
             "relay_auth_refused",
             "AUTH attempts refused unchecked: the client address or user name spent its budget",
             registry=registry)
+        self._token_failures = Counter(
+            "relay_oauth_token_failures",
+            "OAuth2 token fetches for smarthost AUTH that got no token, by reason", ["reason"],
+            registry=registry)
+        self._tls_handshake_failures = Counter(
+            "relay_tls_handshake_failures",
+            "Client TLS handshakes that failed or did not end in time, by listener "
+            "(starttls, implicit)", ["listener"], registry=registry)
         self._dsn = Counter(
             "relay_dsn", "Delivery status notifications to senders (RFC 3464), by result",
             ["result"], registry=registry)
@@ -160,6 +169,9 @@ class PrometheusMetrics:
         self._up_by = {c: self._up.labels(c) for c in ("store", "upstream")}
         self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
         self._rate_limited_by: dict[str, Counter] = {}
+        self._token_failures_by: dict[str, Counter] = {}
+        self._handshakes_failed_by = {listener: self._tls_handshake_failures.labels(listener)
+                                      for listener in TLS_LISTENERS}
 
     def declare_rate_limits(self, labels: Iterable[str]) -> None:
         """Make ``relay_rate_limited_total{limit}`` children (at 0) for the configured limits'
@@ -266,6 +278,24 @@ class PrometheusMetrics:
     def auth_refused(self) -> None:
         """Count one AUTH attempt refused unchecked (its failure budget was spent)."""
         self._auth_refused.inc()
+
+    def declare_token_failures(self, reasons: Iterable[str]) -> None:
+        """Show ``relay_oauth_token_failures_total{reason}`` at 0 for each of ``reasons``
+        (the kinds of token failure: a relay whose smarthost AUTH takes a token)."""
+        for reason in reasons:
+            self._token_failures_by.setdefault(reason, self._token_failures.labels(reason))
+
+    def oauth_token_failure(self, reason: str) -> None:
+        """Count one token fetch that got no token, by ``reason`` (a declared one)."""
+        child = self._token_failures_by.get(reason)
+        if child is None:
+            child = self._token_failures_by[reason] = self._token_failures.labels(reason)
+        child.inc()
+
+    def tls_handshake_failed(self, listener: str) -> None:
+        """Count one failed client TLS handshake on ``listener`` (``starttls`` or
+        ``implicit``); raises KeyError for another."""
+        self._handshakes_failed_by[listener].inc()
 
     def component_up(self, component: str, up: bool) -> None:
         """Set ``relay_component_up{component}`` to 1 or 0."""

@@ -59,12 +59,15 @@ def serving_relay_argv(argv: Sequence[str]) -> bool:
     Only those positions count: a word elsewhere that merely contains ``dedup-relay`` (a log
     file's name given to ``tail -f``, a folder named ``dedup-relay`` on the interpreter's path)
     does not make a process the relay. A supervisor renames itself: its whole command line is
-    then exactly ``dedup-relay: supervisor``.
+    then exactly ``dedup-relay: supervisor``; a relay whose flags held a secret rewrote its
+    command line as one string (the words joined by spaces, the secret hidden).
     """
     if not argv:
         return False
     if len(argv) == 1 and argv[0].strip() in _TITLES:
         return True
+    if len(argv) == 1:  # a command line rewritten as one string (secrets hidden, setproctitle)
+        argv = argv[0].split()
     rest: list[str] | None = None
     if Path(argv[0]).name in _ENTRY_SCRIPTS:
         rest = list(argv[1:])

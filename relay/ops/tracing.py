@@ -15,7 +15,9 @@ without the ``otel`` extra.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -26,10 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from relay import __version__
 from relay.core.errors import ConfigError
+from relay.core.http_rules import ReplyTooLarge, read_bounded
 from relay.core.tracing import AttributeValue, Span
 
 if TYPE_CHECKING:
+    import requests
     from opentelemetry.sdk.trace import TracerProvider
+
+log = logging.getLogger("relay.ops.tracing")
 
 INSTALL = "pip install 'dedup-relay[otel]'"
 GRPC_INSTALL = "pip install opentelemetry-exporter-otlp-proto-grpc"
@@ -172,15 +178,56 @@ class OtelTracer:
         return not worker.is_alive()
 
 
+MAX_COLLECTOR_REPLY_BYTES = 64 * 1024
+"""What the OTLP/HTTP exporter reads of a collector's reply at most (an
+``ExportTraceServiceResponse`` is a few bytes; the exporter only looks at its status)."""
+
+
 def _exporter(name: str, protocol: str) -> Any:
     """One span exporter; the OTLP ones read their endpoint, headers, timeout, compression
-    and certificates from the ``OTEL_EXPORTER_OTLP_*`` environment themselves."""
+    and certificates from the ``OTEL_EXPORTER_OTLP_*`` environment themselves. The OTLP/HTTP
+    one sends through :func:`_collector_session`."""
     if name == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
         return ConsoleSpanExporter(
             out=sys.stdout, formatter=lambda span: span.to_json(indent=None) + "\n")
     module = importlib.import_module(_PROTOCOLS[protocol])
+    if protocol == "http/protobuf":
+        return module.OTLPSpanExporter(session=_collector_session())
     return module.OTLPSpanExporter()
+
+
+def _collector_session() -> requests.Session:
+    """The requests session of the OTLP/HTTP exporter (the one its
+    ``OTEL_PYTHON_EXPORTER_OTLP_HTTP_*CREDENTIAL_PROVIDER`` names, else a new one) with a
+    response hook that reads a collector's reply within :data:`MAX_COLLECTOR_REPLY_BYTES`
+    (:func:`relay.core.http_rules.read_bounded`): the exporter would read it whole."""
+    import requests
+    from opentelemetry.exporter.otlp.proto.http._common import _load_session_from_envvar
+
+    session = _load_session_from_envvar(
+        "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER") or requests.Session()
+    session.hooks["response"].append(_bounded_reply)
+    return session
+
+
+def _bounded_reply(response: requests.Response, **_: Any) -> requests.Response:
+    """A requests response hook: read at most :data:`MAX_COLLECTOR_REPLY_BYTES` of
+    ``response`` and let the connection go. A longer reply keeps its status (the collector
+    took the spans or not) and loses its body, with a WARNING."""
+    length = response.headers.get("Content-Length", "")
+    try:
+        body = read_bounded(functools.partial(response.raw.read, decode_content=True),
+                            limit=MAX_COLLECTOR_REPLY_BYTES,
+                            declared=int(length) if length.isdigit() else None)
+    except ReplyTooLarge as exc:
+        log.warning("tracing: the OTLP collector %s answered HTTP %d with a %s: its body "
+                    "is not read", response.url, response.status_code, exc)
+        body = b""
+    finally:
+        response.close()
+    response._content = body  # what .content and .text give
+    return response
 
 
 def start_tracing(env: Mapping[str, str]) -> OtelTracer | None:

@@ -16,7 +16,7 @@ checks of all, and loading.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ from pydantic_settings import (
 )
 
 from relay.core.errors import ConfigError
+from relay.core.http_rules import is_loopback_host
 from relay.core.policy import Policy
 from relay.settings.access import AccessSettings
 from relay.settings.common import (
@@ -43,12 +44,12 @@ from relay.settings.common import (
     extra_missing,
     flag_name,
     host_port,
-    is_loopback_host,
     is_postgres_url,
     plain_annotation,
     postgres_files,
     read_secret_file,
     redact_url,
+    secret_file_exposure,
     setting_names,
     shown_value,
     split_host_port,
@@ -69,7 +70,8 @@ __all__ = [
     "ConsoleSettings", "DedupSettings", "LedgerSettings", "ListenerSettings", "OAuthSettings",
     "OperationsSettings", "RateLimit",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
-    "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "flag_name",
+    "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "file_warnings",
+    "flag_name",
     "host_port", "is_loopback_host", "is_postgres_url", "load_settings", "plain_annotation",
     "postgres_files", "read_secret_file", "redact_url", "section_fields", "setting_names",
     "shown_value", "split_host_port", "unknown_env_vars",
@@ -202,14 +204,18 @@ class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSetting
                 "oauth_provider google fetches a token for upstream_user only; an upstream "
                 f"logs in as {others[0]!r}", "oauth_provider", "upstream")
 
-    def smarthost_tokens(self) -> TokenProvider | None:
+    def smarthost_tokens(self, on_failure: Callable[[str], None] | None = None
+                         ) -> TokenProvider | None:
         """The OAuth2 token provider the SMTP upstreams share (:meth:`OAuthSettings.
-        token_provider`, each token request bounded by ``upstream_connect_timeout``), None
-        when no upstream's AUTH takes a token. Raises ConfigError as that method."""
+        token_provider`, each token request bounded by ``upstream_connect_timeout``, its
+        refresh lock required with several workers), None when no upstream's AUTH takes a
+        token. ``on_failure``: called with the kind of each failed fetch (the metric). Raises
+        ConfigError as that method."""
         if not self.oauth_auth_upstreams:
             return None
         return self.token_provider(mailbox=self.upstream_user,
-                                   timeout_s=self.upstream_connect_timeout)
+                                   timeout_s=self.upstream_connect_timeout,
+                                   shared=self.effective_workers > 1, on_failure=on_failure)
 
     def _check_listeners_apart(self) -> None:
         """Two listeners of this relay on one address would make the second bind fail."""
@@ -271,6 +277,7 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     for section in (UpstreamSettings, OAuthSettings, DedupSettings, AccessSettings,
                     StoreSettings, LedgerSettings, ConsoleSettings, OperationsSettings):
         checks += section.file_checks(settings, live=not store)
+    checks += _shared_refresh_lock(settings)
     problems: list[str] = []
     for fields, action in checks:
         try:
@@ -281,6 +288,43 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
             problems.append(text if names in text else f"{', '.join(fields)}: {text} ({names})")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _shared_refresh_lock(settings: Settings) -> list[FileCheck]:
+    """With several workers, the lock they take turns on to refresh the token of
+    ``oauth_refresh_token_file`` must be usable (:func:`relay.upstream.oauth_lock.check_lock`:
+    a refresh would fail otherwise)."""
+    path = settings.oauth_refresh_token_file
+    if path is None or settings.effective_workers == 1:
+        return []
+
+    def check() -> None:
+        from relay.upstream.oauth_lock import check_lock
+
+        problem = check_lock(path)
+        if problem is not None:
+            raise ConfigError(f"the workers' refresh-token lock {problem}: with "
+                              f"{settings.effective_workers} workers no refresh would run")
+    return [(("oauth_refresh_token_file",), check)]
+
+
+def file_warnings(settings: Settings) -> list[str]:
+    """What ``check-config`` prints and the relay logs at start as WARNINGs about the files
+    the settings name: each secret file open to its group or others (every section's
+    :meth:`Section.secret_files`, one rule: :func:`secret_file_exposure`), and a relay of one
+    worker whose refresh-token lock is not usable (it refreshes unlocked)."""
+    warnings = [f"{label}: {exposure}" for section in SECTIONS
+                for label, path in section.secret_files(settings)
+                for exposure in [secret_file_exposure(path)] if exposure is not None]
+    path = settings.oauth_refresh_token_file
+    if path is not None and settings.effective_workers == 1:
+        from relay.upstream.oauth_lock import check_lock
+
+        problem = check_lock(path)
+        if problem is not None:
+            warnings.append(f"oauth_refresh_token_file: the refresh-token lock {problem}: "
+                            "this relay's only worker refreshes unlocked")
+    return warnings
 
 
 def _describe(exc: ValidationError, flagged: AbstractSet[str] | None = None) -> str:

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from relay.settings.common import (
     CsvList,
     FileCheck,
+    SecretFile,
     Section,
     SettingsRuleError,
     host_port,
@@ -133,6 +134,11 @@ class AccessSettings(Section):
         if auth_file is not None:
             checks.append((("auth_file",), lambda: CredentialFile.load(auth_file)))
         return checks
+
+    def secret_files(self) -> list[SecretFile]:
+        """The listener's TLS private key and the AUTH credentials file (password hashes)."""
+        return [(name, path) for name in ("tls_key", "auth_file")
+                for path in [getattr(self, name)] if path is not None]
 
     def restart_needed(self, new: AccessSettings) -> set[str]:
         """The live settings that need a restart going from these to ``new`` all the same:

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 import ssl
+import stat
 import types
 from collections.abc import Callable, Set
 from enum import Enum
@@ -33,6 +34,10 @@ FileCheck = tuple[tuple[str, ...], Callable[[], object]]
 """One check of what settings name outside themselves: the setting names it reports under, and
 an action that raises :class:`ConfigError` when the file (or pair of files) is unusable."""
 
+SecretFile = tuple[str, Path]
+"""A file that holds a secret (a password, a private key, a token, password hashes): how an
+operator names it (a setting, or ``upstream NAME: password_file``), and its path."""
+
 
 class Section(BaseModel):
     """One part's settings: its fields and validators, the builder of its part, its file checks
@@ -52,6 +57,11 @@ class Section(BaseModel):
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The checks of the files this section names, as the relay will read them (no
         connection opened, no port bound). ``live``: for a reload of a running process."""
+        return []
+
+    def secret_files(self) -> list[SecretFile]:
+        """The files this section names that hold a secret (their mode is checked by
+        :func:`secret_file_exposure`)."""
         return []
 
 
@@ -166,18 +176,6 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (an IP literal or a name) is this machine: a loopback address
-    (127.0.0.0/8, ::1) or ``localhost`` / ``*.localhost`` (RFC 6761 section 6.3)."""
-    name = host.strip("[]").rstrip(".").lower()
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 _SECRET_PARAM = re.compile(r"(?i)([?&][^=&#]*password[^=&#]*=)[^&#]*")
 
 
@@ -225,6 +223,30 @@ def read_secret_file(path: Path, label: str, where: str = "") -> str:
     if not secret:
         raise ConfigError(f"{label}: {path} is empty{where}")
     return secret
+
+
+def secret_file_exposure(path: Path) -> str | None:
+    """Who besides this process's user may read or change the secret file ``path`` (OpenSSH's
+    rule for a private key: no permission for its group or others), in words for a WARNING
+    that names it; None when nobody may, or when it cannot be looked at (its check says
+    why). Read access through the file's group is left alone when the file is another user's
+    (root's) and that group is one of this process's: it is how the relay reads it (a
+    Kubernetes secret volume with ``fsGroup``)."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        return None
+    loose = status.st_mode & 0o077
+    if status.st_uid != os.geteuid() and status.st_gid in {os.getegid(), *os.getgroups()}:
+        loose &= ~0o040
+    if not loose:
+        return None
+    who = [name for name, bits in (("its group", 0o070), ("other users", 0o007))
+           if loose & bits]
+    return (f"{path} is open to {' and '.join(who)} (mode {status.st_mode & 0o777:04o}): it "
+            f"holds a secret; make it readable by its owner only (chmod go= {path})")
 
 
 def secret_setting(path: Path, field: str) -> str:

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from relay.core.http_rules import is_loopback_host
 from relay.settings.common import (
     FileCheck,
+    SecretFile,
     Section,
     SettingsRuleError,
     host_port,
-    is_loopback_host,
     split_host_port,
 )
 
@@ -118,6 +119,13 @@ class ConsoleSettings(Section):
             checks.append((("console_tls_cert", "console_tls_key"),
                            lambda: self.console_tls_context((cert, key))))
         return checks
+
+    def secret_files(self) -> list[SecretFile]:
+        """The console's users file (password hashes) and its TLS private key."""
+        if self.console_listen is None:
+            return []
+        return [(name, path) for name in ("console_auth_file", "console_tls_key")
+                for path in [getattr(self, name)] if path is not None]
 
     def describe_console_check(self) -> str:
         """The console for check-config's line: ``, console HOST:PORT``, or nothing."""

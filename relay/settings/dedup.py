@@ -20,6 +20,7 @@ from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPo
 from relay.settings.common import (
     CsvList,
     FileCheck,
+    SecretFile,
     Section,
     SettingsRuleError,
     secret_setting,
@@ -211,6 +212,11 @@ class DedupSettings(Section):
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The fingerprint secret's file (read)."""
         return [(("fingerprint_secret_file",), lambda: self.fingerprint_secret_bytes)]
+
+    def secret_files(self) -> list[SecretFile]:
+        """The fingerprint secret's file."""
+        path = self.fingerprint_secret_file
+        return [] if path is None else [("fingerprint_secret_file", path)]
 
     def template_rules(self) -> tuple[TemplateRule, ...]:
         """The ``[[template_policy]]`` entries as the core's rules (design.md §4.6)."""

@@ -5,15 +5,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, model_validator
 
 from relay.core.errors import ConfigError
+from relay.core.http_rules import endpoint_refusal, printable_excerpt
 from relay.settings.common import (
     FileCheck,
+    SecretFile,
     Section,
     SettingsRuleError,
     ca_bundle,
@@ -175,7 +178,18 @@ class OAuthSettings(Section):
             path = self.oauth_federated_token_file
             checks.append((("oauth_federated_token_file",),
                            lambda: secret_setting(path, "oauth_federated_token_file")))
+        if self.oauth_managed_identity is not None:
+            checks.append((("oauth_managed_identity",),
+                           lambda: managed_identity_endpoints(os.environ)))
         return checks
+
+    def secret_files(self) -> list[SecretFile]:
+        """The client secret, the refresh token, the certificate's private key, the service
+        account's key and the federated token."""
+        return [(name, path) for name in (
+            "oauth_client_secret_file", "oauth_refresh_token_file", "oauth_certificate_file",
+            "oauth_service_account_file", "oauth_federated_token_file")
+            for path in [getattr(self, name)] if path is not None]
 
     def _certificate(self) -> dict[str, str]:
         from relay.upstream.oauth_libraries import load_certificate
@@ -190,19 +204,23 @@ class OAuthSettings(Section):
         return _loaded(load_service_account, self.oauth_service_account_file,
                        "oauth_service_account_file")
 
-    def token_provider(self, *, mailbox: str | None, timeout_s: float) -> TokenProvider | None:
+    def token_provider(self, *, mailbox: str | None, timeout_s: float, shared: bool = True,
+                       on_failure: Callable[[str], None] | None = None
+                       ) -> TokenProvider | None:
         """The token provider of smarthost AUTH XOAUTH2 / OAUTHBEARER (one per process, shared
         by every upstream that uses it), None while ``oauth_provider`` lacks a setting
         (:meth:`oauth_missing`). ``mailbox``: the user a Google token is for; ``timeout_s``:
-        each token request's bound. Reads the secret files once (a new secret needs a
-        restart); raises ConfigError when one is bad."""
+        each token request's bound; ``shared``: several workers refresh the token (never
+        without its lock); ``on_failure``: called with the kind of each failed fetch. Reads
+        the secret files once (a new secret needs a restart); raises ConfigError when one is
+        bad."""
         from relay.upstream.oauth import TokenProvider
 
         if self.oauth_missing():
             return None
-        return TokenProvider(self._source(mailbox, timeout_s))
+        return TokenProvider(self._source(mailbox, timeout_s, shared), on_failure=on_failure)
 
-    def _source(self, mailbox: str | None, timeout_s: float) -> TokenSource:
+    def _source(self, mailbox: str | None, timeout_s: float, shared: bool) -> TokenSource:
         from relay.upstream.oauth import FormGrant, OAuthConfig
 
         scope, ca = self.oauth_scope_value, self.oauth_ca_file
@@ -212,7 +230,8 @@ class OAuthSettings(Section):
             return FormGrant(OAuthConfig(
                 token_url=self.oauth_token_url, client_id=self.oauth_client_id,
                 client_secret=secret, refresh_token=refresh, scope=scope, ca_file=ca,
-                timeout_s=timeout_s, refresh_token_file=self.oauth_refresh_token_file))
+                timeout_s=timeout_s, refresh_token_file=self.oauth_refresh_token_file,
+                shared=shared))
         from relay.upstream import oauth_libraries as libraries
 
         assert scope is not None
@@ -236,6 +255,23 @@ class OAuthSettings(Section):
         return libraries.EntraClient(
             token_url=self.oauth_token_url, client_id=self.oauth_client_id,
             credential=credential, scope=scope, ca_file=ca, timeout_s=timeout_s)
+
+
+# the environment variables whose URL msal's managed identity asks for its token
+_MANAGED_IDENTITY_ENDPOINTS = ("IDENTITY_ENDPOINT", "MSI_ENDPOINT",
+                               "AZURE_POD_IDENTITY_AUTHORITY_HOST")
+
+
+def managed_identity_endpoints(env: Mapping[str, str]) -> None:
+    """Raise ConfigError naming the variable when an endpoint of a managed identity the
+    environment ``env`` names is one a token may not cross
+    (:func:`relay.core.http_rules.endpoint_refusal`: https, else loopback or link-local)."""
+    for name in _MANAGED_IDENTITY_ENDPOINTS:
+        url = env.get(name)
+        why = None if url is None else endpoint_refusal(url, link_local=True)
+        if why is not None:
+            raise ConfigError(f"oauth_managed_identity: {name} {printable_excerpt(str(url))}: "
+                              f"{why}: the managed identity's token would cross it")
 
 
 def _loaded(load: Callable[[Path], _T], path: Path, setting: str) -> _T:

@@ -13,14 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import NoDecode
 
 from relay.core.errors import ConfigError
+from relay.core.http_rules import is_loopback_host
 from relay.settings.common import (
     FileCheck,
+    SecretFile,
     Section,
     SettingsRuleError,
     ca_bundle,
     check_domain_name,
     client_pair,
-    is_loopback_host,
     read_secret_file,
     secret_setting,
     setting_names,
@@ -274,6 +275,25 @@ class UpstreamSettings(Section):
             checks.append((("upstream_client_cert", "upstream_client_key"), client_pair(
                 cert, key, f"{cert} and {key}: no PEM certificate chain and its private key")))
         return checks + self._entry_tls_checks()
+
+    def secret_files(self) -> list[SecretFile]:
+        """The AUTH password files and the client certificates' private keys (the
+        certificate's file when it holds the key), the global ones and each entry's own."""
+        files: list[SecretFile] = []
+        key = self.upstream_client_key or self.upstream_client_cert
+        for name, path in (("upstream_password_file", self.upstream_password_file),
+                           ("upstream_client_key", key)):
+            if path is not None:
+                files.append((name, path))
+        for entry in self.upstream:
+            # without a key file of its own nor a global one, its certificate's file holds it
+            own_key = entry.client_key or (
+                entry.client_cert if self.upstream_client_key is None else None)
+            for name, path in (("password_file", entry.password_file),
+                               ("client_key", own_key)):
+                if path is not None:
+                    files.append((f"upstream {entry.label}: {name}", path))
+        return files
 
     def _entry_tls_checks(self) -> list[FileCheck]:
         """The CA bundle and client certificate an ``upstream`` entry names itself; each

@@ -5,7 +5,8 @@ limits, :meth:`relay.smtp.access.ConnectionGate.enter`) as soon as TCP connects,
 client gets no byte of TLS and costs no handshake. An admitted one is counted toward the
 limits while it handshakes, which must end within ``handshake_timeout_s``; then its
 :class:`relay.smtp.session.RelaySMTP` session starts over the TLS transport and owns the
-count. A failed or timed-out handshake is one WARNING line, no traceback.
+count. A failed or timed-out handshake is one INFO line and a count
+(:meth:`relay.smtp.session.RelaySMTP.tls_failed`), no traceback.
 
 uvloop starts reading a connection right after its ``connection_made`` (the pause there does
 not hold), so the ClientHello may reach this protocol before the handshake starts: it is kept
@@ -97,7 +98,7 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
 
     async def _start_tls(self, transport: asyncio.Transport, session: RelaySMTP,
                          host: str) -> asyncio.BaseTransport | None:
-        """The TLS transport once the handshake ended, or None (a WARNING line said why) when
+        """The TLS transport once the handshake ended, or None (an INFO line said why) when
         it failed, or did not end within ``handshake_timeout_s`` (bounded here too: the loop's
         own bound does not run on a connection its TLS layer never started on)."""
         loop = asyncio.get_running_loop()
@@ -108,7 +109,7 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
             await _replay(transport, starting, self._early)
             return await asyncio.wait_for(starting, self._handshake_timeout_s)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError, ConnectionError included
-            log.warning("TLS handshake failed with %s: %s", host, exc or type(exc).__name__)
+            session.tls_failed("implicit", host, exc)
             return None
         finally:
             starting.cancel()

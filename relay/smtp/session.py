@@ -145,6 +145,10 @@ class SessionMetrics(Protocol):
         """Count one message by its ``result`` (a DATA refused while it arrived: invalid)."""
         ...
 
+    def tls_handshake_failed(self, listener: str) -> None:
+        """Count one failed client TLS handshake on ``listener`` (``starttls``, ``implicit``)."""
+        ...
+
 
 class SessionRegistry(Protocol):
     """The open sessions (a ``set``): a session adds itself when its connection is made and
@@ -489,12 +493,18 @@ class RelaySMTP(SMTP):
         except Exception as error:
             raise TLSSetupException() from error
 
+    def tls_failed(self, listener: str, host: str, error: BaseException) -> None:
+        """A client's TLS handshake on ``listener`` (``starttls``, ``implicit``) failed: one
+        INFO line (scanners and old clients make many; nothing for an operator to do) and
+        ``relay_tls_handshake_failures_total``."""
+        log.info("TLS handshake failed with %s: %s", host, str(error) or type(error).__name__)
+        self._metrics.tls_handshake_failed(listener)
+
     async def handle_exception(self, error: Exception) -> str:
-        """A failed STARTTLS handshake is one WARNING line (scanners make many), not a
-        traceback; aiosmtpd then closes the connection. Other errors go to the handler."""
+        """A failed STARTTLS handshake is :meth:`tls_failed`, not a traceback; aiosmtpd then
+        closes the connection. Other errors go to the handler."""
         if isinstance(error, TLSSetupException):
-            log.warning("TLS handshake failed with %s: %s", self._admitted_host or "?",
-                        error.__cause__ or error)
+            self.tls_failed("starttls", self._admitted_host or "?", error.__cause__ or error)
             return str(replies.INTERNAL_ERROR)  # not sent: aiosmtpd closes the connection
         return await super().handle_exception(error)
 

@@ -20,9 +20,13 @@ Failures raise :class:`TokenError` with a client-safe reason (no secret, no toke
 endpoint unreachable or timed out, an HTTP error status, a reply that is no token. The client
 secret comes from its file, read once when the provider is built (a new secret needs a
 restart). The refresh token's file is shared by every worker of the relay: a refresh grant
-holds an exclusive ``flock`` on ``.<file>.lock`` beside it, reads the file again (another
-worker may have rotated the token) and writes a rotated token back before letting go, so one
-worker refreshes at a time, each with the token in force. A fetch started is not abandoned by
+holds an exclusive ``flock`` on ``.<file>.lock`` beside it (:mod:`relay.upstream.oauth_lock`:
+never followed through a link, never gone without while workers share the token), reads the
+file again (another worker may have rotated the token) and writes a rotated token back before
+letting go, so one worker refreshes at a time, each with the token in force. A reply is read
+within :data:`MAX_TOKEN_REPLY_BYTES` (:func:`relay.core.http_rules.read_bounded`'s rule), a
+redirect is not followed, and what the endpoint says of an error is logged shortened and
+escaped. A fetch started is not abandoned by
 its caller's cancellation (it may carry a rotated refresh token): it runs to its end, and
 :meth:`TokenProvider.close` waits for it.
 """
@@ -32,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import math
@@ -40,12 +43,15 @@ import os
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import aiohttp
+
+from relay.core.http_rules import ReplyTooLarge, printable_excerpt, refuse_declared
+from relay.upstream.oauth_lock import LockError, exclusive, lock_path
 
 log = logging.getLogger("relay.upstream.oauth")
 
@@ -56,12 +62,23 @@ _MAX_ERROR_TEXT = 200
 ENTRA_TOKEN_PATH = "/oauth2/v2.0/token"  # noqa: S105 (a URL path, not a secret)
 
 
-class TokenError(Exception):
-    """No access token: ``reason`` says why in words safe to show a client (no secret)."""
+TokenFailure = Literal["unreachable", "refused", "malformed", "too_large", "redirected",
+                       "not_https", "busy", "lock"]
+TOKEN_FAILURES: tuple[TokenFailure, ...] = get_args(TokenFailure)
+"""The kinds of :class:`TokenError` (the ``reason`` label of
+``relay_oauth_token_failures_total``): the endpoint unreachable or timed out, an error
+answer, a reply that is no token, a reply over the bound, a redirect (not followed), an
+endpoint that is not https (nor loopback), the refresh lock held too long by one worker, the
+refresh lock not usable while workers share the token."""
 
-    def __init__(self, reason: str) -> None:
+
+class TokenError(Exception):
+    """No access token: ``reason`` says why in words safe to show a client (no secret);
+    ``kind`` is one of :data:`TOKEN_FAILURES`."""
+
+    def __init__(self, reason: str, *, kind: TokenFailure) -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.kind = reason, kind
 
 
 @dataclass(frozen=True, repr=False)
@@ -78,6 +95,7 @@ class OAuthConfig:
     ca_file: Path | None = None
     timeout_s: float = 30.0
     refresh_token_file: Path | None = None  # where a rotated refresh token is written back
+    shared: bool = True  # several workers refresh this token: never without the lock
 
     @property
     def grant(self) -> str:
@@ -133,13 +151,16 @@ class TokenProvider:
     """Access tokens for one OAuth2 client from ``source``; see the module docstring.
 
     ``clock`` (seconds, monotonic) is injectable for tests; ``fetches`` counts token requests
-    sent (successful or not).
+    sent (successful or not); ``on_failure`` is called with the kind of each failed fetch
+    (:data:`TOKEN_FAILURES`: the metric).
     """
 
     def __init__(self, source: TokenSource, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self._source = source
         self._clock = clock
+        self._on_failure = on_failure
         self._token: str | None = None
         self._valid_until = 0.0
         self._inflight: asyncio.Task[str] | None = None
@@ -180,7 +201,12 @@ class TokenProvider:
             self._token = None
 
     async def _fetch(self) -> str:
-        token, lifetime = await self._source.fetch()
+        try:
+            token, lifetime = await self._source.fetch()
+        except TokenError as exc:
+            if self._on_failure is not None:
+                self._on_failure(exc.kind)
+            raise
         margin = min(_MAX_MARGIN_S, lifetime / 10)
         self._token, self._valid_until = token, self._clock() + lifetime - margin
         return token
@@ -216,10 +242,13 @@ class FormGrant:
         if self._cfg.refresh_token is None or path is None:
             return await self._post()
         path = Path(await asyncio.to_thread(os.path.realpath, path))
-        async with _exclusive(path.with_name(f".{path.name}.lock"),
-                              wait_s=self._cfg.timeout_s + _LOCK_MARGIN_S):
-            await self._read_refresh_token(path)
-            return await self._post()
+        try:
+            async with exclusive(lock_path(path), wait_s=self._cfg.timeout_s + _LOCK_MARGIN_S,
+                                 shared=self._cfg.shared):
+                await self._read_refresh_token(path)
+                return await self._post()
+        except LockError as exc:
+            raise TokenError(exc.reason, kind=exc.kind) from None
 
     async def _read_refresh_token(self, path: Path) -> None:
         """Take the refresh token in ``path`` when it is not the one last seen there (another
@@ -248,25 +277,25 @@ class FormGrant:
                 body = await _bounded_body(response)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.error("OAuth2 token endpoint %s unreachable (%s: %s)", url,
-                      type(exc).__name__, exc)
-            raise TokenError("token endpoint unreachable") from exc
-        except _ReplyTooLarge as exc:
+                      type(exc).__name__, printable_excerpt(str(exc)))
+            raise TokenError("token endpoint unreachable", kind="unreachable") from exc
+        except ReplyTooLarge as exc:
             log.error("OAuth2 token endpoint %s: %s", url, exc)
-            raise TokenError("token endpoint reply too large") from exc
+            raise TokenError("token endpoint reply too large", kind="too_large") from exc
         if 300 <= status < 400:
             log.error("OAuth2 token endpoint %s answered HTTP %d (a redirect to %s): not "
                       "followed; set oauth_token_url to the endpoint itself", url, status,
-                      response.headers.get("Location", "nowhere")[:200])
-            raise TokenError(f"token endpoint redirected, HTTP {status}")
+                      printable_excerpt(response.headers.get("Location", "nowhere")))
+            raise TokenError(f"token endpoint redirected, HTTP {status}", kind="redirected")
         if status != 200:
             log.error("OAuth2 token endpoint %s answered HTTP %d (%s grant, client_id %s): %s",
                       url, status, self._cfg.grant, self._cfg.client_id, _error_text(body))
-            raise TokenError(f"token endpoint refused, HTTP {status}")
+            raise TokenError(f"token endpoint refused, HTTP {status}", kind="refused")
         try:
             token, lifetime, rotated = _parse(body)
         except ValueError as exc:
             log.error("OAuth2 token endpoint %s gave no usable token: %s", url, exc)
-            raise TokenError("token endpoint reply malformed") from exc
+            raise TokenError("token endpoint reply malformed", kind="malformed") from exc
         if rotated is not None and self._cfg.refresh_token not in (None, rotated):
             await self._keep_refresh_token(rotated)
         return token, lifetime
@@ -298,65 +327,21 @@ class FormGrant:
 
 
 _LOCK_MARGIN_S = 5.0  # a refresh waits this much longer than a token request for the lock
-_LOCK_POLL_S = 0.02
-
-
-@contextlib.asynccontextmanager
-async def _exclusive(lock_path: Path, *, wait_s: float) -> AsyncIterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created, mode 0600), polled without
-    blocking the loop. The holder writes its pid and start into the file; a waiter gives up
-    when one holder kept it ``wait_s`` seconds (a queue of workers each refreshing in time
-    is waited out). A lock file that cannot be created (a read-only folder, where no rotated
-    token could be written either) is logged and gone without. Raises TokenError past
-    ``wait_s`` of one holder."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        log.warning("OAuth2: no lock file %s (%s): workers may refresh at once", lock_path,
-                    exc.strerror)
-        yield
-        return
-    try:
-        holder, deadline = b"", time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now_holding = os.pread(fd, 64, 0)
-                if now_holding != holder:  # another holder: it gets its own wait_s
-                    holder, deadline = now_holding, time.monotonic() + wait_s
-                elif time.monotonic() >= deadline:
-                    log.error("OAuth2: %s held by one refresh for %.0f s (%s)", lock_path,
-                              wait_s, holder.decode("ascii", "replace"))
-                    raise TokenError("token refresh busy") from None
-                await asyncio.sleep(_LOCK_POLL_S)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} since {time.monotonic_ns()}".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-class _ReplyTooLarge(Exception):
-    """The token endpoint's reply is over :data:`MAX_TOKEN_REPLY_BYTES`."""
 
 
 async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
-    """The body of ``response``, at most :data:`MAX_TOKEN_REPLY_BYTES` read; raises
-    :class:`_ReplyTooLarge` (after reading at most one byte more, or none when its
-    Content-Length says so) for a longer one."""
-    declared = response.content_length
-    if declared is not None and declared > MAX_TOKEN_REPLY_BYTES:
-        raise _ReplyTooLarge(f"reply of {declared} bytes refused (at most "
-                             f"{MAX_TOKEN_REPLY_BYTES})")
+    """The body of ``response``, at most :data:`MAX_TOKEN_REPLY_BYTES` read
+    (:func:`relay.core.http_rules.read_bounded`'s rule, over aiohttp's stream); raises
+    ReplyTooLarge (after reading at most one byte more, or none when its Content-Length says
+    so) for a longer one."""
+    refuse_declared(response.content_length, MAX_TOKEN_REPLY_BYTES)
     body = bytearray()
     while len(body) <= MAX_TOKEN_REPLY_BYTES:
         chunk = await response.content.read(MAX_TOKEN_REPLY_BYTES + 1 - len(body))
         if not chunk:
             return bytes(body)
         body += chunk
-    raise _ReplyTooLarge(f"reply over {MAX_TOKEN_REPLY_BYTES} bytes refused")
+    raise ReplyTooLarge(f"reply over {MAX_TOKEN_REPLY_BYTES} bytes refused")
 
 
 def _write_secret(path: Path, value: str) -> None:
@@ -420,7 +405,8 @@ def _parse(body: bytes) -> tuple[str, float, str | None]:
 
 def _error_text(body: bytes) -> str:
     """The ``error`` and ``error_description`` of an error reply (RFC 6749 section 5.2), or
-    its first bytes; shortened, for the log."""
+    its first bytes; at most 200 characters, its control characters escaped
+    (:func:`relay.core.http_rules.printable_excerpt`), for the log."""
     try:
         reply = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -429,4 +415,4 @@ def _error_text(body: bytes) -> str:
         text = f"{reply.get('error')}: {reply.get('error_description', '')}"
     else:
         text = body[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
-    return text[:_MAX_ERROR_TEXT].replace("\n", " ")
+    return printable_excerpt(text, _MAX_ERROR_TEXT)

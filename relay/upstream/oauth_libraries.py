@@ -15,8 +15,10 @@ own, every HTTP request bounded by ``timeout_s`` and the whole fetch by twice th
 - :class:`GoogleServiceAccount`: a service account's key (google-auth), the token for the
   mailbox ``subject`` (domain-wide delegation: Gmail takes XOAUTH2 only for a user).
 
-Failures raise :class:`relay.upstream.oauth.TokenError` with a client-safe reason; the
-library's error (never a secret) is logged.
+Every HTTP request a library makes goes through a :class:`relay.upstream.token_http.
+TokenSession` (no redirect, the reply bounded, https only but for loopback). Failures raise
+:class:`relay.upstream.oauth.TokenError` with a client-safe reason; the library's error (never a
+secret) is logged, shortened and escaped.
 """
 
 from __future__ import annotations
@@ -36,35 +38,14 @@ from typing import Any, TypeVar
 
 import requests
 
+from relay.core.http_rules import endpoint_refusal, printable_excerpt
 from relay.upstream.oauth import TokenError, entra_authority
+from relay.upstream.token_http import TokenSession
 
 log = logging.getLogger("relay.upstream.oauth")
 
 _T = TypeVar("_T")
 _REQUESTS_PER_FETCH = 2  # msal's first fetch asks the authority's discovery document too
-
-_MAX_ERROR_TEXT = 200
-
-
-class _TimedSession(requests.Session):
-    """A requests session whose every request has a timeout (requests has none by default)
-    and verifies TLS against ``verify`` (a CA file's path, or True: the system's CAs),
-    whatever the library passes."""
-
-    def __init__(self, timeout_s: float, verify: str | bool) -> None:
-        super().__init__()
-        self._timeout_s = timeout_s
-        self.verify = verify
-        # a token is fetched about once an hour: no idle connection kept to the endpoint
-        self.headers["Connection"] = "close"
-
-    def request(self, method: Any, url: Any, *args: Any, **kwargs: Any
-                ) -> requests.Response:
-        # the libraries pass their own (google-auth: 120 s, msal: its own): ours wins, as the
-        # CA file does over msal's verify=True
-        kwargs["timeout"] = self._timeout_s
-        kwargs["verify"] = self.verify
-        return super().request(method, url, *args, **kwargs)
 
 
 def load_certificate(path: Path) -> dict[str, str]:
@@ -103,10 +84,10 @@ def _msal_token(result: Mapping[str, Any] | None, what: str) -> tuple[str, float
     """The token and lifetime of an msal result; TokenError (logged) for an error result."""
     if result and isinstance(result.get("access_token"), str) and result["access_token"]:
         return result["access_token"], float(result.get("expires_in") or 300)
-    error = (result or {}).get("error", "no result")
-    description = str((result or {}).get("error_description", ""))[:_MAX_ERROR_TEXT]
-    log.error("OAuth2 (%s): no token: %s: %s", what, error, description.replace("\n", " "))
-    raise TokenError("token endpoint refused")
+    reply = result or {"error": "no result"}
+    log.error("OAuth2 (%s): no token: %s", what, printable_excerpt(
+        f"{reply.get('error')}: {reply.get('error_description', '')}"))
+    raise TokenError("token endpoint refused", kind="refused")
 
 
 async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *, timeout_s: float,
@@ -127,15 +108,15 @@ async def _in_thread(call: Callable[[], tuple[str, float]], what: str, *, timeou
     except TimeoutError as exc:
         log.error("OAuth2 (%s): token endpoint unreachable (no token within %.0f s)", what,
                   deadline_s)
-        raise TokenError("token endpoint unreachable") from exc
+        raise TokenError("token endpoint unreachable", kind="unreachable") from exc
     except transport as exc:
         log.error("OAuth2 (%s): token endpoint unreachable (%s: %s)", what,
-                  type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT])
-        raise TokenError("token endpoint unreachable") from exc
+                  type(exc).__name__, printable_excerpt(str(exc)))
+        raise TokenError("token endpoint unreachable", kind="unreachable") from exc
     except Exception as exc:  # the library's own errors (msal, google-auth): logged, no secret
         log.error("OAuth2 (%s): no token (%s: %s)", what, type(exc).__name__,
-                  str(exc)[:_MAX_ERROR_TEXT])
-        raise TokenError("token endpoint refused") from exc
+                  printable_excerpt(str(exc)))
+        raise TokenError("token endpoint refused", kind="refused") from exc
 
 
 async def _daemon_thread(call: Callable[[], _T]) -> _T:
@@ -190,7 +171,7 @@ class EntraClient:
         self._scopes = [scope]
         self._build = functools.partial(
             _entra_app, client_id, credential.for_msal(), entra_authority(token_url),
-            _TimedSession(timeout_s, str(ca_file) if ca_file else True), timeout_s)
+            TokenSession(timeout_s, str(ca_file) if ca_file else True), timeout_s)
         self._app: Any = None
         self._timeout_s = timeout_s
 
@@ -238,7 +219,8 @@ class EntraManagedIdentity:
         # a client per fetch: its token cache would hand back a token the smarthost refused
         self._client = functools.partial(
             msal.ManagedIdentityClient, which,
-            http_client=_TimedSession(timeout_s, str(ca_file) if ca_file else True))
+            http_client=TokenSession(timeout_s, str(ca_file) if ca_file else True,
+                                     link_local=True))
         self._timeout_s = timeout_s
 
     async def fetch(self) -> tuple[str, float]:
@@ -261,6 +243,10 @@ def load_service_account(path: Path) -> dict[str, Any]:
     missing = [k for k in ("client_email", "private_key", "token_uri") if not info.get(k)]
     if missing:
         raise ValueError(f"{path}: no {', '.join(missing)}")
+    why = endpoint_refusal(str(info["token_uri"]))
+    if why is not None:
+        raise ValueError(f"{path}: token_uri {printable_excerpt(str(info['token_uri']))}: "
+                         f"{why}: the signed assertion would cross it")
     from google.oauth2 import service_account
     try:
         service_account.Credentials.from_service_account_info(info)
@@ -283,8 +269,8 @@ class GoogleServiceAccount:
         self._what = f"service account {info.get('client_email')} for {subject}"
         self._credentials = service_account.Credentials.from_service_account_info(
             dict(info), scopes=[scope], subject=subject)
-        self._request = Request(session=_TimedSession(timeout_s,
-                                                      str(ca_file) if ca_file else True))
+        self._request = Request(session=TokenSession(timeout_s,
+                                                     str(ca_file) if ca_file else True))
         self._now: Callable[[], datetime.datetime] = functools.partial(
             datetime.datetime.now, datetime.UTC)
         self._unreachable: tuple[type[Exception], ...] = (TransportError,)
@@ -295,7 +281,7 @@ class GoogleServiceAccount:
             self._credentials.refresh(self._request)
             token, expiry = self._credentials.token, self._credentials.expiry
             if not token:
-                raise TokenError("token endpoint reply malformed")
+                raise TokenError("token endpoint reply malformed", kind="malformed")
             if expiry is None:
                 return token, 300.0
             ends = expiry.replace(tzinfo=datetime.UTC)  # google-auth: naive UTC

@@ -23,6 +23,10 @@ PY = "/srv/venv/bin/python3"
     ([PY, "-X", "dev", "-u", "-m", "relay", "serve"], True),
     ([PY, "-mrelay", "serve"], True),
     (["dedup-relay: supervisor"], True),  # the supervisor's title (setproctitle)
+    # a relay of one worker whose flags held a secret: its words in one string (setproctitle)
+    ([f"{PY} -m relay serve --upstream-password ***"], True),
+    (["/srv/venv/bin/dedup-relay serve --fingerprint-secret=***"], True),
+    (["less /srv/venv/bin/dedup-relay serve"], False),
     (["dedup-relay: worker 0"], False),  # a worker: not what the pid file names
     (["tail", "-f", "dedup-relay: supervisor"], False),
     (["dedup-relay: supervisor x"], False),

@@ -22,7 +22,7 @@ from relay.settings import (
 from relay.settings.common import Section
 
 # the protocol every section implements; called through the class, never the mixed object
-SHARED = {"TITLE", "LIVE", "FILES", "file_checks", "model_config"}
+SHARED = {"TITLE", "LIVE", "FILES", "file_checks", "secret_files", "model_config"}
 
 
 def _own_names(section: type[Section]) -> set[str]:

@@ -449,10 +449,12 @@ async def test_starttls_on_the_implicit_tls_port_is_503(
     await client.close()
 
 
-async def test_failed_starttls_handshake_logs_one_warning_without_traceback(
+async def test_failed_starttls_handshake_is_one_info_line_and_counted(
     make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Garbage instead of a ClientHello after STARTTLS is one WARNING line, no traceback."""
+    """Garbage instead of a ClientHello after STARTTLS is one INFO line, no warning and no
+    traceback, and one ``relay_tls_handshake_failures_total{listener="starttls"}``."""
+    caplog.set_level(logging.INFO)
     relay = await tls_relay(make_relay, sink, pki)
     client = await RawClient.connect(relay.port)
     await client.cmd("EHLO client.test")
@@ -462,10 +464,12 @@ async def test_failed_starttls_handshake_logs_one_warning_without_traceback(
     assert await asyncio.wait_for(client.reader.read(), 5) == b""  # closed
     await client.close()
     await asyncio.sleep(0.1)
-    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
-                and "TLS handshake" in r.getMessage()]
-    assert len(warnings) == 1
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING] == []
+    lines = [r for r in caplog.records if "TLS handshake" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO]
+    failures = relay.registry.get_sample_value
+    assert failures("relay_tls_handshake_failures_total", {"listener": "starttls"}) == 1
+    assert failures("relay_tls_handshake_failures_total", {"listener": "implicit"}) == 0
 
 
 def _cbc_only_tls12_context(pki: Pki) -> ssl.SSLContext:
@@ -643,19 +647,25 @@ async def test_received_header_names_the_proxied_client(make_relay: MakeRelay,
     assert b"[192.0.2.10]" in trace and b"[127.0.0.1]" not in trace
 
 
-async def test_a_failed_handshake_on_the_implicit_tls_port_is_one_warning_line(
+async def test_a_failed_handshake_on_the_implicit_tls_port_is_one_info_line_and_counted(
     make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client that sends no TLS at all to the implicit-TLS port: one WARNING, no ERROR and no
-    traceback (asyncio reported the loss to a session that never started; found by a scan)."""
+    """A client that sends no TLS at all to the implicit-TLS port: one INFO line, no WARNING
+    and no traceback (asyncio reported the loss to a session that never started; found by a
+    scan), and one ``relay_tls_handshake_failures_total{listener="implicit"}``."""
+    caplog.set_level(logging.INFO)
     relay = await tls_relay(make_relay, sink, pki)
+    caplog.clear()  # the start-up lines
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.tls_port)
     writer.write(b"GET / HTTP/1.0\r\n\r\n")
     await asyncio.wait_for(reader.read(), 5)
     writer.close()
     await asyncio.sleep(0.2)
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len([r for r in caplog.records if "TLS handshake failed" in r.getMessage()]) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    failed = [r for r in caplog.records if "TLS handshake failed" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.INFO]
+    assert relay.registry.get_sample_value("relay_tls_handshake_failures_total",
+                                           {"listener": "implicit"}) == 1
 
 
 async def test_a_handshake_pending_at_stop_starts_no_session(

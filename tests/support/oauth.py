@@ -45,6 +45,10 @@ class TokenEndpoint:
     ``status`` with an error object when ``status`` is not 200, or ``raw`` as the body when
     set; ``redirect_to`` answers 307 there, ``stream_bytes`` streams a body that long. :meth:`stop`
     closes the port (unreachable), :meth:`start` opens it again.
+
+    With ``rotate``, a refresh-token grant is answered with a new refresh token and the one
+    sent is spent; a spent one sent again (reuse detection, RFC 9700 section 4.14.2) revokes
+    the whole family (``family_revoked``): every later refresh is ``invalid_grant``.
     """
 
     ca: trustme.CA
@@ -58,6 +62,10 @@ class TokenEndpoint:
     port: int = 0
     forms: list[dict[str, str]] = field(default_factory=list)
     issued: dict[str, float] = field(default_factory=dict)  # token -> time.time() it expires
+    rotate: bool = False
+    refresh_in_force: str | None = None  # with rotate: the one refresh token taken (None: any)
+    spent: set[str] = field(default_factory=set)
+    family_revoked: bool = False
     _runner: web.AppRunner | None = None
 
     @property
@@ -91,9 +99,19 @@ class TokenEndpoint:
                 {"error": "invalid_client", "error_description": "no such client"},
                 status=self.status)
         token = f"tok-{len(self.forms)}"
+        reply: dict[str, object] = {"access_token": token, "token_type": "Bearer",
+                                    "expires_in": self.expires_in}
+        if self.rotate and form.get("grant_type") == "refresh_token":
+            sent = str(form.get("refresh_token"))
+            if sent in self.spent or self.family_revoked:
+                self.family_revoked = True
+                return web.json_response({"error": "invalid_grant"}, status=400)
+            if self.refresh_in_force not in (None, sent):
+                return web.json_response({"error": "invalid_grant"}, status=400)
+            self.spent.add(sent)
+            self.refresh_in_force = reply["refresh_token"] = f"rt-{len(self.forms)}"
         self.issued[token] = time.time() + self.expires_in
-        return web.json_response(
-            {"access_token": token, "token_type": "Bearer", "expires_in": self.expires_in})
+        return web.json_response(reply)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         """``stream_bytes`` of a JSON string, chunked, counting what was written."""

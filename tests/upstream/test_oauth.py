@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +83,7 @@ def provider(endpoint: TokenEndpoint, *, refresh: bool = False,
         token_url=endpoint.url, client_id="client-1", client_secret=SECRET,
         refresh_token=REFRESH if refresh else None, scope="https://outlook.office365.com/.default",
         ca_file=endpoint.ca_file, timeout_s=5.0)
-    return TokenProvider(FormGrant(config), **({"clock": clock} if clock is not None else {}))
+    return TokenProvider(FormGrant(config), clock=clock or time.monotonic)
 
 
 def upstream(port: int, tokens: TokenProvider | None, *, auth: str = "xoauth2",
@@ -221,6 +223,20 @@ async def test_a_refusing_or_malformed_token_endpoint_is_451_without_the_secret_
     assert handler.transactions == 0
     assert SECRET not in caplog.text and REFRESH not in caplog.text
     assert "token endpoint" in caplog.text
+
+
+async def test_an_error_text_with_terminal_escapes_is_logged_shortened_and_escaped(
+        endpoint: TokenEndpoint, caplog: pytest.LogCaptureFixture) -> None:
+    """An error reply whose ``error_description`` holds terminal escapes and 10 KB: the
+    ERROR line shows them as ``\\x1b`` and stays short."""
+    endpoint.status, endpoint.raw = 400, json.dumps({
+        "error": "invalid_grant",
+        "error_description": "\x1b[2J\x1b]0;pwned\x07\x9b" + "d" * 10_000}).encode()
+    with pytest.raises(TokenError, match="refused, HTTP 400"):
+        await provider(endpoint).token()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "invalid_grant: \\x1b[2J\\x1b]0;pwned\\x07\\x9b" in line
+    assert not any(ch in line for ch in "\x1b\x07\x9b") and len(line) < 500, line
 
 
 async def test_a_redirect_from_the_token_endpoint_is_not_followed(
