@@ -280,13 +280,27 @@ class RelaySMTP(SMTP):
         return keep_open
 
     async def _handle_client(self) -> None:
-        """Greet an admitted client; say ``421 4.7.0`` and close for a refused one."""
+        """Greet an admitted client; say ``421 4.7.0`` and close for a refused one.
+
+        However the session ends, the connection is closed with it, so its slots are given
+        back at once. aiosmtpd closes it when its command loop ends, but not when its wait for
+        the PROXY header ends: a balancer's health check that connects and closes (FIN) held
+        its slot until ``proxy_protocol_timeout`` (the EOF leaves a plain transport open).
+        """
         if self._refusal is not None:
             await self.push(str(self._refusal))
             if self.transport is not None:
                 self.transport.close()
             return
-        await super()._handle_client()
+        try:
+            await super()._handle_client()
+        except asyncio.IncompleteReadError:  # only the header wait lets it out (data.py)
+            peer = self.session.peer if self.session is not None else None
+            log.debug("%s closed the connection before its PROXY header",  # every LB check
+                      peer[0] if isinstance(peer, tuple) else "?")
+        finally:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
 
     async def smtp_AUTH(self, arg: str) -> None:
         """AUTH, answered ``502 5.5.1`` when the relay has no credentials configured.
