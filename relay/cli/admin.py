@@ -55,7 +55,7 @@ from relay.core.errors import (
     StartupError,
     StoreError,
 )
-from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, Record, State
+from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, State
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
 from relay.settings import (
@@ -196,7 +196,8 @@ def register(main: click.Group) -> None:
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "released")
         if not deleted:
-            _say_if_changed(before, "released")
+            if before.state is not State.ABSENT:  # else there was nothing to delete
+                _say_changed("released")
             sys.exit(int(ExitCode.NOT_FOUND))
 
     @main.command("mark-sent", epilog=epilog())
@@ -225,7 +226,7 @@ def register(main: click.Group) -> None:
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "marked sent")
         if not marked:
-            _say_if_changed(before, "marked sent")
+            _say_changed("marked sent")
             sys.exit(int(ExitCode.NOT_FOUND))
 
     _register_stats(main)
@@ -358,11 +359,10 @@ def quiet_logging(log_format: str) -> None:
     setup_logging("ERROR", log_format)
 
 
-def _say_if_changed(before: Record, done: str) -> None:
-    """On stderr, why an action that found a record (``before``) did nothing: the record
-    changed under its compare (:func:`relay.admin.changed_meanwhile`)."""
-    if before.state is not State.ABSENT:
-        click.echo(f"dedup-relay: refused: {changed_meanwhile(done)}", err=True)
+def _say_changed(done: str) -> None:
+    """On stderr, why an action did nothing: the record changed under its compare
+    (:func:`relay.admin.changed_meanwhile`)."""
+    click.echo(f"dedup-relay: refused: {changed_meanwhile(done)}", err=True)
 
 
 def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:

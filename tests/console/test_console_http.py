@@ -492,11 +492,12 @@ def store_and_ledger_url() -> Iterator[str]:
 
 
 async def _waiting_for_a_lock(conn: asyncpg.Connection, within_s: float) -> bool:
-    """Whether another session waits for a lock (polled up to ``within_s`` seconds)."""
+    """Whether a session waits for a lock the transaction of ``conn`` holds (polled up to
+    ``within_s`` seconds; other sessions of the server, other tests', do not count)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type "
-                               "= 'Lock' AND pid <> pg_backend_pid()"):
+        if await conn.fetchval("SELECT count(*) FROM pg_stat_activity "
+                               "WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"):
             return True
         await asyncio.sleep(0.02)
     return False

@@ -164,16 +164,15 @@ async def _in_doubt(url: str) -> list[str | None]:
         await reader.close()
 
 
-async def _waiting_for_a_row_lock(conn: asyncpg.Connection, within_s: float, *,
-                                  for_update: bool = True) -> bool:
-    """Whether a session waits for a lock with a ``FOR UPDATE`` query (any query when not
-    ``for_update``), polled up to ``within_s`` seconds."""
+async def _waiting_for(conn: asyncpg.Connection, holder: asyncpg.Connection,
+                      within_s: float) -> bool:
+    """Whether a session waits for a lock ``holder``'s transaction holds (polled up to
+    ``within_s`` seconds; other sessions of the server, other tests', do not count)."""
     deadline = time.monotonic() + within_s
-    query = "%FOR UPDATE%" if for_update else "%"
     while time.monotonic() < deadline:
         if await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE $1 AND pid <> pg_backend_pid()", query):
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                holder.get_server_pid()):
             return True
         await asyncio.sleep(0.02)
     return False
@@ -208,7 +207,7 @@ async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
         released = asyncio.ensure_future(asyncio.to_thread(
             run_cli, "release", "--store-key", key, "--reason", "smarthost log: not received",
             cwd=tmp_path, env=env))
-        assert await _waiting_for_a_row_lock(conn, 20.0), "the release never waited for X"
+        assert await _waiting_for(conn, settle, 20.0), "the release never waited for X"
         await tx.commit()
         done = await released
         assert '"released": false' in done.stdout, (done.returncode, done.stdout, done.stderr)
@@ -250,8 +249,7 @@ async def test_a_mark_sent_that_lost_a_race_to_a_retry_leaves_the_retrys_record(
         marking = asyncio.ensure_future(asyncio.to_thread(
             run_cli, "mark-sent", "--store-key", key, "--reason", "smarthost log: delivered",
             cwd=tmp_path, env=env))
-        assert await _waiting_for_a_row_lock(conn, 20.0, for_update=False), \
-            "the mark-sent never waited for the retry"
+        assert await _waiting_for(conn, retry, 20.0), "the mark-sent never waited for the retry"
         await tx.commit()
         done = await marking
         outcome = (done.returncode, done.stdout, done.stderr)
