@@ -8,7 +8,9 @@ or mark-sent is written to the ``relay.audit`` log (one JSON line with ``--log-f
 when, who, why, which key and what it held, so an operator's decision about an in-doubt message
 can be traced later. Both refuse a record that is in flight (PENDING, or SENDING within the
 lease) unless forced: deleting it would let the retry go out while the first copy is still
-being delivered.
+being delivered. Both act only on the record the operator's read found (compare-and-delete,
+compare-and-set in the store): when a retry or another operator changed it in between,
+nothing is done and the refusal reads :func:`changed_meanwhile`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class NotInDoubtError(InFlightError):
     (another operator or a retry settled it meanwhile), so nothing was done."""
 
 
+def changed_meanwhile(done: str) -> str:
+    """The refusal of an action (``done``: ``released`` or ``marked sent``) whose record
+    changed between the read and the store's compare (a retry took the key over, another
+    operator acted): one wording for the console and the command line."""
+    return f"the record changed while it was being {done}; nothing was done. Look again."
+
+
 def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
     """A record as plain data for printing: state, what a retry would read it as
     (``reads_as``), times as ISO 8601 UTC, TTL in seconds.
@@ -136,9 +145,11 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
 async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                     window_s: float, force: bool = False, operator: str | None = None,
                     role: str | None = None, keep_expiry: bool = False,
-                    only_if: Callable[[Record], bool] | None = None) -> Record:
-    """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now): the operator
-    found the message delivered, so its retries are duplicates. Returns what it held.
+                    only_if: Callable[[Record], bool] | None = None) -> tuple[Record, bool]:
+    """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now), but only
+    while it still holds what was inspected (compare-and-set: a retry that took the key over
+    in between keeps its record): the operator found the message delivered, so its retries
+    are duplicates. Returns (what it held, whether it was marked).
 
     ``keep_expiry``: the key was given as a store key, so the template and its window are not
     known; a SENDING, SENT or UNKNOWN record (written with its message's window, counted from
@@ -146,17 +157,19 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
     template's longer window is never cut short.
 
     Raises :class:`InFlightError` and :class:`NotInDoubtError` as :func:`release`, and
-    :class:`relay.core.errors.StoreError`.
+    :class:`relay.core.errors.StoreError`. The ``relay.audit`` line says whether it was
+    marked (``marked_sent``).
     """
     before = await _not_in_flight(store, key, lease_s, force, only_if)
     if keep_expiry and before.ttl_s is not None and before.state in (
             State.SENDING, State.SENT, State.UNKNOWN):
         window_s = max(window_s, before.ttl_s)
-    await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
-                                window_s=window_s)
-    _audit("fingerprint marked sent by an operator", "admin_mark_sent", key, before, lease_s,
-           reason, operator, role)
-    return before
+    marked = await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
+                                         window_s=window_s, expected=before)
+    _audit("fingerprint marked sent by an operator" if marked else
+           "mark-sent refused: " + changed_meanwhile("marked sent"), "admin_mark_sent", key,
+           before, lease_s, reason, operator, role, marked_sent=marked)
+    return before, marked
 
 
 async def _not_in_flight(store: FingerprintStore, key: str, lease_s: float,

@@ -6,15 +6,17 @@ They read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--stor
 key they compute is the one the relay uses; the upstream is not needed. Those that read the
 store say which one on stderr first (``store: URL (kind), prefix P``). ``--store-key`` must
 start with the relay's ``store_prefix`` (a store shared with an application holds its keys
-too). Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done, 1 nothing there (inspect:
-absent; release: nothing deleted), 2 bad input, 3 the store failed, 4 refused: the record is in
+too). Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done, 1 nothing done (inspect:
+absent; release: nothing deleted; release, mark-sent: the record changed since it was read,
+said on stderr), 2 bad input, 3 the store failed, 4 refused: the record is in
 flight (``--force``), 78 invalid configuration.
 
 With an audit ledger configured (``--ledger``, ``RELAY_LEDGER`` or ``ledger`` in the file),
 ``release`` and ``mark-sent`` also write their row there (:mod:`relay.cli.ledger` reads them):
 the ledger must answer, with its schema current, before the store is touched (else exit 3 and
 nothing done: an operator's action is never left unrecorded); a row that fails to land after
-the action is said on stderr, exit 3. A release that deleted nothing writes no row.
+the action is said on stderr, exit 3. A release or mark-sent refused because the record
+changed writes no row.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from relay.admin import (
     FingerprintInput,
     InFlightError,
     OperatorRow,
+    changed_meanwhile,
     count_states,
     describe,
     key_for,
@@ -193,6 +196,8 @@ def register(main: click.Group) -> None:
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "released")
         if not deleted:
+            if before.state is not State.ABSENT:  # else there was nothing to delete
+                _say_changed("released")
             sys.exit(int(ExitCode.NOT_FOUND))
 
     @main.command("mark-sent", epilog=epilog())
@@ -212,14 +217,17 @@ def register(main: click.Group) -> None:
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
         row = OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt=rcpt,
                           templates=templates, keys=keys)
-        before, unrecorded = _run_audited(
+        (before, marked), unrecorded = _run_audited(
             settings, lambda store: mark_sent(
                 store, key, reason=reason, lease_s=settings.lease, window_s=window_s,
                 force=force, keep_expiry=store_key is not None),
-            lambda _: row.marked_sent(who=os_user(), reason=reason))
-        click.echo(json.dumps({"marked_sent": True,
+            lambda done: row.marked_sent(who=os_user(), reason=reason) if done[1] else None)
+        click.echo(json.dumps({"marked_sent": marked,
                                "previous": describe(key, before, settings.lease)}))
         _fail_if_unrecorded(unrecorded, "marked sent")
+        if not marked:
+            _say_changed("marked sent")
+            sys.exit(int(ExitCode.NOT_FOUND))
 
     _register_stats(main)
     _register_hash_password(main)
@@ -349,6 +357,12 @@ def announce_ledger(url: str) -> None:
 def quiet_logging(log_format: str) -> None:
     """Only errors from the store's start-up checks: a command's output is its answer."""
     setup_logging("ERROR", log_format)
+
+
+def _say_changed(done: str) -> None:
+    """On stderr, why an action did nothing: the record changed under its compare
+    (:func:`relay.admin.changed_meanwhile`)."""
+    click.echo(f"dedup-relay: refused: {changed_meanwhile(done)}", err=True)
 
 
 def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:

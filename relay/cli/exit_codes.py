@@ -10,7 +10,9 @@ class ExitCode(IntEnum):
     """What a ``dedup-relay`` process's exit status means (the same for every command)."""
 
     OK = 0
-    NOT_FOUND = 1  # inspect: absent; release: nothing deleted; healthcheck: not healthy
+    # inspect: absent; release: nothing deleted; release / mark-sent: the record changed
+    # since it was read (nothing done); healthcheck: not healthy
+    NOT_FOUND = 1
     USAGE = 2  # a flag or an input the command refuses (click's usage errors too)
     STORE_FAILED = 3  # admin commands: the store (or the audit ledger) did not answer or failed
     IN_FLIGHT = 4  # release / mark-sent: refused, an attempt may still be delivering
@@ -20,7 +22,9 @@ class ExitCode(IntEnum):
 
 MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "ok",
-    ExitCode.NOT_FOUND: "not found (inspect: absent; release: nothing deleted) or not healthy",
+    ExitCode.NOT_FOUND: "not found or nothing done (inspect: absent; release: nothing "
+                        "deleted; release, mark-sent: the record changed since it was read) "
+                        "or not healthy",
     ExitCode.USAGE: "usage: a flag or input the command refuses",
     ExitCode.STORE_FAILED: "the store or the audit ledger failed (admin commands)",
     ExitCode.IN_FLIGHT: "refused: the record is in flight (release, mark-sent; see --force)",

@@ -41,6 +41,7 @@ from relay.admin import (
     FingerprintInput,
     InFlightError,
     OperatorRow,
+    changed_meanwhile,
     count_states,
     describe,
     key_for,
@@ -437,8 +438,8 @@ class Console:
             raise ConsoleError(400, "Say why (the reason goes into the audit ledger and log).")
         if not key.startswith(self.settings.store_prefix):
             raise ConsoleError(400, "That is no fingerprint of this relay.")
-        # one action per key at a time: a release and a mark-sent sent together must not both
-        # pass the "still in doubt" check (mark-sent writes over what it read)
+        # one action per key at a time in this console: the second of two sent together then
+        # reads what the first left (the store's compare refuses it too, across processes)
         held = self._acting.setdefault(key, _KeyLock())
         held.users += 1
         try:
@@ -502,12 +503,13 @@ class Console:
                                                 only_if=in_doubt)
                 entry = row.released(before, deleted, who=who, reason=reason)
                 if entry is None:  # the compare-and-delete lost: it changed meanwhile
-                    raise ConsoleError(409, "Refused: the record changed while it was being "
-                                            "released; nothing was done. Look again.")
+                    raise ConsoleError(409, f"Refused: {changed_meanwhile('released')}")
                 return entry, "released" if deleted else "settled"
-            await mark_sent(store, key, reason=reason, lease_s=s.lease,
-                            window_s=s.dedup_window, operator=operator, role=session.role,
-                            keep_expiry=True, only_if=in_doubt)
+            _, marked = await mark_sent(store, key, reason=reason, lease_s=s.lease,
+                                        window_s=s.dedup_window, operator=operator,
+                                        role=session.role, keep_expiry=True, only_if=in_doubt)
+            if not marked:  # the compare-and-set lost: it changed meanwhile
+                raise ConsoleError(409, f"Refused: {changed_meanwhile('marked sent')}")
             return row.marked_sent(who=who, reason=reason), "marked_sent"
         except InFlightError as exc:  # NotInDoubtError is one
             raise ConsoleError(409, f"Refused: {exc}") from exc

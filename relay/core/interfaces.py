@@ -152,10 +152,16 @@ class FingerprintStore(Protocol):
         """
         ...
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
-        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds whatever it
-        holds (operator action: an in-doubt message the upstream's log shows delivered).
-        Raises :class:`relay.core.errors.StoreError`."""
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float,
+                              expected: Record | None = None) -> bool:
+        """Set ``key`` to SENT(the store's now, ``reply``) for ``window_s`` seconds (operator
+        action: an in-doubt message the upstream's log shows delivered); True when written.
+
+        With ``expected`` (what :meth:`inspect` returned) only while the key still holds that
+        record (for ABSENT: holds none), in one atomic step, as :meth:`force_release`: a
+        retry that took the key over since the operator looked keeps its record, and the
+        call answers False. Without it, whatever the key holds. Raises
+        :class:`relay.core.errors.StoreError`."""
         ...
 
     async def ping(self) -> None:

@@ -36,6 +36,11 @@ NUL_IN_MESSAGE = SmtpReply(550, "5.6.0", "Message contains a NUL octet (RFC 5322
 LINE_TOO_LONG = SmtpReply(500, "5.5.2", "Line too long (RFC 5321 4.5.3.1.6)")
 BARE_CR_OR_LF_IN_COMMAND = SmtpReply(
     421, "4.5.0", "Command line with a bare CR or LF (RFC 5321 2.3.8), closing connection")
+# BDAT (RFC 3030) when CHUNKING is not offered: its chunk follows at once and must never be
+# read as commands, so the connection closes (as Postfix answers with CHUNKING off)
+BDAT_NOT_IMPLEMENTED = SmtpReply(
+    521, "5.5.1", "BDAT not implemented (no CHUNKING, RFC 3030): send with DATA; closing "
+    "connection")
 MESSAGE_TOO_BIG = SmtpReply(552, "5.3.4", "Message size exceeds fixed maximum message size")
 MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0", "Message has no dedupe key header (policy: reject)")
 

@@ -6,7 +6,9 @@ Served by aiohttp in the relay's own event loop (readiness reads the live
 ``/healthz`` answers 200 while the process serves; ``/readyz`` answers 200 when the store and
 at least one upstream answered their last probe (and the audit ledger, when it is required),
 else 503, with a JSON body naming what failed, each upstream's state by its configured name
-(``upstreams``) and the ledger's (``ledger``: up or down, required, rows dropped).
+(``upstreams``) and the ledger's (``ledger``: up or down, required, rows dropped). Readiness
+that cannot be read is a 503 with a JSON body naming the error, never a 500 (the traceback
+goes to the log).
 
 It shares the relay's descriptors and event loop, so its connections are bounded: at most
 :data:`MAX_CONNECTIONS` open at once (one more is closed at once, nothing read or sent), and a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -29,6 +32,7 @@ from prometheus_client.exposition import choose_encoder
 
 from relay.ops.health import Readiness
 
+log = logging.getLogger("relay.ops.http")
 MAX_CONNECTIONS = 32  # a scraper or two and probes need a few; a flood must not take fds
 IDLE_TIMEOUT_S = 10.0  # below Prometheus' 15 s scrape interval: it reconnects per scrape
 
@@ -268,13 +272,23 @@ class OpsServer:
     async def _readyz(self, request: web.Request) -> web.Response:
         if self._health is None:
             return web.json_response({"ready": False, "error": "not started"}, status=503)
-        components = {name: asdict(s) for name, s in self._health.status().items()}
-        ready = self._health.ready
+        try:
+            return self._readiness(self._health)
+        except Exception as exc:  # a health endpoint answers, whatever failed in reading it
+            log.exception("readiness could not be read")
+            return web.json_response({"ready": False, "error": (
+                f"readiness could not be read: {type(exc).__name__}: {exc}")[:300]},
+                status=503)
+
+    @staticmethod
+    def _readiness(health: Readiness) -> web.Response:
+        components = {name: asdict(s) for name, s in health.status().items()}
+        ready = health.ready
         body: dict[str, object] = {"ready": ready, "components": components}
-        upstreams = self._health.upstreams()
+        upstreams = health.upstreams()
         if upstreams:
             body["upstreams"] = upstreams
-        ledger = self._health.ledger()
+        ledger = health.ledger()
         if ledger:  # down and not required: ready, but the body says rows are being dropped
             body["ledger"] = ledger
         return web.json_response(body, status=200 if ready else 503)

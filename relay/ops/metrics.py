@@ -8,7 +8,10 @@ seconds and bytes.
 Worker processes (``workers`` > 1) write their values to ``PROMETHEUS_MULTIPROC_DIR``
 (prometheus-client multiprocess mode): counters and histograms add up, the session and
 in-progress gauges are summed over live workers (``livesum``), ``relay_component_up`` is the
-minimum over live workers (``livemin``: 1 only when every worker's probe answered).
+minimum over live workers (``livemin``: 1 only when every worker's probe answered). The
+supervisor reads those files through :class:`relay.ops.worker_files.WorkerFiles`, which skips
+one it cannot read (a worker's file created and not yet sized: 0 bytes; one cut short), so
+``/metrics`` and ``/readyz`` never fail on it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from relay import __version__
 from relay.core.interfaces import DsnResult, Outcome, Result
+from relay.ops.worker_files import worker_files
 
 STORE_OPS = ("reserve", "settle", "renew")
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
@@ -410,8 +414,7 @@ def workers_registry(path: str, worker_pids: Callable[[], Mapping[int, int]]
     ``relay_build``, the supervisor's own ``process_*`` / ``python_*`` collectors, and each
     live worker's memory and CPU (:class:`WorkerProcesses` over ``worker_pids``)."""
     registry = CollectorRegistry()
-    # prometheus_client.multiprocess has no annotations
-    multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    registry.register(worker_files(path))
     Info("relay_build", "Build information", registry=registry).info({"version": __version__})
     register_runtime_collectors(registry)
     registry.register(WorkerProcesses(worker_pids))
@@ -470,8 +473,7 @@ def components_up(path: str) -> dict[str, float]:
     """``relay_component_up`` by component over the live workers of the multiprocess directory
     ``path``: 1.0 when every worker's last probe of it answered, 0.0 otherwise; {} before any
     worker set it."""
-    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
-    for metric in collector.collect():  # type: ignore[no-untyped-call]
+    for metric in worker_files(path).collect():
         if metric.name == "relay_component_up":
             return {s.labels["component"]: float(s.value) for s in metric.samples}
     return {}
@@ -482,8 +484,7 @@ def ledger_totals(path: str) -> tuple[int, int]:
     ``relay_ledger_queue_rows`` over the live ones, of the multiprocess directory ``path``:
     (dropped, queued)."""
     dropped = queued = 0
-    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
-    for metric in collector.collect():  # type: ignore[no-untyped-call]
+    for metric in worker_files(path).collect():
         if metric.name == "relay_ledger_dropped":
             dropped = int(sum(s.value for s in metric.samples if s.name.endswith("_total")))
         elif metric.name == "relay_ledger_queue_rows":
@@ -495,8 +496,7 @@ def upstreams_up(path: str) -> dict[str, float]:
     """``relay_upstream_up`` by upstream name over the live workers of the multiprocess
     directory ``path``: 1.0 when the upstream is ready in every worker, 0.0 otherwise; {}
     before any worker set it."""
-    collector = multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
-    for metric in collector.collect():  # type: ignore[no-untyped-call]
+    for metric in worker_files(path).collect():
         if metric.name == "relay_upstream_up":
             return {s.labels["upstream"]: float(s.value) for s in metric.samples}
     return {}

@@ -73,6 +73,10 @@ class AccessSettings(Section):
         "expect a PROXY v1/v2 header from a load balancer in proxy_networks"))
     proxy_networks: CsvList = Field(("127.0.0.0/8", "::1/128"), description=(
         "CIDRs of the load balancers allowed to send a PROXY header, comma-separated"))
+    # needs a restart, as proxy_protocol (not in LIVE): every listener reads it at start
+    proxy_protocol_timeout: float = Field(default=10.0, gt=0, le=300, description=(
+        "seconds (at most 300) a connection from a balancer has to send its PROXY header, "
+        "then it is closed; one that closes first frees its slot at once"))
 
     @field_validator("allowed_networks", "proxy_networks", "allowed_senders", mode="before")
     @classmethod
@@ -169,6 +173,7 @@ class AccessSettings(Section):
             auth_enabled=self.auth_file is not None, auth_required=self.auth_required,
             proxy_networks=(parse_networks(self.proxy_networks) if self.proxy_protocol
                             else None),
+            proxy_timeout_s=self.proxy_protocol_timeout,
         )
 
     def sasl(self, *, on_failure: Callable[[], None], on_refused: Callable[[], None]

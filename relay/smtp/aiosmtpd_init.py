@@ -87,8 +87,10 @@ def init_smtp(session: SMTP, handler: Any, *, data_size_limit: int | None = 3355
               loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Set up ``session`` as ``SMTP.__init__(session, handler, ...)`` of aiosmtpd 1.4.6 does
     (same keywords and defaults; raises ValueError/TypeError/RuntimeError as it does), with
-    the introspected names from :func:`introspect`. It does not warn about AUTH without TLS:
-    the relay sets ``_auth_require_tls`` itself (:class:`relay.smtp.session.RelaySMTP`)."""
+    the introspected names from :func:`introspect`. It does not warn about AUTH without TLS
+    (the relay sets ``_auth_require_tls`` itself, :class:`relay.smtp.session.RelaySMTP`), nor
+    on every connection about a ``proxy_protocol_timeout`` under 3 s (the operator's setting,
+    checked once in :mod:`relay.settings.access`)."""
     s: Any = session  # aiosmtpd's attributes, untyped to mypy
     s.__ident__ = ident or aiosmtpd_smtp.__ident__
     if loop is None:
@@ -125,11 +127,8 @@ def init_smtp(session: SMTP, handler: Any, *, data_size_limit: int | None = 3355
     s.transport = None
     s._handler_coroutine = None
     s._auth_require_tls = auth_require_tls
-    if proxy_protocol_timeout is not None:
-        if proxy_protocol_timeout <= 0:
-            raise ValueError("proxy_protocol_timeout must be > 0")
-        if proxy_protocol_timeout < 3.0:
-            log.warning("proxy_protocol_timeout < 3.0")
+    if proxy_protocol_timeout is not None and proxy_protocol_timeout <= 0:
+        raise ValueError("proxy_protocol_timeout must be > 0")
     s._proxy_timeout = proxy_protocol_timeout
     if authenticator is not None:
         s._authenticator, s._auth_callback = authenticator, None

@@ -68,7 +68,8 @@ class ListenerSecurity:
     ``tls_context`` enables STARTTLS (and the implicit-TLS listener); ``tls_required`` refuses
     mail commands before STARTTLS (RFC 3207 section 4); AUTH is offered only over TLS and
     only when ``auth_enabled``; ``auth_required`` refuses MAIL before AUTH (``530 5.7.0``);
-    ``proxy_networks`` (set when PROXY protocol is on) are the balancers allowed to send it.
+    ``proxy_networks`` (set when PROXY protocol is on) are the balancers allowed to send it,
+    ``proxy_timeout_s`` the seconds a connection has to send its header.
     """
 
     gate: ConnectionGate

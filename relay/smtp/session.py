@@ -4,8 +4,10 @@ Enhanced status codes on every reply (RFC 2034), strict paths (RFC 5321 section 
 ``421 4.4.2`` before closing an idle client, 998-octet lines read in bounded memory
 (:mod:`relay.smtp.data`), per-chunk DATA timeout and an overall DATA deadline, a session
 lifetime and a cap on commands without a message, replies owed to a client that half-closed,
-and the access rules of :class:`relay.smtp.access.ConnectionGate` applied before the greeting. The
-hooks that decide about mail are in :mod:`relay.smtp.handler`; a session knows its handler only
+``BDAT`` answered ``521 5.5.1`` with the connection closed (CHUNKING is not offered; the
+chunk after it is never read as commands), and the access rules of
+:class:`relay.smtp.access.ConnectionGate` applied before the greeting. The hooks that decide
+about mail are in :mod:`relay.smtp.handler`; a session knows its handler only
 as the :class:`SessionHandler` Protocol, and gets its metrics and the session registry injected
 (the handler module imports this one, never the reverse).
 """
@@ -282,13 +284,27 @@ class RelaySMTP(SMTP):
         return keep_open
 
     async def _handle_client(self) -> None:
-        """Greet an admitted client; say ``421 4.7.0`` and close for a refused one."""
+        """Greet an admitted client; say ``421 4.7.0`` and close for a refused one.
+
+        However the session ends, the connection is closed with it, so its slots are given
+        back at once. aiosmtpd closes it when its command loop ends, but not when its wait for
+        the PROXY header ends: a balancer's health check that connects and closes (FIN) held
+        its slot until ``proxy_protocol_timeout`` (the EOF leaves a plain transport open).
+        """
         if self._refusal is not None:
             await self.push(str(self._refusal))
             if self.transport is not None:
                 self.transport.close()
             return
-        await super()._handle_client()
+        try:
+            await super()._handle_client()
+        except asyncio.IncompleteReadError:  # only the header wait lets it out (data.py)
+            peer = self.session.peer if self.session is not None else None
+            log.debug("%s closed the connection before its PROXY header",  # every LB check
+                      peer[0] if isinstance(peer, tuple) else "?")
+        finally:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
 
     async def smtp_AUTH(self, arg: str) -> None:
         """AUTH, answered ``502 5.5.1`` when the relay has no credentials configured.
@@ -414,8 +430,16 @@ class RelaySMTP(SMTP):
 
     def _command_seen(self, line: bytes) -> bool:
         """Count a command outside a mail transaction; past ``max_idle_commands`` since the
-        last message, say ``421 4.7.0``, close and return False."""
+        last message, say ``421 4.7.0``, close and return False. ``BDAT`` (CHUNKING is not
+        offered) is ``521 5.5.1`` and the end of the session, before aiosmtpd sees it: the
+        chunk that follows it on the wire (RFC 3030 section 2) is message content, never
+        to be read as commands."""
         words = line.split(None, 1)
+        if words and words[0].upper() == b"BDAT":
+            log.warning("BDAT from %s (CHUNKING is not offered): closing the connection",
+                        self._admitted_host or "?")
+            self._say_and_close(replies.BDAT_NOT_IMPLEMENTED)
+            return False
         if words and words[0].upper() in _TRANSACTION_COMMANDS:
             self._answering = words[0].upper()  # counted in push() if it is refused
             return True

@@ -381,7 +381,8 @@ class SqliteStore:
         return await self._call("inspect", lambda conn, _now: _inspect(conn, key), in_tx=False)
 
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
-        """Delete ``key`` whatever it holds; True when a live row was deleted.
+        """Delete ``key``; with ``expected`` only while it still holds that record (read in
+        the same write transaction). True when a live row was deleted.
 
         Raises :class:`StoreError` (op ``force_release``).
         """
@@ -390,15 +391,21 @@ class SqliteStore:
 
         return await self._call("force_release", body)
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
-        """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds, whatever it held
-        (an operator's decision). Raises :class:`StoreError` (op ``force_mark_sent``)."""
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float,
+                              expected: Record | None = None) -> bool:
+        """Set SENT(now, ``reply``) under ``key`` for ``window_s`` seconds (an operator's
+        decision); with ``expected``, only while the key still holds that record (no live row,
+        for ABSENT), read in the same write transaction. True when written. Raises
+        :class:`StoreError` (op ``force_mark_sent``)."""
         window_ms = _ms(window_s)
 
-        def body(conn: sqlite3.Connection, now_ms: int) -> None:
+        def body(conn: sqlite3.Connection, now_ms: int) -> bool:
+            if expected is not None and not _still(conn, now_ms, key, expected):
+                return False
             conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
+            return True
 
-        await self._call("force_mark_sent", body)
+        return await self._call("force_mark_sent", body)
 
     async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
                            max_keys: int | None = None,
@@ -658,12 +665,20 @@ def _count_states(conn: sqlite3.Connection | None, prefix: str, lease_ms: int,
         in_doubt_older=sum(row[3] or 0 for row in by_state.values()))
 
 
+def _still(conn: sqlite3.Connection, now_ms: int, key: str, expected: Record) -> bool:
+    """Whether ``key`` still holds the record ``expected`` an operator read (no live row,
+    for ABSENT)."""
+    row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
+    if row is None:
+        return expected.state is State.ABSENT
+    return _same(_record(row, now_ms), expected)
+
+
 def _force_release(conn: sqlite3.Connection, now_ms: int, key: str,
                    expected: Record | None) -> bool:
-    if expected is not None:
-        row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
-        if row is None or not _same(_record(row, now_ms), expected):
-            return False  # absent, or no longer what the operator saw
+    if expected is not None and (expected.state is State.ABSENT
+                                 or not _still(conn, now_ms, key, expected)):
+        return False  # absent, or no longer what the operator saw
     cursor = conn.execute(_DELETE_LIVE, (key, now_ms))
     conn.execute("DELETE FROM fingerprints WHERE key = ?", (key,))  # an expired leftover
     return cursor.rowcount == 1

@@ -47,6 +47,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "auth_failure_window": ("60", 60.0),
     "proxy_protocol": (None, True),
     "proxy_networks": ("10.1.0.0/16", ("10.1.0.0/16",)),
+    "proxy_protocol_timeout": ("2.5", 2.5),
     "upstream": ("smtp.example.com:587", (UpstreamEntry(address="smtp.example.com:587"),)),
     "upstream_tls": ("starttls", "starttls"),
     "upstream_verify": (None, False),  # --no-upstream-verify

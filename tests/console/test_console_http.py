@@ -11,7 +11,7 @@ import csv
 import io
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from tests.support.console import (
 )
 from tests.support.metrics import sample
 from tests.support.pki import make_pki
-from tests.support.postgres import wait_ledger_rows
+from tests.support.postgres import ledger_schema, wait_ledger_rows
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
 
@@ -481,3 +481,60 @@ async def test_a_release_and_a_mark_sent_at_once_settle_the_record_once(
     await asyncio.sleep(0.3)  # a second row, had one been written, has landed
     rows = await wait_ledger_rows(ledger_url, 2)
     assert len(rows) == 2 and rows[0]["outcome"] == "unknown", rows
+
+
+@pytest.fixture
+def store_and_ledger_url() -> Iterator[str]:
+    """A private PostgreSQL schema holding the store's and the ledger's tables (set up before
+    the relay, dropped after it stopped)."""
+    with ledger_schema(store=True) as url:
+        yield url
+
+
+async def _waiting_for_a_lock(conn: asyncpg.Connection, within_s: float) -> bool:
+    """Whether a session waits for a lock the transaction of ``conn`` holds (polled up to
+    ``within_s`` seconds; other sessions of the server, other tests', do not count)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await conn.fetchval("SELECT count(*) FROM pg_stat_activity "
+                               "WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_mark_sent_that_a_retry_overtook_is_refused_409(
+        store_and_ledger_url: str, make_relay: MakeRelay, sink: Sink, tmp_path: Path,
+        web: list[Browser]) -> None:
+    """The console's mark-sent reads the record in doubt; a retry's take-over (PENDING of its
+    own) holds the row and commits while the mark-sent waits for it: 409 in the release's
+    wording, the retry's record kept, no ``marked_sent`` row."""
+    url = store_and_ledger_url
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=url, store=url)
+    assert relay.store is not None
+    key = await in_doubt_message(relay, sink, url)
+    operator = opened(web, relay)
+    await operator.sign_in(OPERATOR, OPERATOR_PASSWORD)
+    _, page, _ = await operator.get("/in-doubt")
+    retry = await asyncpg.connect(url, timeout=10)
+    try:
+        tx = retry.transaction()
+        await tx.start()
+        await retry.execute(
+            "UPDATE dedup_relay_fingerprints SET state = 'pending', token = 'Y', at = NULL, "
+            "expires_at = now() + interval '30 seconds' WHERE key = $1", key)
+        posted = asyncio.ensure_future(operator.post("/in-doubt/resolve", {
+            "csrf": csrf_of(page), "store_key": key, "action": "mark_sent",
+            "reason": "smarthost log: delivered"}))
+        assert await _waiting_for_a_lock(retry, 20.0), "the mark-sent never waited"
+        await tx.commit()
+        status, refused, _ = await posted
+    finally:
+        await retry.close()
+    record = await relay.store.inspect(key)
+    assert (record.state.value, record.token) == ("pending", "Y"), record
+    assert status == 409, refused
+    assert ("Refused: the record changed while it was being marked sent; nothing was done. "
+            "Look again.") in refused
+    await asyncio.sleep(0.3)  # a row, had one been written, has landed
+    assert [r["outcome"] for r in await wait_ledger_rows(url, 2, timeout_s=0.5)] == ["unknown"]

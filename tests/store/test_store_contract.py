@@ -21,12 +21,14 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import cast
 from uuid import uuid4
 
 import pytest
 import redis.asyncio
 from redis._parsers import _AsyncRESP3Parser
 
+from relay.admin import mark_sent
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
 from relay.store.postgres.store import PostgresStore
@@ -962,3 +964,78 @@ async def test_force_release_with_expected_spares_a_record_replaced_since(
     now = await store.inspect(key)
     assert await store.force_release(key, expected=now)
     assert (await store.inspect(key)).state is State.ABSENT
+
+
+async def test_mark_sent_with_expected_spares_a_retry_that_took_the_key_since(
+        store: FingerprintStore, prefix: str) -> None:
+    """An operator's mark-sent of the in-doubt record they inspected writes nothing once a
+    retry took the key over and is sending (compare-and-set): the retry's SENDING record
+    stays, and its own SENT then lands; on the record as it is now, the mark is written."""
+    key, first, retry = prefix + "k", new_token(), new_token()
+    await store.reserve([key], token=first, lease_s=30)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=first, window_s=3600)
+    seen = await store.inspect(key)
+    assert seen.state is State.UNKNOWN
+    [taken] = await store.reserve([key], token=retry, lease_s=30, resend_unknown=True)
+    assert taken.reserved
+    assert await store.settle([SettleOp(key, Settle.SENDING, lease_s=30)], token=retry,
+                              window_s=3600) == [True]
+    assert not await store.force_mark_sent(key, reply="operator", window_s=3600,
+                                           expected=seen)
+    now = await store.inspect(key)
+    assert now.state is State.SENDING and now.token == retry
+    assert await store.force_mark_sent(key, reply="operator", window_s=3600, expected=now)
+    marked = await store.inspect(key)
+    assert marked.state is State.SENT and marked.reply == "operator"
+
+
+async def test_mark_sent_of_a_key_seen_absent_spares_a_reserve_made_since(
+        store: FingerprintStore, prefix: str) -> None:
+    """A mark-sent of a key the operator found absent writes nothing once an attempt reserved
+    it, and writes SENT while it is still absent."""
+    key, other = prefix + "k", prefix + "other"
+    seen = await store.inspect(key)
+    assert seen.state is State.ABSENT
+    token = new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    assert not await store.force_mark_sent(key, reply="operator", window_s=3600,
+                                           expected=seen)
+    assert (await store.inspect(key)).token == token
+    assert await store.force_mark_sent(other, reply="operator", window_s=3600,
+                                       expected=await store.inspect(other))
+    assert (await store.inspect(other)).state is State.SENT
+
+
+class BothLooked:
+    """A store whose ``inspect`` answers only once ``parties`` callers have each read: two
+    operators who looked at the same record before either acted."""
+
+    def __init__(self, store: FingerprintStore, parties: int) -> None:
+        self._store = store
+        self._looked = asyncio.Barrier(parties)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def inspect(self, key: str) -> Record:
+        record = await self._store.inspect(key)
+        await self._looked.wait()
+        return record
+
+
+async def test_two_operators_marking_one_record_at_once_mark_it_once(
+        store: FingerprintStore, prefix: str) -> None:
+    """Two operators who both read an in-doubt record and then mark it sent at once: one
+    marks it, the other is told it changed (nothing done), and the record holds the first's
+    reason."""
+    key, token = prefix + "k", new_token()
+    await store.reserve([key], token=token, lease_s=30)
+    await store.settle([SettleOp(key, Settle.UNKNOWN)], token=token, window_s=3600)
+    both = cast(FingerprintStore, BothLooked(store, 2))
+    results = await asyncio.gather(*(
+        mark_sent(both, key, reason=who, lease_s=LEASE_S, window_s=WINDOW_S, operator=who)
+        for who in ("alice", "bob")))
+    marked = [who for who, (_, done) in zip(("alice", "bob"), results, strict=True) if done]
+    assert len(marked) == 1, results
+    assert all(before.state is State.UNKNOWN for before, _ in results)
+    assert (await store.inspect(key)).reply == f"marked sent by an operator: {marked[0]}"

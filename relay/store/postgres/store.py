@@ -166,6 +166,9 @@ INSERT INTO {_T_} AS f (key, state, at, reply, expires_at) VALUES ($1, 'sent', n
 ON CONFLICT (key) DO UPDATE SET state = 'sent', token = NULL, at = now(), reply = $2,
     expires_at = now() + $3::bigint {_MS}, lease_ms = NULL
 """
+# The same, only where the key holds no live row (an operator saw it absent); a row a
+# concurrent reserve inserts is waited for and then left alone. Returns the key when written.
+_FORCE_SENT_IF_ABSENT = _FORCE_SENT + " WHERE f.expires_at <= now() RETURNING f.key"
 
 # $1 prefix, $2 lease ms for a SENDING row that names none, $3 the in-doubt age cutoff in ms.
 # One row per state a live record under the prefix reads as ("foreign": a state the relay did
@@ -384,11 +387,27 @@ class PostgresStore:
 
         return await self._call("force_release", body)
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
-        """Set SENT(the database's now, ``reply``) for ``window_s`` seconds whatever ``key``
-        held. Raises :class:`StoreError` (op ``force_mark_sent``)."""
-        await self._call("force_mark_sent", lambda conn: conn.execute(
-            _FORCE_SENT, key, storable(reply), _ms(window_s)))
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float,
+                              expected: Record | None = None) -> bool:
+        """Set SENT(the database's now, ``reply``) for ``window_s`` seconds; with ``expected``
+        only while ``key`` is still that record (read under a row lock in the same
+        transaction; for ABSENT, only while no live row is there). True when written. Raises
+        :class:`StoreError` (op ``force_mark_sent``)."""
+        args = (key, storable(reply), _ms(window_s))
+
+        async def body(conn: asyncpg.Connection) -> bool:
+            if expected is not None and expected.state is State.ABSENT:
+                return await conn.fetchval(_FORCE_SENT_IF_ABSENT, *args) is not None
+            async with conn.transaction():
+                if expected is not None:
+                    row = await conn.fetchrow(_INSPECT + " FOR UPDATE", key)
+                    if row is None or row["expires_at"] <= row["now"] or not _same(
+                            _record(row), expected):
+                        return False
+                await conn.execute(_FORCE_SENT, *args)
+                return True
+
+        return await self._call("force_mark_sent", body)
 
     async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
                            max_keys: int | None = None,

@@ -180,8 +180,20 @@ return 1
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the upstream reply text an operator gives
 # ARGV[2] - the dedup window in milliseconds
-# sets SENT at the server's time whatever KEYS[1] held (an operator's decision); returns 1
+# ARGV[3] - "value": only while KEYS[1] holds exactly ARGV[4] (the value the operator saw; ""
+#           for a key of another type, as INSPECT_LUA reads it); "absent": only while it holds
+#           nothing; "any": whatever it holds
+# ARGV[4] - the value the operator saw (with "value")
+# return 1 if KEYS[1] now holds SENT at the server's time (an operator's decision), 0 if it
+# no longer held what the operator saw (nothing changed: a retry took the key meanwhile)
 FORCE_SENT_LUA = NOW_MS_LUA + """
+local value = redis.pcall('GET', KEYS[1])
+if value ~= false and type(value) ~= 'string' then
+    value = ''
+end
+if (ARGV[3] == 'absent' and value ~= false) or (ARGV[3] == 'value' and value ~= ARGV[4]) then
+    return 0
+end
 redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[1], 'PX', ARGV[2])
 return 1
 """

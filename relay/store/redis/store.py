@@ -266,13 +266,21 @@ class RedisStore:
                 [(self._release_if_script, key, args)], durable=frozenset())
         return bool(deleted)
 
-    async def force_mark_sent(self, key: str, *, reply: str, window_s: float) -> None:
-        """Set ``S|<server time ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds,
-        whatever it held (an operator's decision). Raises :class:`StoreError` (op
-        ``force_mark_sent``)."""
-        call = (self._force_sent_script, key, (reply_bytes(reply), _ms(window_s)))
+    async def force_mark_sent(self, key: str, *, reply: str, window_s: float,
+                              expected: Record | None = None) -> bool:
+        """Set ``S|<server time ms>|reply`` under ``key`` with a TTL of ``window_s`` seconds
+        (an operator's decision); with ``expected`` only while the key still holds
+        ``expected.raw`` (nothing, for ABSENT), in one script. True when written. Raises
+        :class:`StoreError` (op ``force_mark_sent``)."""
+        guard: tuple[bytes, bytes] = (b"any", b"")
+        if expected is not None and expected.state is State.ABSENT:
+            guard = (b"absent", b"")
+        elif expected is not None and expected.raw is not None:
+            guard = (b"value", expected.raw)
+        call = (self._force_sent_script, key, (reply_bytes(reply), _ms(window_s), *guard))
         async with _translated("force_mark_sent", self._op_timeout_s):
-            await self._run_scripts([call], durable={key})
+            [written] = await self._run_scripts([call], durable={key})
+        return bool(written)
 
     async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
                            max_keys: int | None = None,

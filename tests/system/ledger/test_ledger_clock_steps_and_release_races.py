@@ -9,11 +9,13 @@
 - A ``release`` that deleted nothing because the record changed between the command's inspect
   and its compare-and-delete (an owed UNKNOWN settle landed) writes no row that resolves the
   decision still in doubt: ``in-doubt`` and the gauge keep listing it.
+- A ``mark-sent`` whose record a retry took over between the command's inspect and its
+  compare-and-set writes nothing over the retry's record, and no row.
 
 The outage is :class:`tests.support.pg_proxy.PgProxy` refusing A's ledger connections; the
 clock is the core's and the ledger writer's of an in-loop relay (one host clock). The release
-runs as a process on a PostgreSQL store (the lock of X's settle, held by the test, orders the
-race).
+and the mark-sent run as processes on a PostgreSQL store (the lock of X's settle or of the
+retry's take-over, held by the test, orders the race).
 """
 
 from __future__ import annotations
@@ -162,14 +164,15 @@ async def _in_doubt(url: str) -> list[str | None]:
         await reader.close()
 
 
-async def _waiting_for_a_row_lock(conn: asyncpg.Connection, within_s: float) -> bool:
-    """Whether a session waits for a lock with a ``FOR UPDATE`` query (polled up to
-    ``within_s`` seconds)."""
+async def _waiting_for(conn: asyncpg.Connection, holder: asyncpg.Connection,
+                      within_s: float) -> bool:
+    """Whether a session waits for a lock ``holder``'s transaction holds (polled up to
+    ``within_s`` seconds; other sessions of the server, other tests', do not count)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE '%FOR UPDATE%' AND pid <> pg_backend_pid()"):
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                holder.get_server_pid()):
             return True
         await asyncio.sleep(0.02)
     return False
@@ -204,7 +207,7 @@ async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
         released = asyncio.ensure_future(asyncio.to_thread(
             run_cli, "release", "--store-key", key, "--reason", "smarthost log: not received",
             cwd=tmp_path, env=env))
-        assert await _waiting_for_a_row_lock(conn, 20.0), "the release never waited for X"
+        assert await _waiting_for(conn, settle, 20.0), "the release never waited for X"
         await tx.commit()
         done = await released
         assert '"released": false' in done.stdout, (done.returncode, done.stdout, done.stderr)
@@ -214,4 +217,48 @@ async def test_a_release_that_lost_a_race_leaves_the_decision_in_doubt(
         assert listed == [key], (listed, done.stdout)
     finally:
         await settle.close()
+        await conn.close()
+
+
+async def test_a_mark_sent_that_lost_a_race_to_a_retry_leaves_the_retrys_record(
+        both_url: str, tmp_path: Path) -> None:
+    """X's record is UNKNOWN (in doubt in the ledger). A retry takes the key over (PENDING of
+    its own) and holds the row when the operator's ``mark-sent`` has read it; it commits while
+    the mark-sent waits for the row. The mark-sent writes nothing (compare-and-set): exit 1,
+    ``"marked_sent": false``, the refusal on stderr, the retry's record kept, no ledger row
+    (the decision is still in doubt)."""
+    key = "race:k2"
+    conn = await asyncpg.connect(both_url, timeout=10)
+    retry = await asyncpg.connect(both_url, timeout=10)
+    try:
+        await conn.execute(
+            "INSERT INTO dedup_relay_fingerprints (key, state, at, expires_at) "
+            "VALUES ($1, 'unknown', now() - interval '2 minutes', now() + interval '1 hour')",
+            key)
+        await conn.execute(
+            "INSERT INTO dedup_relay_ledger (row_id, decided_at, action, outcome, store_key, "
+            "recipient, message_id) VALUES (gen_random_uuid(), now() - interval '2 minutes', "
+            "'decide', 'unknown', $1, 'u***@example.net', '<m2@example.com>')", key)
+        tx = retry.transaction()
+        await tx.start()  # the retry's take-over (unknown_policy = send), landing
+        await retry.execute(
+            "UPDATE dedup_relay_fingerprints SET state = 'pending', token = 'Y', at = NULL, "
+            "expires_at = now() + interval '30 seconds' WHERE key = $1", key)
+        env = {"RELAY_STORE": both_url, "RELAY_LEDGER": both_url,
+               "RELAY_STORE_PREFIX": "race:"}
+        marking = asyncio.ensure_future(asyncio.to_thread(
+            run_cli, "mark-sent", "--store-key", key, "--reason", "smarthost log: delivered",
+            cwd=tmp_path, env=env))
+        assert await _waiting_for(conn, retry, 20.0), "the mark-sent never waited for the retry"
+        await tx.commit()
+        done = await marking
+        outcome = (done.returncode, done.stdout, done.stderr)
+        row = await conn.fetchrow(
+            "SELECT state, token FROM dedup_relay_fingerprints WHERE key = $1", key)
+        assert (row["state"], row["token"]) == ("pending", "Y"), outcome
+        assert done.returncode == 1 and '"marked_sent": false' in done.stdout, outcome
+        assert "the record changed while it was being marked sent" in done.stderr, outcome
+        assert await _in_doubt(both_url) == [key], outcome
+    finally:
+        await retry.close()
         await conn.close()
