@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -62,11 +63,13 @@ from relay.core.interfaces import (
     StateCounts,
 )
 from relay.core.rules import reads_as
-from relay.ops.http import CappedSite, ConnectionCap
+from relay.ops.connection_cap import ConnectionCap
+from relay.ops.http import CappedSite
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
 from relay.smtp.auth import AttemptResult
 from relay.smtp.tls import rotate_certificate
+from relay.smtp.tls_handover import server_handshake
 
 if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
     from relay.store.postgres.ledger_read import HistoryRow, LedgerReader
@@ -79,6 +82,7 @@ MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
 MAX_PER_ADDRESS = 16  # connections from one client address (a browser opens 6 at most)
+ANONYMOUS_GRACE_S = 2.0  # at the cap, a connection with no complete request by then may go
 LIFETIME_S = 60.0  # a connection's life when no request is being answered on it (a trickle)
 SHUTDOWN_S = 2.5  # requests still running at stop get this long, twice (aiohttp's two waits)
 MAX_LEDGER_CONNECTIONS = 8  # page requests reading the ledger at once (one connection each)
@@ -183,11 +187,14 @@ class Console:
         app.router.add_get("/stats", self._stats_page)
         app.router.add_get("/export.csv", self._export)
         app.router.add_get("/static/console.css", self._css)
+        handshake = None if self._tls is None else functools.partial(
+            server_handshake, context=self._tls, timeout_s=HANDSHAKE_TIMEOUT_S)
         self._site = CappedSite(
-            app, host=self._address[0], port=self._address[1], sock=self._sock, tls=self._tls,
-            handshake_timeout_s=HANDSHAKE_TIMEOUT_S, shutdown_timeout_s=SHUTDOWN_S,
+            app, host=self._address[0], port=self._address[1], sock=self._sock,
+            handshake=handshake, shutdown_timeout_s=SHUTDOWN_S,
             max_connections=MAX_CONNECTIONS, idle_timeout_s=IDLE_TIMEOUT_S,
-            max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S)
+            max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S,
+            evict_after_s=ANONYMOUS_GRACE_S)
         await self._site.start()
         self._cap = self._site.cap
         self.port = self._site.port
@@ -257,6 +264,8 @@ class Console:
                     self.metrics.refused("expired" if expired else "anonymous")
                     return self._headers(self._anonymous(request))
                 request[_SESSION] = session
+                assert self._cap is not None
+                self._cap.vouch(request.transport)  # never closed to make room
                 if request.method == "POST":
                     form = await request.post()
                     token = form.get("csrf")
