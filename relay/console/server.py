@@ -51,6 +51,7 @@ from relay.admin import (
 )
 from relay.console.errors import ConsoleError
 from relay.console.export import Sent, file_name, iso, period_of, stream_csv
+from relay.console.forms import form_of
 from relay.console.sessions import Session, Sessions, SignIns, tokens_match
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
@@ -267,7 +268,7 @@ class Console:
                 assert self._cap is not None
                 self._cap.vouch(request.transport)  # never closed to make room
                 if request.method == "POST":
-                    form = await request.post()
+                    form = await form_of(request)
                     token = form.get("csrf")
                     if not session.csrf_matches(token if isinstance(token, str) else None):
                         self.metrics.refused("csrf")
@@ -335,7 +336,7 @@ class Console:
         return response
 
     async def _login(self, request: web.Request) -> web.StreamResponse:
-        form = await request.post()
+        form = await form_of(request)
         expected = request.cookies.get(LOGIN_COOKIE, "")
         given = form.get("csrf")
         if not expected or not isinstance(given, str) or not tokens_match(given, expected):
@@ -430,7 +431,7 @@ class Console:
         then the store acts, then the row is written, as ``dedup-relay release`` /
         ``mark-sent --store-key`` do."""
         session = request[_SESSION]
-        form = await request.post()
+        form = await form_of(request)
         action, key = str(form.get("action", "")), str(form.get("store_key", "")).strip()
         reason = str(form.get("reason", "")).strip()
         if session.role != "operator":

@@ -12,17 +12,21 @@ It shares the relay's descriptors and event loop, so its connections are bounded
 (:class:`relay.ops.connection_cap.ConnectionCap`): at most :data:`MAX_CONNECTIONS` open at
 once, counted at accept (one more is closed at once, nothing read or sent), and a connection
 from which no byte came for :data:`IDLE_TIMEOUT_S` is closed (a client that connects and
-sends nothing, or stalls mid-request, or keeps an idle keep-alive open)."""
+sends nothing, or stalls mid-request, or keeps an idle keep-alive open). A request that is
+not HTTP aiohttp can parse is answered ``400`` and logged as one INFO line, no traceback
+(:class:`RequestErrors`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
@@ -31,6 +35,33 @@ from relay.ops.health import Readiness
 
 MAX_CONNECTIONS = 32  # a scraper or two and probes need a few; a flood must not take fds
 IDLE_TIMEOUT_S = 10.0  # below Prometheus' 15 s scrape interval: it reconnects per scrape
+_SHOWN_CHARS = 120  # of a parse error's first line in the log
+
+
+class RequestErrors(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log (``aiohttp.server``) as an aiohttp server behind a
+    :class:`CappedSite` writes it: a request aiohttp could not parse (a malformed request
+    line, header or body framing: ``HttpProcessingError``, answered ``400`` by aiohttp) is
+    one INFO line of ``relay.http`` naming the peer and the first line of the parser's
+    reason, no traceback; any other error is logged as aiohttp logs it (ERROR, with its
+    traceback: a fault of the relay's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._refusals = logging.getLogger("relay.http")
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = (exc_info.message or "").strip().splitlines() or [type(exc_info).__name__]
+            self._refusals.info("HTTP request refused (%s): %s", exc_info.code,
+                                reason[0][:_SHOWN_CHARS].rstrip(":"),
+                                extra={"peer": args[0] if args else None})
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return msg, kwargs
 
 
 class CappedSite:
@@ -46,7 +77,8 @@ class CappedSite:
                  shutdown_timeout_s: float = 60.0, **limits: Any) -> None:
         self._app = app
         self._host, self._port, self._sock = host, port, sock
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                                     logger=RequestErrors())
         self._limits: Mapping[str, Any] = {**limits, "handshake": handshake}
         self._server: asyncio.Server | None = None
         self.cap: ConnectionCap | None = None

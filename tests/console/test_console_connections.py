@@ -1,10 +1,13 @@
 """The console's connections over raw sockets, served by an in-process relay: HTTPS clients
-counted when TCP accepts them (before their handshake), and anonymous connections that sent
-no request closed first when the console is full so a signed-in operator gets in."""
+counted when TCP accepts them (before their handshake), anonymous connections that sent no
+request closed first when the console is full so a signed-in operator gets in, and malformed
+requests on the console and metrics ports answered 400 with one INFO line each."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -107,3 +110,62 @@ async def test_a_signed_in_operator_gets_in_while_silent_connections_fill_the_co
         assert gone[0] and not any(gone[1:])
     finally:
         close_all(silent)
+
+
+MALFORMED = [
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/9.Z\r\nHost: x\r\n\r\n",
+    b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+    b"POST /login HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+]
+
+
+async def answer_to(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def multipart_sign_in() -> bytes:
+    body = (b'--XX\r\nContent-Disposition: form-data; name="user"\r\n\r\n'
+            + OPERATOR.encode() + b"\r\n--XX--\r\n")
+    return (b"POST /login HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: multipart/form-data; boundary=XX\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+async def test_malformed_requests_are_answered_400_with_one_info_line(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A request aiohttp cannot parse, on the console's port and on the metrics port, and a
+    sign-in posted as multipart or as bytes that are no UTF-8, are each answered 400 and
+    logged as one INFO line, no traceback, nothing at WARNING or above."""
+    relay = await console_relay(make_relay, sink, tmp_path, metrics_listen="127.0.0.1:0")
+    assert relay.console is not None and relay.metrics_port
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    sent = 0
+    for port in (relay.console.port, relay.metrics_port):
+        for request in MALFORMED:
+            answer = await answer_to(port, request)
+            assert answer.startswith(b"HTTP/1.") and answer.split(b" ")[1] == b"400", answer
+            sent += 1
+    for request in (multipart_sign_in(),
+                    b"POST /login HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                    b"application/x-www-form-urlencoded\r\nContent-Length: 6\r\n\r\nuser=\xff"):
+        answer = await answer_to(relay.console.port, request)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        sent += 1
+    await asyncio.sleep(0.1)
+    http = [r for r in caplog.records if r.name.startswith(("aiohttp", "relay.http",
+                                                             "relay.console"))]
+    assert [r.levelname for r in http] == ["INFO"] * sent, [r.getMessage() for r in http]
+    assert not any(r.exc_info for r in http)
+    assert all("\n" not in r.getMessage() for r in http)
