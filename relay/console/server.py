@@ -211,8 +211,8 @@ class Console:
     async def reload(self, settings: Settings, applied: AbstractSet[str]) -> None:
         """Apply a reload: the certificate (its own, or the listener's) is read again from the
         next handshake, as the listener's is; with ``console_auth_file`` in ``applied`` the
-        users file is read again: the next sign-in is checked against it, and a session of a
-        user it no longer names, or names with another role, ends at its next request. Raises
+        users file is read again: the next sign-in is checked against it, and the sessions of
+        a user whose line went or changed (another password hash or role) end. Raises
         ConfigError when a file does not load; then nothing was changed."""
         users = None
         if "console_auth_file" in applied:
@@ -222,7 +222,7 @@ class Console:
             await asyncio.to_thread(rotate_certificate, self._tls, *pair)
         if users is not None:
             self.sign_ins.users.replace_with(users)
-            self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
+            self.sessions.keep_only(lambda s: users.stamp(s.user) == s.stamp)
             log.info("console users read again", extra={"users": len(users)})
         self.settings = settings  # the live ones: the dedup window of a mark-sent, ...
 
@@ -345,7 +345,7 @@ class Console:
                                     "console: open the page again.")
         user, password = str(form.get("user", "")), str(form.get("password", ""))
         peer = request.remote or "unknown"
-        result, role = await self.sign_ins.check(peer, user, password)
+        result, role, stamp = await self.sign_ins.check(peer, user, password)
         self.metrics.signed_in(result)
         if result is not AttemptResult.SUCCEEDED or role is None:
             log.warning("console sign-in %s", result.value, extra={"peer": peer})
@@ -355,7 +355,7 @@ class Console:
                        else "Wrong user name or password.")
             return self._login_form(request, status=429 if result is AttemptResult.REFUSED
                                     else 401, message=message)
-        token, _ = self.sessions.start(user, role)
+        token, _ = self.sessions.start(user, role, stamp)
         log.info("console sign-in", extra={"user": user, "role": role, "peer": peer})
         response = web.HTTPSeeOther(local_path(str(form.get("next", "/history"))))
         self._cookie(response, SESSION_COOKIE, token, max_age=None)

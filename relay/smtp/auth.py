@@ -252,6 +252,14 @@ class CredentialFile:
         entry = self._entries.get(username)
         return None if entry is None else entry.role
 
+    def stamp(self, username: str) -> bytes | None:
+        """What ``username``'s line holds, as a digest (SHA-256 of its hash and role): another
+        stamp after a reload means a new password or role. None for an unknown user."""
+        entry = self._entries.get(username)
+        if entry is None:
+            return None
+        return hashlib.sha256(f"{entry.password_hash}\0{entry.role}".encode()).digest()
+
     def replace_with(self, other: CredentialFile) -> None:
         """Take the users of ``other`` (a configuration reload read the file again): the next
         AUTH is checked against them; an exchange already checking keeps the entry it read."""
