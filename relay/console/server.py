@@ -50,7 +50,7 @@ from relay.admin import (
     stats_report,
 )
 from relay.console.errors import ConsoleError
-from relay.console.export import Sent, file_name, iso, period_of, stream_csv
+from relay.console.export import READ_TIMEOUT_S, Sent, file_name, iso, period_of, stream_csv
 from relay.console.forms import form_of
 from relay.console.sessions import Session, Sessions, SignIns, tokens_match
 from relay.core.address import mask_address
@@ -565,7 +565,8 @@ class Console:
         sent = Sent()
         try:
             async with self._ledger(self._export_slots) as reader, \
-                    contextlib.aclosing(reader.period(start, end)) as batches:
+                    contextlib.aclosing(reader.period(
+                        start, end, read_timeout_s=READ_TIMEOUT_S)) as batches:
                 # closed here, also when the client leaves mid-download: its transaction
                 # ends before the connection does
                 first = await _ledger_call(anext(batches, []))

@@ -208,20 +208,22 @@ class LedgerReader:
         records = await self._call("ledger stats", _SUPPRESSED, float(since_s), limit)
         return [(str(r["template"]), int(r["suppressed"])) for r in records]
 
-    async def period(self, start: datetime, end: datetime
+    async def period(self, start: datetime, end: datetime, *, read_timeout_s: float
                      ) -> AsyncGenerator[list[HistoryRow], None]:
         """The rows decided in [``start``, ``end``) (timezone-aware), oldest first, in batches
         of :data:`EXPORT_BATCH` fetched one at a time from a server-side cursor (memory
         bounded whatever the period holds).
 
         The cursor is held past its read-only transaction (``WITH HOLD``): the database reads
-        the period's rows when that transaction commits, within the timeout, and keeps them
-        (in its temporary space) for the cursor; the batches are then fetched outside any
-        transaction. So however slowly the rows are taken, no transaction stays open and
-        VACUUM is held back by none. Each batch's fetch is bounded by the timeout; the cursor
-        is closed at the end (or with the connection)."""
-        with as_store_error("ledger export", self._timeout_s, _ERRORS):
-            async with asyncio.timeout(self._timeout_s), \
+        the period's rows when that transaction commits, within ``read_timeout_s`` seconds
+        (the transaction's longest life), and keeps them (in its temporary space) for the
+        cursor; the batches are then fetched outside any transaction. So however slowly the
+        rows are taken, no transaction stays open and VACUUM is held back by none. Each
+        batch's fetch is bounded by the reader's timeout; the cursor is closed at the end (or
+        with the connection). Raises :class:`StoreError` as every method, also when the
+        period is not read within ``read_timeout_s``."""
+        with as_store_error("ledger export", read_timeout_s, _ERRORS):
+            async with asyncio.timeout(read_timeout_s), \
                     self._conn.transaction(readonly=True, isolation="repeatable_read"):
                 await self._conn.execute(_PERIOD, start, end)
         try:
