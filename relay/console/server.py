@@ -11,8 +11,11 @@ in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, st
 
 Every POST carries its session's CSRF token (the sign-in form a token of its own cookie),
 else 403. Responses are never cached, framed or sniffed, and load nothing from elsewhere
-(Content-Security-Policy). Its connections are capped and idle ones closed
-(:class:`relay.ops.http.CappedSite`), so a scanner cannot take the process's descriptors. The
+(Content-Security-Policy). Its connections are capped when TCP accepts them and idle ones
+closed (:class:`relay.ops.http.CappedSite`), so a scanner cannot take the process's
+descriptors; a full console closes anonymous connections that sent no request to let a new one
+in, never one a signed-in request used (:meth:`relay.ops.connection_cap.ConnectionCap.vouch`).
+A POST's body must be a urlencoded form (:mod:`relay.console.forms`). The
 ledger is read through one connection per request (:class:`LedgerReader`), so a long export
 holds up no other page.
 """

@@ -9,8 +9,10 @@ kept; the least recently used go first.
 
 Sign-in is checked as SMTP AUTH is (:mod:`relay.smtp.auth`): the same users file format with a
 role, the same hash checks (an unknown user costs a dummy hash), the same guess budget per
-client address (``auth_max_failures`` within ``auth_failure_window``, successes refunded) and
-the same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 5 s).
+client address (``auth_max_failures`` within ``auth_failure_window``, successes refunded), the
+same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 5 s) and the same
+turns of one user name's checks (:mod:`relay.smtp.user_turns`). A reload ends the sessions of
+a user whose line changed (:meth:`relay.smtp.auth.CredentialFile.stamp`).
 """
 
 from __future__ import annotations
