@@ -10,10 +10,10 @@ prompts compared byte for byte by the client.
 The credentials file holds one ``username:hash`` per line, the hash made by bcrypt
 (``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
 :func:`format_entry`. A file of users with roles (the console's) holds ``username:hash:role``
-lines (neither hash form holds a ``:``). Hash checks run in a worker thread (they cost ~100 ms
-each). Passwords, hashes and AUTH blobs are never logged or put in an exception; the username
-is logged at DEBUG only. The authenticated identity is part of the dedup fingerprint only with
-``scope_by_auth``.
+lines (neither hash form holds a ``:``). Hash checks run in threads of their own
+(:mod:`relay.smtp.hash_threads`; ~100 ms each). Passwords, hashes and AUTH blobs are never
+logged or put in an exception; the username is logged at DEBUG only. The authenticated
+identity is part of the dedup fingerprint only with ``scope_by_auth``.
 
 :class:`SaslMechanisms` plugs into aiosmtpd: the listener's handler exposes its ``auth_PLAIN``
 and ``auth_LOGIN`` (aiosmtpd offers every handler method named ``auth_<MECH>``).
@@ -46,6 +46,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 
 from relay.core import replies
 from relay.core.errors import ConfigError
+from relay.smtp.hash_threads import in_hash_thread
 from relay.smtp.user_turns import UserTurns
 
 log = logging.getLogger("relay.smtp.auth")
@@ -58,10 +59,10 @@ _ROLE = re.compile(r"[a-z][a-z_]*")
 _BCRYPT_MAX_BYTES = 72  # bcrypt 5 refuses longer secrets instead of truncating them
 _MAX_DELAY_S = 5.0  # cap of the growing delay before an AUTH attempt is answered
 _MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget (oldest go)
-# hash checks at once per users file (the SMTP one, the console's: two per process at most),
-# the others wait in line: argon2 defaults take 64 MiB and a core for ~100 ms each, and sign-in
-# guessing must take neither the cores relaying needs nor the default thread pool that other
-# adapters (the SQLite store) share
+# hash checks at once per users file (the SMTP one, the console's: two per process at most,
+# in threads of their own at a lower priority: relay.smtp.hash_threads), the others wait in
+# line: argon2 defaults take 64 MiB and the cores for ~100 ms each, and sign-in guessing must
+# not take the CPU relaying needs
 _MAX_CONCURRENT_CHECKS = 1
 # a verified (user, password) is remembered this long, so a client that opens a connection per
 # message pays one hash check (argon2id: 64 MiB, ~100 ms) per period, not per connection
@@ -361,7 +362,7 @@ class CredentialFile:
 
     async def _hash_check(self, entry: _Entry, secret: bytes) -> bool:
         async with self._checks:
-            return await asyncio.to_thread(_check_hash, entry, secret)
+            return await in_hash_thread(_check_hash, entry, secret)
 
 
 def _role_problem(role: str | None, roles: tuple[str, ...] | None) -> str | None:

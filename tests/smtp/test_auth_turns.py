@@ -1,12 +1,14 @@
 """What a password guesser can cost the relay (relay.smtp.auth and relay.smtp.user_turns,
 behind SMTP AUTH and the console's sign-in): hash checks run one at a time per users file,
-the checks of one user name take turns whatever the client address, and what the guess budget
-keeps of a user name is a short digest."""
+in threads of their own at a lower priority, the checks of one user name take turns whatever
+the client address, and what the guess budget keeps of a user name is a short digest."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import sys
 import threading
 import time
 import tracemalloc
@@ -131,3 +133,22 @@ async def test_the_guess_budget_keeps_a_digest_of_each_user_name(
     finally:
         tracemalloc.stop()
     assert kept < 1_000_000, kept
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+async def test_a_hash_check_runs_in_a_thread_of_its_own_at_a_lower_priority(
+        credentials: CredentialFile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs outside the event loop's thread and the default executor, in a
+    hash-check thread whose nice value is the process's plus 10: relaying goes first."""
+    seen: list[tuple[str, int]] = []
+    real = auth._check_hash
+
+    def observed(entry: Any, secret: bytes) -> bool:
+        seen.append((threading.current_thread().name,
+                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(entry, secret)
+
+    monkeypatch.setattr(auth, "_check_hash", observed)
+    assert await credentials.verify(USER, PASSWORD)
+    [(name, nice)] = seen
+    assert name.startswith("hash-check") and nice == os.getpriority(os.PRIO_PROCESS, 0) + 10
