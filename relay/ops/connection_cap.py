@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import cast
 
-log = logging.getLogger("relay.http")
+log = logging.getLogger("relay.ops.http")
 
 Handshake = Callable[[asyncio.Transport, asyncio.Protocol, bytearray],
                      Awaitable[asyncio.BaseTransport]]

@@ -42,13 +42,13 @@ class RequestErrors(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's server log (``aiohttp.server``) as an aiohttp server behind a
     :class:`CappedSite` writes it: a request aiohttp could not parse (a malformed request
     line, header or body framing: ``HttpProcessingError``, answered ``400`` by aiohttp) is
-    one INFO line of ``relay.http`` naming the peer and the first line of the parser's
+    one INFO line of ``relay.ops.http`` naming the peer and the first line of the parser's
     reason, no traceback; any other error is logged as aiohttp logs it (ERROR, with its
     traceback: a fault of the relay's)."""
 
     def __init__(self) -> None:
         super().__init__(logging.getLogger("aiohttp.server"), {})
-        self._refusals = logging.getLogger("relay.http")
+        self._refusals = logging.getLogger("relay.ops.http")
 
     def exception(self, msg: object, *args: object, exc_info: Any = True,
                   **kwargs: Any) -> None:

@@ -322,11 +322,11 @@ class CredentialFile:
     async def verify(self, username: str, password: str) -> bool:
         """True when ``password`` (UTF-8) is the password of ``username`` (exact match).
 
-        The hash check runs in a worker thread, one at a time per file (the others wait in
-        line); credentials verified within :data:`VERIFIED_TTL_S` are answered from
-        :attr:`verified` without one, and the
-        same user and password asked again while their check runs wait for that check (the
-        connections an application opens at once after a start pay one check, not one each).
+        The hash check runs in a hash-check thread, one at a time per file (the others wait
+        in line); credentials verified within :data:`VERIFIED_TTL_S` are answered from
+        :attr:`verified` without one, and the same user and password asked again while their
+        check runs wait for that check (the connections an application opens at once after a
+        start pay one check, not one each).
         An unknown user is checked against a dummy hash, so both take about the same time.
         Never raises for bad input: a password that cannot match is simply False.
         """

@@ -82,8 +82,3 @@ class UserTurns:
         while self._not_before and (len(self._not_before) > self._max_keys
                                     or next(iter(self._not_before.values())) <= now):
             self._not_before.popitem(last=False)
-
-    def waiting(self, key: str) -> int:
-        """How many attempts at the user ``key`` hold or wait for its turn."""
-        held = self._turns.get(key)
-        return 0 if held is None else held.users

@@ -164,8 +164,8 @@ async def test_malformed_requests_are_answered_400_with_one_info_line(
         assert answer.startswith(b"HTTP/1.1 400"), answer
         sent += 1
     await asyncio.sleep(0.1)
-    http = [r for r in caplog.records if r.name.startswith(("aiohttp", "relay.http",
-                                                             "relay.console"))]
+    http = [r for r in caplog.records
+            if r.name.startswith(("aiohttp", "relay.ops.http", "relay.console"))]
     assert [r.levelname for r in http] == ["INFO"] * sent, [r.getMessage() for r in http]
     assert not any(r.exc_info for r in http)
     assert all("\n" not in r.getMessage() for r in http)
