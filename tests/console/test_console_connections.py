@@ -89,8 +89,8 @@ async def test_https_connections_are_counted_before_their_handshake(
 async def test_a_signed_in_operator_gets_in_while_silent_connections_fill_the_console(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
     """Sixty-four connections from four addresses that send nothing fill the console; once
-    they have been silent 2 s, a new connection of a signed-in operator closes the oldest of
-    them and is served (its next ones take the slot it left), and the others stay open."""
+    they have been silent 2 s, a new connection of a signed-in operator closes one of them
+    and is served (its next ones take the slot it left), and the others stay open."""
     relay = await console_relay(make_relay, sink, tmp_path)
     assert relay.console is not None
     operator = opened(web, relay, connector=aiohttp.TCPConnector(
@@ -107,7 +107,7 @@ async def test_a_signed_in_operator_gets_in_while_silent_connections_fill_the_co
             status, page, _ = await operator.get("/history")
             assert status == 200 and "Sign out" in page
         gone = [await closed_within(raw, 0.05) for raw in silent]
-        assert gone[0] and not any(gone[1:])
+        assert sum(gone) == 1, [i for i, g in enumerate(gone) if g]
     finally:
         close_all(silent)
 
