@@ -7,6 +7,9 @@ Both read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--stor
 Exit codes (:class:`relay.cli.exit_codes.ExitCode`): 0 done (also when no row matched), 2 bad
 input, 3 the ledger failed, did not answer, or its schema is missing or old (the message names
 ``dedup-relay db upgrade --ledger``), 78 invalid configuration or no ledger configured.
+Lines print what clients and smarthosts sent (Message-IDs, replies) through
+:func:`relay.cli.terminal.shown`: no control character reaches the terminal; ``--json``
+escapes them as JSON does.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from relay.cli.admin import (
 )
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
+from relay.cli.terminal import shown
 from relay.core.errors import StoreError
 from relay.settings import Settings, setting_names
 from relay.store.postgres.migrations import SchemaError
@@ -138,10 +142,10 @@ def register(main: click.Group) -> None:
             click.echo(json.dumps([history_json(row) for row in rows]))
             return
         if not rows:
-            click.echo(f"dedup-relay: no rows for {key} in the ledger", err=True)
+            click.echo(f"dedup-relay: no rows for {shown(key)} in the ledger", err=True)
             return
         for row in rows:
-            click.echo(_history_line(row))
+            click.echo(shown(_history_line(row)))
 
     @main.command("in-doubt", epilog=epilog())
     @store_options
@@ -172,7 +176,7 @@ def register(main: click.Group) -> None:
             click.echo("dedup-relay: no unresolved in-doubt decisions in the ledger", err=True)
             return
         for row in rows:
-            click.echo(_in_doubt_line(row))
+            click.echo(shown(_in_doubt_line(row)))
         click.echo(
             f"\n{len(rows)} in-doubt decision(s): the upstream took the message and its answer "
             "was lost. Look each up in the smarthost's log by its queue id or Message-ID, "

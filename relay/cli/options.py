@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from relay.cli.exit_codes import ExitCode
+from relay.cli.terminal import shown_lines
 from relay.core.errors import ConfigError
 from relay.settings import (
     COMPUTED_DEFAULTS,
@@ -44,8 +45,9 @@ _REPEATABLE = frozenset({"upstream"})
 
 
 def fail(code: ExitCode, message: str) -> NoReturn:
-    """Print ``dedup-relay: message`` on stderr and exit with ``code``."""
-    click.echo(f"dedup-relay: {message}", err=True)
+    """Print ``dedup-relay: message`` on stderr (control characters escaped, line breaks
+    kept: :func:`relay.cli.terminal.shown_lines`) and exit with ``code``."""
+    click.echo(f"dedup-relay: {shown_lines(message)}", err=True)
     sys.exit(int(code))
 
 

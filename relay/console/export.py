@@ -1,9 +1,11 @@
 """The console's CSV export of the audit ledger (``/export.csv``): the period asked for, the
 cells, and the streaming of the rows.
 
-Order: the period is checked (:func:`period_of`); the rows come from the ledger in batches
-(:meth:`relay.store.postgres.ledger_read.LedgerReader.period`, a server-side cursor); each
-batch is written as CSV lines (RFC 4180, CRLF) once the previous was taken by the client. A
+Order: the period is checked (:func:`period_of`); the ledger reads its rows in one short
+transaction, within :data:`READ_TIMEOUT_S`, into a cursor that outlives it
+(:meth:`relay.store.postgres.ledger_read.LedgerReader.period`), and they come from it in
+batches; each batch is written as CSV lines (RFC 4180, CRLF) once the previous was taken by
+the client. A
 write that waits :data:`WRITE_TIMEOUT_S` for the client to read ends the download (the
 connection is aborted); a ledger failure after the first batch ends the file with a line
 saying it is incomplete (the status line was sent already). Memory: one batch.
@@ -36,6 +38,9 @@ MAX_EXPORT_DAYS = 400
 """The longest period (days): the ledger keeps rows 400 days by default; longer is a typo."""
 WRITE_TIMEOUT_S = 30.0
 """Seconds one write of an export waits for the client to read, at most."""
+READ_TIMEOUT_S = 60.0
+"""Seconds the ledger may take to read an export's period (its one transaction: the rows are
+then fetched outside any, however slowly the client downloads them)."""
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 

@@ -11,8 +11,11 @@ in-doubt counts) and ``/export.csv?from=...&to=...`` (a period's ledger rows, st
 
 Every POST carries its session's CSRF token (the sign-in form a token of its own cookie),
 else 403. Responses are never cached, framed or sniffed, and load nothing from elsewhere
-(Content-Security-Policy). Its connections are capped and idle ones closed
-(:class:`relay.ops.http.CappedSite`), so a scanner cannot take the process's descriptors. The
+(Content-Security-Policy). Its connections are capped when TCP accepts them and idle ones
+closed (:class:`relay.ops.http.CappedSite`), so a scanner cannot take the process's
+descriptors; a full console closes anonymous connections that sent no request to let a new one
+in, never one a signed-in request used (:meth:`relay.ops.connection_cap.ConnectionCap.vouch`).
+A POST's body must be a urlencoded form (:mod:`relay.console.forms`). The
 ledger is read through one connection per request (:class:`LedgerReader`), so a long export
 holds up no other page.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -50,7 +54,8 @@ from relay.admin import (
     stats_report,
 )
 from relay.console.errors import ConsoleError
-from relay.console.export import Sent, file_name, iso, period_of, stream_csv
+from relay.console.export import READ_TIMEOUT_S, Sent, file_name, iso, period_of, stream_csv
+from relay.console.forms import form_of
 from relay.console.sessions import Session, Sessions, SignIns, tokens_match
 from relay.core.address import mask_address
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
@@ -63,11 +68,13 @@ from relay.core.interfaces import (
     StateCounts,
 )
 from relay.core.rules import reads_as
-from relay.ops.http import CappedSite, ConnectionCap
+from relay.ops.connection_cap import ConnectionCap
+from relay.ops.http import CappedSite
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
 from relay.smtp.auth import AttemptResult
 from relay.smtp.tls import rotate_certificate
+from relay.smtp.tls_handover import server_handshake
 
 if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
     from relay.store.postgres.ledger_read import HistoryRow, LedgerReader
@@ -80,6 +87,7 @@ MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client's handshake at most (a connection that never starts)
 MAX_PER_ADDRESS = 16  # connections from one client address (a browser opens 6 at most)
+ANONYMOUS_GRACE_S = 2.0  # at the cap, a connection with no complete request by then may go
 LIFETIME_S = 60.0  # a connection's life when no request is being answered on it (a trickle)
 SHUTDOWN_S = 2.5  # requests still running at stop get this long, twice (aiohttp's two waits)
 MAX_LEDGER_CONNECTIONS = 8  # page requests reading the ledger at once (one connection each)
@@ -184,11 +192,14 @@ class Console:
         app.router.add_get("/stats", self._stats_page)
         app.router.add_get("/export.csv", self._export)
         app.router.add_get("/static/console.css", self._css)
+        handshake = None if self._tls is None else functools.partial(
+            server_handshake, context=self._tls, timeout_s=HANDSHAKE_TIMEOUT_S)
         self._site = CappedSite(
-            app, host=self._address[0], port=self._address[1], sock=self._sock, tls=self._tls,
-            handshake_timeout_s=HANDSHAKE_TIMEOUT_S, shutdown_timeout_s=SHUTDOWN_S,
+            app, host=self._address[0], port=self._address[1], sock=self._sock,
+            handshake=handshake, shutdown_timeout_s=SHUTDOWN_S,
             max_connections=MAX_CONNECTIONS, idle_timeout_s=IDLE_TIMEOUT_S,
-            max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S)
+            max_per_address=MAX_PER_ADDRESS, lifetime_s=LIFETIME_S,
+            evict_after_s=ANONYMOUS_GRACE_S)
         await self._site.start()
         self._cap = self._site.cap
         self.port = self._site.port
@@ -204,8 +215,8 @@ class Console:
     async def reload(self, settings: Settings, applied: AbstractSet[str]) -> None:
         """Apply a reload: the certificate (its own, or the listener's) is read again from the
         next handshake, as the listener's is; with ``console_auth_file`` in ``applied`` the
-        users file is read again: the next sign-in is checked against it, and a session of a
-        user it no longer names, or names with another role, ends at its next request. Raises
+        users file is read again: the next sign-in is checked against it, and the sessions of
+        a user whose line went or changed (another password hash or role) end. Raises
         ConfigError when a file does not load; then nothing was changed."""
         users = None
         if "console_auth_file" in applied:
@@ -215,7 +226,7 @@ class Console:
             await asyncio.to_thread(rotate_certificate, self._tls, *pair)
         if users is not None:
             self.sign_ins.users.replace_with(users)
-            self.sessions.keep_only(lambda s: users.role(s.user) == s.role)
+            self.sessions.keep_only(lambda s: users.stamp(s.user) == s.stamp)
             log.info("console users read again", extra={"users": len(users)})
         self.settings = settings  # the live ones: the dedup window of a mark-sent, ...
 
@@ -258,8 +269,10 @@ class Console:
                     self.metrics.refused("expired" if expired else "anonymous")
                     return self._headers(self._anonymous(request))
                 request[_SESSION] = session
+                assert self._cap is not None
+                self._cap.vouch(request.transport)  # never closed to make room
                 if request.method == "POST":
-                    form = await request.post()
+                    form = await form_of(request)
                     token = form.get("csrf")
                     if not session.csrf_matches(token if isinstance(token, str) else None):
                         self.metrics.refused("csrf")
@@ -327,7 +340,7 @@ class Console:
         return response
 
     async def _login(self, request: web.Request) -> web.StreamResponse:
-        form = await request.post()
+        form = await form_of(request)
         expected = request.cookies.get(LOGIN_COOKIE, "")
         given = form.get("csrf")
         if not expected or not isinstance(given, str) or not tokens_match(given, expected):
@@ -336,7 +349,7 @@ class Console:
                                     "console: open the page again.")
         user, password = str(form.get("user", "")), str(form.get("password", ""))
         peer = request.remote or "unknown"
-        result, role = await self.sign_ins.check(peer, user, password)
+        result, role, stamp = await self.sign_ins.check(peer, user, password)
         self.metrics.signed_in(result)
         if result is not AttemptResult.SUCCEEDED or role is None:
             log.warning("console sign-in %s", result.value, extra={"peer": peer})
@@ -346,7 +359,7 @@ class Console:
                        else "Wrong user name or password.")
             return self._login_form(request, status=429 if result is AttemptResult.REFUSED
                                     else 401, message=message)
-        token, _ = self.sessions.start(user, role)
+        token, _ = self.sessions.start(user, role, stamp)
         log.info("console sign-in", extra={"user": user, "role": role, "peer": peer})
         response = web.HTTPSeeOther(local_path(str(form.get("next", "/history"))))
         self._cookie(response, SESSION_COOKIE, token, max_age=None)
@@ -422,7 +435,7 @@ class Console:
         then the store acts, then the row is written, as ``dedup-relay release`` /
         ``mark-sent --store-key`` do."""
         session = request[_SESSION]
-        form = await request.post()
+        form = await form_of(request)
         action, key = str(form.get("action", "")), str(form.get("store_key", "")).strip()
         reason = str(form.get("reason", "")).strip()
         if session.role != "operator":
@@ -557,7 +570,8 @@ class Console:
         sent = Sent()
         try:
             async with self._ledger(self._export_slots) as reader, \
-                    contextlib.aclosing(reader.period(start, end)) as batches:
+                    contextlib.aclosing(reader.period(
+                        start, end, read_timeout_s=READ_TIMEOUT_S)) as batches:
                 # closed here, also when the client leaves mid-download: its transaction
                 # ends before the connection does
                 first = await _ledger_call(anext(batches, []))

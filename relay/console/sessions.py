@@ -9,8 +9,10 @@ kept; the least recently used go first.
 
 Sign-in is checked as SMTP AUTH is (:mod:`relay.smtp.auth`): the same users file format with a
 role, the same hash checks (an unknown user costs a dummy hash), the same guess budget per
-client address (``auth_max_failures`` within ``auth_failure_window``, successes refunded) and
-the same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 5 s).
+client address (``auth_max_failures`` within ``auth_failure_window``, successes refunded), the
+same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 5 s) and the same
+turns of one user name's checks (:mod:`relay.smtp.user_turns`). A reload ends the sessions of
+a user whose line changed (:meth:`relay.smtp.auth.CredentialFile.stamp`).
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ in again and again cannot push everyone else's sessions out."""
 @dataclass
 class Session:
     """One signed-in user: ``role`` (``viewer`` or ``operator``), the ``csrf`` token every
-    form of this session carries, and its times (monotonic seconds)."""
+    form of this session carries, its times (monotonic seconds) and the ``stamp`` of the
+    user's line it was opened under (:meth:`relay.smtp.auth.CredentialFile.stamp`)."""
 
     user: str
     role: str
     csrf: str
     started: float
     seen: float
+    stamp: bytes = b""
 
     def csrf_matches(self, given: str | None) -> bool:
         """Whether ``given`` is this session's CSRF token (constant-time)."""
@@ -70,12 +74,12 @@ class Sessions:
         self._max = max_sessions
         self._open: OrderedDict[bytes, Session] = OrderedDict()
 
-    def start(self, user: str, role: str) -> tuple[str, Session]:
-        """Open a session; returns (cookie token, session)."""
+    def start(self, user: str, role: str, stamp: bytes = b"") -> tuple[str, Session]:
+        """Open a session (``stamp``: of the user's line); returns (cookie token, session)."""
         token = secrets.token_urlsafe(32)
         now = self._clock()
         session = Session(user=user, role=role, csrf=secrets.token_urlsafe(32), started=now,
-                          seen=now)
+                          seen=now, stamp=stamp)
         mine = [d for d, s in self._open.items() if s.user == user]
         for digest in mine[:max(0, len(mine) - MAX_PER_USER + 1)]:
             del self._open[digest]
@@ -107,8 +111,8 @@ class Sessions:
             self._open.pop(_digest(token), None)
 
     def keep_only(self, still: Callable[[Session], bool]) -> None:
-        """End every session for which ``still(session)`` is false (its user was removed from
-        the users file, or its role changed)."""
+        """End every session for which ``still(session)`` is false (its user's line in the
+        users file went or changed)."""
         for digest in [d for d, session in self._open.items() if not still(session)]:
             del self._open[digest]
 
@@ -132,7 +136,13 @@ class SignIns:
         return self.attempts.credentials
 
     async def check(self, host: str, user: str, password: str
-                    ) -> tuple[AttemptResult, str | None]:
-        """(how it ended, the user's role when it succeeded)."""
+                    ) -> tuple[AttemptResult, str | None, bytes]:
+        """(how it ended, the user's role and the stamp of their line when it succeeded). A
+        password checked against a line that a reload changed meanwhile has failed."""
+        stamp = self.users.stamp(user)
         result = await self.attempts.check(host, user, password)
-        return result, self.users.role(user) if result is AttemptResult.SUCCEEDED else None
+        if result is AttemptResult.SUCCEEDED and self.users.stamp(user) != stamp:
+            result = AttemptResult.FAILED
+        if result is not AttemptResult.SUCCEEDED or stamp is None:
+            return result, None, b""
+        return result, self.users.role(user), stamp

@@ -10,197 +10,79 @@ else 503, with a JSON body naming what failed, each upstream's state by its conf
 that cannot be read is a 503 with a JSON body naming the error, never a 500 (the traceback
 goes to the log).
 
-It shares the relay's descriptors and event loop, so its connections are bounded: at most
-:data:`MAX_CONNECTIONS` open at once (one more is closed at once, nothing read or sent), and a
-connection from which no byte came for :data:`IDLE_TIMEOUT_S` is closed (a client that
-connects and sends nothing, or stalls mid-request, or keeps an idle keep-alive open)."""
+It shares the relay's descriptors and event loop, so its connections are bounded
+(:class:`relay.ops.connection_cap.ConnectionCap`): at most :data:`MAX_CONNECTIONS` open at
+once, counted at accept (one more is closed at once, nothing read or sent), and a connection
+from which no byte came for :data:`IDLE_TIMEOUT_S` is closed (a client that connects and
+sends nothing, or stalls mid-request, or keeps an idle keep-alive open). A request that is
+not HTTP aiohttp can parse is answered ``400`` and logged as one INFO line, no traceback
+(:class:`RequestErrors`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from relay.ops.connection_cap import ConnectionCap, Handshake
 from relay.ops.health import Readiness
 
 log = logging.getLogger("relay.ops.http")
 MAX_CONNECTIONS = 32  # a scraper or two and probes need a few; a flood must not take fds
 IDLE_TIMEOUT_S = 10.0  # below Prometheus' 15 s scrape interval: it reconnects per scrape
+_SHOWN_CHARS = 120  # of a parse error's first line in the log
 
 
-class _CappedConnection(asyncio.Protocol):
-    """One connection under a :class:`ConnectionCap`: aiohttp's protocol behind the cap's
-    counts and two timers (every call is passed on to ``inner``).
+class RequestErrors(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log (``aiohttp.server``) as an aiohttp server behind a
+    :class:`CappedSite` writes it: a request aiohttp could not parse (a malformed request
+    line, header or body framing: ``HttpProcessingError``, answered ``400`` by aiohttp) is
+    one INFO line of ``relay.ops.http`` naming the peer and the first line of the parser's
+    reason, no traceback; any other error is logged as aiohttp logs it (ERROR, with its
+    traceback: a fault of the relay's)."""
 
-    Over the cap's total or per-address limit the connection is aborted before aiohttp sees
-    it. It is aborted when no byte came for ``idle_timeout_s``, and when it has lived
-    ``lifetime_s`` (a client trickling one byte at a time), unless a response is being
-    streamed on it (:meth:`ConnectionCap.busy`): then both wait until the response is done.
-    """
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._refusals = logging.getLogger("relay.ops.http")
 
-    def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
-        self._inner = inner
-        self._cap = cap
-        self._timer: asyncio.TimerHandle | None = None
-        self._end: asyncio.TimerHandle | None = None
-        self._transport: asyncio.Transport | None = None
-        self.host = ""
-        self.busy = 0
-        self._expired = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        tcp = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport subclass
-        peer = tcp.get_extra_info("peername")
-        self.host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if not self._cap.admit(self):
-            tcp.abort()
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = (exc_info.message or "").strip().splitlines() or [type(exc_info).__name__]
+            self._refusals.info("HTTP request refused (%s): %s", exc_info.code,
+                                reason[0][:_SHOWN_CHARS].rstrip(":"),
+                                extra={"peer": args[0] if args else None})
             return
-        self._transport = tcp
-        self._restart_timer()
-        if self._cap.lifetime_s is not None:
-            self._end = asyncio.get_running_loop().call_later(self._cap.lifetime_s,
-                                                              self._idle)
-        self._inner.connection_made(transport)
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
-    def _restart_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._cap.idle_timeout_s,
-                                                            self._idle)
-
-    def _idle(self) -> None:
-        if self.busy:
-            self._expired = True  # closed once the response is done
-        elif self._transport is not None:
-            self._transport.abort()
-
-    @property
-    def expired(self) -> bool:
-        """Whether a timer ran out while a request was answered (its response should close
-        the connection once it is sent: ``Connection: close``)."""
-        return self._expired
-
-    def released(self) -> None:
-        """A request was answered: the idle timer counts again (a connection whose timer ran
-        out meanwhile was told to close after its response; if it is still open when the idle
-        time passes again, it is aborted then)."""
-        if self.busy == 0:
-            self._restart_timer()
-
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self._transport
-
-    def data_received(self, data: bytes) -> None:
-        self._restart_timer()
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self._cap.forget(self):  # refused over the cap: aiohttp never saw it
-            return
-        for timer in (self._timer, self._end):
-            if timer is not None:
-                timer.cancel()
-        self._inner.connection_lost(exc)
-
-
-class ConnectionCap:
-    """A protocol factory for ``loop.create_server`` serving ``factory``'s protocols (aiohttp's
-    request handler) with at most ``max_connections`` open at once, at most
-    ``max_per_address`` from one client address (None: no such limit), each closed after
-    ``idle_timeout_s`` seconds with no byte received and, when ``lifetime_s`` is given, after
-    that many seconds in all (see :class:`_CappedConnection`)."""
-
-    def __init__(self, factory: Callable[[], asyncio.Protocol], *, max_connections: int,
-                 idle_timeout_s: float, max_per_address: int | None = None,
-                 lifetime_s: float | None = None) -> None:
-        self._factory = factory
-        self._max = max_connections
-        self._max_per_address = max_per_address
-        self.idle_timeout_s = idle_timeout_s
-        self.lifetime_s = lifetime_s
-        self._open: set[_CappedConnection] = set()
-        self._per_address: dict[str, int] = {}
-
-    def __call__(self) -> asyncio.Protocol:
-        return _CappedConnection(self._factory(), self)
-
-    def admit(self, connection: _CappedConnection) -> bool:
-        """Count ``connection`` in, or False when it is over a limit."""
-        from_host = self._per_address.get(connection.host, 0)
-        if len(self._open) >= self._max or (
-                self._max_per_address is not None and from_host >= self._max_per_address):
-            return False
-        self._open.add(connection)
-        self._per_address[connection.host] = from_host + 1
-        return True
-
-    def forget(self, connection: _CappedConnection) -> bool:
-        """Count ``connection`` out; False when it was never counted in."""
-        if connection not in self._open:
-            return False
-        self._open.discard(connection)
-        left = self._per_address.get(connection.host, 1) - 1
-        if left > 0:
-            self._per_address[connection.host] = left
-        else:
-            self._per_address.pop(connection.host, None)
-        return True
-
-    @contextlib.contextmanager
-    def busy(self, transport: asyncio.BaseTransport | None
-             ) -> Iterator[Callable[[], bool]]:
-        """While the block runs (a request being answered, a response streamed for longer
-        than a timer), the connection of ``transport`` is not closed for being idle or old.
-        Yields a function that says whether a timer ran out meanwhile: the block's response
-        should then close the connection when sent (aiohttp's ``force_close()``), instead
-        of the connection being cut under it."""
-        connection = next((c for c in self._open if c.transport is transport), None)
-        if connection is None:
-            yield lambda: False
-            return
-        connection.busy += 1
-        try:
-            yield lambda: connection.expired
-        finally:
-            connection.busy -= 1
-            connection.released()
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return msg, kwargs
 
 
 class CappedSite:
     """An aiohttp application served on TCP behind a :class:`ConnectionCap`: ``await
     start()``, then ``await stop()``. ``sock``: a socket already bound (to host:port), served
-    instead of binding; ``tls``: serve HTTPS, each handshake within ``handshake_timeout_s``;
-    ``shutdown_timeout_s``: how long aiohttp lets running requests finish at stop (it waits
-    that long twice); ``limits``: the cap's keyword arguments."""
+    instead of binding; ``handshake``: serve HTTPS, TLS started on each connection once the
+    cap counted it (:class:`ConnectionCap`); ``shutdown_timeout_s``: how long aiohttp lets
+    running requests finish at stop (it waits that long twice); ``limits``: the cap's other
+    keyword arguments."""
 
     def __init__(self, app: web.Application, *, host: str, port: int,
-                 sock: socket.socket | None = None, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = 10.0, shutdown_timeout_s: float = 60.0,
-                 **limits: Any) -> None:
+                 sock: socket.socket | None = None, handshake: Handshake | None = None,
+                 shutdown_timeout_s: float = 60.0, **limits: Any) -> None:
         self._app = app
         self._host, self._port, self._sock = host, port, sock
-        self._tls, self._handshake_timeout_s = tls, handshake_timeout_s
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
-        self._limits = limits
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                                     logger=RequestErrors())
+        self._limits: Mapping[str, Any] = {**limits, "handshake": handshake}
         self._server: asyncio.Server | None = None
         self.cap: ConnectionCap | None = None
         self.port = 0
@@ -212,20 +94,19 @@ class CappedSite:
         assert self._runner.server is not None  # set by setup()
         factory = self.cap = ConnectionCap(self._runner.server, **self._limits)
         loop = asyncio.get_running_loop()
-        handshake_s = self._handshake_timeout_s if self._tls is not None else None
         if self._sock is None:
-            self._server = await loop.create_server(factory, self._host, self._port,
-                                                    ssl=self._tls,
-                                                    ssl_handshake_timeout=handshake_s)
+            self._server = await loop.create_server(factory, self._host, self._port)
         else:
-            self._server = await loop.create_server(factory, sock=self._sock, ssl=self._tls,
-                                                    ssl_handshake_timeout=handshake_s)
+            self._server = await loop.create_server(factory, sock=self._sock)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
-        """Stop accepting, then close the open connections (aiohttp's shutdown)."""
+        """Stop accepting, end the handshakes still running, then close the open
+        connections (aiohttp's shutdown)."""
         if self._server is not None:
             self._server.close()
+        if self.cap is not None:
+            self.cap.cancel_handshakes()
         await self._runner.cleanup()
 
 

@@ -10,10 +10,10 @@ prompts compared byte for byte by the client.
 The credentials file holds one ``username:hash`` per line, the hash made by bcrypt
 (``$2a$``/``$2b$``/``$2y$``) or argon2 (``$argon2id$``...); see :func:`hash_password` and
 :func:`format_entry`. A file of users with roles (the console's) holds ``username:hash:role``
-lines (neither hash form holds a ``:``). Hash checks run in a worker thread (they cost ~100 ms
-each). Passwords, hashes and AUTH blobs are never logged or put in an exception; the username
-is logged at DEBUG only. The authenticated identity is part of the dedup fingerprint only with
-``scope_by_auth``.
+lines (neither hash form holds a ``:``). Hash checks run in threads of their own
+(:mod:`relay.smtp.hash_threads`; ~100 ms each). Passwords, hashes and AUTH blobs are never
+logged or put in an exception; the username is logged at DEBUG only. The authenticated
+identity is part of the dedup fingerprint only with ``scope_by_auth``.
 
 :class:`SaslMechanisms` plugs into aiosmtpd: the listener's handler exposes its ``auth_PLAIN``
 and ``auth_LOGIN`` (aiosmtpd offers every handler method named ``auth_<MECH>``).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import enum
 import functools
 import hashlib
@@ -45,6 +46,8 @@ from argon2.exceptions import InvalidHashError, VerificationError
 
 from relay.core import replies
 from relay.core.errors import ConfigError
+from relay.smtp.hash_threads import in_hash_thread
+from relay.smtp.user_turns import UserTurns
 
 log = logging.getLogger("relay.smtp.auth")
 
@@ -56,9 +59,11 @@ _ROLE = re.compile(r"[a-z][a-z_]*")
 _BCRYPT_MAX_BYTES = 72  # bcrypt 5 refuses longer secrets instead of truncating them
 _MAX_DELAY_S = 5.0  # cap of the growing delay before an AUTH attempt is answered
 _MAX_BUDGET_KEYS = 10_000  # addresses and user names remembered by GuessBudget (oldest go)
-# hash checks at once: argon2 defaults take 64 MiB each, and an AUTH flood must not fill the
-# default thread pool that other adapters (the SQLite store) share
-_MAX_CONCURRENT_CHECKS = 4
+# hash checks at once per users file (the SMTP one, the console's: two per process at most,
+# in threads of their own at a lower priority: relay.smtp.hash_threads), the others wait in
+# line: argon2 defaults take 64 MiB and the cores for ~100 ms each, and sign-in guessing must
+# not take the CPU relaying needs
+_MAX_CONCURRENT_CHECKS = 1
 # a verified (user, password) is remembered this long, so a client that opens a connection per
 # message pays one hash check (argon2id: 64 MiB, ~100 ms) per period, not per connection
 VERIFIED_TTL_S = 300.0
@@ -252,6 +257,14 @@ class CredentialFile:
         entry = self._entries.get(username)
         return None if entry is None else entry.role
 
+    def stamp(self, username: str) -> bytes | None:
+        """What ``username``'s line holds, as a digest (SHA-256 of its hash and role): another
+        stamp after a reload means a new password or role. None for an unknown user."""
+        entry = self._entries.get(username)
+        if entry is None:
+            return None
+        return hashlib.sha256(f"{entry.password_hash}\0{entry.role}".encode()).digest()
+
     def replace_with(self, other: CredentialFile) -> None:
         """Take the users of ``other`` (a configuration reload read the file again): the next
         AUTH is checked against them; an exchange already checking keeps the entry it read."""
@@ -309,10 +322,11 @@ class CredentialFile:
     async def verify(self, username: str, password: str) -> bool:
         """True when ``password`` (UTF-8) is the password of ``username`` (exact match).
 
-        The hash check runs in a worker thread, at most a few at a time; credentials verified
-        within :data:`VERIFIED_TTL_S` are answered from :attr:`verified` without one, and the
-        same user and password asked again while their check runs wait for that check (the
-        connections an application opens at once after a start pay one check, not one each).
+        The hash check runs in a hash-check thread, one at a time per file (the others wait
+        in line); credentials verified within :data:`VERIFIED_TTL_S` are answered from
+        :attr:`verified` without one, and the same user and password asked again while their
+        check runs wait for that check (the connections an application opens at once after a
+        start pay one check, not one each).
         An unknown user is checked against a dummy hash, so both take about the same time.
         Never raises for bad input: a password that cannot match is simply False.
         """
@@ -321,7 +335,7 @@ class CredentialFile:
         if entry is None:
             await self._hash_check(self._dummy, secret)
             return False
-        if self.verified.holds(username, entry.password_hash, secret):
+        if self.remembered(username, password):
             return True
         digest = self.verified.digest(username, entry.password_hash, secret)
         checking = self._checking.get(digest)
@@ -330,6 +344,13 @@ class CredentialFile:
             self._checking[digest] = checking
             checking.add_done_callback(lambda _: self._checking.pop(digest, None))
         return await asyncio.shield(checking)
+
+    def remembered(self, username: str, password: str) -> bool:
+        """Whether ``username`` and ``password`` were verified within :data:`VERIFIED_TTL_S`
+        (:attr:`verified`): right, without a hash check."""
+        entry = self._entries.get(username)
+        return entry is not None and self.verified.holds(
+            username, entry.password_hash, password.encode("utf-8", "surrogatepass"))
 
     async def _remembered_check(self, username: str, entry: _Entry, secret: bytes) -> bool:
         """The hash check of ``username``'s ``entry``; a success is remembered in
@@ -341,7 +362,7 @@ class CredentialFile:
 
     async def _hash_check(self, entry: _Entry, secret: bytes) -> bool:
         async with self._checks:
-            return await asyncio.to_thread(_check_hash, entry, secret)
+            return await in_hash_thread(_check_hash, entry, secret)
 
 
 def _role_problem(role: str | None, roles: tuple[str, ...] | None) -> str | None:
@@ -352,7 +373,7 @@ def _role_problem(role: str | None, roles: tuple[str, ...] | None) -> str | None
 
 
 class GuessBudget:
-    """AUTH attempts per key (a client address, a user name) within a sliding window.
+    """AUTH attempts per key (a client address, a user name's digest) within a sliding window.
 
     An attempt is charged when it is made, before its password is checked, so a guess whose
     client hangs up is counted and parallel connections share one budget; a successful
@@ -426,7 +447,11 @@ class Attempts:
     waits for them (parallel logins with the right password are not refused for being
     parallel); from an address whose budget failures spent it is not checked: ``refused``,
     answered after ``failure_delay_s``. Failures at a user name are counted too, but only to
-    slow them down: a user is never locked out. A right password is answered as soon as it is
+    slow them down: a user is never locked out. The checks of one user name, from whatever
+    address, take turns (:class:`relay.smtp.user_turns.UserTurns`: one at a time, the next
+    after a failure no sooner than its floor), so guesses at one user do not grow with the
+    guesser's addresses; credentials verified recently skip the turn; an attempt whose caller
+    left before its turn is not checked. A right password is answered as soon as it is
     verified; a failure no sooner than ``failure_delay_s`` x (1 + the attempts already in the
     window of the address or of the user), at most 5 s. Raises ValueError for a negative
     delay, ``max_failures`` below 1 or a window <= 0.
@@ -439,6 +464,7 @@ class Attempts:
         self.credentials = credentials
         self._delay_s = failure_delay_s
         self._budget = GuessBudget(max_attempts=max_failures, window_s=failure_window_s)
+        self._turns = UserTurns()
         # the checks running, by client address (their clients may have gone)
         self._checking: dict[str, set[asyncio.Task[bool]]] = {}
 
@@ -464,14 +490,20 @@ class Attempts:
                 await asyncio.sleep(self._delay_s)
                 return AttemptResult.REFUSED
             await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
-        keys = [f"address:{host}"] + ([f"user:{username}"] if username else [])
+        user = self._turns.key(username) if username else None
+        keys = [f"address:{host}"] + ([user] if user else [])
         prior = max(self._budget.spent(key) for key in keys)
         # the check, its refund or its failure run to the end even if the caller is cancelled
-        checking = asyncio.ensure_future(
-            self._verify(username, password, self._budget.charge(keys), on_failure))
+        attempt = _Attempt(username, password, user, self._budget.charge(keys), on_failure)
+        checking = asyncio.ensure_future(self._verify(attempt))
         self._checking.setdefault(host, set()).add(checking)
         checking.add_done_callback(functools.partial(self._checked, host))
-        if await asyncio.shield(checking):
+        try:
+            ok = await asyncio.shield(checking)
+        except asyncio.CancelledError:
+            attempt.gone = True  # not checked if its turn has not come yet
+            raise
+        if ok:
             return AttemptResult.SUCCEEDED
         floor_s = failure_floor_s(self._delay_s, prior)
         await asyncio.sleep(max(0.0, started + floor_s - loop.time()))
@@ -484,16 +516,42 @@ class Attempts:
             if not earlier:
                 del self._checking[host]
 
-    async def _verify(self, username: str | None, password: str | None,
-                      token: tuple[float, tuple[str, ...]],
-                      on_failure: Callable[[], None] | None) -> bool:
-        ok = bool(username and password) and await self.credentials.verify(
-            username or "", password or "")
-        if ok:
-            self._budget.refund(token)
-        elif on_failure is not None:
-            on_failure()
-        return ok
+    async def _verify(self, attempt: _Attempt) -> bool:
+        """Check ``attempt`` in its user's turn (unless its password was verified recently);
+        refund a success, count a failure and space the user's next check after it."""
+        username, password = attempt.username or "", attempt.password or ""
+        if username and password and self.credentials.remembered(username, password):
+            self._budget.refund(attempt.token)
+            return True
+        async with (self._turns.turn(attempt.user) if attempt.user is not None
+                    else contextlib.nullcontext()):
+            if attempt.gone:
+                return False
+            ok = bool(username and password) and await self.credentials.verify(username,
+                                                                               password)
+            if ok:
+                self._budget.refund(attempt.token)
+                return True
+            if attempt.user is not None:
+                tried = self._budget.spent(attempt.user) - 1  # the others in the window
+                self._turns.failed(attempt.user, failure_floor_s(self._delay_s, tried))
+        if attempt.on_failure is not None:
+            attempt.on_failure()
+        return False
+
+
+@dataclass
+class _Attempt:
+    """One password attempt being checked: what it gave, its user's key
+    (:meth:`UserTurns.key`, None without a user name), its budget charge, what to call when
+    it fails, and whether its caller is ``gone`` (cancelled: a client that hung up)."""
+
+    username: str | None
+    password: str | None = field(repr=False)
+    user: str | None
+    token: tuple[float, tuple[str, ...]]
+    on_failure: Callable[[], None] | None
+    gone: bool = False
 
 
 async def _first_response(server: SMTP, args: list[str], challenge: str | bytes, *,

@@ -10,8 +10,7 @@ count. A failed or timed-out handshake is one INFO line and a count
 
 uvloop starts reading a connection right after its ``connection_made`` (the pause there does
 not hold), so the ClientHello may reach this protocol before the handshake starts: it is kept
-(reading paused) and handed to the TLS layer once ``start_tls`` has set it up, before the loop
-reads anything else.
+(reading paused) and handed to the TLS layer (:mod:`relay.smtp.tls_handover`).
 """
 
 from __future__ import annotations
@@ -20,10 +19,11 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.session import RelaySMTP
+from relay.smtp.tls_handover import server_handshake
 
 log = logging.getLogger("relay.smtp.tls")
 
@@ -98,46 +98,16 @@ class ImplicitTlsAcceptor(asyncio.Protocol):
 
     async def _start_tls(self, transport: asyncio.Transport, session: RelaySMTP,
                          host: str) -> asyncio.BaseTransport | None:
-        """The TLS transport once the handshake ended, or None (an INFO line said why) when
-        it failed, or did not end within ``handshake_timeout_s`` (bounded here too: the loop's
-        own bound does not run on a connection its TLS layer never started on)."""
-        loop = asyncio.get_running_loop()
-        starting = asyncio.ensure_future(loop.start_tls(
-            transport, session, self._context, server_side=True,
-            ssl_handshake_timeout=self._handshake_timeout_s))
+        """The TLS transport once the handshake ended, or None (an INFO line and a count said
+        why) when it failed, or did not end within ``handshake_timeout_s``
+        (:func:`relay.smtp.tls_handover.server_handshake`)."""
         try:
-            await _replay(transport, starting, self._early)
-            return await asyncio.wait_for(starting, self._handshake_timeout_s)
+            return await server_handshake(transport, session, self._early,
+                                          context=self._context,
+                                          timeout_s=self._handshake_timeout_s)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError, ConnectionError included
             session.tls_failed("implicit", host, exc)
             return None
-        finally:
-            starting.cancel()
-
-
-async def _replay(transport: asyncio.Transport, starting: asyncio.Future[Any],
-                  early: bytearray) -> None:
-    """Hand ``early`` (bytes read before the TLS protocol took over; none on asyncio's loop)
-    to the TLS protocol ``start_tls`` sets on ``transport``. ``start_tls`` pauses reading,
-    switches the protocol and schedules its ``connection_made`` and ``resume_reading`` in its
-    first step (asyncio's and uvloop's alike): two yields later both ran, in the same loop
-    pass, so no other read came in between."""
-    await asyncio.sleep(0)  # start_tls's first step runs: nothing reaches us any more
-    await asyncio.sleep(0)  # its connection_made and resume_reading run
-    if starting.done() or not early:
-        return
-    data = bytes(early)
-    protocol: Any = transport.get_protocol()  # uvloop's SSLProtocol: no asyncio class
-    if not hasattr(protocol, "get_buffer"):
-        protocol.data_received(data)
-        return
-    view = memoryview(data)
-    while view:
-        buffer = memoryview(protocol.get_buffer(len(view)))
-        size = min(len(buffer), len(view))
-        buffer[:size] = view[:size]
-        protocol.buffer_updated(size)
-        view = view[size:]
 
 
 class ImplicitTlsFactory:

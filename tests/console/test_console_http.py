@@ -11,10 +11,9 @@ import csv
 import io
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -31,9 +30,9 @@ from tests.support.console import (
     VIEWER,
     VIEWER_PASSWORD,
     Browser,
-    browser,
+    console_relay,
     csrf_of,
-    users_file,
+    opened,
 )
 from tests.support.metrics import sample
 from tests.support.pki import make_pki
@@ -44,33 +43,6 @@ from tests.support.sink import Sink
 pytestmark = pytest.mark.timeout(60)
 
 RCPT = "jane.roe@example.net"
-
-
-async def console_relay(make_relay: MakeRelay, sink: Sink, tmp_path: Path,
-                        **extra: Any) -> Relay:
-    """A relay serving the console on a free loopback port (failure delay 0.2 s)."""
-    values: dict[str, Any] = {
-        "upstream": f"127.0.0.1:{sink.port}", "upstream_timeout": 0.6,
-        "console_listen": "127.0.0.1:0", "console_auth_file": users_file(tmp_path),
-        "auth_failure_delay": 0.2, **extra}
-    return await make_relay(**values)
-
-
-@pytest.fixture
-async def web() -> AsyncIterator[list[Browser]]:
-    """The browsers a test opened (closed at its end)."""
-    opened: list[Browser] = []
-    yield opened
-    for b in opened:
-        await b.http.close()
-
-
-def opened(web: list[Browser], relay: Relay, scheme: str = "http", **session: object
-           ) -> Browser:
-    assert relay.console is not None
-    b = browser(f"{scheme}://127.0.0.1:{relay.console.port}", **session)
-    web.append(b)
-    return b
 
 
 def counted(relay: Relay, name: str, **labels: str) -> float:

@@ -1,7 +1,8 @@
-"""relay.ops.http.ConnectionCap around a real aiohttp server on loopback: a response streamed
-for longer than the idle timer is not cut, a client trickling its request is closed at the
-connection's lifetime, a request being answered when the lifetime runs out still gets its
-answer, and connections from one address are capped."""
+"""relay.ops.connection_cap.ConnectionCap around a real aiohttp server on loopback: a
+response streamed for longer than the idle timer is not cut, a client trickling its request
+is closed at the connection's lifetime, a request being answered when the lifetime runs out
+still gets its answer, connections from one address are capped, and a full cap makes room
+by closing silent, then idle anonymous connections, never vouched ones."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from relay.ops.http import ConnectionCap
+from relay.ops.connection_cap import ConnectionCap
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -116,3 +117,76 @@ async def test_a_request_answered_when_the_lifetime_ran_out_gets_its_answer(serv
     writer.close()
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"late"), answer
     assert b"Connection: close" in answer
+
+
+@pytest.fixture
+async def full() -> AsyncIterator[int]:
+    """A server of three connections that makes room after 0.3 s: /vouch answers a request
+    as one carrying a session (cap.vouch), /anon as an anonymous one."""
+    cap: ConnectionCap
+
+    async def vouch(request: web.Request) -> web.StreamResponse:
+        with cap.busy(request.transport):
+            cap.vouch(request.transport)
+            return web.Response(text="vouched")
+
+    async def anon(request: web.Request) -> web.StreamResponse:
+        with cap.busy(request.transport):
+            return web.Response(text="anonymous")
+
+    app = web.Application()
+    app.router.add_get("/vouch", vouch)
+    app.router.add_get("/anon", anon)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    assert runner.server is not None
+    cap = ConnectionCap(runner.server, max_connections=3, idle_timeout_s=30,
+                        evict_after_s=0.3)
+    server = await asyncio.get_running_loop().create_server(cap, "127.0.0.1", 0)
+    yield int(server.sockets[0].getsockname()[1])
+    server.close()
+    await runner.cleanup()
+
+
+async def ask(raw: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str) -> bytes:
+    """One keep-alive request on ``raw``: the answer's body (b"" when the connection closed)."""
+    reader, writer = raw
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return await reader.readexactly(length)
+
+
+async def gone(raw: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
+    try:
+        return await asyncio.wait_for(raw[0].read(1), 0.2) == b""
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_a_full_cap_closes_silent_then_idle_anonymous_connections_never_vouched_ones(
+        full: int) -> None:
+    """At the cap, a new connection closes the one that sent no request for 0.3 s, the next
+    one the anonymous connection idle that long; then, with only a vouched connection and
+    young ones left, a new connection is refused and the vouched one still serves."""
+    vouched = await asyncio.open_connection("127.0.0.1", full)
+    anonymous = await asyncio.open_connection("127.0.0.1", full)
+    silent = await asyncio.open_connection("127.0.0.1", full)
+    opened = [vouched, anonymous, silent]
+    try:
+        assert await ask(vouched, "/vouch") == b"vouched"
+        assert await ask(anonymous, "/anon") == b"anonymous"
+        await asyncio.sleep(0.4)
+        opened.append(await asyncio.open_connection("127.0.0.1", full))
+        assert await gone(silent) and not await gone(anonymous)
+        opened.append(await asyncio.open_connection("127.0.0.1", full))
+        assert await gone(anonymous)
+        refused = await asyncio.open_connection("127.0.0.1", full)
+        opened.append(refused)
+        assert await gone(refused)
+        assert await ask(vouched, "/vouch") == b"vouched"
+    finally:
+        for _, writer in opened:
+            writer.close()

@@ -1,16 +1,21 @@
-"""The console's parts in the tests: a users file (bcrypt at the lowest cost, so a sign-in
-costs milliseconds), a signed-in HTTP client, and the CSRF token a page's form carries."""
+"""The console's parts in the tests: a relay serving it, a users file (bcrypt at the lowest
+cost, so a sign-in costs milliseconds), a signed-in HTTP client, and the CSRF token a page's
+form carries."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import bcrypt
 
+from relay.app import Relay
 from relay.smtp.auth import format_entry
+from tests.support.relays import MakeRelay
+from tests.support.sink import Sink
 
 VIEWER, VIEWER_PASSWORD = "vera", "viewer-pw-1"
 OPERATOR, OPERATOR_PASSWORD = "otto", "operator-pw-1"
@@ -65,3 +70,22 @@ def browser(base: str, **session: object) -> Browser:
     """A :class:`Browser` keeping cookies of an IP host (``unsafe``), Secure ones too."""
     jar = aiohttp.CookieJar(unsafe=True)
     return Browser(base, aiohttp.ClientSession(cookie_jar=jar, **session))  # type: ignore[arg-type]
+
+
+async def console_relay(make_relay: MakeRelay, sink: Sink, tmp_path: Path,
+                        **extra: Any) -> Relay:
+    """A relay serving the console on a free loopback port (failure delay 0.2 s)."""
+    values: dict[str, Any] = {
+        "upstream": f"127.0.0.1:{sink.port}", "upstream_timeout": 0.6,
+        "console_listen": "127.0.0.1:0", "console_auth_file": users_file(tmp_path),
+        "auth_failure_delay": 0.2, **extra}
+    return await make_relay(**values)
+
+
+def opened(web: list[Browser], relay: Relay, scheme: str = "http", **session: object
+           ) -> Browser:
+    """A :class:`Browser` on ``relay``'s console, closed with the test's ``web`` list."""
+    assert relay.console is not None
+    b = browser(f"{scheme}://127.0.0.1:{relay.console.port}", **session)
+    web.append(b)
+    return b

@@ -73,8 +73,11 @@ GROUP BY template ORDER BY suppressed DESC, template LIMIT $2
 """
 
 # $1 from, $2 to (timestamptz): the rows decided in [from, to), oldest first (recorded_at bound
-# as above)
+# as above), into a cursor that outlives its transaction (WITH HOLD: the rows are read when the
+# transaction commits, then fetched without one); one export per connection, so one name
+_EXPORT_CURSOR = "dedup_relay_export"
 _PERIOD = f"""
+DECLARE {_EXPORT_CURSOR} NO SCROLL CURSOR WITH HOLD FOR
 SELECT {_FIELDS} FROM {_L_}
 WHERE recorded_at >= $1 AND decided_at >= $1 AND decided_at < $2
 ORDER BY decided_at, recorded_at, row_id
@@ -87,6 +90,7 @@ SELECT EXISTS (SELECT 1 FROM {_L_} u WHERE u.store_key = $2 AND {UNRESOLVED_WHER
 
 EXPORT_BATCH = 500
 """Rows an export reads from the database at a time (its memory bound)."""
+_PERIOD_BATCH = f"FETCH FORWARD {EXPORT_BATCH} FROM {_EXPORT_CURSOR}"
 
 
 @dataclass(frozen=True)
@@ -204,32 +208,36 @@ class LedgerReader:
         records = await self._call("ledger stats", _SUPPRESSED, float(since_s), limit)
         return [(str(r["template"]), int(r["suppressed"])) for r in records]
 
-    async def period(self, start: datetime, end: datetime
+    async def period(self, start: datetime, end: datetime, *, read_timeout_s: float
                      ) -> AsyncGenerator[list[HistoryRow], None]:
         """The rows decided in [``start``, ``end``) (timezone-aware), oldest first, in batches
-        of :data:`EXPORT_BATCH` read one at a time from a server-side cursor in one
-        read-only transaction (memory bounded whatever the period holds). Each batch's read
-        is bounded by the timeout."""
-        with as_store_error("ledger export", self._timeout_s, _ERRORS):
-            async with asyncio.timeout(self._timeout_s):
-                transaction = self._conn.transaction(readonly=True,
-                                                     isolation="repeatable_read")
-                await transaction.start()
+        of :data:`EXPORT_BATCH` fetched one at a time from a server-side cursor (memory
+        bounded whatever the period holds).
+
+        The cursor is held past its read-only transaction (``WITH HOLD``): the database reads
+        the period's rows when that transaction commits, within ``read_timeout_s`` seconds
+        (the transaction's longest life), and keeps them (in its temporary space) for the
+        cursor; the batches are then fetched outside any transaction. So however slowly the
+        rows are taken, no transaction stays open and VACUUM is held back by none. Each
+        batch's fetch is bounded by the reader's timeout; the cursor is closed at the end (or
+        with the connection). Raises :class:`StoreError` as every method, also when the
+        period is not read within ``read_timeout_s``."""
+        with as_store_error("ledger export", read_timeout_s, _ERRORS):
+            async with asyncio.timeout(read_timeout_s), \
+                    self._conn.transaction(readonly=True, isolation="repeatable_read"):
+                await self._conn.execute(_PERIOD, start, end)
         try:
-            with as_store_error("ledger export", self._timeout_s, _ERRORS):
-                async with asyncio.timeout(self._timeout_s):
-                    cursor = await self._conn.cursor(_PERIOD, start, end)
             while True:
                 with as_store_error("ledger export", self._timeout_s, _ERRORS):
                     async with asyncio.timeout(self._timeout_s):
-                        records = await cursor.fetch(EXPORT_BATCH)
+                        records = await self._conn.fetch(_PERIOD_BATCH)
                 if not records:
                     break
                 yield [_history_row(r) for r in records]
         finally:
             with contextlib.suppress(*_ERRORS, TimeoutError):
                 async with asyncio.timeout(self._timeout_s):
-                    await transaction.rollback()
+                    await self._conn.execute(f"CLOSE {_EXPORT_CURSOR}")
 
     async def write(self, entries: Sequence[LedgerEntry], options: LedgerOptions) -> None:
         """Write ``entries`` now, in one statement (an operator action's audit row), recipient
