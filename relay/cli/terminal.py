@@ -1,34 +1,22 @@
 """Text for the operator's terminal: :func:`shown`, the one escape every CLI printer of text a
 client or a smarthost controls goes through (a Message-ID, a recipient, an upstream's reply
-or queue id, read back from the audit ledger or the store).
-
-A terminal obeys control characters: ESC starts sequences that clear the screen, set the
-window title, write the clipboard (OSC 52) or plant links (OSC 8); BEL, BS and CR hide or
-rewrite what was printed before them. So every C0 control (U+0000 to U+001F), DEL (U+007F)
-and C1 control (U+0080 to U+009F, ECMA-48 section 5), and every lone surrogate (bytes that
-were no UTF-8), is printed as a visible escape (``\\x1b``, ``\\udcff``); every other
-character, any printable UTF-8 text, is printed as it is.
+or queue id, read back from the audit ledger or the store). The rule itself (which characters,
+and how they are shown) is :func:`relay.core.escape.escaped`.
 """
 
 from __future__ import annotations
 
-import re
-
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def _escape(found: re.Match[str]) -> str:
-    code = ord(found.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+from relay.core.escape import escaped
 
 
 def shown(text: str) -> str:
     """``text`` with every control character (C0, DEL, C1) and lone surrogate escaped as
-    ``\\xNN`` / ``\\uNNNN``: safe to print on a terminal, one line."""
-    return _UNSAFE.sub(_escape, text)
+    ``\\xNN`` / ``\\uNNNN`` (:func:`relay.core.escape.escaped`): safe to print on a
+    terminal, one line."""
+    return escaped(text)
 
 
 def shown_lines(text: str) -> str:
     """``text`` as :func:`shown` prints it, its line breaks kept (a message of several
     lines)."""
-    return "\n".join(shown(line) for line in text.split("\n"))
+    return "\n".join(escaped(line) for line in text.split("\n"))

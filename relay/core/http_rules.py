@@ -17,6 +17,8 @@ import ipaddress
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from relay.core.escape import escaped
+
 
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` (an IP literal or a name) is this machine: a loopback address
@@ -85,8 +87,6 @@ def read_bounded(read: Callable[[int], bytes], *, limit: int,
 
 def printable_excerpt(text: str, limit: int = 200) -> str:
     """At most ``limit`` characters of ``text`` a peer wrote (an error description), its
-    control characters (C0, DEL, C1) escaped as ``\\xNN``: fit for one log line, whatever the
-    peer put in it."""
-    cut = text[:limit]
-    return "".join(f"\\x{ord(ch):02x}" if ord(ch) < 0x20 or 0x7f <= ord(ch) <= 0x9f else ch
-                   for ch in cut)
+    control characters (C0, DEL, C1) escaped as ``\\xNN`` (:func:`relay.core.escape.escaped`):
+    fit for one log line, whatever the peer put in it."""
+    return escaped(text[:limit])
