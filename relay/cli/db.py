@@ -22,15 +22,15 @@ from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import fail
 from relay.core.errors import ConfigError, StoreError
 from relay.settings import kind_extra_missing, redact_url
+from relay.store import registry
 from relay.store.kinds import Schema, StoreKind
 from relay.store.postgres.kind import POSTGRES
-from relay.store.registry import KINDS
 
 
 def _kinds(component: str) -> tuple[StoreKind, ...]:
     """The kinds of database ``component`` (``store`` or ``ledger``) may be in that have a
     schema: the audit ledger's is PostgreSQL's."""
-    return (POSTGRES,) if component == "ledger" else tuple(k for k in KINDS if k.schema)
+    return (POSTGRES,) if component == "ledger" else tuple(k for k in registry.KINDS if k.schema)
 
 
 class _Target(NamedTuple):
