@@ -16,6 +16,7 @@ from relay.store.kinds import NamedFile, OpenOptions, StoreKind
 from relay.store.redis.urls import (
     CLUSTER_SCHEMES,
     SENTINEL_SCHEMES,
+    SERVER_SCHEMES,
     is_multi_host_url,
     parse_multi_host_url,
 )
@@ -76,7 +77,7 @@ async def _open(url: str, options: OpenOptions) -> FingerprintStore:
 REDIS = StoreKind(
     name="Redis",
     label="redis",
-    schemes=("redis://", "rediss://", *(f"{s}://" for s in CLUSTER_SCHEMES + SENTINEL_SCHEMES)),
+    schemes=tuple(f"{s}://" for s in SERVER_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES),
     forms="redis://, rediss://, redis+cluster://H:P,..., redis+sentinel://H:P,.../SERVICE "
           "(rediss+ for TLS)",
     check_url=_check_url,
