@@ -68,7 +68,6 @@ from relay.settings import (
     setting_names,
 )
 from relay.store.postgres.migrations import SchemaError
-from relay.store.sqlite import sqlite_path_from_url
 
 _T = TypeVar("_T")
 
@@ -434,11 +433,10 @@ def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Await
 def _run(settings: Settings, run: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     """Say which store is used, run ``run()`` in an event loop; exit 3 when the store fails
     (2, 4 and 78 for the other refusals)."""
-    if settings.store.startswith("sqlite:///"):
-        path = Path(sqlite_path_from_url(settings.store))
-        if not path.is_file():  # opening would create an empty one and report "absent"
-            fail(ExitCode.CONFIG, f"no database at {path}: run where the relay runs, or pass "
-                                   f"the relay's store ({setting_names('store')})")
+    path = settings.store_data_file  # an embedded store's file (SQLite's), None for a server
+    if path is not None and not path.is_file():  # opening would make an empty one: "absent"
+        fail(ExitCode.CONFIG, f"no database at {path}: run where the relay runs, or pass "
+                               f"the relay's store ({setting_names('store')})")
     click.echo(f"dedup-relay: store: {store_label(settings)}", err=True)
     try:
         return asyncio.run(run())

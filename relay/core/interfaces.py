@@ -1,7 +1,8 @@
 """Protocols and frozen value types shared by the dedup core and its adapters.
 
-The core (:mod:`relay.core.dedup`) depends only on what is defined here; the concrete store
-(:mod:`relay.store.redis.store`, :mod:`relay.store.sqlite`), upstream (:mod:`relay.upstream.smtp`,
+The core (:mod:`relay.core.dedup`) depends only on what is defined here; the concrete stores
+(:mod:`relay.store.redis.store`, :mod:`relay.store.sqlite.store`,
+:mod:`relay.store.postgres.store`), upstream (:mod:`relay.upstream.smtp`,
 :mod:`relay.upstream.maildir`) and metrics (:mod:`relay.ops.metrics`) implement these Protocols and
 are wired together in :mod:`relay.app` only.
 """

@@ -121,6 +121,16 @@ def sending_record(*, token: str, at: float, ttl_s: float | None, age_s: float |
     return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, lease_s=own_lease_s)
 
 
+def same_record(now: Record, seen: Record) -> bool:
+    """Whether ``now``, what a store holds, is still the record ``seen`` an operator looked at
+    (§3: no unconditional delete of a live record): the same state, attempt, time and reply.
+    Its remaining life, its age and the writer's lease are not compared: they move on their
+    own. The compare of a release or mark-sent with ``expected`` in a store that decodes its
+    rows (SQLite, PostgreSQL; Redis compares the stored value)."""
+    return (now.state, now.token, now.at, now.reply) == (seen.state, seen.token, seen.at,
+                                                         seen.reply)
+
+
 def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
     """The state a new attempt reads ``record`` as (§3, "SENDING and the heartbeat").
 

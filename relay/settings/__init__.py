@@ -44,7 +44,7 @@ from relay.settings.common import (
     extra_missing,
     flag_name,
     host_port,
-    is_postgres_url,
+    kind_extra_missing,
     plain_annotation,
     postgres_files,
     read_secret_file,
@@ -72,7 +72,7 @@ __all__ = [
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "file_warnings",
     "flag_name",
-    "host_port", "is_loopback_host", "is_postgres_url", "load_settings", "plain_annotation",
+    "host_port", "is_loopback_host", "kind_extra_missing", "load_settings", "plain_annotation",
     "postgres_files", "read_secret_file", "redact_url", "section_fields", "setting_names",
     "shown_value", "split_host_port", "unknown_env_vars",
 ]

@@ -14,16 +14,18 @@ import re
 import ssl
 import stat
 import types
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Set
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
-from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import NoDecode
 
 from relay.core.errors import ConfigError
+from relay.store.kinds import NamedFile, StoreKind
+from relay.store.postgres.kind import POSTGRES
+from relay.store.registry import kind_of
 
 ENV_PREFIX = "RELAY_"
 
@@ -182,10 +184,11 @@ _SECRET_PARAM = re.compile(r"(?i)([?&][^=&#]*password[^=&#]*=)[^&#]*")
 def redact_url(url: str) -> str:
     """``url`` fit for logs: the password of the userinfo and of any query parameter whose
     name holds "password" (``sentinel_password=``) become ``***``; for a sqlite:/// URL the
-    file's absolute path (a relative one depends on the working directory)."""
-    if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///") :]
-        return f"sqlite:///{Path(path).absolute()}" if path and not path.startswith("/") else url
+    file's absolute path (a relative one depends on the working directory: a store kind's
+    :attr:`~relay.store.kinds.StoreKind.shown`)."""
+    kind = kind_of(url)
+    if kind is not None and kind.shown is not None:
+        return kind.shown(url)
     scheme, sep, rest = url.partition("://")
     authority, slash, tail = rest.partition("/")
     creds, at, hosts = authority.rpartition("@")
@@ -193,22 +196,6 @@ def redact_url(url: str) -> str:
         user = creds.split(":", 1)[0]
         authority = f"{user}:***@{hosts}"
     return _SECRET_PARAM.sub(r"\1***", f"{scheme}{sep}{authority}{slash}{tail}")
-
-
-def check_postgres_url(value: str, *, what: str = "store") -> str:
-    """``value`` when it is a usable ``postgresql://USER@HOST:PORT/DB`` URL (libpq's query
-    parameters are asyncpg's to judge at connect time); ValueError naming the fault, never the
-    password."""
-    parts = urlsplit(value)
-    try:
-        parts.port  # noqa: B018  # raises ValueError for a port that is no number
-    except ValueError:
-        raise ValueError(f"{what} URL port must be a number from 0 to 65535") from None
-    if not parts.path.strip("/") and "dbname=" not in parts.query \
-            and "database=" not in parts.query:
-        raise ValueError(f"a postgresql:// {what} URL must name its database: "
-                         "postgresql://USER@HOST:PORT/DB")
-    return value
 
 
 def read_secret_file(path: Path, label: str, where: str = "") -> str:
@@ -301,35 +288,47 @@ def client_pair(cert: Path, key: Path | None, what: str) -> Callable[[], None]:
     return lambda: load_tls(load, what)
 
 
-# the optional parts of the relay and the extra that installs each (pyproject.toml)
-EXTRAS = {"asyncpg": "postgres", "msal": "oauth", "google.auth": "oauth"}
+# the optional parts of the relay outside the stores and the extra that installs each
+# (pyproject.toml); a store kind names its own (relay.store.kinds.Extra)
+EXTRAS = {"msal": "oauth", "google.auth": "oauth"}
 
 
-def extra_missing(module: str) -> str | None:
-    """None when ``module`` (a key of :data:`EXTRAS`) imports; else what to install, for a
-    configuration error: ``the postgres extra is not installed (pip install
-    'dedup-relay[postgres]')``."""
+def extra_missing(module: str, extra: str | None = None) -> str | None:
+    """None when ``module`` imports; else what to install, for a configuration error: ``the
+    postgres extra is not installed (asyncpg does not import): pip install
+    'dedup-relay[postgres]'``. ``extra``: the extra that installs it (None: a key of
+    :data:`EXTRAS`)."""
     try:
         importlib.import_module(module)
     except ImportError:
-        extra = EXTRAS[module]
+        extra = extra if extra is not None else EXTRAS[module]
         return (f"the {extra} extra is not installed ({module} does not import): "
                 f"pip install 'dedup-relay[{extra}]'")
     return None
 
 
-def is_postgres_url(url: str) -> bool:
-    """Whether ``url`` names a PostgreSQL database (``postgresql://`` or ``postgres://``)."""
-    return url.startswith(("postgresql://", "postgres://"))
+def kind_extra_missing(kind: StoreKind) -> str | None:
+    """:func:`extra_missing` for the driver of the store kind ``kind`` (None: it needs none)."""
+    return None if kind.extra is None else extra_missing(kind.extra.module, kind.extra.name)
 
 
-# libpq URL parameters that name a file (asyncpg reads them at connect time)
-_POSTGRES_FILE_OPTIONS = ("sslrootcert", "sslcert", "sslkey", "sslcrl", "passfile")
+def check_named_files(files: Iterable[NamedFile]) -> None:
+    """Raise ConfigError for the first file a store URL names that is unusable as it will be
+    used: ``read`` and ``ca`` readable (``ca`` also PEM CA certificates), ``write`` writable
+    or makeable; then its own content check."""
+    for file in files:
+        if file.use == "write":
+            writable_file(file.path, file.what)
+        else:
+            readable(file.path, file.what)
+        if file.use == "ca":
+            ca_bundle(file.path, f"{file.what}: not a PEM CA certificate file")()
+        if file.check is not None:
+            file.check()
 
 
 def postgres_files(url: str) -> None:
     """Raise ConfigError unless the files a postgresql:// URL names (``sslrootcert``,
-    ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``) are readable (no connection opened)."""
-    for name, value in parse_qsl(urlsplit(url).query):
-        if name in _POSTGRES_FILE_OPTIONS and value != "system":  # sslrootcert=system: the CAs
-            readable(Path(value).expanduser(), f"{name}={value}")
+    ``sslcert``, ``sslkey``, ``sslcrl``, ``passfile``) are readable (no connection opened):
+    the audit ledger's database."""
+    check_named_files(POSTGRES.files(url))

@@ -13,12 +13,11 @@ from relay.settings.common import (
     FileCheck,
     Section,
     SettingsRuleError,
-    check_postgres_url,
-    extra_missing,
-    is_postgres_url,
+    kind_extra_missing,
     postgres_files,
     redact_url,
 )
+from relay.store.postgres.kind import POSTGRES
 
 if TYPE_CHECKING:
     from relay.ops.metrics import PrometheusMetrics
@@ -58,13 +57,14 @@ class LedgerSettings(Section):
     def _check_ledger(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        if not is_postgres_url(value):
+        if not POSTGRES.takes(value):
             raise ValueError("ledger must be a postgresql:// (or postgres://) URL, got "
                              + repr(redact_url(value)))
-        missing = extra_missing("asyncpg")
+        missing = kind_extra_missing(POSTGRES)
         if missing is not None:
             raise ValueError(f"the audit ledger needs PostgreSQL's driver: {missing}")
-        return check_postgres_url(value, what="ledger")
+        POSTGRES.check_url(value, "ledger")
+        return value
 
     @model_validator(mode="after")
     def _check_required(self) -> LedgerSettings:

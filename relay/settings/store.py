@@ -1,41 +1,34 @@
-"""The fingerprint store: which one (Redis, a Redis Cluster or Sentinel, embedded SQLite,
-PostgreSQL), its key prefix and key form, its round-trip timeout, and the settle journal that
-carries settles the store did not take across a restart; built into a
-:class:`relay.core.interfaces.FingerprintStore`. Nothing here changes on reload."""
+"""The fingerprint store: which one (a URL of a kind of :mod:`relay.store.registry`: Redis, a
+Redis Cluster or Sentinel, embedded SQLite, PostgreSQL), its key prefix and key form, its
+round-trip timeout, and the settle journal that carries settles the store did not take across
+a restart; built into a :class:`relay.core.interfaces.FingerprintStore`. Nothing here changes
+on reload. Nothing here knows a kind of store: each is asked through its
+:class:`relay.store.kinds.StoreKind`."""
 
 from __future__ import annotations
 
-import logging
-import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
-from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, field_validator
 
-from relay.core.errors import ConfigError, StoreError
+from relay.core.errors import ConfigError
 from relay.settings.common import (
     FileCheck,
     Section,
-    check_postgres_url,
-    extra_missing,
-    is_postgres_url,
-    postgres_files,
-    readable,
+    check_named_files,
+    kind_extra_missing,
     redact_url,
     writable_file,
 )
+from relay.store.kinds import OpenOptions, StoreKind
+from relay.store.registry import kind_of, url_forms
 
 if TYPE_CHECKING:
     from relay.core.interfaces import FingerprintStore, RateLimiter
 
-log = logging.getLogger("relay.app")
-
 DEFAULT_STORE_URL = "sqlite:///data/dedup-relay.db"
-# redis-py URL options that name a file (the CA bundle, a client certificate and its key)
-_STORE_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
-_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 class StoreSettings(Section):
@@ -43,9 +36,7 @@ class StoreSettings(Section):
 
     TITLE: ClassVar[str] = "Store"
 
-    store: str = Field(DEFAULT_STORE_URL, description=(
-        "redis://, rediss://, redis+cluster://H:P,..., redis+sentinel://H:P,.../SERVICE or "
-        "sqlite:///PATH (relative to the working directory; sqlite:////abs/path.db)"))
+    store: str = Field(DEFAULT_STORE_URL, description=url_forms())
     store_prefix: str = Field("email:fp:", description="key prefix of every fingerprint")
     store_key_format: Literal["hex", "compact"] = Field("hex", description=(
         "fingerprint form in a store key: hex (64 characters, the seed formula an application "
@@ -59,46 +50,26 @@ class StoreSettings(Section):
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
-        schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://",
-                   "redis+sentinel://", "rediss+sentinel://", "sqlite:///", "postgresql://",
-                   "postgres://")
-        if not value.startswith(schemes):
-            raise ValueError(
-                "store must be a redis://, rediss:// or sqlite:///path URL, a postgresql:// "
-                "URL, or a redis+cluster://host:port,... or "
-                "redis+sentinel://host:port,.../service URL (rediss+ for TLS), got " + repr(value)
-            )
-        if is_postgres_url(value):
-            missing = extra_missing("asyncpg")
-            if missing is not None:
-                raise ValueError(f"a postgresql:// store needs PostgreSQL's driver: {missing}")
-            return check_postgres_url(value)
-        # imported here: only this validator uses it (a pure parser, no I/O library)
-        from relay.store.redis.urls import is_multi_host_url, parse_multi_host_url
-
-        if is_multi_host_url(value):
-            parse_multi_host_url(value)  # its ValueError names the fault, never the password
-        elif value.startswith("sqlite:///"):
-            from relay.store.sqlite import sqlite_path_from_url
-
-            sqlite_path_from_url(value)  # "sqlite:///" alone names no file
-        else:  # redis:// or rediss://: redis-py would quietly take db 0 for /abc
-            parts = urlsplit(value)
-            db = parts.path.strip("/")
-            if db and not db.isdigit():
-                raise ValueError(f"store URL database must be a number, got /{db}")
-            try:
-                parts.port  # noqa: B018  # raises ValueError for a port that is no number
-            except ValueError:
-                raise ValueError("store URL port must be a number from 0 to 65535") from None
+        kind = kind_of(value)
+        if kind is None:
+            raise ValueError(f"store must be one of: {url_forms()}, got {value!r}")
+        missing = kind_extra_missing(kind)
+        if missing is not None:
+            raise ValueError(f"a {kind.schemes[0]} store needs {kind.name}'s driver: {missing}")
+        kind.check_url(value, "store")  # its ValueError names the fault, never the password
         return value
 
     @property
     def store_kind(self) -> str:
-        """``redis``, ``postgresql`` or ``embedded sqlite``."""
-        if self.store.startswith("redis"):
-            return "redis"
-        return "postgresql" if is_postgres_url(self.store) else "embedded sqlite"
+        """The store's kind as the start-up line names it: ``redis``, ``embedded sqlite``,
+        ``postgresql`` (:attr:`relay.store.kinds.StoreKind.label`)."""
+        return _kind(self.store).label
+
+    @property
+    def store_data_file(self) -> Path | None:
+        """The file an embedded store (SQLite) keeps its data in; None for a server's."""
+        data_file = _kind(self.store).data_file
+        return None if data_file is None else data_file(self.store)
 
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The files the store URL names (``ssl_ca_certs=`` ..., an existing SQLite file's
@@ -117,57 +88,22 @@ class StoreSettings(Section):
         return checks
 
     def _store_files(self) -> None:
-        """Raise ConfigError unless the files the store URL names are usable: a Redis URL's
-        TLS files readable and its ``ssl_ca_certs`` PEM certificates; a SQLite file's
-        directory and format; a PostgreSQL URL's TLS and password files."""
-        if is_postgres_url(self.store):
-            postgres_files(self.store)
-            return
-        if not self.store.startswith("redis"):
-            from relay.store.sqlite import sqlite_path_from_url
-
-            _sqlite_file(Path(sqlite_path_from_url(self.store)))
-            return
-        for name, value in parse_qsl(urlsplit(self.store).query):
-            if name in _STORE_FILE_OPTIONS:
-                readable(Path(value), f"{name}={value}")
-            if name == "ssl_ca_certs":
-                try:
-                    ssl.create_default_context(cafile=value)
-                except (ssl.SSLError, OSError) as exc:
-                    raise ConfigError(f"ssl_ca_certs={value}: not a PEM CA certificate file "
-                                      f"({exc})") from exc
+        """Raise ConfigError unless the files the store URL names are usable (a Redis URL's TLS
+        files, a SQLite file's directory and format, a PostgreSQL URL's TLS and password
+        files: :attr:`relay.store.kinds.StoreKind.files`)."""
+        check_named_files(_kind(self.store).files(self.store))
 
     async def open_store(self, *, window_s: float) -> FingerprintStore:
-        """Open the store: sqlite:///, one Redis server (redis://, rediss://), a Redis Cluster
-        (redis+cluster://) or a Sentinel-managed master (redis+sentinel://), the last two also
-        as rediss+ (TLS), or PostgreSQL (postgresql://, postgres://: raises StartupError when
-        its schema is missing or old). ``window_s``: the dedup window (Redis's idle-key
-        check). Raises ConfigError for a Redis database number the server does not have."""
-        from relay.store.redis.store import RedisStore
-        from relay.store.sqlite import SqliteStore, sqlite_path_from_url
-
-        if is_postgres_url(self.store):  # the postgres extra: imported only here
-            from relay.store.postgres.store import PostgresStore
-
-            return await PostgresStore.open(self.store, op_timeout_s=self.store_timeout)
-        if self.store.startswith("redis"):  # redis, rediss and their +cluster, +sentinel forms
-            store = RedisStore.from_url(self.store, op_timeout_s=self.store_timeout,
-                                        window_s=window_s)
-            try:
-                await store.ping()
-                for warning in await store.check_server():
-                    log.warning("redis: %s", warning)
-            except StoreError as exc:
-                if "DB index is out of range" in str(exc):  # a setting error, not an outage
-                    await store.close()
-                    raise ConfigError(f"store: the Redis server has no database of that "
-                                      f"number ({redact_url(self.store)})") from exc
-                log.warning("redis not reachable at start-up (%s); will fail closed until it "
-                            "is", exc)
-            return store
-        return await SqliteStore.open(
-            sqlite_path_from_url(self.store), op_timeout_s=self.store_timeout)
+        """Open the store its URL's kind names (:attr:`relay.store.kinds.StoreKind.open`).
+        ``window_s``: the dedup window (Redis's idle-key check). Raises StoreError, or
+        StartupError (a PostgreSQL schema missing or old), or ConfigError naming the URL for a
+        setting only the store could find wrong (a Redis database number the server does not
+        have)."""
+        options = OpenOptions(op_timeout_s=self.store_timeout, window_s=window_s)
+        try:
+            return await _kind(self.store).open(self.store, options)
+        except ConfigError as exc:
+            raise ConfigError(f"store: {exc} ({redact_url(self.store)})") from exc
 
     def rate_limiter(self, store: FingerprintStore) -> RateLimiter | None:
         """The store's rate limiter (its counters under ``store_prefix``), built even with no
@@ -186,10 +122,9 @@ class StoreSettings(Section):
         return f"{redact_url(self.store)} prefix={self.store_prefix}"
 
 
-def _sqlite_file(path: Path) -> None:
-    """Raise ConfigError unless ``path`` is a SQLite database, empty, or can be made."""
-    writable_file(path, "the SQLite file")
-    if path.exists() and path.stat().st_size > 0:
-        with path.open("rb") as file:
-            if file.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
-                raise ConfigError(f"{path} is not a SQLite database")
+def _kind(url: str) -> StoreKind:
+    """The kind of the store URL ``url`` (a validated setting: one kind takes it)."""
+    kind = kind_of(url)
+    if kind is None:  # only a URL the validator refused has none
+        raise ConfigError(f"store: no kind of store takes {redact_url(url)}")
+    return kind

@@ -116,7 +116,8 @@ def test_check_config_rejects_a_bad_store_url(tmp_path: Path) -> None:
     result = run_cli("check-config", "--upstream", "maildir:x", "--store", "mysql://h/db",
                      cwd=tmp_path)
     assert result.returncode == 78
-    assert "store must be a redis://, rediss:// or sqlite:///path URL" in result.stderr
+    assert "store must be one of: redis://, rediss://, redis+cluster://" in result.stderr
+    assert "; sqlite:///PATH" in result.stderr and "; postgresql://" in result.stderr
 
 
 def test_check_config_names_an_unknown_file_key_as_written(tmp_path: Path) -> None:

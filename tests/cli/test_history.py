@@ -21,7 +21,7 @@ from relay.admin import FingerprintInput, key_for, os_user
 from relay.core.interfaces import LedgerAction, LedgerEntry, Record, State
 from relay.settings import AdminSettings, load_settings
 from relay.store.postgres.ledger import LedgerOptions, insert_rows, key_digest, row_of
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.cli import run_cli
 from tests.support.clients import message, send
 from tests.support.net import free_port

@@ -20,7 +20,7 @@ from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import State
 from relay.core.recipients import normalize_recipient
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.cli import run_cli
 from tests.support.clients import SendResult, message, send
 from tests.support.peers import ScriptedPeer, serve_peer

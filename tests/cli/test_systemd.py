@@ -20,7 +20,7 @@ from relay.cli.exit_codes import ExitCode
 from relay.cli.group import main as cli_main
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.settings import Settings
-from relay.store.sqlite import sqlite_path_from_url
+from relay.store.sqlite.kind import sqlite_path_from_url
 from tests.support.cli import wait_for_port
 from tests.support.net import free_port
 from tests.support.pki import make_pki

@@ -36,7 +36,7 @@ from relay.reload import apply_changes, compare, file_digests
 from relay.settings import RateLimit
 from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.clients import message, send
 from tests.support.postgres import private_schema
 from tests.support.relays import REDIS_URL, MakeRelay, delete_prefix
@@ -201,7 +201,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "relay/store/sqlite_limits.py:70 (expires_ms fixed at the window of the call), "
+    "relay/store/sqlite/limits.py:70 (expires_ms fixed at the window of the call), "
     "relay/store/redis/limits.py:98-99 (PEXPIRE of the call's window) and the PostgreSQL "
     "store's expires_at (schema step 2, relay/store/postgres/migrations.py, the same "
     "semantics as SQLite's): after a reload that "

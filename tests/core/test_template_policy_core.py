@@ -40,7 +40,7 @@ from relay.core.rules import iso_utc
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.journal import add_to_journal, read_journal
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.clients import message
 from tests.support.net import free_port
 from tests.support.relays import REDIS_URL

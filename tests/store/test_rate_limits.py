@@ -23,7 +23,7 @@ from relay.store.postgres import limits as postgres_limits
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.limits import limit_key
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.postgres import private_schema
 from tests.support.redis_servers import Cluster
 from tests.support.relays import REDIS_URL, delete_prefix

@@ -18,7 +18,7 @@ import pytest
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, State
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.cli import REPO
 from tests.support.faultbench_lib import _libfaketime
 from tests.support.sqlite_procs import race_processes
@@ -134,7 +134,7 @@ async def test_opening_a_file_another_connection_is_writing_waits_for_it(
 
 _WAITS_UNDER_FAKETIME = """
 import asyncio, sqlite3, sys, threading
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 
 def held(db, seconds):
     blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)

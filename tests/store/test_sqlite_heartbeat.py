@@ -1,12 +1,12 @@
-"""How old a SQLite SENDING row's heartbeat is (relay/store/sqlite.py _heartbeat_age_ms): on the
-boot clock within this boot, on the wall clock for a row of an earlier version, at least a
+"""How old a SQLite SENDING row's heartbeat is (relay/store/sqlite/store.py _heartbeat_age_ms): on
+the boot clock within this boot, on the wall clock for a row of an earlier version, at least a
 lease for a row of another boot (its attempt ended with that boot)."""
 
 from __future__ import annotations
 
 import pytest
 
-from relay.store.sqlite import _heartbeat_age_ms, boot_beat
+from relay.store.sqlite.store import _heartbeat_age_ms, boot_beat
 
 LEASE_MS = 15_000
 NOW_MS = 1_796_000_000_000

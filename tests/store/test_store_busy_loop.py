@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 
 LEASE_S = 60.0
 

@@ -34,7 +34,8 @@ from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, St
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore, sqlite_path_from_url
+from relay.store.sqlite.kind import sqlite_path_from_url
+from relay.store.sqlite.store import SqliteStore
 from tests.support.postgres import private_schema
 from tests.support.redis_servers import Cluster, SentinelSet
 from tests.support.sqlite_procs import hammering

@@ -16,7 +16,7 @@ from relay.core.recipients import normalize_recipient
 from relay.store.journal import add_to_journal
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.postgres import private_schema
 from tests.support.relays import REDIS_URL, delete_prefix, start_serve
 from tests.support.sink import Sink

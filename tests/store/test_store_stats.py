@@ -18,7 +18,7 @@ from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, StateCounter, StateCounts
 from relay.store.redis.counting import match_pattern
 from relay.store.redis.store import RedisStore
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 from tests.support.redis_servers import Cluster, SentinelSet
 from tests.support.relays import REDIS_URL
 

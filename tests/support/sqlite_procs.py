@@ -23,7 +23,7 @@ from uuid import uuid4
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 
 HAMMER_KEYS = [f"hammer:{i}" for i in range(50)]
 """The keys the hammer process writes (no contract test uses the ``hammer:`` prefix)."""

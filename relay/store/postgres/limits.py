@@ -1,7 +1,7 @@
 """Rate limits on the PostgreSQL store (design.md §4.7): :class:`PostgresRateLimiter` implements
 :class:`relay.core.interfaces.RateLimiter` with one statement per message.
 
-The sliding-window log of the SQLite store (:mod:`relay.store.sqlite_limits`) as rows of
+The sliding-window log of the SQLite store (:mod:`relay.store.sqlite.limits`) as rows of
 ``dedup_relay_rate_events`` (schema step 2 of the ``store`` component,
 :mod:`relay.store.postgres.migrations`): one row per call and bucket, ``(bucket, at, cost,
 expires_at, call_id)``. A call is one ``SELECT dedup_relay_rate_acquire(...)`` (one round trip,

@@ -27,7 +27,7 @@ import asyncpg
 
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
-from relay.core.rules import sending_record
+from relay.core.rules import same_record, sending_record
 from relay.store.postgres import limits, migrations
 from relay.store.postgres.calls import (
     ERRORS,
@@ -237,12 +237,6 @@ def _record(row: Any, lease_ms: int | None = None) -> Record:
     return Record(State.SENT, ttl_s=ttl_s)
 
 
-def _same(now: Record, seen: Record) -> bool:
-    """Whether ``now`` is still the record ``seen`` (same state, attempt, time and reply)."""
-    return (now.state, now.token, now.at, now.reply) == (seen.state, seen.token, seen.at,
-                                                         seen.reply)
-
-
 class PostgresStore:
     """:class:`relay.core.interfaces.FingerprintStore` and ``StateCounter`` on PostgreSQL.
 
@@ -380,7 +374,7 @@ class PostgresStore:
                 if row is None:
                     return False
                 live = row["expires_at"] > row["now"]
-                if expected is not None and (not live or not _same(_record(row), expected)):
+                if expected is not None and not (live and same_record(_record(row), expected)):
                     return False
                 await conn.execute(f"DELETE FROM {_T_} WHERE key = $1", key)
                 return bool(live)
@@ -401,7 +395,7 @@ class PostgresStore:
             async with conn.transaction():
                 if expected is not None:
                     row = await conn.fetchrow(_INSPECT + " FOR UPDATE", key)
-                    if row is None or row["expires_at"] <= row["now"] or not _same(
+                    if row is None or row["expires_at"] <= row["now"] or not same_record(
                             _record(row), expected):
                         return False
                 await conn.execute(_FORCE_SENT, *args)

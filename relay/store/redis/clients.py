@@ -18,7 +18,12 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from relay.store.redis.urls import MultiHostUrl, is_multi_host_url, parse_multi_host_url
+from relay.store.redis.urls import (
+    SERVER_SCHEMES,
+    MultiHostUrl,
+    is_multi_host_url,
+    parse_multi_host_url,
+)
 
 Client = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
@@ -45,7 +50,7 @@ def open_client(url: str, *, op_timeout_s: float) -> tuple[Client, SentinelServi
             return cluster_client(parsed, op_timeout_s=op_timeout_s), None
         return sentinel_client(parsed, op_timeout_s=op_timeout_s)
     scheme = url.partition("://")[0].lower()
-    if scheme not in ("redis", "rediss", "unix"):
+    if scheme not in (*SERVER_SCHEMES, "unix"):
         raise ValueError(
             f"store URL scheme {scheme!r} is not redis://, rediss://, unix://, "
             "redis+cluster:// or redis+sentinel://"

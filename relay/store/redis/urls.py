@@ -35,8 +35,11 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 OptionValue = str | int | float | bool
 
+# the schemes of the Redis URLs, written once (relay.store.redis.kind takes them as the store's)
+SERVER_SCHEMES = ("redis", "rediss")  # one server: redis-py's own URL
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+TLS_SCHEMES = ("rediss", "rediss+cluster", "rediss+sentinel")
 _DEFAULT_PORT = {"cluster": 6379, "sentinel": 26379}
 _SENTINEL_OPTIONS = {"sentinel_username": "username", "sentinel_password": "password"}
 
@@ -107,7 +110,7 @@ def parse_multi_host_url(url: str) -> MultiHostUrl:
     if not is_multi_host_url(url):
         raise ValueError(f"store URL scheme {scheme!r} is not redis+cluster or redis+sentinel")
     kind: Literal["cluster", "sentinel"] = "cluster" if scheme in CLUSTER_SCHEMES else "sentinel"
-    tls = scheme.startswith("rediss")
+    tls = scheme in TLS_SCHEMES
     parts = urlsplit(url)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     user, has_password, password = userinfo.partition(":")

@@ -4,7 +4,7 @@ the second under libfaketime with its wall clock an hour ahead, a limit of N per
 them: at most N go through in one window.
 
 A known defect (strict xfail): on SQLite the time of a call is the calling process's
-``time.time()`` (relay/store/sqlite_writer.py ``now_ms``), so the skewed relay's purge deletes
+``time.time()`` (relay/store/sqlite/writer.py ``now_ms``), so the skewed relay's purge deletes
 the other's rows as expired and its window ignores them.
 """
 
@@ -30,8 +30,8 @@ LIMIT, WINDOW_S = 3, 30
 
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(strict=True, reason=(
-    "relay/store/sqlite_writer.py:53-55 (now_ms = the process's time.time()) used by "
-    "relay/store/sqlite_limits.py:54-70: a relay whose clock is off shares the file but not "
+    "relay/store/sqlite/writer.py:53-55 (now_ms = the process's time.time()) used by "
+    "relay/store/sqlite/limits.py:54-70: a relay whose clock is off shares the file but not "
     "the window (its purge drops the other's rows, its window skips them): more than N "
     "messages in one window between two relays, contrary to README 'Clocks'"))
 async def test_two_relays_on_one_sqlite_file_with_skewed_clocks_share_the_window(

@@ -4,7 +4,7 @@ relay sharing the file shares the limits.
 
 One row per acquire and bucket: ``(bucket, at_ms, cost, expires_ms)``; ``at_ms`` is the clock
 of the host holding the file, read inside the transaction (the store's clock, as every time
-the SQLite store records). A call is one transaction (:class:`relay.store.sqlite.SqliteStore`
+the SQLite store records). A call is one transaction (:class:`relay.store.sqlite.store.SqliteStore`
 runs it on its writer thread): it deletes the expired rows of every bucket (an index on
 ``expires_ms``: nothing grows without bound), sums each bucket's window and inserts only when
 all have room.

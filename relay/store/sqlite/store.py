@@ -36,9 +36,9 @@ from relay.core.interfaces import (
     State,
     StateCounts,
 )
-from relay.core.rules import sending_record
-from relay.store import sqlite_limits
-from relay.store.sqlite_writer import (
+from relay.core.rules import same_record, sending_record
+from relay.store.sqlite import limits as sqlite_limits
+from relay.store.sqlite.writer import (
     BUSY_POLL_MS,
     Op,
     Writer,
@@ -190,25 +190,6 @@ def _heartbeat_age_ms(at_ms: int, boot_id: str | None, beat_ms: int | None, now_
     return max(lease_ms, now_ms - at_ms)
 
 
-def sqlite_path_from_url(url: str) -> str:
-    """Return the file path of a ``sqlite:///`` URL (SQLAlchemy convention).
-
-    ``sqlite:///relative/path.db`` gives ``relative/path.db`` (relative to the working
-    directory) and ``sqlite:////abs/path.db`` gives ``/abs/path.db``. Raises
-    :class:`ValueError` for any other form.
-    """
-    prefix = "sqlite:///"
-    if not url.startswith(prefix):
-        raise ValueError(
-            f"store URL {url!r} is not a SQLite URL: use sqlite:///relative/path.db "
-            "or sqlite:////absolute/path.db"
-        )
-    path = url[len(prefix) :]
-    if not path or path.endswith("/") or "?" in path or "#" in path:
-        raise ValueError(f"store URL {url!r} does not name a database file")
-    return path
-
-
 def _ms(seconds: float) -> int:
     """Convert a duration in seconds to whole milliseconds, at least 1 ms."""
     return max(1, int(seconds * 1000))
@@ -252,12 +233,6 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     return Record(State.SENT, ttl_s=ttl_s)
 
 
-def _same(now: Record, seen: Record) -> bool:
-    """Whether ``now`` is still the record ``seen`` (same state, attempt and time)."""
-    return (now.state, now.token, now.at, now.reply) == (seen.state, seen.token, seen.at,
-                                                         seen.reply)
-
-
 def _live(row: _Row | None, now_ms: int) -> _Row | None:
     """Return ``row`` unless it is missing or expired."""
     if row is None or (row[4] is not None and row[4] <= now_ms):
@@ -291,7 +266,7 @@ class SqliteStore:
 
     ``op_timeout_s`` (seconds) bounds every operation and is also the time a write waits for
     another process's write lock (polled about every millisecond). Writes of concurrent calls
-    share one transaction and one fsync (:mod:`relay.store.sqlite_writer`). Every method raises
+    share one transaction and one fsync (:mod:`relay.store.sqlite.writer`). Every method raises
     :class:`relay.core.errors.StoreError` on any failure.
     """
 
@@ -427,13 +402,13 @@ class SqliteStore:
                                 timeout_s=max(self._op_timeout_s, _COUNT_TIMEOUT_S))
 
     def rate_limiter(self, prefix: str) -> SqliteRateLimiter:
-        """The rate limiter in this store's file (:mod:`relay.store.sqlite_limits`), its
+        """The rate limiter in this store's file (:mod:`relay.store.sqlite.limits`), its
         buckets under ``prefix``."""
         return SqliteRateLimiter(self, prefix)
 
     async def acquire_limits(self, prefix: str, checks: Sequence[LimitCheck]) -> LimitVerdict:
         """Take every check's cost or none, in one transaction
-        (:func:`relay.store.sqlite_limits.acquire_in`). Raises :class:`StoreError` (op
+        (:func:`relay.store.sqlite.limits.acquire_in`). Raises :class:`StoreError` (op
         ``rate_limit``)."""
         def body(conn: sqlite3.Connection, now_ms: int) -> LimitVerdict:
             return sqlite_limits.acquire_in(conn, now_ms, prefix, checks)
@@ -671,7 +646,7 @@ def _still(conn: sqlite3.Connection, now_ms: int, key: str, expected: Record) ->
     row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
     if row is None:
         return expected.state is State.ABSENT
-    return _same(_record(row, now_ms), expected)
+    return same_record(_record(row, now_ms), expected)
 
 
 def _force_release(conn: sqlite3.Connection, now_ms: int, key: str,
