@@ -300,7 +300,7 @@ def _register_hash_password(main: click.Group) -> None:
                               role: str | None) -> None:
         """Print a `user:hash` line for --auth-file, or with --role a `user:hash:role` line
         for --console-auth-file (the password never appears in argv)."""
-        from relay.smtp.auth import Scheme, format_entry, hash_password
+        from relay.credentials import Scheme, format_entry, hash_password
 
         if password_stdin:
             password = sys.stdin.readline().rstrip("\r\n")

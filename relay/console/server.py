@@ -68,11 +68,11 @@ from relay.core.interfaces import (
     StateCounts,
 )
 from relay.core.rules import reads_as
+from relay.credentials import AttemptResult
 from relay.ops.connection_cap import ConnectionCap
 from relay.ops.http import CappedSite
 from relay.ops.metrics import ConsoleMetrics
 from relay.settings import Settings, redact_url
-from relay.smtp.auth import AttemptResult
 from relay.smtp.tls import rotate_certificate
 from relay.smtp.tls_handover import server_handshake
 
@@ -148,10 +148,7 @@ class Console:
             settings.console_certificate)
         self.metrics = ConsoleMetrics(registry=registry)
         self.sessions = Sessions(idle_s=settings.console_session_timeout)
-        self.sign_ins = SignIns(settings.console_users(),
-                                failure_delay_s=settings.auth_failure_delay,
-                                max_failures=settings.auth_max_failures,
-                                failure_window_s=settings.auth_failure_window)
+        self.sign_ins = SignIns(settings.auth_attempts(settings.console_users()))
         self._pages = jinja2.Environment(
             loader=jinja2.PackageLoader("relay.console", "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined)
