@@ -45,7 +45,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     cap = request.app[CONTEXT].cap
     assert cap is not None
     if request.method == "POST":
-        await request.read()  # at most the app's client_max_size (413 past it), kept
+        await request.read()  # at most client_max_size (413 past it), kept for form_of
     with cap.busy(request.transport) as timed_out:
         try:
             response = await _guarded(request, handler)
