@@ -128,7 +128,10 @@ class Relay:
             gates=() if self.ledger is None else (self.ledger,), observers=observers,
             tracer=self.tracer if self.tracer is not None else NO_TRACING)
         self.security = s.security()
-        self.sasl = s.sasl(on_failure=metrics.auth_failure, on_refused=metrics.auth_refused)
+        users = s.auth_users()
+        self.sasl = None if users is None else SaslMechanisms.under(
+            s.auth_attempts(users), on_failure=metrics.auth_failure,
+            on_refused=metrics.auth_refused)
         self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
                                      self.store, prefix=s.store_prefix,
                                      url_name=s.store_url_name)
@@ -237,8 +240,9 @@ class Relay:
         once. Raises :class:`ConfigError` when a file does not load; then nothing was
         applied."""
         if self.security is not None and self.handler is not None:
-            await merged.apply_access_live(applied, security=self.security,
-                                            sasl=self.sasl, handler=self.handler)
+            await merged.apply_access_live(
+                applied, security=self.security, handler=self.handler,
+                auth_users=None if self.sasl is None else self.sasl.credentials)
         if self.core is not None:
             merged.apply_dedup_live(applied, core=self.core,
                                      declare_rate_limits=self.metrics.declare_rate_limits)

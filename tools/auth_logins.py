@@ -81,7 +81,7 @@ def main() -> None:
     cert.private_key_and_cert_chain_pem.write_to_path(str(work / "cert.pem"))
     cert.private_key_pem.write_to_path(str(work / "key.pem"))
     hashed = subprocess.run(
-        [python, "-c", "import sys; from relay.smtp.auth import hash_password; "
+        [python, "-c", "import sys; from relay.credentials import hash_password; "
          "print(hash_password(sys.argv[1], scheme=sys.argv[2]))", PASSWORD, args.scheme],
         capture_output=True, text=True, check=True).stdout.strip()
     (work / "users").write_text(f"app:{hashed}\n", encoding="utf-8")

@@ -22,30 +22,37 @@ changed writes no row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import click
 
 from relay.admin import (
+    Decision,
     FingerprintInput,
     InFlightError,
-    OperatorRow,
+    LedgerRefused,
+    Outcome,
+    Selection,
+    SelectionError,
+    SelectionProblem,
     changed_meanwhile,
     count_states,
+    decide,
     describe,
     key_for,
-    mark_sent,
+    open_ledger,
     os_user,
-    release,
     stats_report,
     stats_table,
     store_label,
 )
+from relay.admin import selected_key as select_key
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
 from relay.core.errors import (
@@ -55,7 +62,7 @@ from relay.core.errors import (
     StartupError,
     StoreError,
 )
-from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, State
+from relay.core.interfaces import FingerprintStore, LedgerAction, State
 from relay.core.keys import header_values
 from relay.ops.logs import setup_logging
 from relay.settings import (
@@ -67,7 +74,6 @@ from relay.settings import (
     redact_url,
     setting_names,
 )
-from relay.store.postgres.migrations import SchemaError
 
 _T = TypeVar("_T")
 
@@ -105,21 +111,29 @@ def admin_settings(config_file: Path | None, store: str | None, ledger: str | No
     return load(config_file, {"store": store, "ledger": ledger}, base=AdminSettings)
 
 
+_SELECTION_WORDS = {
+    SelectionProblem.BOTH: "give either --store-key or --rcpt/--template/--key, not both",
+    SelectionProblem.FOREIGN: "{store_key!r} is no fingerprint of this relay: its keys start "
+                              "with {prefix!r} (store_prefix)",
+    SelectionProblem.INCOMPLETE: "give --rcpt and --key (and --template when the message has "
+                                 "one), or --store-key",
+}
+"""How the command line words a refused selection (:class:`relay.admin.SelectionError`; a
+recipient or key the relay refuses is said in the relay's own words)."""
+
+
 def selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
                   keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
-    if store_key is not None:
-        if rcpt is not None or keys or templates or auth_user:
-            fail(ExitCode.USAGE,
-                 "give either --store-key or --rcpt/--template/--key, not both")
-        if not store_key.startswith(settings.store_prefix):
-            fail(ExitCode.USAGE, f"{store_key!r} is no fingerprint of this relay: its keys "
-                                 f"start with {settings.store_prefix!r} (store_prefix)")
-        return store_key
-    if rcpt is None or not keys:
-        fail(ExitCode.USAGE, "give --rcpt and --key (and --template when the message has "
-                             "one), or --store-key")
-    return _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates, keys=keys,
-                                                auth_user=auth_user))[1]
+    """The store key the selection options name (:func:`relay.admin.selected_key`); exits 2
+    with the reason when they name none."""
+    try:
+        return select_key(settings, Selection(store_key=store_key, rcpt=rcpt,
+                                              templates=templates, keys=keys,
+                                              auth_user=auth_user))
+    except SelectionError as exc:
+        words = _SELECTION_WORDS.get(exc.problem)
+        fail(ExitCode.USAGE, str(exc) if words is None
+             else words.format(store_key=store_key, prefix=settings.store_prefix))
 
 
 def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
@@ -185,17 +199,14 @@ def register(main: click.Group) -> None:
         configured, also a `released` row there, or nothing done when it does not answer)."""
         settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
                                         auth_user, store_key, reason, log_format)
-        row = OperatorRow(settings, LedgerAction.RELEASE, key, rcpt=rcpt, templates=templates,
-                          keys=keys)
-        (before, deleted), unrecorded = _run_audited(
-            settings, lambda store: release(store, key, reason=reason, lease_s=settings.lease,
-                                            force=force),
-            lambda done: row.released(*done, who=os_user(), reason=reason))
-        click.echo(json.dumps({"released": deleted,
-                               "previous": describe(key, before, settings.lease)}))
-        _fail_if_unrecorded(unrecorded, "released")
-        if not deleted:
-            if before.state is not State.ABSENT:  # else there was nothing to delete
+        outcome = _run_audited(settings, Decision(
+            LedgerAction.RELEASE, key, reason, who=os_user(), force=force,
+            given=Selection(rcpt=rcpt, templates=templates, keys=keys)))
+        click.echo(json.dumps({"released": outcome.done,
+                               "previous": describe(key, outcome.before, settings.lease)}))
+        _fail_if_unrecorded(outcome.unrecorded, "released")
+        if not outcome.done:
+            if outcome.changed:  # else there was nothing to delete
                 _say_changed("released")
             sys.exit(int(ExitCode.NOT_FOUND))
 
@@ -214,17 +225,14 @@ def register(main: click.Group) -> None:
         settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
                                         auth_user, store_key, reason, log_format)
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
-        row = OperatorRow(settings, LedgerAction.MARK_SENT, key, rcpt=rcpt,
-                          templates=templates, keys=keys)
-        (before, marked), unrecorded = _run_audited(
-            settings, lambda store: mark_sent(
-                store, key, reason=reason, lease_s=settings.lease, window_s=window_s,
-                force=force, keep_expiry=store_key is not None),
-            lambda done: row.marked_sent(who=os_user(), reason=reason) if done[1] else None)
-        click.echo(json.dumps({"marked_sent": marked,
-                               "previous": describe(key, before, settings.lease)}))
-        _fail_if_unrecorded(unrecorded, "marked sent")
-        if not marked:
+        outcome = _run_audited(settings, Decision(
+            LedgerAction.MARK_SENT, key, reason, who=os_user(), force=force, window_s=window_s,
+            keep_expiry=store_key is not None,
+            given=Selection(rcpt=rcpt, templates=templates, keys=keys)))
+        click.echo(json.dumps({"marked_sent": outcome.done,
+                               "previous": describe(key, outcome.before, settings.lease)}))
+        _fail_if_unrecorded(outcome.unrecorded, "marked sent")
+        if not outcome.done:
             _say_changed("marked sent")
             sys.exit(int(ExitCode.NOT_FOUND))
 
@@ -299,7 +307,7 @@ def _register_hash_password(main: click.Group) -> None:
                               role: str | None) -> None:
         """Print a `user:hash` line for --auth-file, or with --role a `user:hash:role` line
         for --console-auth-file (the password never appears in argv)."""
-        from relay.smtp.auth import Scheme, format_entry, hash_password
+        from relay.credentials import Scheme, format_entry, hash_password
 
         if password_stdin:
             password = sys.stdin.readline().rstrip("\r\n")
@@ -371,61 +379,39 @@ def _fail_if_unrecorded(error: StoreError | None, done: str) -> None:
                                     f"written to the ledger: {error}")
 
 
-def _run_audited(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]],
-                 audit: Callable[[_T], LedgerEntry | None]) -> tuple[_T, StoreError | None]:
-    """:func:`_run_on_store` with the audit ledger, when one is configured: the ledger must
-    answer (schema current) before the store is touched, else exit 3 with nothing done; then
-    ``audit(result)`` (None: nothing to record) is written. Returns the action's result and
-    the error of that write (None: written, or no ledger)."""
-    if settings.ledger is None:
-        return _run_on_store(settings, action), None
-    url = settings.ledger
-    announce_ledger(url)
-
-    async def audited() -> tuple[_T, StoreError | None]:
-        from relay.store.postgres.ledger_read import LedgerReader  # the postgres extra
-
-        try:
-            reader = await LedgerReader.open(url, timeout_s=settings.ledger_timeout)
-        except (StoreError, SchemaError) as exc:
-            raise _LedgerRefused(str(exc)) from exc
-        async with reader:
-            store = await settings.open_store(window_s=settings.dedup_window)
-            try:
-                result = await action(store)
-            finally:
-                await store.close()
-            entry = audit(result)
-            if entry is None:
-                return result, None
-            options = settings.ledger_options(instance=f"{settings.hostname}/cli",
-                                              secret=settings.fingerprint_secret_bytes)
-            try:
-                await reader.write([entry], options)
-            except StoreError as exc:
-                return result, exc
-            return result, None
-
+def _run_audited(settings: Settings, decision: Decision) -> Outcome:
+    """``decision`` done on the relay's store (:func:`relay.admin.decide`), with the audit
+    ledger when one is configured: the ledger must answer (schema current) before the store
+    is touched, else exit 3 with nothing done; then its row is written (an error of that
+    write is in the outcome)."""
+    if settings.ledger is not None:
+        announce_ledger(settings.ledger)
+    ledger = None if settings.ledger is None else open_ledger(settings)
     try:
-        return _run(settings, audited)
-    except _LedgerRefused as exc:
+        return _run(settings, lambda: decide(settings, decision, store=_opened(settings),
+                                             ledger=ledger,
+                                             instance=f"{settings.hostname}/cli"))
+    except LedgerRefused as exc:
         fail(ExitCode.STORE_FAILED, f"audit ledger failed, nothing done (an operator action "
                                     f"is not left unrecorded): {exc}")
 
 
-class _LedgerRefused(Exception):
-    """The ledger did not answer (or its schema is missing or old) before the action."""
+@contextlib.asynccontextmanager
+async def _opened(settings: Settings) -> AsyncIterator[FingerprintStore]:
+    """The relay's store, opened for one command and closed after it."""
+    store = await settings.open_store(window_s=settings.dedup_window)
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def _run_on_store(settings: Settings, action: Callable[[FingerprintStore], Awaitable[_T]]) -> _T:
     """Open the relay's store, run ``action`` on it, close it; exit 3 when the store fails."""
 
     async def run() -> _T:
-        store = await settings.open_store(window_s=settings.dedup_window)
-        try:
+        async with _opened(settings) as store:
             return await action(store)
-        finally:
-            await store.close()
 
     return _run(settings, run)
 

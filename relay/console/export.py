@@ -1,5 +1,5 @@
-"""The console's CSV export of the audit ledger (``/export.csv``): the period asked for, the
-cells, and the streaming of the rows.
+"""The console's CSV export of the audit ledger (``/export.csv``, :func:`export`): the period
+asked for, the cells, and the streaming of the rows.
 
 Order: the period is checked (:func:`period_of`); the ledger reads its rows in one short
 transaction, within :data:`READ_TIMEOUT_S`, into a cursor that outlives it
@@ -14,8 +14,10 @@ saying it is incomplete (the status line was sent already). Memory: one batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -24,6 +26,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from relay.console.context import CONTEXT, SESSION, ledger_call
 from relay.console.errors import ConsoleError
 from relay.core.errors import StoreError
 
@@ -42,6 +45,10 @@ READ_TIMEOUT_S = 60.0
 """Seconds the ledger may take to read an export's period (its one transaction: the rows are
 then fetched outside any, however slowly the client downloads them)."""
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+log = logging.getLogger("relay.console")
+
+routes = web.RouteTableDef()
 
 
 def csv_cell(value: object) -> str:
@@ -147,3 +154,36 @@ async def _write_rows(response: web.StreamResponse, first: list[HistoryRow],
             writer.writerow([f"# incomplete: the ledger failed after {sent.rows} rows: {exc}"])
             batch = []
     await _within(WRITE_TIMEOUT_S, response.write(buffer.getvalue().encode("utf-8")))
+
+
+@routes.get("/export.csv")
+async def export(request: web.Request) -> web.StreamResponse:
+    """The ledger rows decided in [from, to) as CSV, streamed."""
+    ctx = request.app[CONTEXT]
+    session = request[SESSION]
+    if ctx.settings.ledger is None:
+        raise ConsoleError(404, "No audit ledger is configured: there is nothing to export.")
+    start, end = period_of(request.query.get("from", ""), request.query.get("to", ""),
+                           now=datetime.now(tz=UTC))
+    sent = Sent()
+    try:
+        async with ctx.ledger(ctx.export_slots) as reader, \
+                contextlib.aclosing(reader.period(
+                    start, end, read_timeout_s=READ_TIMEOUT_S)) as batches:
+            # closed here, also when the client leaves mid-download: its transaction ends
+            # before the connection does
+            first = await ledger_call(anext(batches, []))
+            response = web.StreamResponse(headers={
+                "Content-Type": "text/csv; charset=utf-8",
+                "Content-Disposition": f"attachment; filename=\"{file_name(start, end)}\""})
+            ctx.headers(response)
+            await response.prepare(request)
+            await stream_csv(request, response, first, batches, sent)
+    finally:
+        if sent.started:
+            log.log(logging.INFO if sent.whole else logging.WARNING,
+                    "console export" if sent.whole else "console export cut short",
+                    extra={"user": session.user, "role": session.role, "from": iso(start),
+                           "to": iso(end), "rows": sent.rows, "why": sent.why,
+                           "peer": request.remote})
+    return response

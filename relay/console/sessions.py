@@ -7,12 +7,12 @@ times. A session ends after ``idle_s`` seconds without a request or :data:`MAX_A
 stops (sessions live in its memory: one console per relay). At most :data:`MAX_SESSIONS` are
 kept; the least recently used go first.
 
-Sign-in is checked as SMTP AUTH is (:mod:`relay.smtp.auth`): the same users file format with a
-role, the same hash checks (an unknown user costs a dummy hash), the same guess budget per
+Sign-in is checked as SMTP AUTH is (:mod:`relay.credentials`): the same users file format with
+a role, the same hash checks (an unknown user costs a dummy hash), the same guess budget per
 client address (``auth_max_failures`` within ``auth_failure_window``, successes refunded), the
 same failure delay (``auth_failure_delay`` x (1 + recent failures), at most 5 s) and the same
-turns of one user name's checks (:mod:`relay.smtp.user_turns`). A reload ends the sessions of
-a user whose line changed (:meth:`relay.smtp.auth.CredentialFile.stamp`).
+turns of one user name's checks (:mod:`relay.credentials.user_turns`). A reload ends the
+sessions of a user whose line changed (:meth:`relay.credentials.CredentialFile.stamp`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relay.smtp.auth import AttemptResult, Attempts, CredentialFile
+from relay.credentials import AttemptResult, Attempts, CredentialFile
 
 MAX_AGE_S = 12 * 3600.0
 """The longest a session lasts, however active (seconds)."""
@@ -40,7 +40,7 @@ in again and again cannot push everyone else's sessions out."""
 class Session:
     """One signed-in user: ``role`` (``viewer`` or ``operator``), the ``csrf`` token every
     form of this session carries, its times (monotonic seconds) and the ``stamp`` of the
-    user's line it was opened under (:meth:`relay.smtp.auth.CredentialFile.stamp`)."""
+    user's line it was opened under (:meth:`relay.credentials.CredentialFile.stamp`)."""
 
     user: str
     role: str
@@ -121,14 +121,13 @@ class Sessions:
 
 
 class SignIns:
-    """Checks sign-ins against ``users`` (a :class:`CredentialFile` loaded with roles) under
-    SMTP AUTH's rule (:class:`relay.smtp.auth.Attempts`: the budget per client address, the
-    failure delay)."""
+    """Checks sign-ins under ``attempts``: the console's users (a :class:`CredentialFile`
+    loaded with roles) under SMTP AUTH's rule (:class:`relay.credentials.Attempts`: the
+    budget per client address, the failure delay, the turns of a user name), as
+    :meth:`relay.settings.access.AccessSettings.auth_attempts` builds it."""
 
-    def __init__(self, users: CredentialFile, *, failure_delay_s: float, max_failures: int,
-                 failure_window_s: float) -> None:
-        self.attempts = Attempts(credentials=users, failure_delay_s=failure_delay_s,
-                                 max_failures=max_failures, failure_window_s=failure_window_s)
+    def __init__(self, attempts: Attempts) -> None:
+        self.attempts = attempts
 
     @property
     def users(self) -> CredentialFile:

@@ -1,13 +1,15 @@
 """Who may use the listener and how: client networks, senders, connection limits, TLS
 (STARTTLS, RFC 3207; implicit TLS, RFC 8314), AUTH (RFC 4954) and the PROXY protocol; built
-into :class:`relay.smtp.handler.ListenerSecurity` and :class:`relay.smtp.auth.SaslMechanisms`.
-Who may connect and send, the AUTH users and the certificate change live on reload."""
+into :class:`relay.smtp.handler.ListenerSecurity` and the AUTH users under the guess rule
+(:class:`relay.credentials.Attempts`, which the composition root hands to the SMTP adapter's
+SASL mechanisms, and the console's sign-in uses too). Who may connect and send, the AUTH users
+and the certificate change live on reload."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Callable, Set
+from collections.abc import Set
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -25,7 +27,7 @@ from relay.settings.common import (
 )
 
 if TYPE_CHECKING:
-    from relay.smtp.auth import SaslMechanisms
+    from relay.credentials import Attempts, CredentialFile
     from relay.smtp.handler import ListenerSecurity, RelayHandler
 
 
@@ -127,7 +129,7 @@ class AccessSettings(Section):
 
     def file_checks(self, *, live: bool) -> list[FileCheck]:
         """The TLS certificate and key (loaded as a pair) and the credentials file (parsed)."""
-        from relay.smtp.auth import CredentialFile
+        from relay.credentials import CredentialFile
         from relay.smtp.tls import server_context
 
         checks: list[FileCheck] = []
@@ -176,39 +178,44 @@ class AccessSettings(Section):
             proxy_timeout_s=self.proxy_protocol_timeout,
         )
 
-    def sasl(self, *, on_failure: Callable[[], None], on_refused: Callable[[], None]
-             ) -> SaslMechanisms | None:
-        """The AUTH mechanisms over the credentials file (None when AUTH is not configured);
-        ``on_failure`` / ``on_refused`` count a failed and an unchecked AUTH."""
-        from relay.smtp.auth import CredentialFile, SaslMechanisms
+    def auth_users(self) -> CredentialFile | None:
+        """The AUTH users (``auth_file`` loaded), None when AUTH is not configured. Raises
+        ConfigError (naming the line) as :meth:`relay.credentials.CredentialFile.load`."""
+        from relay.credentials import CredentialFile
 
-        if self.auth_file is None:
-            return None
-        return SaslMechanisms(credentials=CredentialFile.load(self.auth_file),
-                              on_failure=on_failure, on_refused=on_refused,
-                              failure_delay_s=self.auth_failure_delay,
-                              max_failures=self.auth_max_failures,
-                              failure_window_s=self.auth_failure_window)
+        return None if self.auth_file is None else CredentialFile.load(self.auth_file)
+
+    def auth_attempts(self, users: CredentialFile) -> Attempts:
+        """Password attempts against ``users`` under the guess rule (``auth_failure_delay``,
+        ``auth_max_failures`` within ``auth_failure_window``): SMTP AUTH's and the console's
+        sign-in's."""
+        from relay.credentials import Attempts
+
+        return Attempts(credentials=users, failure_delay_s=self.auth_failure_delay,
+                        max_failures=self.auth_max_failures,
+                        failure_window_s=self.auth_failure_window)
 
     async def apply_access_live(self, applied: Set[str], *, security: ListenerSecurity,
-                         sasl: SaslMechanisms | None, handler: RelayHandler) -> None:
-        """Apply the :attr:`LIVE` settings named in ``applied``: the AUTH users from the next
-        AUTH, the certificate (read again every time: a file replaced in place) from the next
+                                auth_users: CredentialFile | None, handler: RelayHandler
+                                ) -> None:
+        """Apply the :attr:`LIVE` settings named in ``applied``: the AUTH users
+        (``auth_users``: those in use, None when AUTH is off) from the next AUTH, the
+        certificate (read again every time: a file replaced in place) from the next
         handshake, ``allowed_networks`` from the next connection, ``allowed_senders`` from the
         next MAIL. Raises ConfigError when a file does not load; then nothing was applied."""
+        from relay.credentials import CredentialFile
         from relay.smtp.access import parse_networks
-        from relay.smtp.auth import CredentialFile
         from relay.smtp.tls import rotate_certificate
 
         credentials = None
-        if sasl is not None and self.auth_file is not None and "auth_file" in applied:
+        if auth_users is not None and self.auth_file is not None and "auth_file" in applied:
             credentials = await asyncio.to_thread(CredentialFile.load, self.auth_file)
         if security.tls_context is not None and self.tls_cert is not None \
                 and self.tls_key is not None:
             rotate_certificate(security.tls_context, self.tls_cert, self.tls_key,
                                self.tls_min_version)
-        if credentials is not None and sasl is not None:
-            sasl.credentials.replace_with(credentials)
+        if credentials is not None and auth_users is not None:
+            auth_users.replace_with(credentials)
         if "allowed_networks" in applied:
             security.gate.set_allowed(parse_networks(self.allowed_networks))
         if "allowed_senders" in applied:

@@ -21,7 +21,7 @@ from relay.settings.common import (
 )
 
 if TYPE_CHECKING:
-    from relay.smtp.auth import CredentialFile
+    from relay.credentials import CredentialFile
 
 CONSOLE_ROLES: tuple[str, ...] = ("viewer", "operator")
 """The console's roles: a viewer reads every page; an operator also releases and marks sent."""
@@ -103,8 +103,8 @@ class ConsoleSettings(Section):
 
     def console_users(self) -> CredentialFile:
         """The console's users with their roles. Raises ConfigError (naming the line) as
-        :meth:`relay.smtp.auth.CredentialFile.load`. Blocking (~100 ms)."""
-        from relay.smtp.auth import CredentialFile
+        :meth:`relay.credentials.CredentialFile.load`. Blocking (~100 ms)."""
+        from relay.credentials import CredentialFile
 
         assert self.console_auth_file is not None  # _check_console: needed with the listener
         return CredentialFile.load(self.console_auth_file, roles=CONSOLE_ROLES)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.smtp.auth import format_entry, hash_password
+from relay.credentials import format_entry, hash_password
 from tests.support.cli import run_cli
 from tests.support.pki import Pki, make_pki
 

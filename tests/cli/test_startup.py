@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.smtp.auth import format_entry, hash_password
+from relay.credentials import format_entry, hash_password
 from tests.support.cli import run_cli, wait_for_port
 from tests.support.net import free_port
 from tests.support.pki import make_pki

@@ -12,11 +12,11 @@ import pytest
 
 from relay.console.errors import ConsoleError
 from relay.console.export import csv_cell, parse_instant
-from relay.console.server import local_path
 from relay.console.sessions import MAX_AGE_S, MAX_PER_USER, Sessions
+from relay.console.signin import local_path
 from relay.core.errors import ConfigError
+from relay.credentials import CredentialFile, format_entry
 from relay.settings import CONSOLE_ROLES, load_settings
-from relay.smtp.auth import CredentialFile, format_entry
 from tests.support.cli import run_cli
 from tests.support.console import users_file
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from relay.smtp.auth import format_entry
+from relay.credentials import format_entry
 from tests.support.console import (
     OPERATOR,
     OPERATOR_PASSWORD,

@@ -24,16 +24,11 @@ from prometheus_client import CollectorRegistry
 
 from relay.core import replies
 from relay.core.errors import ConfigError
+from relay.credentials import Attempts, CredentialFile, VerifiedCache, format_entry, hash_password
+from relay.credentials import users as users_file
 from relay.ops.metrics import PrometheusMetrics
-from relay.smtp import auth
 from relay.smtp.access import ConnectionGate, parse_networks
-from relay.smtp.auth import (
-    Attempts,
-    CredentialFile,
-    SaslMechanisms,
-    format_entry,
-    hash_password,
-)
+from relay.smtp.auth import SaslMechanisms
 from relay.smtp.session import RelaySMTP
 from tests.support.clients import RawClient
 from tests.support.waiting import until
@@ -172,13 +167,13 @@ async def test_unknown_user_still_runs_a_hash_check(credentials: CredentialFile,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """An unknown user is checked against a dummy hash, so it costs a real verification."""
     checked: list[str] = []
-    real = auth._check_hash
+    real = users_file._check_hash
 
     def spy(entry: Any, secret: bytes) -> bool:
         checked.append(entry.password_hash)
         return real(entry, secret)
 
-    monkeypatch.setattr(auth, "_check_hash", spy)
+    monkeypatch.setattr(users_file, "_check_hash", spy)
     assert not await credentials.verify("nobody@example.com", PASSWORD)
     assert len(checked) == 1
     assert checked[0] not in (hashes.argon2, hashes.bcrypt)
@@ -190,13 +185,13 @@ async def test_hash_check_runs_off_the_event_loop_thread(
         credentials: CredentialFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """The blocking hash check runs in a worker thread, never in the event loop's thread."""
     threads: list[threading.Thread] = []
-    real = auth._check_hash
+    real = users_file._check_hash
 
     def spy(entry: Any, secret: bytes) -> bool:
         threads.append(threading.current_thread())
         return real(entry, secret)
 
-    monkeypatch.setattr(auth, "_check_hash", spy)
+    monkeypatch.setattr(users_file, "_check_hash", spy)
     assert await credentials.verify(USER, PASSWORD)
     assert threads and threads[0] is not threading.main_thread()
 
@@ -696,13 +691,13 @@ async def test_a_right_password_is_answered_without_the_failure_delay(
 def _counting_hash_checks(monkeypatch: pytest.MonkeyPatch) -> list[None]:
     """Count the calls of the hash check (one entry per bcrypt/argon2 verification)."""
     calls: list[None] = []
-    real = auth._check_hash
+    real = users_file._check_hash
 
     def counted(entry: Any, secret: bytes) -> bool:
         calls.append(None)
         return real(entry, secret)
 
-    monkeypatch.setattr(auth, "_check_hash", counted)
+    monkeypatch.setattr(users_file, "_check_hash", counted)
     return calls
 
 
@@ -740,7 +735,7 @@ def test_verified_credentials_expire_and_are_bounded() -> None:
     """An entry is forgotten ttl_s after its check, and the least recent goes past
     max_entries."""
     now = [0.0]
-    cache = auth.VerifiedCache(ttl_s=10.0, max_entries=2, clock=lambda: now[0])
+    cache = VerifiedCache(ttl_s=10.0, max_entries=2, clock=lambda: now[0])
     cache.add("a", "$h", b"p")
     now[0] = 9.9
     assert cache.holds("a", "$h", b"p")

@@ -270,7 +270,7 @@ async def test_scope_by_auth_keeps_tenants_apart(
     """Two applications (AUTH identities) use the same key for the same recipient: with
     scope_by_auth each is delivered and each one's retry suppressed; without it the second
     application's message would be taken for a duplicate of the first's (design.md §2)."""
-    from relay.smtp.auth import format_entry, hash_password
+    from relay.credentials import format_entry, hash_password
 
     users = ["billing@example.com", "shop@example.com"]
     creds = tmp_path / "users"

@@ -13,7 +13,7 @@ import aiohttp
 import bcrypt
 
 from relay.app import Relay
-from relay.smtp.auth import format_entry
+from relay.credentials import format_entry
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink
 

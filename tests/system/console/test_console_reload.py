@@ -16,7 +16,7 @@ import bcrypt
 import pytest
 import trustme
 
-from relay.smtp.auth import format_entry
+from relay.credentials import format_entry
 from tests.support.console import (
     OPERATOR,
     OPERATOR_PASSWORD,

@@ -23,9 +23,9 @@ from typing import Any
 import bcrypt
 import pytest
 
+from relay.credentials import format_entry
 from relay.reload import compare, file_digests
 from relay.settings import Settings
-from relay.smtp.auth import format_entry
 from tests.support.cli import run_cli
 from tests.support.clients import RawClient, message, send
 from tests.support.metrics import scrape

@@ -1,15 +1,15 @@
 """The turns of one user name's password checks, from whatever client address:
-:class:`UserTurns` (used by :class:`relay.smtp.auth.Attempts`, so by SMTP AUTH and the
-console's sign-in alike).
+:class:`UserTurns` (used by :class:`relay.credentials.attempts.Attempts`, so by SMTP AUTH and
+the console's sign-in alike).
 
 The guess budget counts attempts per client address, so guesses at one user grow with the
 addresses a guesser has (30 addresses made 150 guesses in 27 s). Here the checks of one user
 name take turns: one at a time, in the order they came, and after a failure the next waits
-:func:`relay.smtp.auth.failure_floor_s` of the user's recent attempts (``auth_failure_delay``
-x (1 + those attempts), at most 5 s). So a name guessed at from any number of addresses is
-checked about once per 5 s at most. Nobody is refused for a user's failures (no lock-out):
-an attempt waits for its turn, and a password verified in the last minutes is answered
-without one (:meth:`relay.smtp.auth.CredentialFile.remembered`).
+:func:`relay.credentials.attempts.failure_floor_s` of the user's recent attempts
+(``auth_failure_delay`` x (1 + those attempts), at most 5 s). So a name guessed at from any
+number of addresses is checked about once per 5 s at most. Nobody is refused for a user's
+failures (no lock-out): an attempt waits for its turn, and a password verified in the last
+minutes is answered without one (:meth:`relay.credentials.users.CredentialFile.remembered`).
 
 A user name is kept as a keyed digest (:meth:`UserTurns.key`), never in full: names are the
 client's text, up to a line's length each, and thousands are remembered.

@@ -1,4 +1,4 @@
-"""What a password guesser can cost the relay (relay.smtp.auth and relay.smtp.user_turns,
+"""What a password guesser can cost the relay (relay.credentials and its user_turns,
 behind SMTP AUTH and the console's sign-in): hash checks run one at a time per users file,
 in threads of their own at a lower priority, the checks of one user name take turns whatever
 the client address, and what the guess budget keeps of a user name is a short digest."""
@@ -18,8 +18,8 @@ from typing import Any
 import bcrypt
 import pytest
 
-from relay.smtp import auth
-from relay.smtp.auth import AttemptResult, Attempts, CredentialFile, format_entry
+from relay.credentials import AttemptResult, Attempts, CredentialFile, VerifiedCache, format_entry
+from relay.credentials import users as users_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,7 +44,7 @@ class HashChecks:
         self.most = 0
         self._running = 0
         self._lock = threading.Lock()
-        real = auth._check_hash
+        real = users_file._check_hash
 
         def timed(entry: Any, secret: bytes) -> bool:
             with self._lock:
@@ -58,7 +58,7 @@ class HashChecks:
                 with self._lock:
                     self._running -= 1
 
-        monkeypatch.setattr(auth, "_check_hash", timed)
+        monkeypatch.setattr(users_file, "_check_hash", timed)
 
 
 async def test_hash_checks_of_one_users_file_run_one_at_a_time(
@@ -91,7 +91,7 @@ async def test_guesses_at_one_user_from_many_addresses_take_turns(
     assert await asyncio.gather(*guesses) == [AttemptResult.FAILED] * 5
     gaps = [b - a for a, b in zip(checks.started, checks.started[1:], strict=False)]
     assert len(gaps) == 4 and all(gap >= 0.05 + 0.1 * 5 * 0.9 for gap in gaps), gaps
-    attempts.credentials.verified = auth.VerifiedCache()  # forget the right password
+    attempts.credentials.verified = VerifiedCache()  # forget the right password
     assert await attempts.check("127.0.0.11", USER, PASSWORD) is AttemptResult.SUCCEEDED
 
 
@@ -141,14 +141,14 @@ async def test_a_hash_check_runs_in_a_thread_of_its_own_at_a_lower_priority(
     """The check runs outside the event loop's thread and the default executor, in a
     hash-check thread whose nice value is the process's plus 10: relaying goes first."""
     seen: list[tuple[str, int]] = []
-    real = auth._check_hash
+    real = users_file._check_hash
 
     def observed(entry: Any, secret: bytes) -> bool:
         seen.append((threading.current_thread().name,
                      os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         return real(entry, secret)
 
-    monkeypatch.setattr(auth, "_check_hash", observed)
+    monkeypatch.setattr(users_file, "_check_hash", observed)
     assert await credentials.verify(USER, PASSWORD)
     [(name, nice)] = seen
     assert name.startswith("hash-check") and nice == os.getpriority(os.PRIO_PROCESS, 0) + 10

@@ -1,16 +1,18 @@
-"""Admin operations (design.md §6.5): compute a fingerprint, inspect it, release it, or
-mark it sent; count the store's records by state.
+"""One fingerprint's record for an operator (design.md §6.5): compute its key, describe what
+the store holds, release it or mark it sent (audit-logged), and the ledger row of such an
+action.
 
-The CLI (``dedup-relay fingerprint | inspect | release | mark-sent | stats``) is a thin shell
-over these. They use the same settings as the relay (store URL, key prefix, fingerprint secret,
-local-part case rule, scope), so the key they compute is the key the relay would use. A release
-or mark-sent is written to the ``relay.audit`` log (one JSON line with ``--log-format json``):
+They use the same settings as the relay (store URL, key prefix, fingerprint secret, local-part
+case rule, scope), so the key they compute is the key the relay would use. A release or
+mark-sent is written to the ``relay.audit`` log (one JSON line with ``--log-format json``):
 when, who, why, which key and what it held, so an operator's decision about an in-doubt message
 can be traced later. Both refuse a record that is in flight (PENDING, or SENDING within the
 lease) unless forced: deleting it would let the retry go out while the first copy is still
 being delivered. Both act only on the record the operator's read found (compare-and-delete,
 compare-and-set in the store): when a retry or another operator changed it in between,
-nothing is done and the refusal reads :func:`changed_meanwhile`.
+nothing is done and the refusal reads :func:`changed_meanwhile`. The command line and the
+console call them through :func:`relay.admin.decisions.decide` (the ledger first, then the
+store, then the row).
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from relay.core.interfaces import (
     LedgerEntry,
     Record,
     State,
-    StateCounter,
-    StateCounts,
 )
 from relay.core.keys import KeyRules, header_values, recipient_key
 from relay.core.rules import reads_as
@@ -115,7 +115,7 @@ def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
         "key": key,
         "state": record.state.value,
         "reads_as": reads_as(record, lease_s).value,
-        "at": _iso(record.at),
+        "at": iso_utc(record.at),
         "reply": record.reply,
         "ttl_s": None if record.ttl_s is None else round(record.ttl_s, 3),
     }
@@ -234,81 +234,16 @@ class OperatorRow:
         return self.entry(f"marked sent by an operator: {reason} ({who})")
 
 
-async def count_states(store: FingerprintStore, settings: Settings, *, older_than_h: float,
-                       max_keys: int | None,
-                       progress: Callable[[int], None] | None = None) -> StateCounts:
-    """Count the records under the relay's ``store_prefix`` by state
-    (:meth:`relay.core.interfaces.StateCounter.count_states`): SENDING is judged by the
-    relay's ``lease`` when a record names no lease of its own; ``older_than_h`` hours is the
-    age from which an in-doubt record counts in ``in_doubt_older``; ``max_keys`` caps a Redis
-    scan. Raises :class:`relay.core.errors.StoreError`, and ``TypeError`` for a store that
-    cannot count."""
-    if not isinstance(store, StateCounter):
-        raise TypeError(f"{type(store).__name__} cannot count its records")
-    return await store.count_states(settings.store_prefix, lease_s=settings.lease,
-                                    older_than_s=older_than_h * 3600, max_keys=max_keys,
-                                    progress=progress)
-
-
-def stats_report(settings: Settings, counts: StateCounts, older_than_h: float
-                 ) -> dict[str, object]:
-    """``counts`` as the JSON object ``dedup-relay stats --json`` prints: ``store`` (the URL,
-    passwords masked), ``prefix``, ``scanned`` and ``complete``, ``states`` (always the four
-    keys ``pending``, ``sending``, ``sent``, ``unknown``: records as stored), ``foreign`` (of
-    ``sent``: values the relay did not write, read as SENT), ``sending_past_lease`` (of
-    ``sending``: in doubt), ``in_doubt`` (``unknown`` + ``sending_past_lease``),
-    ``oldest_in_doubt`` (ISO 8601 UTC or null) and its ``oldest_in_doubt_age_s`` (seconds),
-    ``in_doubt_older_than`` (``{"hours": N, "count": M}``)."""
-    age = counts.oldest_in_doubt_age_s
-    return {
-        "store": redact_url(settings.store),
-        "prefix": settings.store_prefix,
-        "scanned": counts.scanned,
-        "complete": counts.complete,
-        "states": {State.PENDING.value: counts.pending, State.SENDING.value: counts.sending,
-                   State.SENT.value: counts.sent, State.UNKNOWN.value: counts.unknown},
-        "foreign": counts.foreign,
-        "sending_past_lease": counts.sending_past_lease,
-        "in_doubt": counts.in_doubt,
-        "oldest_in_doubt": _iso(counts.oldest_in_doubt_at),
-        "oldest_in_doubt_age_s": None if age is None else round(age, 3),
-        "in_doubt_older_than": {"hours": _number(older_than_h),
-                                "count": counts.in_doubt_older},
-    }
-
-
-def stats_table(counts: StateCounts, older_than_h: float) -> str:
-    """``counts`` for a person: one line per figure (the same as :func:`stats_report`'s)."""
-    age = counts.oldest_in_doubt_age_s
-    oldest = _iso(counts.oldest_in_doubt_at)
-    rows = [
-        ("pending", str(counts.pending)),
-        ("sending", f"{counts.sending} ({counts.sending_past_lease} past its lease: in doubt)"),
-        ("sent", f"{counts.sent} ({counts.foreign} foreign: not written by the relay)"),
-        ("unknown", str(counts.unknown)),
-        ("in doubt", f"{counts.in_doubt} (unknown + sending past its lease)"),
-        ("oldest in doubt", "-" if oldest is None or age is None
-         else f"{oldest} ({age:.0f} s ago)"),
-        (f"in doubt >= {_number(older_than_h)} h", str(counts.in_doubt_older)),
-        ("keys scanned", str(counts.scanned)
-         + ("" if counts.complete else " (stopped at --max-keys: the counts are partial)")),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _number(value: float) -> float | int:
-    return int(value) if value == int(value) else value
-
-
 def os_user() -> str:
+    """The OS user running the command (``unknown`` when the uid has no name)."""
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # no name for the uid (containers)
         return "unknown"
 
 
-def _iso(at: float | None) -> str | None:
+def iso_utc(at: float | None) -> str | None:
+    """``at`` (Unix seconds) as ISO 8601 UTC to the microsecond, None for None."""
     if at is None:
         return None
     return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
