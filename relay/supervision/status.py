@@ -37,6 +37,10 @@ class StatusWriter:
         """Say whether the worker applied the configuration reload."""
         self._write(RELOADED if applied else RELOAD_FAILED)
 
+    def close(self) -> None:
+        """Close the pipe (a worker's ends with its process)."""
+        self._pipe.close()
+
 
 async def follow_status(slot: WorkerSlot, fd: int, confirmed: asyncio.Condition) -> None:
     """Follow ``slot``'s status pipe (the read end ``fd``, closed at the end) until its process
