@@ -1,6 +1,7 @@
 """The relay's listening sockets: bound for a setting (a port in use is a
 :class:`StartupError` naming it), bound once by a supervisor for its workers
-(:func:`bind_listeners`, :class:`Listeners`), and served by a worker (:class:`Inherited`)."""
+(:func:`bind_listeners`, :class:`Listeners`), and served by a worker (:class:`Inherited`);
+the supervisor's metrics and console sockets (:func:`bound_socket`)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,24 @@ async def serve_on(factory: Any, socks: tuple[socket.socket, ...]
     that resolved to several addresses)."""
     loop = asyncio.get_running_loop()
     return [await loop.create_server(factory, sock=sock) for sock in socks]
+
+
+def bound_socket(host: str, port: int, field: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (SO_REUSEADDR, not listening yet: its server
+    listens on it later). Raises :class:`StartupError` naming the setting ``field``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise bind_error(host, port, field, exc) from exc
+    return sock
 
 
 def bind_error(host: str, port: int, field: str, exc: OSError) -> StartupError:

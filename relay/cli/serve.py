@@ -61,7 +61,7 @@ def register(main: click.Group) -> None:
         signal.signal(signal.SIGHUP, lambda sig, _: early.append(sig))
         _hide_secrets_from_ps()
         from relay.reload import SettingsSource
-        from relay.supervisor import run_loop_for  # the loop settings.event_loop names
+        from relay.supervision.loop import run_loop_for  # the loop settings.event_loop names
 
         settings = _checked(config_file, flags)
         setup_logging(settings.log_level, settings.log_format,
@@ -86,7 +86,7 @@ def register(main: click.Group) -> None:
         would start, 78 with one line per problem when not. Opens no store and binds no port.
         What serve would warn about at start (a secret file open to its group or others)
         is a `warning:` line on stderr."""
-        from relay.supervisor import loop_factory
+        from relay.supervision.loop import loop_factory
 
         settings = _checked(config_file, flags)
         for warning in file_warnings(settings):
@@ -159,7 +159,7 @@ async def _serve(settings: Settings, source: SettingsSource, early: list[int]) -
 
 
 async def _supervise(settings: Settings, source: SettingsSource, early: list[int]) -> int:
-    from relay.supervisor import supervise
+    from relay.supervision.supervisor import supervise
 
     supervising = asyncio.create_task(supervise(settings, source))
     await asyncio.sleep(0)  # its signal handlers are installed: what came early, again

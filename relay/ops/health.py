@@ -31,7 +31,7 @@ class ComponentStatus:
 
 class Readiness(Protocol):
     """What ``/readyz`` reads: one process's :class:`HealthMonitor`, or the supervisor's view
-    of every worker (:class:`relay.supervisor.WorkersReadiness`)."""
+    of every worker (:class:`relay.supervision.readiness.WorkersReadiness`)."""
 
     def status(self) -> dict[str, ComponentStatus]:
         """The last probe result of every component, by name."""

@@ -45,7 +45,7 @@ def remove_pid_file(path: Path, pid: int | None = None) -> None:
 _PYTHON_OPTIONS_WITH_ARGUMENT = frozenset({"-X", "-W", "-Q"})
 # the console script, and the package run as a module
 _ENTRY_SCRIPTS = frozenset({"dedup-relay"})
-# the whole command line of a supervisor once it named itself (setproctitle, relay.supervisor)
+# the whole command line of a supervisor once it named itself (setproctitle, relay.supervision)
 _TITLES = frozenset({"dedup-relay: supervisor"})
 _ENTRY_MODULES = frozenset({"relay", "relay.cli", "relay.__main__"})
 

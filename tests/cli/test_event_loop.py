@@ -1,5 +1,5 @@
-"""The event loop `serve` runs on (relay.supervisor.run_loop): uvloop when it imports,
-asyncio's when it does not (or relay.supervisor.USE_UVLOOP is off)."""
+"""The event loop `serve` runs on (relay.supervision.loop.run_loop): uvloop when it imports,
+asyncio's when it does not (or relay.supervision.loop.USE_UVLOOP is off)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from relay.core.errors import StartupError
 from relay.settings import Settings
-from relay.supervisor import USE_UVLOOP, loop_factory, run_loop, run_loop_for
+from relay.supervision.loop import USE_UVLOOP, loop_factory, run_loop, run_loop_for
 from tests.support.net import free_port
 
 

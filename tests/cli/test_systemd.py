@@ -111,7 +111,7 @@ def test_unit_stop_outlasts_the_relays_own_shutdown() -> None:
     """SIGTERM goes to the supervisor alone (KillMode=mixed: it forwards it to its workers), and
     systemd's SIGKILL comes after the supervisor's own bound on its workers' graceful shutdown
     (shutdown_grace + the wait for replies to final dots + 4 x store_timeout + 10 s,
-    relay/supervisor.py), itself above shutdown_grace."""
+    relay/supervision/supervisor.py), itself above shutdown_grace."""
     assert one("KillSignal") == "SIGTERM"
     assert one("KillMode") == "mixed"
     supervisor_bound = (DEFAULT["shutdown_grace"] + AFTER_DOT_WAIT_S
