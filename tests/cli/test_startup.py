@@ -40,6 +40,7 @@ def test_the_start_up_line_names_every_listener_and_no_session_warns(tmp_path: P
     line; sessions on the implicit-TLS port with AUTH required log no aiosmtpd warning."""
     pki = make_pki(tmp_path)
     (tmp_path / "users").write_text(format_entry("app@example.com", hash_password("pw-1")) + "\n")
+    (tmp_path / "users").chmod(0o600)  # a secret file as an operator keeps it
     port, tls_port, metrics_port = free_port(), free_port(), free_port()
     proc = _serve(tmp_path, "--upstream", "maildir:md", "--listen", f"127.0.0.1:{port}",
                   "--tls-listen", f"127.0.0.1:{tls_port}", "--metrics-listen",

@@ -31,6 +31,7 @@ def make_pki(folder: Path) -> Pki:
     server = ca.issue_cert("relay.test", "127.0.0.1")
     cert, key, ca_file = folder / "cert.pem", folder / "key.pem", folder / "ca.pem"
     server.private_key_pem.write_to_path(str(key))
+    key.chmod(0o600)  # a private key as an operator keeps it (the relay warns otherwise)
     server.cert_chain_pems[0].write_to_path(str(cert))
     for extra in server.cert_chain_pems[1:]:
         with cert.open("ab") as out:
