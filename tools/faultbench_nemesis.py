@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--relays", type=int, choices=(1, 2), default=1)
     group.add_argument("--nemesis-rate", type=float, default=8.0,
                        help="messages arriving per second")
-    group.add_argument("--heal", type=float, default=40.0,
+    group.add_argument("--heal", type=float, default=60.0,
                        help="seconds the clients get to finish once every fault is healed")
     group.add_argument("--unknown-policy", choices=("suppress", "send"), default="suppress")
     group.add_argument("--schedule", default="",

@@ -38,7 +38,7 @@ from tests.support.faultbench_lib import (
     RelayProcess,
     free_port,
 )
-from tests.support.faultbench_nemesis_history import collect
+from tests.support.faultbench_nemesis_history import collect, ledger_rows_lost
 from tests.support.faultbench_nemesis_parts import (
     NemesisSink,
     RelayNode,
@@ -75,7 +75,7 @@ class NemesisConfig:
     store: str = "redis"
     relays: int = 1
     rate: float = 8.0
-    heal_s: float = 40.0
+    heal_s: float = 60.0
     unknown_policy: str = "suppress"
     defect: str = ""
 
@@ -337,8 +337,11 @@ async def run_nemesis(cfg: NemesisConfig, workdir: Path,
                                     [n.process.log_path for n in nodes])
         finally:
             await _stop_all(nodes, sink, store)
+    logs = [n.process.log_path for n in nodes]
     notes = [*parts.notes, *(f"relay {i}: {note}" for i, n in enumerate(nodes)
                              for note in n.notes)]
+    if lost_rows := ledger_rows_lost(logs):
+        notes.append(f"audit ledger rows the relays stopped without writing: {lost_rows}")
     return NemesisResult(cfg, list(schedule), list(parts.applied), check(history), history,
                          workdir, notes)
 

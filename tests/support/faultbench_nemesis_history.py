@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -107,6 +108,16 @@ def resent(paths: Iterable[Path], keys: dict[str, Fingerprint]) -> Counter[Finge
             if fp is not None:
                 found[fp] += 1
     return found
+
+
+def ledger_rows_lost(paths: Iterable[Path]) -> int:
+    """Audit ledger rows the relays logged as never written (a relay stopped with rows still
+    queued); a killed relay's queued rows are gone without a line."""
+    lost = 0
+    for entry in _log_entries(paths):
+        found = re.match(r"audit ledger: (\d+) row\(s\) not written", str(entry.get("message")))
+        lost += int(found.group(1)) if found else 0
+    return lost
 
 
 def relay_lines(paths: Iterable[Path], rcpt: str) -> list[tuple[float, str]]:
