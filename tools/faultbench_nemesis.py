@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -188,10 +189,19 @@ async def run_all(args: argparse.Namespace, root: Path) -> list[NemesisResult]:
     return results
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args: argparse.Namespace, root: Path) -> int:
     """Run the nemesis as ``args`` say; print the summary and the run lines last; the exit
-    status."""
-    results = asyncio.run(run_all(args, root))
+    status. SIGTERM stops it as Ctrl-C does: every process it started is stopped first."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        results = asyncio.run(run_all(args, root))
+    except KeyboardInterrupt:
+        print("nemesis: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
     print(f"table row: {table_row(results)}")
     print(fault_summary(results))
     for r in results:

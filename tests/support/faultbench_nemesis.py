@@ -43,9 +43,9 @@ from tests.support.faultbench_nemesis_parts import (
     NemesisSink,
     RelayNode,
     SinkServer,
-    StoreControl,
     start_nemesis_sink,
 )
+from tests.support.faultbench_nemesis_store import StoreControl
 from tests.support.faultbench_schedule import Fault, draw_schedule
 from tests.support.faultbench_traffic import (
     Attempt,

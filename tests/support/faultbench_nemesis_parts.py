@@ -1,12 +1,10 @@
-"""The nemesis's parts, each able to take a fault and heal from it: a smarthost whose faults
-come and go (:class:`NemesisSink`), a relay kept running as a service manager keeps it
-(:class:`RelayNode`), and the store behind a black-holing proxy (:class:`StoreControl`).
+"""The nemesis's smarthost and relays, each able to take a fault and heal from it: a
+smarthost whose faults come and go (:class:`NemesisSink`) and a relay kept running as a
+service manager keeps it (:class:`RelayNode`); the store is ``faultbench_nemesis_store``.
 
-Every fault a part takes is counted per resource (``down``, ``held``), so overlapping faults
-of one resource compose: the store comes back when its last outage ends, a relay is started
-again when the last fault holding it down ends. A fault that cannot apply (a kill of a relay
-already down, a restart of a store already stopped) returns False and is not counted as
-applied. Loopback only; every wait is bounded.
+Faults holding a relay down are counted (``down``), so overlapping ones compose: the relay is
+started again when the last of them ends. A fault that cannot apply (a kill of a relay already
+down) returns False and is not counted as applied. Loopback only; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +22,7 @@ from pathlib import Path
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from tests.support.faultbench_lib import (
-    BenchPostgres,
-    BenchRedis,
     BenchSink,
-    BenchSqlite,
     Faults,
     RelayProcess,
     _end,
@@ -37,7 +31,6 @@ from tests.support.faultbench_lib import (
     _Plan,
     _StallingSMTP,
 )
-from tests.support.pg_proxy import PgProxy
 
 HANG_S = 3.0
 """How long the smarthost holds its reply to a dot it took (``upstream-hang``): longer than
@@ -316,155 +309,3 @@ class RelayNode:
 
 # ------------------------------------------------------------------------------------------
 # the store
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StoreControl:
-    """The run's store and, for a server, the proxy the relays reach it through.
-
-    ``direct_url`` is the server itself (the bench reads the final records there),
-    ``url`` what the relays use (the proxy for Redis and PostgreSQL).
-    """
-
-    store: BenchRedis | BenchPostgres | BenchSqlite
-    proxy: PgProxy | None = None
-    down: int = 0
-    held: int = 0
-    _lock: sqlite3.Connection | None = None
-
-    @property
-    def direct_url(self) -> str:
-        return self.store.url
-
-    @property
-    def url(self) -> str:
-        if self.proxy is None:
-            return self.store.url
-        if isinstance(self.store, BenchRedis):
-            return f"redis://127.0.0.1:{self.proxy.port}/0"
-        return self.proxy.url(self.store.url)
-
-    async def start(self) -> None:
-        """Start the store and, for a server, its proxy."""
-        await self.store.start()
-        if not isinstance(self.store, BenchSqlite):
-            port = (self.store.port if isinstance(self.store, BenchRedis)
-                    else _port_of(self.store.url))
-            self.proxy = PgProxy("127.0.0.1", port)
-            await self.proxy.start()
-
-    async def take_down(self) -> bool:
-        """Stop the server (its first outage stops it; Redis: SIGTERM, PostgreSQL: ``-m
-        fast``); False for SQLite."""
-        if isinstance(self.store, BenchSqlite):
-            return False
-        self.down += 1
-        if self.down == 1:
-            await self.store.stop()
-        return True
-
-    async def bring_up(self) -> None:
-        """End one outage; the last one starts the server again on its data."""
-        self.down = max(0, self.down - 1)
-        if self.down == 0:
-            await self.store.start()
-
-    async def restart(self) -> bool:
-        """Restart a running server (PostgreSQL: ``pg_ctl restart -m fast``); False when it
-        is down or SQLite."""
-        if isinstance(self.store, BenchSqlite) or self.down:
-            return False
-        if isinstance(self.store, BenchPostgres):
-            await self.store.restart("fast")
-        else:
-            await self.store.stop()
-            await self.store.start()
-        return True
-
-    async def crash(self) -> bool:
-        """SIGKILL to a running server (PostgreSQL: its postmaster); counts as an outage
-        until :meth:`bring_up`. False when it is down or SQLite."""
-        if isinstance(self.store, BenchSqlite) or self.down:
-            return False
-        self.down += 1
-        if isinstance(self.store, BenchPostgres):
-            await self.store.kill()
-        elif self.store.proc is not None:
-            await _end(self.store.proc, signal.SIGKILL, 5)
-            self.store.proc = None
-        return True
-
-    def partition(self) -> bool:
-        """Hold every byte between the relays and the server (new connections hang too)."""
-        if self.proxy is None:
-            return False
-        self.held += 1
-        self.proxy.hang()
-        return True
-
-    def unpartition(self) -> None:
-        """End one partition; the last one passes the held bytes on."""
-        self.held = max(0, self.held - 1)
-        if self.held == 0 and self.proxy is not None:
-            self.proxy.resume()
-
-    async def lock(self) -> bool:
-        """SQLite: take the file's write lock from another connection and keep it (the
-        first of overlapping locks); False for a server."""
-        if not isinstance(self.store, BenchSqlite):
-            return False
-        self.held += 1
-        if self.held == 1:
-            self._lock = await asyncio.to_thread(_take_write_lock, self.store.url)
-        return True
-
-    async def unlock(self) -> None:
-        """End one lock; the last one rolls its transaction back."""
-        self.held = max(0, self.held - 1)
-        if self.held == 0 and self._lock is not None:
-            conn, self._lock = self._lock, None
-            await asyncio.to_thread(_release, conn)
-
-    async def heal(self) -> None:
-        """End every fault: the server running, the proxy passing bytes, no lock held."""
-        if self.down:
-            self.down = 1
-            await self.bring_up()
-        if self.proxy is not None:
-            self.held = 0
-            self.proxy.resume()
-        if self._lock is not None:
-            self.held = 1
-            await self.unlock()
-
-    async def close(self) -> None:
-        """Stop the proxy and the server."""
-        try:
-            if self._lock is not None:
-                await asyncio.to_thread(_release, self._lock)
-            if self.proxy is not None:
-                self.proxy.resume()
-                await self.proxy.close()
-        finally:
-            await self.store.close()
-
-
-def _port_of(url: str) -> int:
-    return int(url.split("@", 1)[-1].split("/", 1)[0].rsplit(":", 1)[1])
-
-
-def _take_write_lock(url: str) -> sqlite3.Connection:
-    """A connection to the SQLite file of ``url`` inside ``BEGIN IMMEDIATE`` (the write
-    lock), taken within 10 s (a relay's transaction may hold it a moment)."""
-    conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=10.0,
-                           isolation_level=None, check_same_thread=False)
-    conn.execute("BEGIN IMMEDIATE")
-    return conn
-
-
-def _release(conn: sqlite3.Connection) -> None:
-    with contextlib.suppress(sqlite3.Error):
-        conn.execute("ROLLBACK")
-    conn.close()
-
