@@ -8,7 +8,9 @@ duplicate"). Counting is per fingerprint ``(recipient, key)``, the unit of desig
 rules (:func:`check`, also in docs/reliability.md):
 
 - **duplicate**: more than one copy taken by the smarthost, beyond the copies a relay
-  announced as sent again over a record in doubt;
+  announced as sent again over a record in doubt; or two copies that relays logged as
+  relayed (each read the smarthost's acceptance: the second was sent over a record that was
+  in doubt only because the first one's SENT mark was lost);
 - **lost**: the client's last reply was 2yz, the smarthost took no copy, and
   ``dedup-relay in-doubt`` does not list it;
 - **in doubt**: listed by ``dedup-relay in-doubt``, or its final record is UNKNOWN or
@@ -86,13 +88,15 @@ class Dot:
 class History:
     """Everything a run saw; ``records`` maps a fingerprint to its final store state
     (absent, pending, sending, sent, unknown); ``listed`` is what ``dedup-relay in-doubt``
-    lists; ``resent`` the copies relays announced as sent again over a record in doubt."""
+    lists; ``resent`` the copies relays announced as sent again over a record in doubt;
+    ``relayed`` the copies relays logged as relayed (the smarthost's 2yz read)."""
 
     clients: list[ClientRecord]
     dots: list[Dot]
     records: dict[Fingerprint, str] = field(default_factory=dict)
     listed: set[Fingerprint] = field(default_factory=set)
     resent: Counter[Fingerprint] = field(default_factory=Counter)
+    relayed: Counter[Fingerprint] = field(default_factory=Counter)
 
 
 @dataclass
@@ -148,7 +152,7 @@ def check(history: History) -> Counts:
             c.copies += copies
             listed = fp in history.listed
             doubt = listed or history.records.get(fp, "absent") in IN_DOUBT_RECORDS
-            if copies > 1 + history.resent[fp]:
+            if copies > 1 and (copies > 1 + history.resent[fp] or history.relayed[fp] > 1):
                 c._add("duplicates", fp)
             if client.end == "accepted" and copies == 0 and not listed:
                 c._add("lost", fp)

@@ -60,6 +60,15 @@ SETTLE_S = 2.0
 """After the last client ended: settles still being retried land before the relays stop."""
 CONCURRENCY = 20
 """Most SMTP sessions the clients hold at once."""
+CLIENT_TIMEOUTS_S = (1.5, 3.0, 10.0)
+"""How long a client waits for each reply, one drawn per seed: the short ones give up on a
+relay still at work on the message and retry on the next one while the first attempt goes on
+(attempts of one key that overlap)."""
+
+
+def client_timeout_s(seed: int) -> float:
+    """The clients' wait for each reply in ``seed``'s run, seconds."""
+    return random.Random(f"clients {seed}").choice(CLIENT_TIMEOUTS_S)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class Parts:
 
 
 async def _hold_relay_down(node: RelayNode, fault: Fault,
-                           stop: Callable[[], Awaitable[bool]]) -> bool:
+                           stop: Callable[[], Awaitable[bool]],
+                           started: Callable[[], None]) -> bool:
     """Stop ``node`` with ``stop`` and keep it down ``fault.hold_s``; start it again when no
     other fault holds it down. False (nothing done) when it was not running."""
     if not node.running or node.down:
@@ -128,6 +138,7 @@ async def _hold_relay_down(node: RelayNode, fault: Fault,
     try:
         if not await stop():
             return False
+        started()
         await asyncio.sleep(fault.hold_s)
         return True
     finally:
@@ -139,9 +150,9 @@ async def _hold_relay_down(node: RelayNode, fault: Fault,
 async def _relay_fault(parts: Parts, f: Fault, started: Callable[[], None]) -> bool:
     node = parts.relays[f.relay]
     if f.kind == "kill-relay":
-        return await _hold_relay_down(node, f, node.kill)
+        return await _hold_relay_down(node, f, node.kill, started)
     if f.kind == "sigterm":
-        return await _hold_relay_down(node, f, lambda: node.terminate(f.arg))
+        return await _hold_relay_down(node, f, lambda: node.terminate(f.arg), started)
     if f.kind == "kill-worker":
         return node.signal_worker(int(f.arg), signal.SIGKILL)
     if f.kind == "sighup":
@@ -262,7 +273,7 @@ async def _load(msgs: list[BenchMessage], balancer: Balancer, cfg: NemesisConfig
                 load_start: float) -> list[ClientRecord]:
     gate = asyncio.Semaphore(CONCURRENCY)
     deadline = load_start + cfg.duration_s + cfg.heal_s
-    policy = RetryPolicy()
+    policy = RetryPolicy(timeout_s=client_timeout_s(cfg.seed))
 
     async def one(msg: BenchMessage) -> ClientRecord:
         await asyncio.sleep(max(0.0, load_start + msg.index / cfg.rate - time.monotonic()))
@@ -329,7 +340,8 @@ async def run_nemesis(cfg: NemesisConfig, workdir: Path,
             for n in nodes:
                 n.keep()
             parts = Parts(store, sink.handler, nodes)
-            parts.notes.append(f"relays' shutdown grace {grace_s:g} s")
+            parts.notes.append(f"relays' shutdown grace {grace_s:g} s, clients' wait for a "
+                               f"reply {client_timeout_s(cfg.seed):g} s")
             clients = await _run_load(parts, schedule, msgs, cfg)
             await asyncio.sleep(SETTLE_S)
             await asyncio.gather(*(n.close() for n in nodes))
@@ -342,8 +354,8 @@ async def run_nemesis(cfg: NemesisConfig, workdir: Path,
                              for note in n.notes)]
     if lost_rows := ledger_rows_lost(logs):
         notes.append(f"audit ledger rows the relays stopped without writing: {lost_rows}")
-    return NemesisResult(cfg, list(schedule), list(parts.applied), check(history), history,
-                         workdir, notes)
+    return NemesisResult(cfg, list(schedule), sorted(parts.applied, key=lambda f: f.at_s),
+                         check(history), history, workdir, notes)
 
 
 async def _run_load(parts: Parts, schedule: list[Fault], msgs: list[BenchMessage],

@@ -110,6 +110,20 @@ def resent(paths: Iterable[Path], keys: dict[str, Fingerprint]) -> Counter[Finge
     return found
 
 
+def relayed(paths: Iterable[Path]) -> Counter[Fingerprint]:
+    """Copies the relays logged as relayed (their decision line's outcome: the smarthost's 2yz
+    read), per fingerprint; the key is the message's Message-ID (``<key@bench.test>``)."""
+    found: Counter[Fingerprint] = Counter()
+    for entry in _log_entries(paths):
+        outcomes = entry.get("outcomes")
+        if entry.get("message") == "message" and isinstance(outcomes, dict):
+            key = str(entry.get("message_id", "")).strip("<>").split("@", 1)[0]
+            for rcpt, outcome in outcomes.items():
+                if outcome == "relayed":
+                    found[(str(rcpt).lower(), key)] += 1
+    return found
+
+
 def ledger_rows_lost(paths: Iterable[Path]) -> int:
     """Audit ledger rows the relays logged as never written (a relay stopped with rows still
     queued); a killed relay's queued rows are gone without a line."""
@@ -145,6 +159,7 @@ def save(history: History, path: Path) -> None:
         "records": {f"{fp[0]} {fp[1]}": state for fp, state in history.records.items()},
         "listed": sorted(f"{fp[0]} {fp[1]}" for fp in history.listed),
         "resent": {f"{fp[0]} {fp[1]}": n for fp, n in history.resent.items()},
+        "relayed": {f"{fp[0]} {fp[1]}": n for fp, n in history.relayed.items()},
     }, indent=1))
 
 
@@ -155,6 +170,7 @@ async def collect(clients: list[ClientRecord], workdir: Path, store_url: str, pr
     listed = await in_doubt_listed(store_url, prefix, ledger_url, workdir, keys)
     records = await read_records(store_url, prefix, keys)
     history = History(clients=clients, dots=read_dots(workdir / "dots.jsonl"),
-                      records=records, listed=listed, resent=resent(relay_logs, keys))
+                      records=records, listed=listed, resent=resent(relay_logs, keys),
+                      relayed=relayed(relay_logs))
     save(history, workdir / "history.json")
     return history

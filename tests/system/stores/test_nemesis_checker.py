@@ -55,6 +55,16 @@ def test_a_copy_announced_as_resent_in_doubt_is_no_duplicate() -> None:
     assert check(one_resend).duplicates == 1
 
 
+def test_a_resent_copy_of_a_fingerprint_a_relay_had_relayed_is_a_duplicate() -> None:
+    """Two copies both logged as relayed (the first one's SENT mark lost, the second sent
+    over the record left in doubt) are a duplicate although the second was announced."""
+    history = History([client(OK)], [dot(), dot()], resent=Counter({FP: 1}),
+                      relayed=Counter({FP: 2}))
+    assert check(history).duplicates == 1
+    history.relayed = Counter({FP: 1})  # the first copy's reply never read: real doubt
+    assert check(history).duplicates == 0
+
+
 def test_refused_dots_are_no_copies() -> None:
     """Dots the smarthost refused (451 at the dot) count as no copy: a 250 after them with
     one copy taken is clean."""
