@@ -101,7 +101,8 @@ def report(result: NemesisResult, title: str = "") -> list[str]:
     lines = [result.line() + (f" ({title})" if title else ""),
              f"  copies taken {c.copies}; in doubt {c.in_doubt}: not listed {c.unlisted}, no "
              f"dot reached the smarthost {c.doubt_without_dot}, every dot refused "
-             f"{c.doubt_refused}; applied: {', '.join(f.kind for f in result.applied) or '-'}"]
+             f"{c.doubt_refused}, no attempt left it in doubt {c.doubt_unexplained}; applied: "
+             f"{', '.join(f.kind for f in result.applied) or '-'}"]
     if not c.broken:
         return lines
     cfg = result.config

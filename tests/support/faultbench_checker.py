@@ -105,8 +105,9 @@ class Counts:
     invariant; ``in_doubt``: the honest exception, counted; ``unlisted``: in doubt but not
     listed by ``dedup-relay in-doubt``; ``doubt_without_dot``: in doubt although the
     smarthost never received a dot for it; ``doubt_refused``: in doubt, no copy, and every dot
-    it received for it refused; ``unfinished``: no 2yz/5yz by the end; ``concerned``: the
-    fingerprints of each count but ``keys`` and ``copies``."""
+    it received for it refused; ``doubt_unexplained``: in doubt, no copy, and no attempt of its
+    client could have left it so (:func:`unexplained_doubt`); ``unfinished``: no 2yz/5yz by
+    the end; ``concerned``: the fingerprints of each count but ``keys`` and ``copies``."""
 
     keys: int = 0
     copies: int = 0
@@ -116,6 +117,7 @@ class Counts:
     unlisted: int = 0
     doubt_without_dot: int = 0
     doubt_refused: int = 0
+    doubt_unexplained: int = 0
     unfinished: int = 0
     concerned: dict[str, list[Fingerprint]] = field(default_factory=dict)
 
@@ -164,7 +166,24 @@ def check(history: History) -> Counts:
                     c._add("unlisted", fp)
                 if copies == 0:
                     c._add("doubt_refused" if fp in seen else "doubt_without_dot", fp)
+                if copies == 0 and unexplained_doubt(client):
+                    c._add("doubt_unexplained", fp)
     return c
+
+
+def unexplained_doubt(client: ClientRecord) -> bool:
+    """Whether the client was told "in doubt" first by a 2yz, every attempt before it having
+    had a definite reply. A record goes in doubt when a relay's dot got no reply (its client
+    is told ``451 4.4.2``) or when a relay died after marking it SENDING (its client gets no
+    reply); neither happened to this client's attempts, so the relay lost what it knew (an
+    owed release or SENT mark never landed). A message whose attempts overlap with another
+    client's cannot show this (each message is sent by one client here)."""
+    for reply in client.replies:
+        if reply.in_doubt:
+            return reply.code is not None and reply.code < 400
+        if reply.code is None:
+            return False
+    return False
 
 
 def _hms(t: float) -> str:

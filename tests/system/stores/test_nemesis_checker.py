@@ -89,6 +89,20 @@ def test_a_250_in_doubt_without_a_copy_but_listed_is_in_doubt_not_lost() -> None
     assert not c.broken
 
 
+def test_doubt_no_attempt_explains_is_counted_apart() -> None:
+    """A 250 "in doubt" after attempts that all had definite replies (the relay answered the
+    smarthost's 451, then the record was found in doubt) is counted as unexplained; one after
+    an attempt without a reply, or after the relay's own 451 4.4.2, is not."""
+    refused = Reply(1.0, 2525, 451, "4.3.0 upstream: bench: temporary failure")
+    told = Reply(1.0, 2525, 451, "4.4.2 Upstream did not confirm the message; it is held as "
+                                 "in doubt, try again later")
+    cut = Reply(1.0, 2525, None, "", "closed")
+    counts = [check(History([client(*replies, IN_DOUBT)], [], records={FP: "unknown"},
+                            listed={FP})).doubt_unexplained
+              for replies in ([refused], [refused, cut], [told], [])]
+    assert counts == [1, 0, 0, 1]
+
+
 def test_a_sending_record_at_the_end_is_in_doubt() -> None:
     """A SENDING record left when every attempt has ended counts as in doubt."""
     c = check(History([client(OK)], [dot()], records={FP: "sending"}))
