@@ -103,6 +103,10 @@ def report(result: NemesisResult, title: str = "") -> list[str]:
              f"dot reached the smarthost {c.doubt_without_dot}, every dot refused "
              f"{c.doubt_refused}, no attempt left it in doubt {c.doubt_unexplained}; applied: "
              f"{', '.join(f.kind for f in result.applied) or '-'}"]
+    logs = sorted(result.workdir.glob("relay*/relay.log"))
+    for fp in c.concerned.get("doubt_unexplained", [])[:EVIDENCE_LIMIT // 2]:
+        lines += [f"  in doubt with no attempt to explain it: {fp[0]} key {fp[1]}",
+                  *timeline(result.history, fp, relay_lines(logs, fp[0]))]
     if not c.broken:
         return lines
     cfg = result.config
@@ -110,7 +114,6 @@ def report(result: NemesisResult, title: str = "") -> list[str]:
               f"({len(result.applied)} applied), logs in {result.workdir}:",
               *(f"    {f.describe()}" for f in result.schedule),
               f"  again: {repro(cfg, result.schedule)}", *(f"  note: {n}" for n in result.notes)]
-    logs = sorted(result.workdir.glob("relay*/relay.log"))
     for bucket in ("duplicates", "lost"):
         for fp in result.counts.concerned.get(bucket, [])[:EVIDENCE_LIMIT]:
             lines += [f"  {bucket[:-1] if bucket == 'duplicates' else bucket}: {fp[0]} "

@@ -175,13 +175,14 @@ def unexplained_doubt(client: ClientRecord) -> bool:
     """Whether the client was told "in doubt" first by a 2yz, every attempt before it having
     had a definite reply. A record goes in doubt when a relay's dot got no reply (its client
     is told ``451 4.4.2``) or when a relay died after marking it SENDING (its client gets no
-    reply); neither happened to this client's attempts, so the relay lost what it knew (an
-    owed release or SENT mark never landed). A message whose attempts overlap with another
-    client's cannot show this (each message is sent by one client here)."""
+    reply, or gives up waiting); neither happened to this client's attempts (a connection
+    refused reached no relay), so the relay lost what it knew (an owed release or SENT mark
+    never landed). Each message is sent by one client here, so no other client's attempt
+    can explain it."""
     for reply in client.replies:
         if reply.in_doubt:
             return reply.code is not None and reply.code < 400
-        if reply.code is None:
+        if reply.code is None and not reply.error.startswith("connect"):
             return False
     return False
 

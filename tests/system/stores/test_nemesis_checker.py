@@ -91,16 +91,19 @@ def test_a_250_in_doubt_without_a_copy_but_listed_is_in_doubt_not_lost() -> None
 
 def test_doubt_no_attempt_explains_is_counted_apart() -> None:
     """A 250 "in doubt" after attempts that all had definite replies (the relay answered the
-    smarthost's 451, then the record was found in doubt) is counted as unexplained; one after
-    an attempt without a reply, or after the relay's own 451 4.4.2, is not."""
+    smarthost's 451, then the record was found in doubt; connections refused reach no relay)
+    is counted as unexplained; one after an attempt cut without a reply, or after the relay's
+    own 451 4.4.2, is not."""
     refused = Reply(1.0, 2525, 451, "4.3.0 upstream: bench: temporary failure")
     told = Reply(1.0, 2525, 451, "4.4.2 Upstream did not confirm the message; it is held as "
                                  "in doubt, try again later")
     cut = Reply(1.0, 2525, None, "", "closed")
+    refused_connection = Reply(1.0, 2525, None, "", "connect: ConnectionRefusedError")
     counts = [check(History([client(*replies, IN_DOUBT)], [], records={FP: "unknown"},
                             listed={FP})).doubt_unexplained
-              for replies in ([refused], [refused, cut], [told], [])]
-    assert counts == [1, 0, 0, 1]
+              for replies in ([refused], [refused, refused_connection], [refused, cut],
+                              [told], [])]
+    assert counts == [1, 1, 0, 0, 1]
 
 
 def test_a_sending_record_at_the_end_is_in_doubt() -> None:
