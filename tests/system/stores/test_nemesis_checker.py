@@ -1,10 +1,12 @@
 """The nemesis's checker and schedules on histories written by hand: each rule of
 tests/support/faultbench_checker.py counts what it says, and nothing else; a seed names one
-schedule, and a printed schedule runs again as it was."""
+schedule, and a printed schedule runs again as it was; the fault bench's report keeps the
+nemesis's section when it is written again."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from tests.support.faultbench_schedule import (
     schedule_from_json,
     schedule_json,
 )
+from tools.faultbench_nemesis import SECTION, kept_section
 
 RCPT = "a@example.net"
 FP = (RCPT, "k1")
@@ -158,3 +161,14 @@ def test_a_schedule_with_a_fault_the_store_has_not_is_refused() -> None:
     """A schedule naming a fault its store cannot take (a lock on Redis) is refused."""
     with pytest.raises(ValueError, match="store-locked"):
         schedule_from_json('[{"kind": "store-locked", "at_s": 1}]', "redis", 1)
+
+
+def test_rewriting_the_report_keeps_the_nemesis_section(tmp_path: Path) -> None:
+    """The nemesis's section of docs/reliability.md (from its heading to the end) is what a
+    rewrite of the report carries over; a report without one carries nothing."""
+    report = tmp_path / "reliability.md"
+    assert kept_section(report) == ""
+    report.write_text(f"# Reliability\n\n| table |\n\n{SECTION}\n\nby hand\n")
+    assert kept_section(report) == f"\n{SECTION}\n\nby hand\n"
+    report.write_text("# Reliability\n\n## The nemesis's cousin\n")
+    assert kept_section(report) == ""
