@@ -276,14 +276,26 @@ def _set_once(future: asyncio.Future[None]) -> None:
 
 async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
     """``future``'s result, waiting at most ``timeout_s`` seconds; raises TimeoutError only
-    when it is really not done (a loop that woke late to a finished future is no timeout)."""
+    when it is really not done (a loop that woke late to a finished future is no timeout).
+    A future given up on (timed out, or the caller cancelled) still gets the writer's outcome
+    later; its failure is read then, so that it is not logged as an unhandled error."""
     try:
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(future)
     except TimeoutError:
         if future.done():
             return future.result()
+        future.add_done_callback(_read_outcome)
         raise
+    except asyncio.CancelledError:
+        future.add_done_callback(_read_outcome)
+        raise
+
+
+def _read_outcome(future: asyncio.Future[_T]) -> None:
+    """Mark the failure of a call nobody waits for any more as read."""
+    if not future.cancelled():
+        future.exception()
 
 
 class SqliteStore:
