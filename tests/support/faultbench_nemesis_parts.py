@@ -192,6 +192,7 @@ class RelayNode:
     notes: list[str] = field(default_factory=list)
     _stopping: bool = False
     _keeper: asyncio.Task[None] | None = None
+    _starting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def running(self) -> bool:
@@ -207,12 +208,16 @@ class RelayNode:
                 "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
     async def start(self) -> None:
-        """Start the relay; a start that fails (the store down, say) is noted, not raised:
-        the keeper tries again."""
-        try:
-            await self.process.start()
-        except RuntimeError as exc:
-            self.notes.append(f"{time.time():.3f} start failed: {str(exc)[:300]}")
+        """Start the relay unless it runs (the keeper and the end of a fault may both ask);
+        a start that fails (the store down, say) is noted, not raised: the keeper tries
+        again."""
+        async with self._starting:
+            if self.running:
+                return
+            try:
+                await self.process.start()
+            except RuntimeError as exc:
+                self.notes.append(f"{time.time():.3f} start failed: {str(exc)[:300]}")
 
     def keep(self) -> None:
         """Start the keeper: every 0.5 s, a relay that exited while no fault holds it down
