@@ -103,6 +103,9 @@ def report(result: NemesisResult, title: str = "") -> list[str]:
              f"dot reached the smarthost {c.doubt_without_dot}, every dot refused "
              f"{c.doubt_refused}, no attempt left it in doubt {c.doubt_unexplained}; applied: "
              f"{', '.join(f.kind for f in result.applied) or '-'}"]
+    if result.relay_errors:
+        lines.append(f"  unhandled errors in the relays' logs: {len(result.relay_errors)}, "
+                     f"first: {result.relay_errors[0]}")
     logs = sorted(result.workdir.glob("relay*/relay.log"))
     for fp in c.concerned.get("doubt_unexplained", [])[:EVIDENCE_LIMIT // 2]:
         lines += [f"  in doubt with no attempt to explain it: {fp[0]} key {fp[1]}",

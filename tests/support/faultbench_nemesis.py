@@ -38,7 +38,11 @@ from tests.support.faultbench_lib import (
     RelayProcess,
     free_port,
 )
-from tests.support.faultbench_nemesis_history import collect, ledger_rows_lost
+from tests.support.faultbench_nemesis_history import (
+    collect,
+    ledger_rows_lost,
+    unhandled_errors,
+)
 from tests.support.faultbench_nemesis_parts import (
     NemesisSink,
     RelayNode,
@@ -92,7 +96,8 @@ class NemesisConfig:
 @dataclass
 class NemesisResult:
     """A finished run: its schedule, the faults that applied (a kill of a relay already down
-    does not), the checker's counts, the history, notes, and where its logs are."""
+    does not), the checker's counts, the history, notes, where its logs are, and the relays'
+    unhandled errors (tracebacks, asyncio's own error lines)."""
 
     config: NemesisConfig
     schedule: list[Fault]
@@ -101,6 +106,7 @@ class NemesisResult:
     history: History
     workdir: Path
     notes: list[str] = field(default_factory=list)
+    relay_errors: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """``nemesis seed N store S: faults F, keys K, duplicates D, lost L, in doubt U,
@@ -355,7 +361,7 @@ async def run_nemesis(cfg: NemesisConfig, workdir: Path,
     if lost_rows := ledger_rows_lost(logs):
         notes.append(f"audit ledger rows the relays stopped without writing: {lost_rows}")
     return NemesisResult(cfg, list(schedule), sorted(parts.applied, key=lambda f: f.at_s),
-                         check(history), history, workdir, notes)
+                         check(history), history, workdir, notes, unhandled_errors(logs))
 
 
 async def _run_load(parts: Parts, schedule: list[Fault], msgs: list[BenchMessage],

@@ -134,6 +134,26 @@ def ledger_rows_lost(paths: Iterable[Path]) -> int:
     return lost
 
 
+def unhandled_errors(paths: Iterable[Path]) -> list[str]:
+    """The relays' unhandled errors: a traceback printed to the log (a process that died on
+    an exception) or a line of asyncio's own logger (an exception nobody read); one short
+    line each, in log order."""
+    found = []
+    for path in paths:
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("Traceback"):
+                found.append(f"{path.parent.name}: a traceback (a process died)")
+                continue
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and entry.get("logger") == "asyncio":
+                    found.append(f"{path.parent.name}: asyncio: "
+                                 f"{str(entry.get('message')).splitlines()[0][:120]}")
+    return found
+
+
 def relay_lines(paths: Iterable[Path], rcpt: str) -> list[tuple[float, str]]:
     """The relay log lines naming ``rcpt``, as (unix time by the relay's clock, short text)."""
     found = []

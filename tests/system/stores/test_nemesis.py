@@ -51,7 +51,8 @@ def report(result: NemesisResult) -> str:
     logs = sorted(result.workdir.glob("relay*/relay.log"))
     lines = [result.line(), "schedule:", *(f"  {f.describe()}" for f in result.schedule),
              "applied:", *(f"  {f.describe()}" for f in result.applied),
-             *(f"note: {n}" for n in result.notes)]
+             *(f"note: {n}" for n in result.notes),
+             *(f"unhandled: {e}" for e in result.relay_errors[:10])]
     for bucket in ("duplicates", "lost", "unfinished"):
         for fp in result.counts.concerned.get(bucket, [])[:4]:
             lines += [f"{bucket}: {fp}", *timeline(result.history, fp, relay_lines(logs, fp[0]))]
@@ -62,12 +63,14 @@ def report(result: NemesisResult) -> str:
                          ids=[f"{s}-seed{n}-{r}relay" for s, n, r in SEEDS])
 async def test_a_seeds_compound_faults_keep_the_invariant(store: str, seed: int, relays: int,
                                                           tmp_path: Path) -> None:
-    """Under the seed's overlapping faults no fingerprint is duplicated or lost, and every
-    message has its final reply once the faults are healed."""
+    """Under the seed's overlapping faults no fingerprint is duplicated or lost, every message
+    has its final reply once the faults are healed, and no relay process logged an unhandled
+    error."""
     result = await run(store, seed, relays, tmp_path)
     c = result.counts
     assert result.applied, report(result)
     assert (c.duplicates, c.lost, c.unfinished) == (0, 0, 0), report(result)
+    assert result.relay_errors == [], report(result)
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECT_SEEDS))
