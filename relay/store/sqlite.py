@@ -276,24 +276,20 @@ def _set_once(future: asyncio.Future[None]) -> None:
 
 async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
     """``future``'s result, waiting at most ``timeout_s`` seconds; raises TimeoutError only
-    when it is really not done (a loop that woke late to a finished future is no timeout).
-    A future given up on (timed out, or the caller cancelled) still gets the writer's outcome
-    later; its failure is read then, so that it is not logged as an unhandled error."""
+    when it is really not done (a loop that woke late to a finished future is no timeout)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await asyncio.shield(future)
     except TimeoutError:
         if future.done():
             return future.result()
-        future.add_done_callback(_read_outcome)
-        raise
-    except asyncio.CancelledError:
-        future.add_done_callback(_read_outcome)
         raise
 
 
-def _read_outcome(future: asyncio.Future[_T]) -> None:
-    """Mark the failure of a call nobody waits for any more as read."""
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Mark a call's failure as read: a caller that gave up on it (timed out, or cancelled
+    before or after its batch started) no longer waits for it, and asyncio would log it as
+    an unhandled error ("Future exception was never retrieved")."""
     if not future.cancelled():
         future.exception()
 
@@ -492,6 +488,7 @@ class SqliteStore:
         if self._closed:
             raise StoreError(op_name, "the SQLite store is closed")
         op = Op(fn, in_tx, asyncio.get_running_loop())
+        op.done.add_done_callback(_read_outcome)  # also read when this call gave up on it
         self._writer.submit(op)
         limit_s = self._op_timeout_s if timeout_s is None else timeout_s
         try:

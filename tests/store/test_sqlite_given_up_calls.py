@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from relay.core.errors import StoreError
 from relay.store.sqlite import SqliteStore
 
 LEASE_S = 60.0
@@ -72,27 +71,30 @@ async def test_a_call_that_fails_after_its_caller_gave_up_logs_no_unhandled_erro
 
 
 @pytest.mark.timeout(30)
-async def test_a_cancelled_call_that_then_fails_logs_no_unhandled_error(tmp_path: Path) -> None:
-    """A reserve cancelled while it waits for another connection's write lock (a shutdown
-    cutting its transaction) fails in the writer later: nothing reaches the event loop's
-    exception handler."""
+async def test_cancelled_calls_that_then_fail_log_no_unhandled_error(tmp_path: Path) -> None:
+    """Two reserves cancelled while another connection holds the write lock (a shutdown
+    cutting their transactions), one waiting for the lock, one still queued behind it, fail
+    in the writer later: nothing reaches the event loop's exception handler."""
     db = tmp_path / "dedup.db"
     store = await SqliteStore.open(str(db), op_timeout_s=OP_TIMEOUT_S)
     loop = asyncio.get_running_loop()
     unhandled: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
-    holder = hold_write_lock(db, 1.0)
+    holder = hold_write_lock(db, 1.5)
     try:
-        call = asyncio.create_task(store.reserve(["a"], token="t1", lease_s=LEASE_S))
-        await asyncio.sleep(0.1)
-        call.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StoreError):
-            await call
+        waiting = asyncio.create_task(store.reserve(["a"], token="t1", lease_s=LEASE_S))
+        await asyncio.sleep(0.1)  # its batch waits for the lock
+        queued = asyncio.create_task(store.reserve(["b"], token="t2", lease_s=LEASE_S))
+        await asyncio.sleep(0.05)  # queued behind that batch: not started yet
+        calls = [waiting, queued]
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
         await asyncio.sleep(3 * OP_TIMEOUT_S)
     finally:
         holder.join()
         await store.close()
-    del call
+    del waiting, queued, calls
     gc.collect()
     await asyncio.sleep(0.1)
     loop.set_exception_handler(None)
