@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import signal
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tests.support.faultbench_lib import BenchPostgres, BenchRedis, BenchSqlite, _end
 from tests.support.pg_proxy import PgProxy
@@ -25,7 +25,9 @@ class StoreControl:
     """The run's store and, for a server, the proxy the relays reach it through.
 
     ``direct_url`` is the server itself (the bench reads the final records there),
-    ``url`` what the relays use (the proxy for Redis and PostgreSQL).
+    ``url`` what the relays use (the proxy for Redis and PostgreSQL). Whatever starts, stops
+    or kills the server or takes the file's lock runs one at a time (a restart still under way
+    when an outage begins would race its stop).
     """
 
     store: BenchRedis | BenchPostgres | BenchSqlite
@@ -33,6 +35,7 @@ class StoreControl:
     down: int = 0
     held: int = 0
     _lock: sqlite3.Connection | None = None
+    _ops: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def direct_url(self) -> str:
@@ -60,40 +63,44 @@ class StoreControl:
         fast``); False for SQLite."""
         if isinstance(self.store, BenchSqlite):
             return False
-        self.down += 1
-        if self.down == 1:
-            await self.store.stop()
+        async with self._ops:
+            self.down += 1
+            if self.down == 1:
+                await self.store.stop()
         return True
 
     async def bring_up(self) -> None:
         """End one outage; the last one starts the server again on its data."""
-        self.down = max(0, self.down - 1)
-        if self.down == 0:
-            await self.store.start()
+        async with self._ops:
+            self.down = max(0, self.down - 1)
+            if self.down == 0:
+                await self.store.start()
 
     async def restart(self) -> bool:
         """Restart a running server (PostgreSQL: ``pg_ctl restart -m fast``); False when it
         is down or SQLite."""
-        if isinstance(self.store, BenchSqlite) or self.down:
-            return False
-        if isinstance(self.store, BenchPostgres):
-            await self.store.restart("fast")
-        else:
-            await self.store.stop()
-            await self.store.start()
+        async with self._ops:
+            if isinstance(self.store, BenchSqlite) or self.down:
+                return False
+            if isinstance(self.store, BenchPostgres):
+                await self.store.restart("fast")
+            else:
+                await self.store.stop()
+                await self.store.start()
         return True
 
     async def crash(self) -> bool:
         """SIGKILL to a running server (PostgreSQL: its postmaster); counts as an outage
         until :meth:`bring_up`. False when it is down or SQLite."""
-        if isinstance(self.store, BenchSqlite) or self.down:
-            return False
-        self.down += 1
-        if isinstance(self.store, BenchPostgres):
-            await self.store.kill()
-        elif self.store.proc is not None:
-            await _end(self.store.proc, signal.SIGKILL, 5)
-            self.store.proc = None
+        async with self._ops:
+            if isinstance(self.store, BenchSqlite) or self.down:
+                return False
+            self.down += 1
+            if isinstance(self.store, BenchPostgres):
+                await self.store.kill()
+            elif self.store.proc is not None:
+                await _end(self.store.proc, signal.SIGKILL, 5)
+                self.store.proc = None
         return True
 
     def partition(self) -> bool:
@@ -112,20 +119,23 @@ class StoreControl:
 
     async def lock(self) -> bool:
         """SQLite: take the file's write lock from another connection and keep it (the
-        first of overlapping locks); False for a server."""
+        first of overlapping locks); False for a server. Raises sqlite3.Error when the lock
+        could not be had within 10 s."""
         if not isinstance(self.store, BenchSqlite):
             return False
-        self.held += 1
-        if self.held == 1:
-            self._lock = await asyncio.to_thread(_take_write_lock, self.store.url)
+        async with self._ops:
+            if self.held == 0:
+                self._lock = await asyncio.to_thread(_take_write_lock, self.store.url)
+            self.held += 1
         return True
 
     async def unlock(self) -> None:
         """End one lock; the last one rolls its transaction back."""
-        self.held = max(0, self.held - 1)
-        if self.held == 0 and self._lock is not None:
-            conn, self._lock = self._lock, None
-            await asyncio.to_thread(_release, conn)
+        async with self._ops:
+            self.held = max(0, self.held - 1)
+            if self.held == 0 and self._lock is not None:
+                conn, self._lock = self._lock, None
+                await asyncio.to_thread(_release, conn)
 
     async def heal(self) -> None:
         """End every fault: the server running, the proxy passing bytes, no lock held."""
