@@ -168,7 +168,7 @@ class Relay:
         s, inherited, security = self.settings, self.inherited, self.security
         assert security is not None
         smtp = ([await bind(factory, *s.listen_address, "listen")] if inherited is None
-                else await serve_on(factory, inherited.listen))
+                else await serve_on(factory, inherited.listen, "listen"))
         self._servers += smtp
         self.port = smtp[0].sockets[0].getsockname()[1]
         tls_address = s.tls_listen_address
@@ -178,7 +178,7 @@ class Relay:
             tls_factory, gate=security.gate, proxy_networks=security.proxy_networks,
             context=security.tls_context, handshake_timeout_s=s.tls_handshake_timeout)
         tls = ([await bind(self._tls_factory, *tls_address, "tls_listen")] if inherited is None
-               else await serve_on(self._tls_factory, inherited.tls_listen))
+               else await serve_on(self._tls_factory, inherited.tls_listen, "tls_listen"))
         self._servers += tls
         self.tls_port = tls[0].sockets[0].getsockname()[1]
 

@@ -74,12 +74,28 @@ async def bind(factory: Any, host: str, port: int, field: str, *, start_serving:
         raise bind_error(host, port, field, exc) from exc
 
 
-async def serve_on(factory: Any, socks: tuple[socket.socket, ...]
+LISTEN_BACKLOG = 100
+"""The accept queue of a worker's listening socket (asyncio's default for its servers)."""
+
+
+async def serve_on(factory: Any, socks: tuple[socket.socket, ...], field: str
                    ) -> list[asyncio.base_events.Server]:
     """Serve ``factory`` on already bound sockets (a worker's): one server per socket (a host
-    that resolved to several addresses)."""
+    that resolved to several addresses). Each socket is made to listen first: a supervisor's
+    socket is bound but not listening until a worker serves it, so another process that bound
+    the port meanwhile (two relays started at once) may listen first, and the port in use must
+    be a :class:`StartupError` naming the setting ``field`` (uvloop closes a server whose
+    listen fails without a word, and the worker died on the closed socket)."""
     loop = asyncio.get_running_loop()
-    return [await loop.create_server(factory, sock=sock) for sock in socks]
+    servers = []
+    for sock in socks:
+        try:
+            sock.listen(LISTEN_BACKLOG)
+        except OSError as exc:
+            host, port = sock.getsockname()[:2]
+            raise bind_error(host, port, field, exc) from exc
+        servers.append(await loop.create_server(factory, sock=sock))
+    return servers
 
 
 def bound_socket(host: str, port: int, field: str) -> socket.socket:

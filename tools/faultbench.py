@@ -3,6 +3,11 @@ hundreds of messages, one run after the other, and a Markdown report (docs/relia
 
     .venv/bin/python tools/faultbench.py --messages 400 --out docs/reliability.md
 
+With ``--nemesis`` it runs the nemesis instead (random compound faults drawn from a seed, then
+the checker: tools/faultbench_nemesis.py, docs/reliability.md "The nemesis")::
+
+    .venv/bin/python tools/faultbench.py --nemesis --seed 7 --duration 60 --store redis
+
 Each run: a bench-owned redis-server (AOF; the ``pg-*`` runs: a private PostgreSQL server,
 tests/support/private_postgres.py), an aiosmtpd sink with the run's faults, a real
 `python -m relay serve` process, messages arriving at ``--rate`` per second from clients that
@@ -46,6 +51,7 @@ from tests.support.faultbench_scenarios import (  # noqa: E402
 )
 from tests.support.faultbench_traffic import RetryPolicy  # noqa: E402
 from tests.support.private_postgres import version as postgres_version  # noqa: E402
+from tools import faultbench_nemesis  # noqa: E402
 
 COLUMNS = [
     ("fault", "what was done to the relay, its store or its upstream during the load"),
@@ -238,7 +244,11 @@ def main() -> None:
                         help="worker processes of each relay (serve --workers)")
     parser.add_argument("--out", type=Path, help="write the Markdown report here")
     parser.add_argument("--keep", type=Path, help="keep the runs' logs under this directory")
+    faultbench_nemesis.add_arguments(parser)
     args = parser.parse_args()
+    if args.nemesis:
+        with tempfile.TemporaryDirectory(prefix="nemesis-") as tmp:
+            sys.exit(faultbench_nemesis.main(args, args.keep or Path(tmp)))
     command = " ".join([os.path.relpath(sys.executable), os.path.relpath(sys.argv[0]),
                         *sys.argv[1:]])
     started, t0 = datetime.now(UTC), time.monotonic()
@@ -248,7 +258,7 @@ def main() -> None:
         report = render(results, command, started, time.monotonic() - t0, args)  # reads logs
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+        args.out.write_text(report + faultbench_nemesis.kept_section(args.out))
         print(f"wrote {args.out}")
     broken = any(r.counts.dup_outside or r.counts.accepted_lost or r.counts.unfinished
                  for r in results)

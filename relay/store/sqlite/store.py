@@ -261,6 +261,14 @@ async def _within(future: asyncio.Future[_T], timeout_s: float) -> _T:
         raise
 
 
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Mark a call's failure as read: a caller that gave up on it (timed out, or cancelled
+    before or after its batch started) no longer waits for it, and asyncio would log it as
+    an unhandled error ("Future exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
+
+
 class SqliteStore:
     """A :class:`~relay.core.interfaces.FingerprintStore` in SQLite; create it with :meth:`open`.
 
@@ -462,6 +470,7 @@ class SqliteStore:
         if self._closed:
             raise StoreError(op_name, "the SQLite store is closed")
         op = Op(fn, in_tx, asyncio.get_running_loop())
+        op.done.add_done_callback(_read_outcome)  # also read when this call gave up on it
         self._writer.submit(op)
         limit_s = self._op_timeout_s if timeout_s is None else timeout_s
         try:

@@ -8,7 +8,10 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -23,9 +26,10 @@ from relay.core.interfaces import Settle, SettleOp, State
 from relay.core.recipients import normalize_recipient
 from relay.store.journal import add_to_journal
 from relay.store.redis.store import RedisStore
-from tests.support.cli import run_cli
+from tests.support.cli import run_cli, wait_for_port
 from tests.support.clients import message, send
 from tests.support.metrics import scrape
+from tests.support.net import free_port
 from tests.support.relays import (
     REDIS_URL,
     ServeProcess,
@@ -285,6 +289,41 @@ def test_a_worker_that_never_starts_is_given_up_on_with_exit_69(tmp_path: Path) 
     tries = [line for line in result.stderr.splitlines() if "exited before serving" in line]
     assert len(tries) == 4, result.stderr  # the 5th failure ends it
     assert "could not start (exit code 3, 5 time(s)): giving up" in result.stderr
+
+
+@pytest.mark.slow  # two relays started and stopped: about 10 s
+def test_two_relays_started_at_once_on_one_port_one_serves_and_one_is_refused(
+        tmp_path: Path) -> None:
+    """Two relays with 2 workers started together on one port (both supervisors bind before
+    either's worker listens): one serves, the other exits 69 at once with 'already in use'
+    naming the setting, no traceback, instead of workers dying on a closed socket in a loop."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    procs = []
+    for name in ("a", "b"):
+        home = tmp_path / name
+        home.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "relay", "serve", "--workers", "2", "--listen",
+             f"127.0.0.1:{port}", "--upstream", "maildir:md", "--metrics-listen", "off"],
+            cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 30
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = [p for p in procs if p.poll() is not None]
+        assert len(refused) == 1, "neither relay was refused within 30 s"
+        [serving] = [p for p in procs if p is not refused[0]]
+        wait_for_port(port, serving)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=60)[1] for proc in procs]
+    lost = outputs[procs.index(refused[0])]
+    assert refused[0].returncode == 69, lost
+    assert "already in use" in lost and "(--listen, RELAY_LISTEN" in lost, lost
+    assert not any("Traceback" in out for out in outputs), outputs
 
 
 def _hang_up_new_children(relay: ServeProcess, stop: threading.Event) -> set[int]:
