@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from relay.store.sqlite import SqliteStore
+from relay.store.sqlite.store import SqliteStore
 
 LEASE_S = 60.0
 OP_TIMEOUT_S = 0.3
