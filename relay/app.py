@@ -113,6 +113,9 @@ class Relay:
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)
+        self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
+                                     self.store, prefix=s.store_prefix,
+                                     url_name=s.store_url_name)
         observers: list[DecisionObserver] = []
         if self.dsn is not None:
             observers.append(OweNotices(self.dsn))
@@ -124,14 +127,11 @@ class Relay:
             # the rate limits' ``upstream`` scope: the upstream a message would be tried on first
             upstream_name=self.upstream.preferred_name,
             gates=() if self.ledger is None else (self.ledger,), observers=observers,
-            tracer=self.tracer if self.tracer is not None else NO_TRACING)
+            tracer=self.tracer if self.tracer is not None else NO_TRACING,
+            settle_log=self.journal)
         self.security = s.security()
         self.sasl = s.sasl(on_failure=metrics.auth_failure, on_refused=metrics.auth_refused)
-        self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
-                                     self.store, prefix=s.store_prefix,
-                                     url_name=s.store_url_name)
-        if self._first_worker:
-            await self.journal.pay(self.core)
+        await self.journal.pay(self.core)  # every process, every start: a killed one's lines
         limits = s.listener_limits(allowed_senders=s.allowed_senders,
                                    local_part_case_sensitive=s.local_part_case_sensitive,
                                    log_recipients=s.log_recipients)

@@ -1,5 +1,6 @@
-"""A TCP proxy in front of the test PostgreSQL that can make it hang or refuse (a server that
-stops answering mid-statement keeps its connections open)."""
+"""A TCP proxy in front of the test PostgreSQL (or any TCP server: the test Redis) that can
+make it hang or refuse (a server that stops answering mid-statement keeps its connections
+open)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class PgProxy:
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     def url(self, url: str) -> str:
-        """``url`` (a postgresql:// URL) pointed at this proxy."""
+        """``url`` (a postgresql:// or redis:// URL) pointed at this proxy."""
         parts = urlsplit(url)
         netloc = parts.netloc.rsplit("@", 1)
         user = netloc[0] + "@" if len(netloc) == 2 else ""
@@ -133,8 +134,16 @@ class PgProxy:
 async def pg_proxy() -> AsyncIterator[PgProxy]:
     """A started :class:`PgProxy` in front of the test PostgreSQL (``RELAY_TEST_POSTGRES_URL``'s
     host and port); resumed and closed at the end."""
-    parts = urlsplit(POSTGRES_URL)
-    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    async with proxy_to(POSTGRES_URL, default_port=5432) as proxy:
+        yield proxy
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(url: str, *, default_port: int = 6379) -> AsyncIterator[PgProxy]:
+    """A started :class:`PgProxy` in front of the host and port of ``url`` (any TCP server:
+    a Redis too; ``proxy.url(url)`` is ``url`` through it); resumed and closed at the end."""
+    parts = urlsplit(url)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or default_port)
     await proxy.start()
     try:
         yield proxy
