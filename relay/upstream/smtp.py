@@ -43,7 +43,6 @@ from relay.upstream.oauth import TokenError, TokenProvider
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
 from relay.upstream.transfer import (
     DOT,
-    MARK_AHEAD_BYTES,
     Outcome,
     Transfer,
     WireTransport,
@@ -415,13 +414,16 @@ class SmtpUpstream:
                     accepted: list[str]) -> tuple[RcptResult, bool]:
         """DATA, the message, the final dot; tell a failure before the dot from one after it.
 
-        ``progress.before_dot`` (the SENDING mark) starts before DATA for a message of at most
-        :data:`MARK_AHEAD_BYTES` (it runs while DATA is answered and the message goes out),
-        else once the kernel took all but that much of the body (:class:`Transfer`); only
-        the final dot waits for it, and a mark that says no (or fails) resets the connection
-        with the dot unwritten. A started mark is always waited for before this returns
-        (cancelled only when this is), so the settle that follows never races it. Also says
-        whether the session is in a known state afterwards (reusable).
+        ``progress.before_dot`` (the SENDING mark) starts once the upstream answered DATA
+        with ``354``, never before (a smarthost slow to answer DATA must not widen the window
+        in which a crash leaves SENDING for a message not sent), and once at most
+        :data:`relay.upstream.transfer.MARK_AHEAD_BYTES` of the body are left that the
+        kernel has not taken (:class:`Transfer`): for a message that small, with its first
+        bytes, so it runs while the body goes out. Only the final dot waits for it, and a
+        mark that says no (or fails) resets the connection with the dot unwritten. A started
+        mark is always waited for before this returns (cancelled only when this is), so the
+        settle that follows never races it. Also says whether the session is in a known
+        state afterwards (reusable).
         """
         hook = progress.before_dot
         started: list[asyncio.Future[bool]] = []
@@ -432,8 +434,6 @@ class SmtpUpstream:
                 started.append(asyncio.ensure_future(hook(accepted)))
             return started[0]
 
-        if hook is not None and len(content) <= MARK_AHEAD_BYTES:
-            start_mark()  # overlaps DATA's round trip: the body is out about as soon
         try:
             outcome = await self._data_gated(smtp, content, progress,
                                              start_mark if hook is not None else None)
