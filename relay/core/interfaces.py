@@ -418,7 +418,9 @@ class DeliveryProgress:
     core uses it to mark those reservations SENDING, so that a relay killed while waiting for
     the reply leaves them in doubt instead of lapsing into a duplicate.
     ``dot_written`` turns True once the message and its final dot were handed to the network
-    (after that, cutting the transaction leaves its outcome unknown, RFC 1047).
+    (after that, cutting the transaction leaves its outcome unknown, RFC 1047), and back to
+    False when the upstream, given no reply, reset the connection while bytes of the message
+    were still unsent in the kernel (the dot can then never arrive).
     """
 
     before_dot: Callable[[Sequence[str]], Awaitable[bool]] | None = None

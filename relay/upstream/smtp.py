@@ -11,7 +11,10 @@ timeout for the ``354`` and the final reply and cannot say which ran out: a fail
 final dot fully left the relay releases the reservation, one after it is UNKNOWN (RFC 1047). The
 message is written by :mod:`relay.upstream.transfer` (stall timeout ``command_timeout_s``); the
 final reply is awaited for ``final_timeout_s`` (default 600 s, RFC 5321 section 4.5.3.2.6) from
-the moment the whole message is out. Design: docs/design.md §5.3.
+the moment the kernel took the whole message. A wait that ends without a reply (that timeout, or
+a shutdown's cut) while the kernel still holds unsent bytes of the message resets the
+connection: the dot can never arrive, so the reservation is released, not UNKNOWN. Design:
+docs/design.md §5.3.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from relay.upstream.transfer import (
     WireTransport,
     abort,
     is_wire,
+    withdraw,
     write_backlog,
 )
 
@@ -209,6 +213,19 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
         return RcptResult(RcptStatus.REFUSED, SmtpReply.parse(response.code, response.message))
     log.error("upstream answered %d before the final dot: outcome unknown", response.code)
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+
+
+def _withdraw_dot(transport: WireTransport, progress: DeliveryProgress, why: str) -> bool:
+    """No reply to the final dot came (``why``): reset the connection when the kernel still
+    holds unsent bytes of the message (the dot can then never arrive, so nothing was
+    delivered: ``progress.dot_written`` is False again). True when it did."""
+    unsent = withdraw(transport)
+    if not unsent:
+        return False
+    progress.dot_written = False
+    log.warning("no reply to the final dot (%s) and %d byte(s) of the message still unsent: "
+                "connection reset, the dot can never arrive: nothing delivered", why, unsent)
+    return True
 
 
 def _log_gone(exc: Exception) -> None:
@@ -496,7 +513,7 @@ class SmtpUpstream:
             raise
         progress.dot_written = transfer.complete
         if outcome is Outcome.SENT:
-            return await self._final_reply(smtp, reader)
+            return await self._final_reply(smtp, transport, reader, progress)
         if outcome is Outcome.ANSWERED:
             discard(smtp)  # the rest must not follow the reply
             return _early_reply(reader.result()), False
@@ -511,21 +528,30 @@ class SmtpUpstream:
         return _synthetic(replies.UPSTREAM_TIMEOUT if outcome is Outcome.STALLED
                           else replies.UPSTREAM_LOST), False
 
-    async def _final_reply(self, smtp: aiosmtplib.SMTP,
-                           reader: asyncio.Future[aiosmtplib.SMTPResponse]
-                           ) -> tuple[RcptResult, bool]:
-        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
-        reused: a late reply would be read as the next command's). A cancellation (shutdown
-        cut) that meets a reply already read takes that reply: it is the upstream's verdict,
-        and throwing it away would turn a definite answer into an in-doubt one."""
+    async def _final_reply(self, smtp: aiosmtplib.SMTP, transport: WireTransport,
+                           reader: asyncio.Future[aiosmtplib.SMTPResponse],
+                           progress: DeliveryProgress) -> tuple[RcptResult, bool]:
+        """The outcome once the kernel took the final dot: 2yz, a 4yz/5yz refusal, or UNKNOWN
+        (never reused: a late reply would be read as the next command's). A cancellation
+        (shutdown cut) that meets a reply already read takes that reply: it is the upstream's
+        verdict, and throwing it away would turn a definite answer into an in-doubt one. A
+        wait that ends without a reply (the timeout, or a cut) while the kernel has not sent
+        all of the message resets the connection (:func:`withdraw`): the dot can never arrive,
+        ``progress.dot_written`` goes back to False, and the timeout is a refusal (released),
+        not UNKNOWN."""
         try:
             response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
         except asyncio.CancelledError:
             if not reader.done() or reader.cancelled() or reader.exception() is not None:
+                _withdraw_dot(transport, progress, "the shutdown's wait for it ended")
                 raise
             absorb_cancel()
             response = reader.result()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and _withdraw_dot(
+                    transport, progress, f"none within {self._cfg.final_timeout_s:g} s"):
+                smtp.close()
+                return _synthetic(replies.UPSTREAM_TIMEOUT), False
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
                       type(exc).__name__)

@@ -32,6 +32,11 @@ def journaled_core(store: RedisStore, path: Path, prefix: str) -> tuple[DedupCor
     return core, journal
 
 
+def listing(directory: Path) -> dict[str, int]:
+    """Each file in ``directory`` and its modification time (ns)."""
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+
+
 async def test_an_owed_settle_is_on_disk_when_answered_and_dropped_once_it_lands(
         prefix: str, tmp_path: Path) -> None:
     """The SENT mark fails its three quick tries and the first background one: the line is
@@ -62,10 +67,10 @@ async def test_a_settle_that_lands_at_once_never_touches_the_file(
     core, journal = journaled_core(store, path, prefix)
     try:
         await journal.pay(core)
-        started = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+        started = listing(tmp_path)
         assert (await core.process(one_message())).reply.code == 250
         await journal.write(core)
     finally:
         await store.close()
-    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == started
+    assert listing(tmp_path) == started
     assert not path.exists()
