@@ -142,11 +142,18 @@ async def pg_proxy() -> AsyncIterator[PgProxy]:
 async def proxy_to(url: str, *, default_port: int = 6379) -> AsyncIterator[PgProxy]:
     """A started :class:`PgProxy` in front of the host and port of ``url`` (any TCP server:
     a Redis too; ``proxy.url(url)`` is ``url`` through it); resumed and closed at the end."""
-    parts = urlsplit(url)
-    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or default_port)
-    await proxy.start()
+    proxy = await start_proxy(url, default_port=default_port)
     try:
         yield proxy
     finally:
         proxy.resume()
         await proxy.close()
+
+
+async def start_proxy(url: str, *, default_port: int = 6379) -> PgProxy:
+    """A started :class:`PgProxy` in front of the host and port of ``url``; the caller
+    closes it."""
+    parts = urlsplit(url)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or default_port)
+    await proxy.start()
+    return proxy
