@@ -262,8 +262,10 @@ class Relay:
         ``shutdown_grace`` seconds for them, for settlements still being retried and for
         DSNs still being sent.
         4. Past the grace, cut what is left: a transaction whose final dot had not gone out is
-        released (the client's retry is relayed), one past the dot is marked UNKNOWN.
-        5. Close the metrics server, the upstream and the store. A second call does nothing.
+        released (the client's retry is relayed), one past the dot is marked UNKNOWN (unless
+        its wait for a reply ends with the dot still unsent in the kernel: reset, released).
+        5. Stop the settle retries (what they owe is in the settle journal). 6. Close the
+        metrics server, the upstream and the store. A second call does nothing.
         """
         if self._stopped:
             return
@@ -332,7 +334,7 @@ class Relay:
         pending = self._pending()
         messages = len(self.handler.tasks) if self.handler is not None else 0
         log.warning("shutdown grace over: cutting %d message(s) and %d settle retry loop(s) "
-                    "(what they still owe goes to the settle journal)",
+                    "(what they still owe stays in the settle journal)",
                     messages, len(pending) - messages)
         for task in pending:
             task.cancel()

@@ -5,9 +5,9 @@ sockets (one accept queue per listener: a worker that dies strands no queued con
 runs its own event loop, store client and upstream pool (:class:`relay.app.Relay` on
 :class:`relay.listen.Inherited` sockets). Worker 0 starts first, alone: a start-up error (the
 store, a setting found wrong only then) is reported once, by it, with its exit code (69, 78);
-the others start when it serves. Worker 0 pays the settle journal at each of its starts; every
-worker adds what it still owes at its stop (the journal's lock keeps them from overwriting each
-other).
+the others start when it serves. Every worker pays the settle journal at each of its starts
+(worker 0 first) and appends what it owes when it becomes owed (the journal's lock keeps them
+from losing each other's lines).
 
 The supervisor restarts a worker that exits on its own (back-off from 0.5 s doubling to 30 s;
 reset after a minute of serving); a worker that cannot start 5 times in a row, or exits 69/78
