@@ -99,8 +99,6 @@ class SettleJournal:
                 self._store_id = await self._store.identity()
             except StoreError as exc:
                 log.debug("the store's identity is unknown (%s)", exc)
-            else:
-                log.info("the store answered: settles are journaled under its identity")
         return self._store_id
 
     async def pay(self, core: OwesSettles) -> None:
@@ -159,6 +157,7 @@ class SettleJournal:
             found = await self._confirm()
             if found is None:
                 continue
+            log.info("the store answered: settles are journaled under its identity")
             if found:
                 left = await core.pay_owed(found)
                 log.warning("settle journal %s: the store answered; %d settle(s) owed under "
