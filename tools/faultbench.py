@@ -182,7 +182,8 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
         f"its backends exited; stopped for {args.pg_down:g} s in `pg-down`",
         "- store of the `store-blackhole-*` runs: the same redis-server, reached through a TCP "
         "proxy in the bench process that black-holes it on cue (holds every byte, answers "
-        "nothing; the held bytes pass on once it answers again)",
+        "nothing; when it answers again its connections are closed and the bytes it held "
+        "dropped, as a partition that outlasted them)",
         f"- upstream: an aiosmtpd sink in the bench process; each reply takes 0-{LATENCY_S:g} s; "
         "faults are dealt in shuffled blocks of 20 transactions (exact ratios per block); "
         "it logs each accepted (recipient, X-Dedupe-Key) before it replies",

@@ -204,7 +204,7 @@ def store_blackholed_then_killed(*, hold_s: float, owe_s: float) -> Action:
     """The upstream holds its reply to the next message for ``hold_s`` and then refuses it;
     meanwhile the store is black-holed (its proxy holds every byte, answers nothing). ``owe_s``
     later, with the release owed (the client told 451), SIGKILL to the relay; the store
-    answers again (the held bytes passed on) and a new relay starts."""
+    answers again (what the dead relay sent meanwhile dropped) and a new relay starts."""
 
     async def action(bench: Bench) -> None:
         taken = bench.sink.handler.hold_next(hold_s, refuse=REFUSAL)
@@ -213,7 +213,7 @@ def store_blackholed_then_killed(*, hold_s: float, owe_s: float) -> Action:
         bench.marks["store down"] = time.time()
         await asyncio.sleep(owe_s)
         code = await bench.relay.signal_and_wait(signal.SIGKILL)
-        bench.proxy().resume()
+        bench.proxy().drop()
         bench.marks["store back"] = time.time()
         bench.notes.append(f"store black-holed {owe_s:g} s after the upstream took "
                            f"{bench.sink.handler.held_keys} (refused {hold_s:g} s later); "
@@ -227,7 +227,7 @@ def relay_restarted_without_its_store(*, hold_s: float, owe_s: float,
                                       down_s: float) -> Action:
     """As :func:`store_blackholed_then_killed`, but the relay is stopped with SIGTERM (it
     writes what it owes); a new relay starts while the store is still black-holed, and the
-    store answers ``down_s`` after that start."""
+    store answers ``down_s`` after that start (what was sent meanwhile dropped)."""
 
     async def action(bench: Bench) -> None:
         taken = bench.sink.handler.hold_next(hold_s, refuse=REFUSAL)
@@ -238,7 +238,7 @@ def relay_restarted_without_its_store(*, hold_s: float, owe_s: float,
         code = await bench.relay.signal_and_wait(signal.SIGTERM)
         await bench.relay.start()
         await asyncio.sleep(down_s)
-        bench.proxy().resume()
+        bench.proxy().drop()
         bench.marks["store back"] = time.time()
         bench.notes.append(f"store black-holed after the upstream took "
                            f"{bench.sink.handler.held_keys} (refused {hold_s:g} s later); "

@@ -20,7 +20,9 @@ class PgProxy:
     ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
     traffic flows again (bytes held while hung are passed on); ``hold_replies()``: requests
     still pass, the server's answers wait until ``resume()`` (a reply lost on its way, for a
-    while). ``partitioned`` (set it):
+    while); ``drop()``: every connection is closed with the bytes held while hung (a partition
+    that outlasted its connections: what their peers sent never arrives), new ones flow.
+    ``partitioned`` (set it):
     connections accepted meanwhile are read and never answered, also after it is cleared (an
     address that drops packets; ``blackholed`` counts them). ``connect_delay_s``: each new
     connection waits that long before it is connected through (a database slow to connect).
@@ -37,6 +39,7 @@ class PgProxy:
         self._replies = asyncio.Event()  # the server's bytes may pass on
         self._replies.set()
         self._refusing = False
+        self._generation = 0  # drop() ends the connections of earlier generations
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -68,6 +71,14 @@ class PgProxy:
         for writer in self._writers:
             writer.close()
         self._writers.clear()
+
+    def drop(self) -> None:
+        """Close every connection, dropping the bytes held while hung; new connections flow."""
+        self._generation += 1
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        self.resume()
 
     def resume(self) -> None:
         """Pass bytes on again and accept new connections normally."""
@@ -115,12 +126,13 @@ class PgProxy:
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     gate: asyncio.Event | None = None) -> None:
+        generation = self._generation
         try:
             while data := await reader.read(65536):
                 await self._flowing.wait()
                 if gate is not None:
                     await gate.wait()
-                if self._refusing:
+                if self._refusing or self._generation != generation:
                     break
                 writer.write(data)
                 await writer.drain()
