@@ -195,6 +195,8 @@ class BenchSink:
         self._hold: tuple[asyncio.Event, float, str] | None = None
         self._big = 0  # transactions that declared SIZE >= stall_min_bytes
         self._transactions = 0  # MAIL commands seen (the late 354s are an exact share)
+        self._stalled: list[asyncio.ReadTransport] = []  # links stalled now (release_stalls)
+        self._stalls_on = True
         self.fates: Counter[str] = Counter()
         self.held_keys: list[str] = []
         log_path.touch()
@@ -224,9 +226,22 @@ class BenchSink:
             return self._rng.choice(("temp_dot", "temp_rcpt"))
         return fate
 
+    def release_stalls(self) -> None:
+        """End every stall now (the links read again) and stall no transaction from now on."""
+        self._stalls_on = False
+        for transport in self._stalled:
+            _resume_reading(transport)
+        self._stalled.clear()
+
+    def stalled(self, transport: asyncio.ReadTransport) -> None:
+        """``transport``'s link stalls now (see :meth:`release_stalls`)."""
+        self._stalled.append(transport)
+
     def _stalls(self, options: list[str]) -> bool:
         """Whether a transaction with these MAIL parameters stalls its link after the 354."""
         f = self.faults
+        if not self._stalls_on:
+            return False
         sizes = [int(o[5:]) for o in options if o.upper().startswith("SIZE=") and o[5:].isdigit()]
         if not (sizes and sizes[0] >= f.stall_min_bytes and f.stall_ratio > 0):
             return False
@@ -345,6 +360,7 @@ class _StallingSMTP(SMTP):
         stall_s = handler.stall_s(self.envelope) if bench else 0.0
         if stall_s and isinstance(transport, asyncio.ReadTransport):
             transport.pause_reading()
+            handler.stalled(transport)
             asyncio.get_running_loop().call_later(stall_s, _resume_reading, transport)
         await super().smtp_DATA(arg)
 

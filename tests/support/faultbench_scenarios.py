@@ -248,6 +248,15 @@ def relay_restarted_without_its_store(*, hold_s: float, owe_s: float,
     return action
 
 
+async def sigterm_over_stalled_links(bench: Bench) -> None:
+    """SIGTERM to the relay while links stall; once it exited, every stall ends (and no link
+    stalls any more) and a new relay starts."""
+    code = await bench.relay.signal_and_wait(signal.SIGTERM)
+    bench.sink.handler.release_stalls()
+    bench.notes.append(f"relay exited {code} after SIGTERM; the stalled links read again")
+    await bench.relay.start()
+
+
 LATENCY_S = 0.1  # every scenario's sink answers each command within 0-100 ms, like a smarthost
 # The control run's timeouts sit far above a loaded runner's scheduling pauses (the faults'
 # half-second ones would turn a pause into a 451 and a retry): it shows the path, not the load.
@@ -335,9 +344,9 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
         Scenario("store-blackhole-restart",
                  "store black-holed while upstream holds a reply 0.6 s and refuses it; relay "
                  "SIGTERM 6 s later (grace 1 s), new relay started without its store, store "
-                 "back 3 s after",
+                 "back 8 s after (every worker started by then)",
                  faults=plain,
-                 action=relay_restarted_without_its_store(hold_s=0.6, owe_s=6.0, down_s=3.0),
+                 action=relay_restarted_without_its_store(hold_s=0.6, owe_s=6.0, down_s=8.0),
                  relay=RelayConfig(shutdown_grace_s=1.0), store_proxy=True),
         Scenario("upstream-late-354-sigkill",
                  "upstream answers DATA after 2 s (every transaction; command timeout 5 s); "
@@ -346,12 +355,12 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  action=relay_signalled(signal.SIGKILL),
                  relay=RelayConfig(command_timeout_s=5.0)),
         Scenario("relay-sigterm-unsent-dot",
-                 "every 4th message 2 MB (the kernel takes it whole), its link stalled 7 s "
-                 "after 354; relay SIGTERM with grace 0.3 s (upstream timeout 30 s): dots "
-                 "still in the kernel after the 5 s wait, new relay",
-                 faults=Faults(stall_ratio=1.0, stall_min_bytes=1_000_000, stall_s=7.0,
+                 "every 4th message 2 MB (the kernel takes it whole), its link stalled after "
+                 "354 until the relay exited; relay SIGTERM with grace 0.3 s (upstream timeout "
+                 "30 s): dots still in the kernel after the 5 s wait, new relay",
+                 faults=Faults(stall_ratio=1.0, stall_min_bytes=1_000_000, stall_s=60.0,
                                slow_s=LATENCY_S), big_every=4, big_bytes=2_000_000,
-                 action=relay_signalled(signal.SIGTERM),
+                 action=sigterm_over_stalled_links,
                  relay=RelayConfig(shutdown_grace_s=0.3, upstream_timeout_s=30.0)),
         Scenario("pg-baseline", "PostgreSQL store, no fault (control)", faults=plain,
                  relay=CONTROL_RELAY, store="postgres"),
