@@ -7,7 +7,8 @@ cost, docs/performance.md).
 Three runs through one real ``python -m relay serve`` process (one worker), each with its own
 store and an accept-all aiosmtpd sink in this process:
 
-- ``store answers``: a new SQLite file (the embedded store), nothing refused;
+- ``store answers``: a new SQLite file (the embedded store), nothing refused (``redis
+  answers``: the test Redis under a fresh prefix, asked for with ``--runs answers-redis``);
 - ``settles refused``: the same, with triggers that refuse every SENT mark, UNKNOWN mark and
   release at once (reserves, SENDING marks and renewals land): every message is relayed and
   answered 250 with its SENT mark owed (after its three quick tries), which is what the journal
@@ -16,10 +17,11 @@ store and an accept-all aiosmtpd sink in this process:
   times out after the 1 s store timeout and is answered 451; nothing is owed).
 
 Clients send unique messages (each its own key), ``--concurrency`` SMTP sessions at a time.
-Printed per run: messages/s (first connect to last reply), the replies, the journal's lines at
-the end. ``--source`` runs the relay package found in that directory instead of this tree
-(``git archive <commit> relay | tar -x -C DIR`` makes one), so two versions are measured the
-same way. Loopback only; bounded by ``--messages``.
+Printed per run: messages/s (first connect to last reply), the relay's CPU time per message
+(user + system, from ``/proc``: steadier than messages/s on a shared machine), the replies, the
+journal's lines at the end. ``--source`` runs the relay package found in that directory
+instead of this tree (``git archive <commit> relay | tar -x -C DIR`` makes one), so two
+versions are measured the same way. Loopback only; bounded by ``--messages``.
 """
 
 from __future__ import annotations
@@ -117,7 +119,9 @@ async def _run(name: str, store_url: str, source: Path, args: argparse.Namespace
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
             await wait_for_port(port, proc, timeout_s=30)
+            cpu_before = _cpu_s(proc.pid)
             rate, replies = await _load(port, args.messages, args.concurrency)
+            cpu_ms = (_cpu_s(proc.pid) - cpu_before) * 1000 / args.messages
             lines = len(journal.read_text().splitlines()) if journal.exists() else 0
         finally:
             if proc.returncode is None:
@@ -126,8 +130,14 @@ async def _run(name: str, store_url: str, source: Path, args: argparse.Namespace
             sink.server.close()
             if store_url.startswith("redis"):
                 delete_prefix(REDIS_URL, prefix)
-    print(f"{name:18} {rate:8.1f} msg/s  replies {dict(replies)}  journal lines {lines}",
-          flush=True)
+    print(f"{name:18} {rate:8.1f} msg/s  {cpu_ms:5.2f} ms CPU/msg  replies {dict(replies)}  "
+          f"journal lines {lines}", flush=True)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -135,10 +145,16 @@ async def main_async(args: argparse.Namespace) -> None:
     source = args.source.resolve()
     print(f"relay from {source}, {args.messages} messages, {args.concurrency} at a time")
     with tempfile.TemporaryDirectory(prefix="bench-owed-store-") as tmp:
-        url = await sqlite_store(Path(tmp) / "answers.db", refuse_settles=False)
-        await _run("store answers", url, source, args)
-        url = await sqlite_store(Path(tmp) / "refuses.db", refuse_settles=True)
-        await _run("settles refused", url, source, args)
+        if "answers" in args.runs.split(","):
+            url = await sqlite_store(Path(tmp) / "answers.db", refuse_settles=False)
+            await _run("store answers", url, source, args)
+        if "answers-redis" in args.runs:
+            await _run("redis answers", REDIS_URL, source, args)
+        if "refused" in args.runs:
+            url = await sqlite_store(Path(tmp) / "refuses.db", refuse_settles=True)
+            await _run("settles refused", url, source, args)
+    if "black-holed" not in args.runs:
+        return
     proxy = await start_proxy(REDIS_URL)
     try:
         proxy.hang()
@@ -153,6 +169,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--runs", default="answers,refused,black-holed",
+                        help="which runs, comma-separated: answers, answers-redis, refused, "
+                             "black-holed (default: answers,refused,black-holed)")
     parser.add_argument("--source", type=Path, default=REPO,
                         help="directory holding the relay package to run (default: this tree)")
     asyncio.run(main_async(parser.parse_args()))
