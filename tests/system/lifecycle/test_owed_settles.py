@@ -28,6 +28,7 @@ from tests.support.waiting import until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 RCPT = "user@example.net"
+LEASE_S = 3.0  # the relays' lease: three store timeouts
 
 
 @dataclass(kw_only=True)
@@ -79,10 +80,10 @@ def prefix() -> Iterator[str]:
 async def serve_through(proxy: PgProxy, tmp_path: Path, peer_port: int, prefix: str,
                         *flags: str) -> ServeProcess:
     """One `serve` process (no supervisor) on the test Redis through ``proxy``, the settle
-    journal ``tmp_path/owed.jsonl``, store timeout 0.3 s, lease 1 s."""
+    journal ``tmp_path/owed.jsonl``, store timeout 1 s, lease ``LEASE_S``."""
     return await start_serve(
         tmp_path, "--upstream", f"127.0.0.1:{peer_port}", "--store", proxy.url(REDIS_URL),
-        "--store-prefix", prefix, "--store-timeout", "0.3", "--lease", "1",
+        "--store-prefix", prefix, "--store-timeout", "1", "--lease", f"{LEASE_S:g}",
         "--settle-journal", str(tmp_path / "owed.jsonl"), "--metrics-listen", "off", *flags,
         workers=1)
 
@@ -110,7 +111,7 @@ async def test_a_release_owed_when_the_relay_is_killed_is_paid_by_the_next_start
         proxy.drop()  # what the killed relay sent meanwhile never arrives
         successor = await serve_through(proxy, tmp_path, peer.port, prefix)
         try:
-            await asyncio.sleep(1.5)  # past the 1 s lease of the SENDING record
+            await asyncio.sleep(LEASE_S + 0.5)  # past the lease of the SENDING record
             retry = await send(successor.port, [RCPT], message())
         finally:
             await asyncio.to_thread(successor.stop)
