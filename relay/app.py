@@ -115,6 +115,9 @@ class Relay:
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)
+        self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
+                                     self.store, prefix=s.store_prefix,
+                                     url_name=s.store_url_name)
         observers: list[DecisionObserver] = []
         if self.dsn is not None:
             observers.append(OweNotices(self.dsn))
@@ -126,17 +129,14 @@ class Relay:
             # the rate limits' ``upstream`` scope: the upstream a message would be tried on first
             upstream_name=self.upstream.preferred_name,
             gates=() if self.ledger is None else (self.ledger,), observers=observers,
-            tracer=self.tracer if self.tracer is not None else NO_TRACING)
+            tracer=self.tracer if self.tracer is not None else NO_TRACING,
+            settle_log=self.journal)
         self.security = s.security()
         users = s.auth_users()
         self.sasl = None if users is None else SaslMechanisms.under(
             s.auth_attempts(users), on_failure=metrics.auth_failure,
             on_refused=metrics.auth_refused)
-        self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
-                                     self.store, prefix=s.store_prefix,
-                                     url_name=s.store_url_name)
-        if self._first_worker:
-            await self.journal.pay(self.core)
+        await self.journal.pay(self.core)  # every process, every start: a killed one's lines
         limits = s.listener_limits(allowed_senders=s.allowed_senders,
                                    local_part_case_sensitive=s.local_part_case_sensitive,
                                    log_recipients=s.log_recipients)
@@ -268,8 +268,10 @@ class Relay:
         ``shutdown_grace`` seconds for them, for settlements still being retried and for
         DSNs still being sent.
         4. Past the grace, cut what is left: a transaction whose final dot had not gone out is
-        released (the client's retry is relayed), one past the dot is marked UNKNOWN.
-        5. Close the metrics server, the upstream and the store. A second call does nothing.
+        released (the client's retry is relayed), one past the dot is marked UNKNOWN (unless
+        its wait for a reply ends with the dot still unsent in the kernel: reset, released).
+        5. Stop the settle retries (what they owe is in the settle journal). 6. Close the
+        metrics server, the upstream and the store. A second call does nothing.
         """
         if self._stopped:
             return
@@ -338,7 +340,7 @@ class Relay:
         pending = self._pending()
         messages = len(self.handler.tasks) if self.handler is not None else 0
         log.warning("shutdown grace over: cutting %d message(s) and %d settle retry loop(s) "
-                    "(what they still owe goes to the settle journal)",
+                    "(what they still owe stays in the settle journal)",
                     messages, len(pending) - messages)
         for task in pending:
             task.cancel()

@@ -20,9 +20,9 @@ from relay.settings import Settings, host_port, setting_names
 class Inherited:
     """What a worker process (``workers`` > 1) gets from its supervisor: the listening sockets
     the supervisor bound (``listen``, and ``tls_listen`` when set; one socket per address the
-    host resolved to, shared by every worker) and the worker's ``index`` (0 to N-1). Worker 0
-    pays the settle journal at its start; the metrics HTTP server is the supervisor's, on
-    ``metrics_port`` (0: off)."""
+    host resolved to, shared by every worker) and the worker's ``index`` (0 to N-1, worker 0
+    starting first, alone); the metrics HTTP server is the supervisor's, on ``metrics_port``
+    (0: off)."""
 
     listen: tuple[socket.socket, ...]
     tls_listen: tuple[socket.socket, ...]

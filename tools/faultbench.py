@@ -186,6 +186,10 @@ def render(results: list[RunResult], command: str, started: datetime, total_s: f
         "`pg_ctl restart -m fast`, stopped with `pg_ctl stop -m immediate` and started on its "
         "data (crash recovery), or its postmaster killed with SIGKILL and started again once "
         f"its backends exited; stopped for {args.pg_down:g} s in `pg-down`",
+        "- store of the `store-blackhole-*` runs: the same redis-server, reached through a TCP "
+        "proxy in the bench process that black-holes it on cue (holds every byte, answers "
+        "nothing; when it answers again its connections are closed and the bytes it held "
+        "dropped, as a partition that outlasted them)",
         f"- upstream: an aiosmtpd sink in the bench process; each reply takes 0-{LATENCY_S:g} s; "
         "faults are dealt in shuffled blocks of 20 transactions (exact ratios per block); "
         "it logs each accepted (recipient, X-Dedupe-Key) before it replies",

@@ -32,6 +32,7 @@ from relay.core.interfaces import (
     RcptResult,
     Reservation,
     Result,
+    SettleLog,
     SettleOp,
     SmtpReply,
     Upstream,
@@ -103,6 +104,7 @@ class DedupCore:
         observers: Sequence[DecisionObserver] = (),
         tracer: Tracer = NO_TRACING,
         clock: Callable[[], float] = time.time,
+        settle_log: SettleLog | None = None,
     ) -> None:
         self._store = store
         self._upstream = upstream
@@ -119,8 +121,9 @@ class DedupCore:
         self._observers = (CountDecisions(metrics), *observers)
         self._clock = clock  # the relay's wall clock, unix seconds: a decision's decided_at
         self._tracer = tracer  # the spans of a message (relay.core.tracing)
+        # settles owed across a crash: the settle journal (None: in memory only)
         self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
-                                lease_s=policy.lease_s)
+                                lease_s=policy.lease_s, journal=settle_log)
 
     @property
     def policy(self) -> Policy:
@@ -296,16 +299,20 @@ class DedupCore:
         settle, conclude."""
         token = secrets.token_hex(16)  # 128-bit random token per attempt (design.md §3)
         unique_keys = list(dict.fromkeys(plan.keys.values()))
+        reserving = False
         try:
-            await self._settler.flush(unique_keys)
+            await self._settler.flush(unique_keys)  # what is owed on the keys lands first
+            reserving = True
             reservations = await self._reserve_uncut(unique_keys, token, p)
         except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
             absorb_cancel()
             return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None,
                                   p=p)
         except StoreError as exc:
-            log.error("store reserve failed (%s); policy store_down=%s", exc, p.store_down)
-            await self._settler.release_quietly(unique_keys, token)
+            log.error("store %s failed (%s); policy store_down=%s",
+                      "reserve" if reserving else "settle owed on a key", exc, p.store_down)
+            if reserving:
+                await self._settler.release_quietly(unique_keys, token)
             failed = rules.reserve_failed(p.store_down)
             if failed.verdict is None:  # fail_open
                 return await self._relay_plain(msg, p, relayed=Outcome.STORE_DOWN)

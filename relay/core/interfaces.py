@@ -181,6 +181,29 @@ class FingerprintStore(Protocol):
         ...
 
 
+class SettleLog(Protocol):
+    """Where the settles a relay owes are kept from before the client's reply until they land,
+    so that a crash loses none (the settle journal, :class:`relay.store.journal.SettleJournal`;
+    design.md §3). Owed settles are ``(token, op)`` pairs."""
+
+    async def owe(self, owed: Sequence[tuple[str, SettleOp]]) -> bool:
+        """Write ``owed`` durably; True once they are on disk, False when they could not be
+        written (logged; they are then kept in memory only). Never raises."""
+        ...
+
+    def landed(self, paid: Sequence[tuple[str, SettleOp]]) -> None:
+        """``paid`` landed in the store, or were given up: drop them (soon, in the order of
+        the calls). Never raises."""
+        ...
+
+    async def unpaid(self, keys: Sequence[str]) -> list[tuple[str, SettleOp]]:
+        """Before a reserve of ``keys``: the settles an earlier run owed to this store that
+        the caller does not hold yet, to apply first; [] when no such settle can touch
+        ``keys``. Raises :class:`relay.core.errors.StoreError` when one may touch them and
+        the store cannot say yet whether it is its own."""
+        ...
+
+
 @dataclass(frozen=True)
 class StateCounts:
     """How many fingerprint records one key prefix holds, by state (``dedup-relay stats``).
@@ -402,7 +425,9 @@ class DeliveryProgress:
     core uses it to mark those reservations SENDING, so that a relay killed while waiting for
     the reply leaves them in doubt instead of lapsing into a duplicate.
     ``dot_written`` turns True once the message and its final dot were handed to the network
-    (after that, cutting the transaction leaves its outcome unknown, RFC 1047).
+    (after that, cutting the transaction leaves its outcome unknown, RFC 1047), and back to
+    False when the upstream, given no reply, reset the connection while bytes of the message
+    were still unsent in the kernel (the dot can then never arrive).
     """
 
     before_dot: Callable[[Sequence[str]], Awaitable[bool]] | None = None

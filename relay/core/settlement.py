@@ -1,11 +1,14 @@
 """Settling reservations after the upstream answered (docs/design.md §3, §4.2).
 
 :class:`Settler` writes SENT / UNKNOWN / release for one attempt's keys in one store round trip,
-retries briefly, then keeps retrying in the background until the write lands; what is still owed
-on a key is applied first when a later attempt reserves it (:meth:`Settler.flush`), so a retry
-never races the background loop. It also marks SENDING before the final dot, renews a working
-attempt's leases, undoes a reserve that landed but reported a failure, and settles a
-transaction that shutdown cut short. Why the retries outlive the lease: docs/design.md §7.
+retries briefly, then keeps retrying in the background until the write lands; a settle owed so
+is written to the settle journal (:class:`relay.core.interfaces.SettleLog`) before the client
+is answered, and dropped from it once it lands. What is still owed on a key is applied first
+when a later attempt reserves it (:meth:`Settler.flush`), so a retry never races the background
+loop, and a reserve is refused rather than answered from a record whose settle is owed. It
+also marks SENDING before the final dot, renews a working attempt's leases, undoes a reserve
+that landed but reported a failure, and settles a transaction that shutdown cut short. Why
+the retries outlive the lease: docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from tenacity import (
 from relay.core import replies, rules
 from relay.core.cancellation import run_to_end
 from relay.core.errors import StoreError
-from relay.core.interfaces import DeliveryProgress, FingerprintStore, Metrics, Settle, SettleOp
+from relay.core.interfaces import (
+    DeliveryProgress,
+    FingerprintStore,
+    Metrics,
+    Settle,
+    SettleLog,
+    SettleOp,
+)
 
 log = logging.getLogger("relay.core.settlement")
 
@@ -36,11 +46,13 @@ log = logging.getLogger("relay.core.settlement")
 class Settler:
     """Settles one attempt's reservations; ``window_s`` is the dedup window and ``lease_s`` the
     reservation lease, in seconds. No time of this host's clock is ever written: the store
-    records its own (design.md §3: clocks of relays sharing a store may disagree)."""
+    records its own (design.md §3: clocks of relays sharing a store may disagree). ``journal``
+    keeps what is owed across a crash (None: in memory only)."""
 
     def __init__(self, *, store: FingerprintStore, metrics: Metrics, window_s: float,
-                 lease_s: float = 900.0) -> None:
+                 lease_s: float = 900.0, journal: SettleLog | None = None) -> None:
         self._store = store
+        self._journal = journal
         self._metrics = metrics
         self._window_s = window_s
         self._lease_s = lease_s
@@ -50,20 +62,24 @@ class Settler:
         self._owed: dict[tuple[str, str], SettleOp] = {}
 
     async def flush(self, keys: Sequence[str]) -> None:
-        """Apply now whatever background settle is still owed on ``keys``, one try.
+        """Apply now whatever settle is still owed on ``keys``, one try each.
 
         Called before a reserve reads ``keys``: the retry of a message whose release (or SENT
-        mark) is still being retried must see the settled state, not the SENDING record that
-        reads as UNKNOWN past the lease. A store failure is swallowed: the reserve that follows
-        meets the same store and answers for it.
+        mark) is still owed must see the settled state, not the SENDING record that reads as
+        UNKNOWN past the lease. Settles an earlier run journaled that this process does not
+        hold yet are taken from the journal first. Raises :class:`StoreError` when an owed
+        settle on ``keys`` cannot be applied now: the caller answers as for a failed reserve
+        (design.md §3), never from the record the settle would change.
         """
+        if self._journal is not None:
+            found = await self._journal.unpaid(keys)
+            for token, ops in _by_token(found).items():  # on disk already: owed from now on
+                self._hold(ops, token)
+                self._retry_later(ops, token, time.monotonic())
         wanted = set(keys)
         owed = [(token, op) for (key, token), op in self._owed.items() if key in wanted]
         for token, ops in _by_token(owed).items():
-            try:
-                await self._timed_settle(ops, token)
-            except StoreError:
-                return
+            await self._timed_settle(ops, token)
             self._paid(ops, token)
             log.warning("settle owed on %d key(s) landed before a retry's reserve", len(ops))
 
@@ -72,16 +88,22 @@ class Settler:
         return [(token, op) for (_key, token), op in self._owed.items()]
 
     async def pay(self, owed: Sequence[tuple[str, SettleOp]]) -> list[tuple[str, SettleOp]]:
-        """Apply settles owed by an earlier run (the journal), one round trip per token; what
-        does not land now is retried in the background like any owed settle. Returns what
-        did not land. Never raises."""
+        """Apply settles owed by an earlier run (the journal: they are on disk), one round
+        trip per token; what does not land now is retried in the background like any owed
+        settle. All are owed from the call on, so a reserve meanwhile applies them first.
+        Returns what did not land. Never raises."""
+        grouped = _by_token(owed)
+        for token, ops in grouped.items():
+            self._hold(ops, token)
         left: list[tuple[str, SettleOp]] = []
-        for token, ops in _by_token(owed).items():
+        for token, ops in grouped.items():
             try:
                 await self._timed_settle(ops, token)
             except StoreError:
                 left.extend((token, op) for op in ops)
-                self._settle_later(ops, token, time.monotonic())
+                self._retry_later(ops, token, time.monotonic())
+            else:
+                self._paid(ops, token)
         return left
 
     def _window(self, ops: Sequence[SettleOp]) -> float:
@@ -89,9 +111,16 @@ class Settler:
         attempt share it), else the relay's."""
         return max((op.window_s for op in ops), default=0.0) or self._window_s
 
-    def _paid(self, ops: Sequence[SettleOp], token: str) -> None:
+    def _hold(self, ops: Sequence[SettleOp], token: str) -> None:
+        """Count ``ops`` as owed (what :meth:`flush` applies before a reserve)."""
         for op in ops:
-            self._owed.pop((op.key, token), None)
+            self._owed[(op.key, token)] = op
+
+    def _paid(self, ops: Sequence[SettleOp], token: str) -> None:
+        """``ops`` landed or were given up: owed no more, and dropped from the journal."""
+        gone = [op for op in ops if self._owed.pop((op.key, token), None) is not None]
+        if gone and self._journal is not None:
+            self._journal.landed([(token, op) for op in gone])
 
     async def settle(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         """Apply ``ops`` (one round trip, 3 quick tries), else keep trying in the background.
@@ -108,7 +137,12 @@ class Settler:
     async def _settle_or_owe(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
         applied = await self._settle_with_retry(ops, token)
         if applied is None:
-            self._settle_later(ops, token, lease_ends)
+            log.error("settle failed; retrying %d write(s) in the background until they land",
+                      len(ops))
+            self._hold(ops, token)
+            if self._journal is not None:  # on disk before the client's reply (design.md §3)
+                await self._journal.owe([(token, op) for op in ops])
+            self._retry_later(ops, token, lease_ends)
             return
         for op, ok in zip(ops, applied, strict=True):
             if not ok:
@@ -235,8 +269,9 @@ class Settler:
                     else "before", "marked UNKNOWN" if dot_written else "released")
         await self.settle(ops, token, lease_ends)
 
-    def _settle_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
-        """Keep trying ``ops`` in the background until they land or the dedup window passes.
+    def _retry_later(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
+        """Keep trying ``ops`` (owed already) in the background until they land or the dedup
+        window passes.
 
         While a SENT mark is missing the key stays PENDING (retries get 450) and, once it was
         marked SENDING, reads as UNKNOWN after the lease. This is more than the first contract's
@@ -245,10 +280,6 @@ class Settler:
         suppresses the retry of a message that was never sent. The ops are compare-token
         writes, so landing late is always safe.
         """
-        for op in ops:
-            self._owed[(op.key, token)] = op
-        log.error("settle failed; retrying %d write(s) in the background until they land",
-                  len(ops))
         task = asyncio.create_task(self._keep_settling(ops, token, lease_ends))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -295,8 +326,8 @@ class Settler:
             log.error("settle never landed within the dedup window: given up")
         except asyncio.CancelledError:
             count_lost_mark()
-            log.error("settle still owed at shutdown: left for the settle journal")
-            raise  # still in ``_owed``: the relay writes it to the journal as it stops
+            log.error("settle still owed at shutdown: left in the settle journal")
+            raise  # still owed, and in the journal since it was owed: the next start pays it
         else:
             log.warning("settle landed after %d background attempt(s)", attempts)
         self._paid(ops, token)

@@ -44,8 +44,9 @@ class StoreSettings(Section):
     store_timeout: float = Field(default=2.0, gt=0, description=(
         "seconds per store round trip; a timeout counts as the store being down"))
     settle_journal: str = Field("data/owed-settles.jsonl", description=(
-        "file for the settles the store did not take before the relay stopped, applied at the "
-        "next start (relative to the working directory); empty: kept in memory only"))
+        "file for the settles the store did not take at once: written before the client's "
+        "reply, dropped once they land, applied by the next start (relative to the working "
+        "directory); empty: kept in memory only (a crash loses them)"))
 
     @field_validator("store")
     @classmethod

@@ -25,8 +25,8 @@ module per job, as Postfix's ``master_*.c``:
 
 Every worker inherits the same sockets (one accept queue per listener: a worker that dies
 strands no queued connection) and runs its own event loop, store client and upstream pool
-(:class:`relay.app.Relay` on :class:`relay.listen.Inherited` sockets). Worker 0 pays the settle
-journal at each of its starts; every worker adds what it still owes at its stop (the journal's
-lock keeps them from overwriting each other). The package's internal layers are an import
+(:class:`relay.app.Relay` on :class:`relay.listen.Inherited` sockets). Every worker pays the settle
+journal at each of its starts (worker 0 first) and appends what it owes when it becomes owed
+(the journal's lock keeps them from losing each other's lines). The package's internal layers are an import
 contract in pyproject.toml. Its modules log as ``relay.supervisor``.
 """

@@ -11,7 +11,10 @@ timeout for the ``354`` and the final reply and cannot say which ran out: a fail
 final dot fully left the relay releases the reservation, one after it is UNKNOWN (RFC 1047). The
 message is written by :mod:`relay.upstream.transfer` (stall timeout ``command_timeout_s``); the
 final reply is awaited for ``final_timeout_s`` (default 600 s, RFC 5321 section 4.5.3.2.6) from
-the moment the whole message is out. Design: docs/design.md §5.3.
+the moment the kernel took the whole message. A wait that ends without a reply (that timeout, or
+a shutdown's cut) while the kernel still holds unsent bytes of the message resets the
+connection: the dot can never arrive, so the reservation is released, not UNKNOWN. Design:
+docs/design.md §5.3.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ from relay.upstream.oauth import TokenError, TokenProvider
 from relay.upstream.pool import ConnectionPool, discard, quit_politely
 from relay.upstream.transfer import (
     DOT,
-    MARK_AHEAD_BYTES,
     Outcome,
     Transfer,
     WireTransport,
     abort,
     is_wire,
+    withdraw,
     write_backlog,
 )
 
@@ -210,6 +213,19 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
         return RcptResult(RcptStatus.REFUSED, SmtpReply.parse(response.code, response.message))
     log.error("upstream answered %d before the final dot: outcome unknown", response.code)
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
+
+
+def _withdraw_dot(transport: WireTransport, progress: DeliveryProgress, why: str) -> bool:
+    """No reply to the final dot came (``why``): reset the connection when the kernel still
+    holds unsent bytes of the message (the dot can then never arrive, so nothing was
+    delivered: ``progress.dot_written`` is False again). True when it did."""
+    unsent = withdraw(transport)
+    if not unsent:
+        return False
+    progress.dot_written = False
+    log.warning("no reply to the final dot (%s) and %d byte(s) of the message still unsent: "
+                "connection reset, the dot can never arrive: nothing delivered", why, unsent)
+    return True
 
 
 def _log_gone(exc: Exception) -> None:
@@ -415,13 +431,16 @@ class SmtpUpstream:
                     accepted: list[str]) -> tuple[RcptResult, bool]:
         """DATA, the message, the final dot; tell a failure before the dot from one after it.
 
-        ``progress.before_dot`` (the SENDING mark) starts before DATA for a message of at most
-        :data:`MARK_AHEAD_BYTES` (it runs while DATA is answered and the message goes out),
-        else once the kernel took all but that much of the body (:class:`Transfer`); only
-        the final dot waits for it, and a mark that says no (or fails) resets the connection
-        with the dot unwritten. A started mark is always waited for before this returns
-        (cancelled only when this is), so the settle that follows never races it. Also says
-        whether the session is in a known state afterwards (reusable).
+        ``progress.before_dot`` (the SENDING mark) starts once the upstream answered DATA
+        with ``354``, never before (a smarthost slow to answer DATA must not widen the window
+        in which a crash leaves SENDING for a message not sent), and once at most
+        :data:`relay.upstream.transfer.MARK_AHEAD_BYTES` of the body are left that the
+        kernel has not taken (:class:`Transfer`): for a message that small, with its first
+        bytes, so it runs while the body goes out. Only the final dot waits for it, and a
+        mark that says no (or fails) resets the connection with the dot unwritten. A started
+        mark is always waited for before this returns (cancelled only when this is), so the
+        settle that follows never races it. Also says whether the session is in a known
+        state afterwards (reusable).
         """
         hook = progress.before_dot
         started: list[asyncio.Future[bool]] = []
@@ -432,8 +451,6 @@ class SmtpUpstream:
                 started.append(asyncio.ensure_future(hook(accepted)))
             return started[0]
 
-        if hook is not None and len(content) <= MARK_AHEAD_BYTES:
-            start_mark()  # overlaps DATA's round trip: the body is out about as soon
         try:
             outcome = await self._data_gated(smtp, content, progress,
                                              start_mark if hook is not None else None)
@@ -496,7 +513,7 @@ class SmtpUpstream:
             raise
         progress.dot_written = transfer.complete
         if outcome is Outcome.SENT:
-            return await self._final_reply(smtp, reader)
+            return await self._final_reply(smtp, transport, reader, progress)
         if outcome is Outcome.ANSWERED:
             discard(smtp)  # the rest must not follow the reply
             return _early_reply(reader.result()), False
@@ -511,21 +528,30 @@ class SmtpUpstream:
         return _synthetic(replies.UPSTREAM_TIMEOUT if outcome is Outcome.STALLED
                           else replies.UPSTREAM_LOST), False
 
-    async def _final_reply(self, smtp: aiosmtplib.SMTP,
-                           reader: asyncio.Future[aiosmtplib.SMTPResponse]
-                           ) -> tuple[RcptResult, bool]:
-        """The outcome once the final dot is out: 2yz, a 4yz/5yz refusal, or UNKNOWN (never
-        reused: a late reply would be read as the next command's). A cancellation (shutdown
-        cut) that meets a reply already read takes that reply: it is the upstream's verdict,
-        and throwing it away would turn a definite answer into an in-doubt one."""
+    async def _final_reply(self, smtp: aiosmtplib.SMTP, transport: WireTransport,
+                           reader: asyncio.Future[aiosmtplib.SMTPResponse],
+                           progress: DeliveryProgress) -> tuple[RcptResult, bool]:
+        """The outcome once the kernel took the final dot: 2yz, a 4yz/5yz refusal, or UNKNOWN
+        (never reused: a late reply would be read as the next command's). A cancellation
+        (shutdown cut) that meets a reply already read takes that reply: it is the upstream's
+        verdict, and throwing it away would turn a definite answer into an in-doubt one. A
+        wait that ends without a reply (the timeout, or a cut) while the kernel has not sent
+        all of the message resets the connection (:func:`withdraw`): the dot can never arrive,
+        ``progress.dot_written`` goes back to False, and the timeout is a refusal (released),
+        not UNKNOWN."""
         try:
             response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
         except asyncio.CancelledError:
             if not reader.done() or reader.cancelled() or reader.exception() is not None:
+                _withdraw_dot(transport, progress, "the shutdown's wait for it ended")
                 raise
             absorb_cancel()
             response = reader.result()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and _withdraw_dot(
+                    transport, progress, f"none within {self._cfg.final_timeout_s:g} s"):
+                smtp.close()
+                return _synthetic(replies.UPSTREAM_TIMEOUT), False
             smtp.close()
             log.error("upstream gave no reply to the final dot (%s): outcome unknown",
                       type(exc).__name__)

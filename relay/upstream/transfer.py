@@ -18,6 +18,11 @@ bytes under the TLS transport too, on asyncio's loop (``_ssl_protocol._transport
 3.11+) and on uvloop's (the TCP transport its ``uvloop.sslproto`` holds, uvloop 0.23; both
 pinned by tests/upstream/test_upstream_wire.py). Transports are duck-typed
 (:class:`WireTransport`): uvloop's are not :class:`asyncio.WriteTransport` subclasses.
+
+*Sent* means the kernel took the dot, not that it left the host: a peer that reads slowly
+keeps the last of the message in the kernel's send queue. A wait for the final reply that ends
+without one therefore calls :func:`withdraw`: while the kernel still holds unsent bytes
+(:func:`kernel_unsent`), the connection is reset and the dot can never arrive.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import fcntl
 import gc
 import socket
 import struct
@@ -37,6 +43,7 @@ MARK_AHEAD_BYTES = 64 * 1024  # body bytes not yet in the kernel when the SENDIN
 POLL_S = 0.005
 DOT = b".\r\n"  # the end of the payload: the final dot, RFC 5321 section 4.5.2
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+SIOCOUTQNSD = 0x894B  # Linux ioctl: a TCP socket's queued bytes not yet sent (linux/sockios.h)
 
 
 class Outcome(enum.Enum):
@@ -103,6 +110,36 @@ def _tcp_under_tls(transport: object) -> object | None:
 def _buffered(transport: object) -> int:
     size = getattr(transport, "get_write_buffer_size", None)
     return int(size()) if size is not None else 0
+
+
+def kernel_unsent(transport: WireTransport) -> int | None:
+    """Bytes the kernel holds for ``transport``'s socket and has not sent yet (Linux
+    ``SIOCOUTQNSD``: through TLS, encrypted bytes); None when it cannot tell (another
+    system, the socket closed). Never raises."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return None
+        raw = fcntl.ioctl(fd, SIOCOUTQNSD, b"\0" * 4)
+    except (OSError, ValueError):
+        return None
+    return int(struct.unpack("i", raw)[0])
+
+
+def withdraw(transport: WireTransport) -> int:
+    """Reset the connection (:func:`abort`) when bytes written to it have not all been sent
+    yet, in asyncio's buffer or the kernel's: the payload's last bytes, the final dot, can
+    then never reach the peer. Returns how many were unsent (0: nothing was done, the dot
+    may have left). Never raises. The queue is read, then the connection reset, in two
+    system calls: a window the peer opens in the microseconds between them could still let
+    the last bytes out (docs/design.md §7)."""
+    unsent = write_backlog(transport) + (kernel_unsent(transport) or 0)
+    if unsent > 0:
+        abort(transport)
+    return unsent
 
 
 def abort(transport: WireTransport) -> None:

@@ -455,13 +455,13 @@ async def test_a_settle_given_up_after_the_window_is_logged(
 
 async def test_a_settle_still_owed_at_shutdown_is_logged_for_the_journal(
         prefix: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Cancelling a background settle (shutdown) logs an ERROR: left for the settle journal."""
+    """Cancelling a background settle (shutdown) logs an ERROR: left in the settle journal."""
     store = SettleDown.from_url(REDIS_URL)
     core = make_core(store, CountingUpstream(), prefix, lease_s=30.0)
     with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
         await stop_background(core.background)
-    assert "settle still owed at shutdown: left for the settle journal" in [
+    assert "settle still owed at shutdown: left in the settle journal" in [
         r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     await store.close()
 

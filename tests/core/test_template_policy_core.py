@@ -38,7 +38,7 @@ from relay.core.interfaces import (
 from relay.core.keys import recipient_key
 from relay.core.rules import iso_utc
 from relay.ops.metrics import PrometheusMetrics
-from relay.store.journal import add_to_journal, read_journal
+from relay.store.journal_file import add_to_journal, read_journal
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite.store import SqliteStore
 from tests.support.clients import message

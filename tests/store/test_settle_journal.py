@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from relay.core.interfaces import Settle, SettleOp
-from relay.store.journal import add_to_journal, read_journal, remove_from_journal
+from relay.store.journal_file import add_to_journal, read_journal, remove_from_journal
 
 STORE = "redis://127.0.0.1:6379/0 prefix=email:fp:"
 
@@ -63,3 +63,12 @@ def test_a_settle_with_its_own_dedup_window_keeps_it(tmp_path: Path) -> None:
     add_to_journal(path, [("t1", own), ("t2", relay_window)], "store-a")
     assert read_journal(path, "store-a") == [("t1", own), ("t2", relay_window)]
     assert path.read_text().count("window_s") == 1
+
+
+def test_an_append_after_a_half_written_line_starts_a_line_of_its_own(tmp_path: Path) -> None:
+    """A line cut short (a writer killed mid-write) is skipped; the next append is read."""
+    path = tmp_path / "owed.jsonl"
+    path.write_text('{"store": "' + STORE + '", "token": "t-0", "ke')
+    a = ("token-a", SettleOp("email:fp:1", Settle.RELEASE))
+    add_to_journal(path, [a], STORE)
+    assert read_journal(path, STORE) == [a]

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import Settle, SettleOp, State
 from relay.core.recipients import normalize_recipient
-from relay.store.journal import add_to_journal
+from relay.store.journal_file import add_to_journal
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.store import RedisStore
 from relay.store.sqlite.store import SqliteStore

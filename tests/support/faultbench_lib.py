@@ -158,6 +158,8 @@ class Faults:
     ``stall_min_bytes`` (the first of them included) gets its
     ``354`` and then nothing is read from the socket for ``stall_s`` (a stalled link: the
     message backs up in the relay's buffers; the sink's receive buffer is kept small).
+    ``late_354_ratio``: that exact share of the transactions (the first included) gets its
+    ``354`` only ``late_354_s`` after DATA (data-phase policy checks, a tarpit).
     """
 
     temp_ratio: float = 0.0
@@ -169,6 +171,8 @@ class Faults:
     stall_ratio: float = 0.0
     stall_min_bytes: int = 1_000_000
     stall_s: float = 2.0
+    late_354_ratio: float = 0.0
+    late_354_s: float = 0.0
 
 
 @dataclass
@@ -176,6 +180,7 @@ class _Plan:
     fate: str  # ok | temp_dot | temp_rcpt | perm | hang | drop
     rcpts_seen: int = 0
     stall: bool = False  # no reads for Faults.stall_s after the 354
+    late_354: bool = False  # the 354 comes Faults.late_354_s after DATA
 
 
 class BenchSink:
@@ -187,19 +192,24 @@ class BenchSink:
         self._rng = random.Random(seed)
         self._plans: dict[int, _Plan] = {}
         self._deck: list[str] = []
-        self._hold: tuple[asyncio.Event, float] | None = None
+        self._hold: tuple[asyncio.Event, float, str] | None = None
         self._big = 0  # transactions that declared SIZE >= stall_min_bytes
+        self._transactions = 0  # MAIL commands seen (the late 354s are an exact share)
+        self._stalled: list[asyncio.ReadTransport] = []  # links stalled now (release_stalls)
+        self._stalls_on = True
         self.fates: Counter[str] = Counter()
         self.held_keys: list[str] = []
         log_path.touch()
 
-    def hold_next(self, hold_s: float) -> asyncio.Event:
+    def hold_next(self, hold_s: float, *, refuse: str = "") -> asyncio.Event:
         """Hold the reply to the next message taken for ``hold_s``; the event says it was taken.
+        With ``refuse`` (a reply, e.g. ``451 4.3.0 ...``) that message is answered so after
+        the hold and not taken (not logged).
 
         Lets a fault hit the relay at a chosen moment: upstream has the message, the relay
         waits for the reply to its final dot.
         """
-        self._hold = (asyncio.Event(), hold_s)
+        self._hold = (asyncio.Event(), hold_s, refuse)
         return self._hold[0]
 
     def _draw(self) -> str:
@@ -216,9 +226,22 @@ class BenchSink:
             return self._rng.choice(("temp_dot", "temp_rcpt"))
         return fate
 
+    def release_stalls(self) -> None:
+        """End every stall now (the links read again) and stall no transaction from now on."""
+        self._stalls_on = False
+        for transport in self._stalled:
+            _resume_reading(transport)
+        self._stalled.clear()
+
+    def stalled(self, transport: asyncio.ReadTransport) -> None:
+        """``transport``'s link stalls now (see :meth:`release_stalls`)."""
+        self._stalled.append(transport)
+
     def _stalls(self, options: list[str]) -> bool:
         """Whether a transaction with these MAIL parameters stalls its link after the 354."""
         f = self.faults
+        if not self._stalls_on:
+            return False
         sizes = [int(o[5:]) for o in options if o.upper().startswith("SIZE=") and o[5:].isdigit()]
         if not (sizes and sizes[0] >= f.stall_min_bytes and f.stall_ratio > 0):
             return False
@@ -226,6 +249,18 @@ class BenchSink:
         # with no stall at all about once in 32).
         self._big += 1
         return math.ceil(self._big * f.stall_ratio) > math.ceil((self._big - 1) * f.stall_ratio)
+
+    def _late_354(self) -> bool:
+        """Whether this transaction's 354 comes late (an exact share, the first included)."""
+        ratio = self.faults.late_354_ratio
+        self._transactions += 1
+        n = self._transactions
+        return ratio > 0 and math.ceil(n * ratio) > math.ceil((n - 1) * ratio)
+
+    def late_354_s(self, envelope: Envelope) -> float:
+        """Seconds this transaction's 354 waits after DATA (0: it does not)."""
+        plan = self._plans.get(id(envelope))
+        return self.faults.late_354_s if plan is not None and plan.late_354 else 0.0
 
     def stall_s(self, envelope: Envelope) -> float:
         """Seconds the link stalls after this transaction's 354 (0: it does not)."""
@@ -239,7 +274,8 @@ class BenchSink:
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, options: list[str]) -> str:
         await self._slow()
-        plan = _Plan(fate=self._draw(), stall=self._stalls(options))
+        plan = _Plan(fate=self._draw(), stall=self._stalls(options),
+                     late_354=self._late_354())
         self._plans[id(envelope)] = plan
         self.fates["stall" if plan.stall else plan.fate] += 1
         envelope.mail_from = address
@@ -266,9 +302,16 @@ class BenchSink:
             return "451 4.3.0 bench: temporary failure"
         if plan.fate == "perm":
             return "554 5.6.0 bench: permanent failure"
+        if self._hold is not None and self._hold[2]:  # held, then refused: not taken
+            taken, hold_s, refusal = self._hold
+            self._hold = None
+            self.held_keys.append(_key_of(envelope))
+            taken.set()
+            await asyncio.sleep(hold_s)
+            return refusal
         key = self._log(envelope)  # taken: logged before the reply, as a real MTA queues it
         if self._hold is not None:
-            taken, hold_s = self._hold
+            taken, hold_s, _refusal = self._hold
             self._hold = None
             self.held_keys.append(key)
             taken.set()
@@ -278,14 +321,18 @@ class BenchSink:
         return "250 2.0.0 Ok: queued as BENCH"
 
     def _log(self, envelope: Envelope) -> str:
-        content = envelope.original_content or b""
-        head = content.split(b"\r\n\r\n", 1)[0]
-        match = _KEY_HEADER.search(head)
-        key = match.group(1).decode(errors="replace").strip() if match else ""
+        key = _key_of(envelope)
         with self.log_path.open("a", encoding="utf-8") as out:
             for rcpt in envelope.rcpt_tos:
                 out.write(json.dumps({"rcpt": rcpt.lower(), "key": key, "t": time.time()}) + "\n")
         return key
+
+
+def _key_of(envelope: Envelope) -> str:
+    """The X-Dedupe-Key of the message in ``envelope`` ("" when it has none)."""
+    head = (envelope.original_content or b"").split(b"\r\n\r\n", 1)[0]
+    match = _KEY_HEADER.search(head)
+    return match.group(1).decode(errors="replace").strip() if match else ""
 
 
 @dataclass
@@ -301,14 +348,19 @@ class Sink:
 
 
 class _StallingSMTP(SMTP):
-    """aiosmtpd's SMTP whose link stalls after ``354`` when the handler says so."""
+    """aiosmtpd's SMTP whose ``354`` comes late, or whose link stalls after it, when the
+    handler says so."""
 
     async def smtp_DATA(self, arg: str) -> None:
         handler, transport = self.event_handler, self.transport
-        stall_s = (handler.stall_s(self.envelope)
-                   if isinstance(handler, BenchSink) and self.envelope is not None else 0.0)
+        bench = isinstance(handler, BenchSink) and self.envelope is not None
+        late_s = handler.late_354_s(self.envelope) if bench else 0.0
+        if late_s:
+            await asyncio.sleep(late_s)
+        stall_s = handler.stall_s(self.envelope) if bench else 0.0
         if stall_s and isinstance(transport, asyncio.ReadTransport):
             transport.pause_reading()
+            handler.stalled(transport)
             asyncio.get_running_loop().call_later(stall_s, _resume_reading, transport)
         await super().smtp_DATA(arg)
 

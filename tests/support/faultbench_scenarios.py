@@ -40,6 +40,7 @@ from tests.support.faultbench_traffic import (
     deliver,
     make_messages,
 )
+from tests.support.pg_proxy import PgProxy, start_proxy
 
 FAULT_AT = 0.4  # the fault starts when this share of the arrival spread has passed
 SETTLE_S = 1.2  # after the load: upstream transactions still running land at the sink
@@ -54,12 +55,19 @@ class Bench:
     relay: RelayProcess
     notes: list[str] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict)  # moments of the fault (unix time)
+    store_proxy: PgProxy | None = None  # between the relay and its store (Scenario.store_proxy)
 
     def redis(self) -> BenchRedis:
         """The run's store, which this action needs to be Redis."""
         if not isinstance(self.store, BenchRedis):
             raise TypeError(f"this fault needs the Redis store, the run has {self.store!r}")
         return self.store
+
+    def proxy(self) -> PgProxy:
+        """The TCP proxy between the relay and its store, which this action needs."""
+        if self.store_proxy is None:
+            raise TypeError("this fault needs the store behind a proxy (store_proxy=True)")
+        return self.store_proxy
 
     def postgres(self) -> BenchPostgres:
         """The run's store, which this action needs to be PostgreSQL."""
@@ -87,6 +95,8 @@ class Scenario:
     second_clock_offset_s: float | None = None
     policy: RetryPolicy | None = None  # the clients' retries (None: the run's default)
     store: str = "redis"  # redis | postgres | sqlite: what the relay's --store names
+    # the relay reaches its store through a TCP proxy of the bench, which can black-hole it
+    store_proxy: bool = False
 
 
 async def restart_redis(bench: Bench) -> None:
@@ -187,6 +197,66 @@ async def kill_postgres(bench: Bench) -> None:
     bench.notes.append(f"postgresql postmaster killed (SIGKILL), back after {took:.2f} s")
 
 
+REFUSAL = "451 4.3.0 bench: refused after a wait"
+
+
+def store_blackholed_then_killed(*, hold_s: float, owe_s: float) -> Action:
+    """The upstream holds its reply to the next message for ``hold_s`` and then refuses it;
+    meanwhile the store is black-holed (its proxy holds every byte, answers nothing). ``owe_s``
+    later, with the release owed (the client told 451), SIGKILL to the relay; the store
+    answers again (what the dead relay sent meanwhile dropped) and a new relay starts."""
+
+    async def action(bench: Bench) -> None:
+        taken = bench.sink.handler.hold_next(hold_s, refuse=REFUSAL)
+        await asyncio.wait_for(taken.wait(), 10)
+        bench.proxy().hang()
+        bench.marks["store down"] = time.time()
+        await asyncio.sleep(owe_s)
+        code = await bench.relay.signal_and_wait(signal.SIGKILL)
+        bench.proxy().drop()
+        bench.marks["store back"] = time.time()
+        bench.notes.append(f"store black-holed {owe_s:g} s after the upstream took "
+                           f"{bench.sink.handler.held_keys} (refused {hold_s:g} s later); "
+                           f"relay exited {code} after SIGKILL; store back")
+        await bench.relay.start()
+
+    return action
+
+
+def relay_restarted_without_its_store(*, hold_s: float, owe_s: float,
+                                      down_s: float) -> Action:
+    """As :func:`store_blackholed_then_killed`, but the relay is stopped with SIGTERM (it
+    writes what it owes); a new relay starts while the store is still black-holed, and the
+    store answers ``down_s`` after that start (what was sent meanwhile dropped)."""
+
+    async def action(bench: Bench) -> None:
+        taken = bench.sink.handler.hold_next(hold_s, refuse=REFUSAL)
+        await asyncio.wait_for(taken.wait(), 10)
+        bench.proxy().hang()
+        bench.marks["store down"] = time.time()
+        await asyncio.sleep(owe_s)
+        code = await bench.relay.signal_and_wait(signal.SIGTERM)
+        await bench.relay.start()
+        await asyncio.sleep(down_s)
+        bench.proxy().drop()
+        bench.marks["store back"] = time.time()
+        bench.notes.append(f"store black-holed after the upstream took "
+                           f"{bench.sink.handler.held_keys} (refused {hold_s:g} s later); "
+                           f"relay exited {code} after SIGTERM; the new relay started without "
+                           f"its store, which answered {down_s:g} s later")
+
+    return action
+
+
+async def sigterm_over_stalled_links(bench: Bench) -> None:
+    """SIGTERM to the relay while links stall; once it exited, every stall ends (and no link
+    stalls any more) and a new relay starts."""
+    code = await bench.relay.signal_and_wait(signal.SIGTERM)
+    bench.sink.handler.release_stalls()
+    bench.notes.append(f"relay exited {code} after SIGTERM; the stalled links read again")
+    await bench.relay.start()
+
+
 LATENCY_S = 0.1  # every scenario's sink answers each command within 0-100 ms, like a smarthost
 # The control run's timeouts sit far above a loaded runner's scheduling pauses (the faults'
 # half-second ones would turn a pause into a 451 and a retry): it shows the path, not the load.
@@ -266,6 +336,32 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
         Scenario("relay-sigkill-after-dot",
                  "relay SIGKILL just after upstream took a message (reply held), restarted",
                  faults=plain, action=relay_signalled(signal.SIGKILL, hold_s=0.5)),
+        Scenario("store-blackhole-sigkill",
+                 "store black-holed while upstream holds a reply 0.6 s and refuses it; relay "
+                 "SIGKILL 6 s later (the release owed), store back, new relay",
+                 faults=plain, action=store_blackholed_then_killed(hold_s=0.6, owe_s=6.0),
+                 store_proxy=True),
+        Scenario("store-blackhole-restart",
+                 "store black-holed while upstream holds a reply 0.6 s and refuses it; relay "
+                 "SIGTERM 6 s later (grace 1 s), new relay started without its store, store "
+                 "back 8 s after (every worker started by then)",
+                 faults=plain,
+                 action=relay_restarted_without_its_store(hold_s=0.6, owe_s=6.0, down_s=8.0),
+                 relay=RelayConfig(shutdown_grace_s=1.0), store_proxy=True),
+        Scenario("upstream-late-354-sigkill",
+                 "upstream answers DATA after 2 s (every transaction; command timeout 5 s); "
+                 "relay SIGKILL mid-load, then restarted",
+                 faults=Faults(late_354_ratio=1.0, late_354_s=2.0, slow_s=LATENCY_S),
+                 action=relay_signalled(signal.SIGKILL),
+                 relay=RelayConfig(command_timeout_s=5.0)),
+        Scenario("relay-sigterm-unsent-dot",
+                 "every 4th message 2 MB (the kernel takes it whole), its link stalled after "
+                 "354 until the relay exited; relay SIGTERM with grace 0.3 s (upstream timeout "
+                 "30 s): dots still in the kernel after the 5 s wait, new relay",
+                 faults=Faults(stall_ratio=1.0, stall_min_bytes=1_000_000, stall_s=60.0,
+                               slow_s=LATENCY_S), big_every=4, big_bytes=2_000_000,
+                 action=sigterm_over_stalled_links,
+                 relay=RelayConfig(shutdown_grace_s=0.3, upstream_timeout_s=30.0)),
         Scenario("pg-baseline", "PostgreSQL store, no fault (control)", faults=plain,
                  relay=CONTROL_RELAY, store="postgres"),
         Scenario("pg-restart", "PostgreSQL store restarted mid-load (pg_ctl restart -m fast)",
@@ -336,11 +432,16 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
     relay: RelayProcess | None = None
     second: RelayProcess | None = None
     fault: asyncio.Task[None] | None = None
+    proxy: PgProxy | None = None
     loop = asyncio.get_running_loop()
     try:
         await store.start()
+        store_url = store.url
+        if scenario.store_proxy:
+            proxy = await start_proxy(store_url)
+            store_url = proxy.url(store_url)
         sink = await start_sink(scenario.faults, workdir / "sink.jsonl", seed=seed)
-        relay = RelayProcess(port=free_port(), upstream_port=sink.port, store_url=store.url,
+        relay = RelayProcess(port=free_port(), upstream_port=sink.port, store_url=store_url,
                              store_prefix=f"bench:{tag}:", log_path=workdir / "relay.log",
                              config=scenario.relay)
         await relay.start()
@@ -352,7 +453,7 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
                                   clock_offset_s=scenario.second_clock_offset_s)
             await second.start()
             ports.append(second.port)
-        bench = Bench(store=store, sink=sink, relay=relay)
+        bench = Bench(store=store, sink=sink, relay=relay, store_proxy=proxy)
         started = loop.time()
         if scenario.action is not None:
             fault = asyncio.create_task(_fault(bench, scenario.action, spread_s * FAULT_AT))
@@ -369,7 +470,11 @@ async def run_scenario(scenario: Scenario, *, messages: int, workdir: Path,
                 await fault
         if second is not None:
             await second.stop()
+        if proxy is not None:
+            proxy.resume()  # the relay's stop may need its store
         await _stop_all(relay, sink, store)
+        if proxy is not None:
+            await proxy.close()
     (workdir / "clients.jsonl").write_text("".join(lg.to_json() + "\n" for lg in logs))
     counts = check(logs, workdir / "sink.jsonl")
     counts.wall_s = wall_s

@@ -1,5 +1,6 @@
-"""A TCP proxy in front of the test PostgreSQL that can make it hang or refuse (a server that
-stops answering mid-statement keeps its connections open)."""
+"""A TCP proxy in front of the test PostgreSQL (or any TCP server: the test Redis) that can
+make it hang or refuse (a server that stops answering mid-statement keeps its connections
+open)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ class PgProxy:
     ``refuse()``: every connection is closed and new ones are closed at once; ``resume()``:
     traffic flows again (bytes held while hung are passed on); ``hold_replies()``: requests
     still pass, the server's answers wait until ``resume()`` (a reply lost on its way, for a
-    while). ``partitioned`` (set it):
+    while); ``drop()``: every connection is closed with the bytes held while hung (a partition
+    that outlasted its connections: what their peers sent never arrives), new ones flow.
+    ``partitioned`` (set it):
     connections accepted meanwhile are read and never answered, also after it is cleared (an
     address that drops packets; ``blackholed`` counts them). ``connect_delay_s``: each new
     connection waits that long before it is connected through (a database slow to connect).
@@ -36,6 +39,7 @@ class PgProxy:
         self._replies = asyncio.Event()  # the server's bytes may pass on
         self._replies.set()
         self._refusing = False
+        self._generation = 0  # drop() ends the connections of earlier generations
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -47,7 +51,7 @@ class PgProxy:
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     def url(self, url: str) -> str:
-        """``url`` (a postgresql:// URL) pointed at this proxy."""
+        """``url`` (a postgresql:// or redis:// URL) pointed at this proxy."""
         parts = urlsplit(url)
         netloc = parts.netloc.rsplit("@", 1)
         user = netloc[0] + "@" if len(netloc) == 2 else ""
@@ -67,6 +71,14 @@ class PgProxy:
         for writer in self._writers:
             writer.close()
         self._writers.clear()
+
+    def drop(self) -> None:
+        """Close every connection, dropping the bytes held while hung; new connections flow."""
+        self._generation += 1
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        self.resume()
 
     def resume(self) -> None:
         """Pass bytes on again and accept new connections normally."""
@@ -114,12 +126,13 @@ class PgProxy:
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     gate: asyncio.Event | None = None) -> None:
+        generation = self._generation
         try:
             while data := await reader.read(65536):
                 await self._flowing.wait()
                 if gate is not None:
                     await gate.wait()
-                if self._refusing:
+                if self._refusing or self._generation != generation:
                     break
                 writer.write(data)
                 await writer.drain()
@@ -133,11 +146,26 @@ class PgProxy:
 async def pg_proxy() -> AsyncIterator[PgProxy]:
     """A started :class:`PgProxy` in front of the test PostgreSQL (``RELAY_TEST_POSTGRES_URL``'s
     host and port); resumed and closed at the end."""
-    parts = urlsplit(POSTGRES_URL)
-    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    await proxy.start()
+    async with proxy_to(POSTGRES_URL, default_port=5432) as proxy:
+        yield proxy
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(url: str, *, default_port: int = 6379) -> AsyncIterator[PgProxy]:
+    """A started :class:`PgProxy` in front of the host and port of ``url`` (any TCP server:
+    a Redis too; ``proxy.url(url)`` is ``url`` through it); resumed and closed at the end."""
+    proxy = await start_proxy(url, default_port=default_port)
     try:
         yield proxy
     finally:
         proxy.resume()
         await proxy.close()
+
+
+async def start_proxy(url: str, *, default_port: int = 6379) -> PgProxy:
+    """A started :class:`PgProxy` in front of the host and port of ``url``; the caller
+    closes it."""
+    parts = urlsplit(url)
+    proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or default_port)
+    await proxy.start()
+    return proxy

@@ -1,8 +1,9 @@
-"""The SENDING mark overlaps the DATA exchange and the body, and only the final dot waits for it.
+"""The SENDING mark overlaps the body (it starts after the 354), and only the final dot waits
+for it.
 
 The upstream is a raw SMTP peer on loopback that keeps a timeline of what it received; the store
 is a private redis-server that the peer puts to sleep (``DEBUG SLEEP``) when it answers RCPT,
-just before the relay starts its mark: the mark cannot land before the server wakes. With the
+before the relay starts its mark: the mark cannot land before the server wakes. With the
 mark landing late the peer has DATA and the body before that, and the final dot only after; a
 mark that fails (the server sleeps past the store timeout) ends the transaction with a reset
 and no dot.

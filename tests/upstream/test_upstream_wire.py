@@ -181,6 +181,26 @@ async def test_a_shutdown_cutting_the_transfer_resets_it_before_the_dot(
         assert (peer.dots, peer.cut) == (0, 1)
 
 
+@pytest.mark.slow  # a peer that reads nothing for 4 s
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_no_final_reply_while_the_kernel_holds_the_dot_resets_and_releases(
+    make_relay: MakeRelay, server_tls: ssl.SSLContext, tls: bool
+) -> None:
+    """2 MB go into the kernel at once to a peer that reads nothing for 4 s; the 1 s wait for
+    the final reply ends with bytes still unsent: the connection is reset, the client gets the
+    timeout's 451 (released, not in doubt), and the dot never reaches the peer."""
+    async with slow_peer(server_tls if tls else None, pause_s=4.0) as peer:
+        relay = await slow_relay(make_relay, peer, tls, upstream_command_timeout=10.0,
+                                 upstream_timeout=1.0)
+        result = await send(relay.port, ["user@example.net"], big_message(2))
+        assert (result.code, result.text) == (451, replies.UPSTREAM_TIMEOUT.text), result
+        assert relay.store is not None
+        record = await relay.store.inspect(key_for(relay.settings.store_prefix))
+        assert record.state is State.ABSENT
+        await peer.finished()
+        assert (peer.dots, peer.cut) == (0, 1)
+
+
 @pytest.mark.parametrize(("early", "code", "state"), [
     (b"552 5.3.4 Message too big", 552, State.ABSENT),
     (b"250 2.0.0 queued already", 451, State.UNKNOWN),

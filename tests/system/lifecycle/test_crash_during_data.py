@@ -1,12 +1,14 @@
-"""A relay killed (SIGKILL) while a large message streams to a slow smarthost leaves a
-reservation, not a SENDING record: the final dot never left, so a retry once the lease ends is
-relayed instead of being answered "in doubt" (a real `serve` process, a smarthost that reads
-64 KiB every 50 ms, the shared Redis under a fresh prefix)."""
+"""A relay killed (SIGKILL) before its final dot left leaves a reservation, not a SENDING
+record, so a retry once the lease ends is relayed instead of being answered "in doubt": while a
+large message streams to a slow smarthost (it reads 64 KiB every 50 ms), and while a smarthost
+takes its time to answer DATA (a real `serve` process, the shared Redis under a fresh
+prefix)."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,55 @@ class SlowReader(ScriptedPeer):
             return False
         writer.write(b"250 2.0.0 queued\r\n")
         return True
+
+
+@dataclass
+class SlowToAnswerData(ScriptedPeer):
+    """Answers DATA with 354 only after ``delay_s`` (policy checks, a tarpit); ``data_at`` is
+    when DATA came (``time.monotonic()``)."""
+
+    delay_s: float = 4.0
+    data_at: list[float] = field(default_factory=list)
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        self.data_at.append(time.monotonic())
+        await asyncio.sleep(self.delay_s)
+        return await super().on_data(reader, writer)
+
+
+async def inspect(key: str) -> State:
+    """The state the test Redis holds for ``key``."""
+    store = RedisStore.from_url(REDIS_URL, op_timeout_s=2.0)
+    try:
+        return (await store.inspect(key)).state
+    finally:
+        await store.close()
+
+
+async def test_a_relay_killed_while_data_waits_for_354_leaves_a_reservation(
+        tmp_path: Path) -> None:
+    """A 1 KB message, a smarthost that answers DATA after 4 s, SIGKILL 1.6 s after DATA: the
+    record is PENDING (the SENDING mark waits for the 354), not SENDING."""
+    prefix = f"test:crash:{uuid.uuid4().hex}:"
+    key = store_key(prefix, fingerprint(normalize_recipient("user@example.net"), "welcome",
+                                        "K-1"))
+    async with serve_peer(SlowToAnswerData()) as peer:
+        relay = await start_serve(tmp_path, "--upstream", f"127.0.0.1:{peer.port}", "--store",
+                                  REDIS_URL, "--store-prefix", prefix, "--metrics-listen",
+                                  "off", "--lease", "60", workers=1)
+        sending = asyncio.create_task(send(relay.port, ["user@example.net"],
+                                           message(body="\r\n".join(["x" * 78] * 13))))
+        try:
+            await until(lambda: bool(peer.data_at), what="DATA at the smarthost")
+            await asyncio.sleep(1.6)
+            relay.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(relay.proc.wait, 10)
+            record = await inspect(key)
+        finally:
+            sending.cancel()
+            await asyncio.to_thread(relay.stop)
+            delete_prefix(REDIS_URL, prefix)
+    assert record is State.PENDING, record
 
 
 async def test_a_relay_killed_mid_data_leaves_a_reservation_not_sending(tmp_path: Path) -> None:

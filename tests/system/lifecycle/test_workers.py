@@ -24,7 +24,7 @@ import pytest
 from relay.core.fingerprint import fingerprint, store_key
 from relay.core.interfaces import Settle, SettleOp, State
 from relay.core.recipients import normalize_recipient
-from relay.store.journal import add_to_journal
+from relay.store.journal_file import add_to_journal
 from relay.store.redis.store import RedisStore
 from tests.support.cli import run_cli, wait_for_port
 from tests.support.clients import message, send

@@ -194,3 +194,48 @@ async def test_relay_sigkill_mid_load_keeps_the_invariant(tmp_path: Path) -> Non
 async def test_relay_sigkill_after_upstream_took_a_message(tmp_path: Path) -> None:
     """SIGKILL after upstream took a message but before the relay settled: no second copy."""
     assert_invariant(await run("relay-sigkill-after-dot", tmp_path))
+
+
+async def test_a_release_owed_when_the_relay_is_killed_is_paid_by_the_next_start(
+        tmp_path: Path) -> None:
+    """The store black-holed while the upstream refuses a held message, the relay killed with
+    its release owed, the store back, a new relay: every fingerprint is delivered (none lost as
+    "in doubt"), none twice."""
+    result = await run("store-blackhole-sigkill", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.delivered == c.fingerprints, report(result)
+
+
+async def test_a_journal_left_while_the_store_is_silent_is_paid_once_it_answers(
+        tmp_path: Path) -> None:
+    """The store black-holed while the upstream refuses a held message, the relay stopped,
+    a new relay started before the store answers: the release journaled under the store's
+    identity is paid once it does, and every fingerprint is delivered, none twice."""
+    result = await run("store-blackhole-restart", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.delivered == c.fingerprints, report(result)
+
+
+async def test_a_relay_killed_while_the_upstream_delays_354_loses_nothing(
+        tmp_path: Path) -> None:
+    """Every 354 comes 2 s after DATA and the relay is killed mid-load: the transactions
+    waiting for it leave reservations, not SENDING records, so every fingerprint is delivered
+    (none lost as "in doubt"), none twice."""
+    result = await run("upstream-late-354-sigkill", tmp_path)
+    assert_invariant(result)
+    c = result.counts
+    assert c.delivered == c.fingerprints, report(result)
+
+
+async def test_a_sigterm_with_dots_still_in_the_kernel_releases_them(tmp_path: Path) -> None:
+    """SIGTERM past a 0.3 s grace while 2 MB messages sit in the kernel of stalled links: the
+    dots still unsent after the 5 s wait are reset and released, so nothing is in doubt and
+    every fingerprint is delivered once."""
+    result = await run("relay-sigterm-unsent-dot", tmp_path)
+    assert_invariant(result)
+    assert result.relay_exit_codes[0] == 0, report(result)
+    c = result.counts
+    assert c.unknown == 0, report(result)
+    assert c.copies == c.fingerprints, report(result)
