@@ -27,6 +27,6 @@ Every worker inherits the same sockets (one accept queue per listener: a worker 
 strands no queued connection) and runs its own event loop, store client and upstream pool
 (:class:`relay.app.Relay` on :class:`relay.listen.Inherited` sockets). Every worker pays the settle
 journal at each of its starts (worker 0 first) and appends what it owes when it becomes owed
-(the journal's lock keeps them from losing each other's lines). The package's internal layers are an import
-contract in pyproject.toml. Its modules log as ``relay.supervisor``.
+(the journal's lock keeps them from losing each other's lines). The package's internal
+layers are an import contract in pyproject.toml. Its modules log as ``relay.supervisor``.
 """
