@@ -50,7 +50,7 @@ def test_fingerprints_survive_a_restart(tmp_path: Path) -> None:
             assert smtp_send(port, message(key="RESTART-1"))[0] == 250
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.communicate(timeout=30)  # waits, and closes the pipes
+            proc.communicate(timeout=90)  # waits, and closes the pipes
         assert len(maildir_files(tmp_path / "md")) == expected_files
 
 

@@ -69,4 +69,4 @@ def test_files_the_relay_creates_are_private_under_umask_000(tmp_path: Path) -> 
         assert len(journal.read_text(encoding="utf-8").splitlines()) == 1  # it was rewritten
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=90)
