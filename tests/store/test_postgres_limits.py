@@ -260,13 +260,14 @@ async def test_a_call_that_reaches_the_database_after_its_give_back_takes_nothin
 async def test_a_database_that_stops_answering_fails_the_call_within_its_bounds(
         url: str) -> None:
     """The database stops answering mid-call (the proxy forwards nothing more, connections
-    open): the call fails within its timeout plus its give-back's (0.3 s each), although
-    the give-back hangs too on a pooled connection. Neither connection is waited for."""
+    open): the call fails within its timeout plus its give-back's (1 s each; 2 s more
+    allowed for a loaded runner's lag), although the give-back hangs too on a pooled
+    connection. Neither connection is waited for."""
     parts = urlsplit(url)
     proxy = HoldingProxy((parts.hostname or "127.0.0.1", parts.port or 5432))
     await proxy.start()
     store = await PostgresStore.open(_through(url, proxy.port), cleanup_interval_s=None,
-                                     pool_size=2, op_timeout_s=0.3)
+                                     pool_size=2, op_timeout_s=1.0)
     try:
         limiter = store.rate_limiter(PREFIX)
         # two connections open and idle in the pool: the give-back takes the second one
@@ -274,8 +275,8 @@ async def test_a_database_that_stops_answering_fails_the_call_within_its_bounds(
         proxy.hang = True
         started = time.monotonic()
         with pytest.raises(StoreError, match="rate_limit"):
-            await asyncio.wait_for(limiter.acquire([check("hung", 1)]), timeout=5.0)
-        assert time.monotonic() - started < 1.5
+            await asyncio.wait_for(limiter.acquire([check("hung", 1)]), timeout=30.0)
+        assert time.monotonic() - started < 2 * 1.0 + 2.0
     finally:
         proxy.hang = False
         await store.close()
