@@ -110,7 +110,8 @@ async def test_two_workers_share_the_port_and_their_metrics_add_up(
             send(relay.port, [f"u{n}@example.net"], message(key=f"K-{n}")) for n in batch))
         assert all(r.code == 250 for r in results), results
         sent += 10
-        await until(lambda: sum(_messages_by_worker(relay).values()) == sent)  # noqa: B023
+        await until(lambda: sum(_messages_by_worker(relay).values()) == sent,  # noqa: B023
+                    within_s=60, what="every message's line in the log")
     by_worker = _messages_by_worker(relay)
     assert set(by_worker) == {0, 1}, by_worker
     samples = await asyncio.to_thread(scrape, port)
@@ -123,7 +124,7 @@ async def test_two_workers_share_the_port_and_their_metrics_add_up(
 
     async def sessions_closed() -> bool:
         return _value(await asyncio.to_thread(scrape, port), "relay_sessions_active") == 0
-    await until(sessions_closed, what="relay_sessions_active (livesum) back to 0")
+    await until(sessions_closed, within_s=60, what="relay_sessions_active (livesum) back to 0")
     assert _value(samples, "relay_component_up", component="store") == 1
     assert len(sink.handler.delivered) == sent
     status, body = await asyncio.to_thread(_readyz, port)
