@@ -341,6 +341,7 @@ def _hang_up_new_children(relay: ServeProcess, stop: threading.Event) -> set[int
     return seen
 
 
+@pytest.mark.timeout(240)  # four worker starts: each imports the relay, slow on a loaded runner
 async def test_a_sighup_to_a_worker_still_starting_does_not_end_it(serve: Serve, sink: Sink
                                                                    ) -> None:
     """SIGHUP sent to each new worker process the moment it exists (before its handler is set),
