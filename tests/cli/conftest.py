@@ -25,4 +25,4 @@ def serve(tmp_path: Path) -> Iterator[tuple[int, int, subprocess.Popen[str]]]:
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)  # waits, and closes the pipes (no ResourceWarning)
+        proc.communicate(timeout=90)  # waits, and closes the pipes (no ResourceWarning)

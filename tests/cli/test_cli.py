@@ -50,7 +50,7 @@ def test_fingerprints_survive_a_restart(tmp_path: Path) -> None:
             assert smtp_send(port, message(key="RESTART-1"))[0] == 250
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.communicate(timeout=30)  # waits, and closes the pipes
+            proc.communicate(timeout=90)  # waits, and closes the pipes
         assert len(maildir_files(tmp_path / "md")) == expected_files
 
 
@@ -215,11 +215,11 @@ def test_a_signal_during_a_slow_start_stops_the_relay(tmp_path: Path) -> None:
         try:
             # the start-up store check is waiting once the relay connected to the store (a
             # fixed sleep was shorter than the imports on a loaded runner: SIGINT came first)
-            silent.settimeout(60)
+            silent.settimeout(80)
             store_conn, _ = silent.accept()
             assert proc.poll() is None
             proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=10)
+            code = proc.wait(timeout=30)
             store_conn.close()
         finally:
             if proc.poll() is None:

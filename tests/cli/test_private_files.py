@@ -53,7 +53,7 @@ def test_files_the_relay_creates_are_private_under_umask_000(tmp_path: Path) -> 
         cwd=tmp_path, env=env, umask=0, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True)
     try:
-        wait_for_port(port, proc, timeout_s=30.0)
+        wait_for_port(port, proc)
         code, _ = smtp_send(port, message(key="private-files"))
         assert code == 250
         files = [store, Path(f"{store}-wal"), journal, tmp_path / "owed.jsonl.lock",
@@ -69,4 +69,4 @@ def test_files_the_relay_creates_are_private_under_umask_000(tmp_path: Path) -> 
         assert len(journal.read_text(encoding="utf-8").splitlines()) == 1  # it was rewritten
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=90)

@@ -30,7 +30,7 @@ def _serve(cwd: Path, *args: str) -> subprocess.Popen[str]:
 def _stopped(proc: subprocess.Popen[str]) -> str:
     """SIGTERM, wait for exit 0, return the log."""
     proc.send_signal(signal.SIGTERM)
-    _, log = proc.communicate(timeout=30)
+    _, log = proc.communicate(timeout=90)
     assert proc.returncode == 0, log
     return log
 

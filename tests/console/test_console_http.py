@@ -326,7 +326,7 @@ async def test_a_download_left_half_way_ends_its_ledger_transaction(
             assert response.status == 200
             assert await response.content.read(1000)
             response.close()  # the client leaves
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while await conn.fetchval(  # the export's statement (its period bound), left open
                 "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'"
                 " AND query LIKE '%decided_at < $2%' AND pid <> pg_backend_pid()"):

@@ -467,21 +467,44 @@ async def test_a_settle_still_owed_at_shutdown_is_logged_for_the_journal(
 
 
 class RenewDown(RedisStore):
-    """A real RedisStore whose renewals fail (Redis unreachable for them)."""
+    """A real RedisStore whose renewals fail (Redis unreachable for them); ``tried_twice`` is
+    set at the second renewal tried."""
+
+    tried: int = 0
+    tried_twice: asyncio.Event
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
                     window_s: float = 0.0) -> list[bool]:
+        self.tried += 1
+        if self.tried >= 2:
+            self.tried_twice.set()
         raise StoreError("renew", "ConnectionError: connection refused")
+
+
+class UpstreamAfter(CountingUpstream):
+    """Accepts everything once ``event`` is set (at most 30 s later)."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        super().__init__()
+        self.event = event
+
+    async def deliver(self, message: OutboundMessage,
+                      progress: DeliveryProgress | None = None) -> DeliveryResult:
+        await asyncio.wait_for(self.event.wait(), 30)
+        return await super().deliver(message, progress)
 
 
 async def test_a_failed_renewal_is_logged_and_tried_again(
         prefix: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A renewal the store refuses while the upstream works logs a WARNING, and the message is
-    still relayed."""
+    """A renewal the store refuses while the upstream works logs a WARNING and is tried
+    again, and the message is still relayed (the upstream answers after the second try: at
+    a third and a sixth of the 3 s lease, far from its end)."""
     store = RenewDown.from_url(REDIS_URL)
-    core = make_core(store, SlowUpstream(), prefix, lease_s=0.6)
+    store.tried_twice = asyncio.Event()
+    core = make_core(store, UpstreamAfter(store.tried_twice), prefix, lease_s=3.0)
     with caplog.at_level(logging.INFO, logger="relay.core.settlement"):
         assert (await core.process(one_message())).reply.code == 250
+    assert store.tried >= 2
     assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
         "cannot renew 1 reservation(s)") for r in caplog.records)
     await store.close()

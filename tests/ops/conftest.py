@@ -29,4 +29,4 @@ def served_relay(tmp_path: Path) -> Iterator[ServedRelay]:
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)  # waits, and closes the stdout/stderr pipes
+        proc.communicate(timeout=90)  # waits, and closes the stdout/stderr pipes

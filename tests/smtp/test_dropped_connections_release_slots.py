@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 import struct
@@ -27,8 +28,11 @@ DROPS_PER_WAY = 40  # per port: 6 ways x 2 ports x 40 = 480 connections per loop
 Drop = Callable[[socket.socket], Awaitable[None]]
 
 
+@functools.cache
 def client_hello() -> bytes:
-    """The bytes of a real TLS ClientHello (RFC 8446 section 4.1.2), as a client sends it."""
+    """The bytes of a real TLS ClientHello (RFC 8446 section 4.1.2), as a client sends it;
+    made once (a client context loads the system's CA certificates: hundreds of them cost
+    seconds of CPU) and sent on every connection that needs one."""
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE

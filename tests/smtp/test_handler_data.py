@@ -221,7 +221,7 @@ def relay_process(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)  # waits, and closes the pipes (no ResourceWarning)
+        proc.communicate(timeout=90)  # waits, and closes the pipes (no ResourceWarning)
 
 
 @pytest.mark.parametrize(("prefix", "reply"), [

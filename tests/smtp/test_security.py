@@ -537,14 +537,15 @@ async def test_implicit_tls_refuses_a_disallowed_client_before_the_handshake(
 async def test_implicit_tls_handshakes_are_bounded_in_time_and_counted(
     make_relay: MakeRelay, sink: Sink, pki: Pki
 ) -> None:
-    """50 idle handshakes: those over max_connections are closed at once, the others after
-    tls_handshake_timeout; while they wait they count toward the limit of the plain port."""
+    """50 idle handshakes: those over max_connections are closed at once (well before the
+    handshake timeout), the others after tls_handshake_timeout (3 s, give or take a loaded
+    loop's lag); while they wait they count toward the limit of the plain port."""
     relay = await tls_relay(make_relay, sink, pki, max_connections=20,
-                            max_connections_per_ip=100, tls_handshake_timeout=1.0)
+                            max_connections_per_ip=100, tls_handshake_timeout=3.0)
     loop = asyncio.get_running_loop()
 
     async def closed_after(reader: asyncio.StreamReader, since: float) -> float:
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert await asyncio.wait_for(reader.read(), 30) == b""
         return loop.time() - since
 
     # each connection's time is from its own open, watched from then on (a loaded runner
@@ -564,8 +565,8 @@ async def test_implicit_tls_handshakes_are_bounded_in_time_and_counted(
     closed_at = await asyncio.gather(*watching)
     for _, writer in idle:
         writer.close()
-    assert sum(t < 0.9 for t in closed_at) >= 30  # over the limit: not held
-    assert max(closed_at) < 3.0  # the others no longer than the handshake timeout
+    assert sum(t < 2.0 for t in closed_at) >= 30  # over the limit: not held
+    assert max(closed_at) < 3.0 + 3.0  # the others no longer than the handshake timeout
     await asyncio.sleep(0.2)
     client = await RawClient.connect(relay.port)  # the slots are free again
     await client.close()

@@ -347,8 +347,10 @@ def test_redact_url_masks_a_postgres_password() -> None:
 
 async def test_concurrent_reserves_of_one_key_have_one_winner(url: str) -> None:
     """Twenty attempts on two pools reserve the same keys at once: each key has exactly one
-    holder, and every loser is told the winner's PENDING."""
-    stores = [await PostgresStore.open(url, cleanup_interval_s=None) for _ in range(2)]
+    holder, and every loser is told the winner's PENDING. (A generous op timeout: twenty
+    reserves queue on one row's lock, which a loaded runner serves slowly.)"""
+    stores = [await PostgresStore.open(url, op_timeout_s=30.0, cleanup_interval_s=None)
+              for _ in range(2)]
     keys = ["race:b", "race:a", "race:c"]
     try:
         results = await asyncio.gather(*(

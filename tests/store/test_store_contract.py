@@ -77,6 +77,11 @@ def postgres_url() -> Iterator[str]:
         yield url
 
 
+OP_TIMEOUT_S = 10.0
+"""The stores' op timeout in the contract tests: what they prove is no timing, and a loaded
+runner (or the process hammering ``sqlite-2proc``'s file) makes a call take seconds."""
+
+
 @pytest.fixture(params=["redis", "sqlite", "sqlite-2proc", "cluster", "sentinel", "postgres"])
 async def store(
     request: pytest.FixtureRequest, prefix: str, db_path: str
@@ -90,29 +95,30 @@ async def store(
     """
     if request.param == "postgres":
         pg_store = await PostgresStore.open(request.getfixturevalue("postgres_url"),
-                                            cleanup_interval_s=None)
+                                            op_timeout_s=OP_TIMEOUT_S, cleanup_interval_s=None)
         yield pg_store
         await pg_store.close()
         return
     if request.param.startswith("sqlite"):
         path = request.getfixturevalue("hammered_db") if request.param == "sqlite-2proc" \
             else db_path
-        sqlite_store = await SqliteStore.open(path)
+        sqlite_store = await SqliteStore.open(path, op_timeout_s=OP_TIMEOUT_S)
         yield sqlite_store
         await sqlite_store.close()
         return
     if request.param in ("cluster", "sentinel"):
         servers: Cluster | SentinelSet = request.getfixturevalue(request.param)
-        private_store = RedisStore.from_url(servers.url, window_s=WINDOW_S)
+        private_store = RedisStore.from_url(servers.url, op_timeout_s=OP_TIMEOUT_S,
+                                            window_s=WINDOW_S)
         yield private_store
         await private_store.close()
         return
-    redis_store = RedisStore.from_url(REDIS_URL, window_s=WINDOW_S)
+    redis_store = RedisStore.from_url(REDIS_URL, op_timeout_s=OP_TIMEOUT_S, window_s=WINDOW_S)
     if PURE_PYTHON_PARSER:  # tests/store/test_store_parsers.py runs the suite so
         await redis_store.close()
         redis_store = RedisStore(
             client=redis.asyncio.from_url(REDIS_URL, parser_class=_AsyncRESP3Parser),
-            window_s=WINDOW_S)
+            op_timeout_s=OP_TIMEOUT_S, window_s=WINDOW_S)
     yield redis_store
     await redis_store.close()
     client = redis.asyncio.from_url(REDIS_URL)
@@ -465,7 +471,7 @@ async def test_redis_silent_server_times_out() -> None:
         with pytest.raises(StoreError) as caught:
             await store.reserve(["k"], token="t", lease_s=1)
         assert caught.value.op == "reserve"
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 0.3 + 2.0  # the timeout, and a loaded loop's lag
         await store.close()
 
 
@@ -625,7 +631,8 @@ async def test_sqlite_open_failure_raises_store_error(tmp_path: Path) -> None:
 
 async def test_sqlite_two_instances_race_has_one_winner(db_path: str) -> None:
     """Twenty reserves of one key through two stores on one file reserve it exactly once."""
-    first, second = await SqliteStore.open(db_path), await SqliteStore.open(db_path)
+    first = await SqliteStore.open(db_path, op_timeout_s=OP_TIMEOUT_S)
+    second = await SqliteStore.open(db_path, op_timeout_s=OP_TIMEOUT_S)
     try:
         results = await asyncio.gather(
             *(
@@ -649,7 +656,7 @@ async def test_sqlite_locked_file_raises_store_error(db_path: str) -> None:
         with pytest.raises(StoreError) as caught:
             await store.reserve(["k"], token=new_token(), lease_s=LEASE_S)
         assert caught.value.op == "reserve"
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 0.3 + 2.0  # the timeout, and a loaded loop's lag
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()

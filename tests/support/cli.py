@@ -35,8 +35,9 @@ def start_relay(cwd: Path, port: int, upstream: str, metrics: str = "off"
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
-    """Wait until something accepts on 127.0.0.1:port, failing if ``proc`` died first."""
+def wait_for_port(port: int, proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
+    """Wait until something accepts on 127.0.0.1:port, failing if ``proc`` died first or
+    ``timeout_s`` passed (generous: a loaded runner takes seconds to import the relay)."""
     import socket
 
     deadline = time.monotonic() + timeout_s

@@ -85,8 +85,10 @@ class RawClient:
         await client.reply()  # greeting
         return client
 
-    async def reply(self, wait_s: float = 15.0) -> str:
-        """Read one (possibly multi-line) reply; returns all its lines joined by \\n."""
+    async def reply(self, wait_s: float = 60.0) -> str:
+        """Read one (possibly multi-line) reply; returns all its lines joined by \\n. Each
+        line is waited for up to ``wait_s`` seconds (generous: an AUTH's hash check runs at a
+        lower priority, which a loaded runner starves)."""
         lines = []
         while True:
             line = await asyncio.wait_for(self.reader.readline(), wait_s)

@@ -65,7 +65,7 @@ class PrivateRedis:
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory-policy", "noeviction"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
                 if redis.Redis(port=self.port, socket_timeout=0.5).ping():
@@ -147,7 +147,7 @@ def _spawn_serve(cwd: Path, args: list[str], env: dict[str, str] | None, workers
 
 
 async def start_serve(cwd: Path, *args: str, workers: int = 2,
-                      env: dict[str, str] | None = None, within_s: float = 30.0
+                      env: dict[str, str] | None = None, within_s: float = 60.0
                       ) -> ServeProcess:
     """Start `python -m relay serve --workers N --listen 127.0.0.1:0 --log-format json ARGS`
     in ``cwd`` (no RELAY_* env vars inherited; ``env`` adds some) and wait until every worker

@@ -186,7 +186,7 @@ async def test_cool_down_and_recovery_in_readyz(make_relay: MakeRelay, second: S
             _, seen = await _readyz_async(relay.metrics_port)
             return bool(seen["upstreams"][_address(port)]["state"] == READY)
 
-        await until(back, within_s=5.0, what="the first upstream ready again")
+        await until(back, within_s=30.0, what="the first upstream ready again")
         assert relay.registry.get_sample_value(
             "relay_upstream_up", {"upstream": _address(port)}) == 1
         assert (await send(relay.port, ["u@example.net"], message(key="C-2"))).code == 250
@@ -345,7 +345,7 @@ async def test_a_silent_first_upstream_leaves_the_relay_ready_through_the_second
         async def ready() -> bool:
             return (await _readyz_async(relay.metrics_port))[0] == 200
 
-        await until(ready, within_s=5.0, what="/readyz 200 through the second upstream")
+        await until(ready, within_s=30.0, what="/readyz 200 through the second upstream")
         await asyncio.sleep(0.6)  # several more readiness rounds: still ready
         code, body = await _readyz_async(relay.metrics_port)
         assert code == 200, body

@@ -110,7 +110,8 @@ async def test_two_workers_share_the_port_and_their_metrics_add_up(
             send(relay.port, [f"u{n}@example.net"], message(key=f"K-{n}")) for n in batch))
         assert all(r.code == 250 for r in results), results
         sent += 10
-        await until(lambda: sum(_messages_by_worker(relay).values()) == sent)  # noqa: B023
+        await until(lambda: sum(_messages_by_worker(relay).values()) == sent,  # noqa: B023
+                    within_s=60, what="every message's line in the log")
     by_worker = _messages_by_worker(relay)
     assert set(by_worker) == {0, 1}, by_worker
     samples = await asyncio.to_thread(scrape, port)
@@ -123,7 +124,7 @@ async def test_two_workers_share_the_port_and_their_metrics_add_up(
 
     async def sessions_closed() -> bool:
         return _value(await asyncio.to_thread(scrape, port), "relay_sessions_active") == 0
-    await until(sessions_closed, what="relay_sessions_active (livesum) back to 0")
+    await until(sessions_closed, within_s=60, what="relay_sessions_active (livesum) back to 0")
     assert _value(samples, "relay_component_up", component="store") == 1
     assert len(sink.handler.delivered) == sent
     status, body = await asyncio.to_thread(_readyz, port)
@@ -340,24 +341,26 @@ def _hang_up_new_children(relay: ServeProcess, stop: threading.Event) -> set[int
     return seen
 
 
+@pytest.mark.timeout(240)  # four worker starts: each imports the relay, slow on a loaded runner
 async def test_a_sighup_to_a_worker_still_starting_does_not_end_it(serve: Serve, sink: Sink
                                                                    ) -> None:
     """SIGHUP sent to each new worker process the moment it exists (before its handler is set),
-    over four restarts of worker 0: no worker dies of it, the relay keeps both workers, and it
-    relays."""
+    over four restarts, two of each worker (a worker's restart back-off doubles: alternating
+    keeps it short): no worker dies of it, the relay keeps both workers, and it relays."""
     relay = await serve()
     stop = threading.Event()
     watcher = asyncio.create_task(asyncio.to_thread(_hang_up_new_children, relay, stop))
     try:
-        for _ in range(4):
-            old = relay.worker_pids()[0]
+        for restart in range(4):
+            index = restart % 2
+            old = relay.worker_pids()[index]
             os.kill(old, signal.SIGKILL)
 
-            def back(old: int = old) -> bool:
-                return (relay.worker_pids().get(0) not in (None, old)
+            def back(index: int = index, old: int = old) -> bool:
+                return (relay.worker_pids().get(index) not in (None, old)
                         or relay.proc.poll() is not None)
 
-            await until(back, within_s=20, what="worker 0 back")
+            await until(back, within_s=30, what=f"worker {index} back")
             assert relay.proc.poll() is None, relay.lines()[-5:]
     finally:
         stop.set()

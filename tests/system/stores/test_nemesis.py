@@ -18,18 +18,29 @@ import pytest
 from tests.support.faultbench_checker import timeline
 from tests.support.faultbench_nemesis import NemesisConfig, NemesisResult, run_nemesis
 from tests.support.faultbench_nemesis_history import relay_lines
+from tests.support.faultbench_schedule import (
+    STORE_KINDS,
+    STORES,
+    count_kinds,
+    draw_schedule,
+    kinds_for,
+)
 
-pytestmark = [pytest.mark.slow,  # relay processes under load and faults: 25-40 s per run
+pytestmark = [pytest.mark.slow,  # relay processes under load and faults: 15-40 s per run
               pytest.mark.timeout(240)]  # a loaded runner stretches the heal: up to 100 s
 
-DURATION_S = 20.0
+DURATION_S = 12.0
+"""Seconds of load of each seed's run (its schedule is drawn for this duration)."""
+DEFECT_DURATION_S = 20.0
+"""Seconds of load of each planted defect's run."""
 HEAL_S = 50.0  # the run ends once every client has ended: generous for a loaded runner
 
-SEEDS = [("redis", 34, 1), ("redis", 43, 2), ("sqlite", 54, 1), ("sqlite", 73, 2),
-         ("postgres", 1, 1), ("postgres", 1, 2)]
-"""(store, seed, relays) of each run in CI: between them every kind of fault of each store
-(tests/support/faultbench_schedule.py) but a Redis smarthost's close and stall, which the
-other stores' seeds apply."""
+SEEDS = [("redis", 9, 1), ("redis", 386, 2), ("sqlite", 5, 1), ("sqlite", 158, 2),
+         ("postgres", 1, 1), ("postgres", 62, 2)]
+"""(store, seed, relays) of each run in CI, drawn for DURATION_S: each store's two seeds
+apply every fault of that store itself (tests/support/faultbench_schedule.py: stopped,
+restarted, crashed, partitioned; SQLite's held write lock), and between them the six apply
+every kind of fault (test_the_seeds_apply_every_kind_of_fault)."""
 DEFECT_SEEDS = {"inflight-read-as-sent": [(96, 1, 16.0), (119, 1, 16.0)],
                 "sent-settle-released": [(39, 2, 8.0), (43, 2, 8.0)]}
 """Per planted defect, the Redis seeds (seed, relays, messages per second) tried in turn
@@ -38,9 +49,9 @@ until one catches it: kills of relays with messages in flight for the first, a s
 
 
 async def run(store: str, seed: int, relays: int, workdir: Path, *, defect: str = "",
-              rate: float = 8.0) -> NemesisResult:
+              rate: float = 8.0, duration_s: float = DURATION_S) -> NemesisResult:
     """One nemesis run of the CI's length; its line and notes are printed."""
-    result = await run_nemesis(NemesisConfig(seed=seed, duration_s=DURATION_S, store=store,
+    result = await run_nemesis(NemesisConfig(seed=seed, duration_s=duration_s, store=store,
                                              relays=relays, rate=rate, heal_s=HEAL_S,
                                              defect=defect), workdir)
     print(result.line(), *result.notes, sep="\n")
@@ -58,6 +69,17 @@ def report(result: NemesisResult) -> str:
         for fp in result.counts.concerned.get(bucket, [])[:4]:
             lines += [f"{bucket}: {fp}", *timeline(result.history, fp, relay_lines(logs, fp[0]))]
     return "\n".join(lines)
+
+
+def test_the_seeds_apply_every_kind_of_fault() -> None:
+    """Each store's seeds draw every fault of that store; all of them, every kind there is."""
+    drawn = {(store, seed, relays): set(count_kinds(draw_schedule(seed, DURATION_S, store,
+                                                                  relays)))
+             for store, seed, relays in SEEDS}
+    for store in STORES:
+        own = set().union(*(kinds for (s, _, _), kinds in drawn.items() if s == store))
+        assert set(STORE_KINDS[store]) <= own, (store, own)
+    assert set().union(*drawn.values()) == {k for store in STORES for k in kinds_for(store)}
 
 
 @pytest.mark.parametrize(("store", "seed", "relays"), SEEDS,
@@ -84,7 +106,7 @@ async def test_a_relay_with_a_planted_defect_is_caught(defect: str, tmp_path: Pa
     results = []
     for seed, relays, rate in DEFECT_SEEDS[defect]:
         result = await run("redis", seed, relays, tmp_path / f"seed-{seed}", defect=defect,
-                           rate=rate)
+                           rate=rate, duration_s=DEFECT_DURATION_S)
         results.append(result)
         if result.counts.broken:
             break
