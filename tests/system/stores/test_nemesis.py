@@ -1,10 +1,10 @@
 """The nemesis, short version (tools/faultbench.py --nemesis is the long one): real relays
 under load while a schedule drawn from a fixed seed applies overlapping faults to them, their
 store and their smarthost; then every fault is healed and the checker reads the history
-(tests/support/faultbench_nemesis.py, docs/reliability.md "The nemesis").
+(bench/faultbench/nemesis.py, docs/reliability.md "The nemesis").
 
 Each seed's run must keep the invariant (no duplicate, nothing lost) with no unhandled error
-in the relays' logs; a relay with a defect planted in it (tests/support/faultbench_defects.py)
+in the relays' logs; a relay with a defect planted in it (bench/faultbench/defects.py)
 must be caught.
 Every seed that ever broke the invariant stays here once its cause is fixed.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_checker import timeline
-from tests.support.faultbench_nemesis import NemesisConfig, NemesisResult, run_nemesis
-from tests.support.faultbench_nemesis_history import relay_lines
+from bench.faultbench.checker import timeline
+from bench.faultbench.nemesis import NemesisConfig, NemesisResult, run_nemesis
+from bench.faultbench.nemesis_history import relay_lines
 
 pytestmark = [pytest.mark.slow,  # relay processes under load and faults: 25-40 s per run
               pytest.mark.timeout(240)]  # a loaded runner stretches the heal: up to 100 s
@@ -28,7 +28,7 @@ HEAL_S = 50.0  # the run ends once every client has ended: generous for a loaded
 SEEDS = [("redis", 34, 1), ("redis", 43, 2), ("sqlite", 54, 1), ("sqlite", 73, 2),
          ("postgres", 1, 1), ("postgres", 1, 2)]
 """(store, seed, relays) of each run in CI: between them every kind of fault of each store
-(tests/support/faultbench_schedule.py) but a Redis smarthost's close and stall, which the
+(bench/faultbench/schedule.py) but a Redis smarthost's close and stall, which the
 other stores' seeds apply."""
 DEFECT_SEEDS = {"inflight-read-as-sent": [(96, 1, 16.0), (119, 1, 16.0)],
                 "sent-settle-released": [(39, 2, 8.0), (43, 2, 8.0)]}
