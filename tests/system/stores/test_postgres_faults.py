@@ -104,7 +104,7 @@ async def test_postgres_postmaster_sigkill_mid_load_keeps_the_invariant(
 
 
 # ------------------------------------------------------------------------------------------
-# A server shutdown reaching an idle pooled connection (found by the pg-restart run)
+# A server shutdown reaching an idle pooled connection
 # ------------------------------------------------------------------------------------------
 
 # What a backend writes to its client as a fast shutdown (pg_ctl restart/stop -m fast) or
