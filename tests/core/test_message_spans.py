@@ -153,3 +153,17 @@ async def test_a_failed_reserve_is_an_error_span_and_the_message_a_451(
     assert named[RESERVE].status.status_code is StatusCode.ERROR
     assert [e.name for e in named[RESERVE].events] == ["exception"]
     assert (named[MESSAGE].attributes or {})["smtp.reply_code"] == 451
+
+
+async def test_with_tracing_off_the_listener_gets_the_core_itself(prefix: str) -> None:
+    """No tracer, no wrapper: a message makes no call to a tracer (the spans are wrappers the
+    composition root builds only with tracing on)."""
+    store = RedisStore.from_url(REDIS_URL)
+    try:
+        core, entry = observed_core(store=store, upstream=CountingUpstream(),
+                                    metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                                    policy=Policy(key_prefix=prefix))
+        assert entry is core
+        assert (await entry.process(one_message())).trace_id == ""
+    finally:
+        await store.close()
