@@ -1,7 +1,8 @@
 """The relay's listening sockets: bound for a setting (a port in use is a
 :class:`StartupError` naming it), bound once by a supervisor for its workers
 (:func:`bind_listeners`, :class:`Listeners`), and served by a worker (:class:`Inherited`);
-the supervisor's metrics and console sockets (:func:`bound_socket`)."""
+the SMTP listeners of one relay process (:func:`serve_smtp`); the supervisor's metrics and
+console sockets (:func:`bound_socket`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 
 from relay.core.errors import StartupError
 from relay.settings import Settings, host_port, setting_names
+from relay.smtp.handler import ListenerSecurity
+from relay.smtp.implicit_tls import ImplicitTlsFactory, implicit_tls_factory
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,43 @@ async def bind_listeners(settings: Settings) -> Listeners:
     fds = [tuple(sock.fileno() for sock in server.sockets) for server in servers]
     return Listeners(servers=servers, listen=fds[0], tls_listen=fds[1] if len(fds) > 1 else (),
                      port=int(servers[0].sockets[0].getsockname()[1]))
+
+
+@dataclass(frozen=True)
+class SmtpListeners:
+    """The SMTP listeners one relay process serves: their ``servers``, the implicit-TLS
+    ``tls_factory`` (None: no ``tls_listen``) and the ports bound (``tls_port`` 0: none)."""
+
+    servers: list[asyncio.Server]
+    tls_factory: ImplicitTlsFactory | None
+    port: int
+    tls_port: int = 0
+
+
+async def serve_smtp(settings: Settings, inherited: Inherited | None,
+                     security: ListenerSecurity, factory: Any, tls_factory: Any
+                     ) -> SmtpListeners:
+    """Serve ``factory`` on ``listen`` and, with TLS configured, ``tls_factory`` on
+    ``tls_listen`` (plain TCP: clients are admitted before their handshake,
+    :mod:`relay.smtp.implicit_tls`); bound here, or a worker's ``inherited`` sockets. Raises
+    :class:`StartupError` naming the setting; then nothing is left listening."""
+    smtp = ([await bind(factory, *settings.listen_address, "listen")] if inherited is None
+            else await serve_on(factory, inherited.listen, "listen"))
+    port = smtp[0].sockets[0].getsockname()[1]
+    tls_address = settings.tls_listen_address
+    if tls_address is None or security.tls_context is None:
+        return SmtpListeners(smtp, None, port)
+    wrapped = implicit_tls_factory(
+        tls_factory, gate=security.gate, proxy_networks=security.proxy_networks,
+        context=security.tls_context, handshake_timeout_s=settings.tls_handshake_timeout)
+    try:
+        tls = ([await bind(wrapped, *tls_address, "tls_listen")] if inherited is None
+               else await serve_on(wrapped, inherited.tls_listen, "tls_listen"))
+    except BaseException:
+        for server in smtp:
+            server.close()
+        raise
+    return SmtpListeners([*smtp, *tls], wrapped, port, tls[0].sockets[0].getsockname()[1])
 
 
 async def bind(factory: Any, host: str, port: int, field: str, *, start_serving: bool = True

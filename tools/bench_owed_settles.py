@@ -45,8 +45,8 @@ if __name__ == "__main__" and not __package__:  # run as a file: as the module, 
 
 import aiosmtplib  # noqa: E402
 
+from bench.faultbench.lib import free_port, wait_for_port  # noqa: E402
 from relay.store.sqlite.store import SqliteStore  # noqa: E402
-from tests.support.faultbench_lib import free_port, wait_for_port  # noqa: E402
 from tests.support.pg_proxy import start_proxy  # noqa: E402
 from tests.support.relays import REDIS_URL, delete_prefix  # noqa: E402
 from tests.support.sink import start_sink  # noqa: E402

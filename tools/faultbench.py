@@ -1,4 +1,4 @@
-"""The fault bench, long version: every fault of tests/support/faultbench_scenarios.py with
+"""The fault bench, long version: every fault of bench/faultbench/scenarios.py with
 hundreds of messages, one run after the other, and a Markdown report (docs/reliability.md).
 
     .venv/bin/python tools/faultbench.py --messages 400 --out docs/reliability.md
@@ -40,8 +40,8 @@ if __name__ == "__main__" and not __package__:
     os.execv(sys.executable,  # noqa: S606  # this same interpreter, a fixed argument list
              [sys.executable, "-m", "tools.faultbench", *sys.argv[1:]])
 
-from tests.support.faultbench_lib import RelayConfig  # noqa: E402
-from tests.support.faultbench_scenarios import (  # noqa: E402
+from bench.faultbench.lib import RelayConfig  # noqa: E402
+from bench.faultbench.scenarios import (  # noqa: E402
     LATENCY_S,
     RunResult,
     Scenario,
@@ -49,7 +49,7 @@ from tests.support.faultbench_scenarios import (  # noqa: E402
     run_scenario,
     scenarios,
 )
-from tests.support.faultbench_traffic import RetryPolicy  # noqa: E402
+from bench.faultbench.traffic import RetryPolicy  # noqa: E402
 from tests.support.private_postgres import version as postgres_version  # noqa: E402
 from tools import faultbench_nemesis  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``tools/faultbench.py --nemesis``: runs of the nemesis (tests/support/faultbench_nemesis.py),
+"""``tools/faultbench.py --nemesis``: runs of the nemesis (bench/faultbench/nemesis.py),
 one per seed, each printed as it ends; a failing run's seed, schedule and the timeline of the
 fingerprints it broke; ``--shrink`` drops faults from a failing schedule while the run still
 fails. Last, the faults applied per kind and one line per run::
@@ -18,10 +18,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.support.faultbench_checker import timeline
-from tests.support.faultbench_nemesis import NemesisConfig, NemesisResult, run_nemesis
-from tests.support.faultbench_nemesis_history import relay_lines
-from tests.support.faultbench_schedule import (
+from bench.faultbench.checker import timeline
+from bench.faultbench.nemesis import NemesisConfig, NemesisResult, run_nemesis
+from bench.faultbench.nemesis_history import relay_lines
+from bench.faultbench.schedule import (
     Fault,
     count_kinds,
     schedule_from_json,
@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shrink-runs", type=int, default=16,
                        help="most runs one shrink makes")
     group.add_argument("--plant-defect", default="",
-                       help="run relays with a planted defect (tests/support/"
-                            "faultbench_defects.py), to see the checker catch it")
+                       help="run relays with a planted defect (bench/faultbench/defects.py), "
+                            "to see the checker catch it")
 
 
 def kept_section(report: Path) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from relay.core import replies, rules
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
+from relay.core.gates import Gates
 from relay.core.headers import DedupHeaders
 from relay.core.interfaces import (
     DeliveryProgress,
@@ -28,32 +28,24 @@ from relay.core.interfaces import (
     Metrics,
     OutboundMessage,
     Outcome,
-    RateLimiter,
     RcptResult,
     Reservation,
     Result,
-    SettleLog,
     SettleOp,
     SmtpReply,
     Upstream,
 )
 from relay.core.keys import recipient_keys
-from relay.core.limits import LimitSubject, RateRule, checks_for
-from relay.core.message import Admission, Decision, DecisionObserver, InboundMessage
+from relay.core.limits import RateRule
+from relay.core.message import Decision, DecisionObserver, InboundMessage
 from relay.core.observers import CountDecisions
 from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
-from relay.core.tracing import MESSAGE, NO_TRACING, RESERVE, SETTLE, UPSTREAM, Tracer
 
 __all__ = ["Decision", "DedupCore", "InboundMessage", "Policy", "TemplateRule"]
 
 log = logging.getLogger("relay.core.dedup")
-
-
-def _upstream_name() -> str:
-    """The ``upstream`` scope's value when the relay names no upstream: one bucket."""
-    return "upstream"
 
 
 @dataclass
@@ -86,8 +78,15 @@ class DedupCore:
 
     The decisions are the rules of :mod:`relay.core.rules`; this class runs the steps around
     them (reserve, relay, settle) on one :class:`_Plan` per message, builds the
-    :class:`Decision` in one place (:meth:`process`) and hands it to its observers (the
+    :class:`Decision` in one place (:meth:`decide`) and hands it to its observers (the
     metrics, the notices owed, the audit ledger: :mod:`relay.core.observers`).
+
+    Its ports come as the composition root built them: the spans and the timing of a store
+    or upstream call are wrappers around them (:mod:`relay.ops.measured`,
+    :mod:`relay.ops.traced`), never this class's work. ``settler`` settles the reservations
+    (default: one over ``store`` keeping what is owed in memory only); ``gates`` is what may
+    refuse a message before anything is reserved (:mod:`relay.core.gates`); ``clock`` is the
+    relay's wall clock in unix seconds (a decision's ``decided_at``).
     """
 
     def __init__(
@@ -97,33 +96,22 @@ class DedupCore:
         upstream: Upstream,
         metrics: Metrics,
         policy: Policy,
-        limiter: RateLimiter | None = None,
-        rate_limits: Sequence[RateRule] = (),
-        upstream_name: Callable[[], str] | None = None,
-        gates: Sequence[Admission] = (),
+        gates: Gates | None = None,
         observers: Sequence[DecisionObserver] = (),
-        tracer: Tracer = NO_TRACING,
         clock: Callable[[], float] = time.time,
-        settle_log: SettleLog | None = None,
+        settler: Settler | None = None,
     ) -> None:
         self._store = store
         self._upstream = upstream
         self._metrics = metrics
         self._policy = policy
-        self._limiter = limiter  # the store's shared counters; None: no rate limits
-        self._rate_limits = tuple(rate_limits)
-        # the upstream the relay would try first now: the scope ``upstream`` of a rate limit
-        self._upstream_name = upstream_name if upstream_name is not None else _upstream_name
-        # what may refuse a message before anything else (a required audit ledger that cannot
-        # take rows), and who sees every decision: the counters first, then the notices owed
-        # and the ledger's rows (relay.core.observers)
-        self._gates = tuple(gates)
+        self._gates = gates if gates is not None else Gates()
+        # who sees every decision: the counters first, then the notices owed and the ledger's
+        # rows (relay.core.observers)
         self._observers = (CountDecisions(metrics), *observers)
-        self._clock = clock  # the relay's wall clock, unix seconds: a decision's decided_at
-        self._tracer = tracer  # the spans of a message (relay.core.tracing)
-        # settles owed across a crash: the settle journal (None: in memory only)
-        self._settler = Settler(store=store, metrics=metrics, window_s=policy.window_s,
-                                lease_s=policy.lease_s, journal=settle_log)
+        self._clock = clock
+        self._settler = settler if settler is not None else Settler(
+            store=store, metrics=metrics, window_s=policy.window_s, lease_s=policy.lease_s)
 
     @property
     def policy(self) -> Policy:
@@ -137,14 +125,16 @@ class DedupCore:
 
     @property
     def rate_limits(self) -> tuple[RateRule, ...]:
-        """The ``[[rate_limit]]`` rules (:mod:`relay.core.limits`); setting them (a
-        configuration reload) applies from the next message; the counters in the store
-        stay (a rule keeps its buckets while its label stays)."""
-        return self._rate_limits
+        """The ``[[rate_limit]]`` rules (:attr:`relay.core.gates.RateLimits.rules`; none
+        without the store's counters); setting them (a configuration reload) applies from the
+        next message."""
+        limits = self._gates.rate_limits
+        return limits.rules if limits is not None else ()
 
     @rate_limits.setter
     def rate_limits(self, rules: Sequence[RateRule]) -> None:
-        self._rate_limits = tuple(rules)
+        if self._gates.rate_limits is not None:
+            self._gates.rate_limits.rules = rules
 
     @property
     def background(self) -> set[asyncio.Task[None]]:
@@ -161,31 +151,25 @@ class DedupCore:
         return await self._settler.pay(owed)
 
     async def process(self, msg: InboundMessage) -> Decision:
-        """Handle one message end to end and return the reply for the final dot.
+        """Handle one message end to end and return the reply for the final dot: the
+        :meth:`decide` of ``msg``, handed to every observer (:meth:`observed`)."""
+        return self.observed(msg, await self.decide(msg))
 
-        Never raises for store or upstream failures: they become 4yz replies (design.md
-        §1: nothing answered 250 is lost, nothing is sent twice by a retry). A gate that does
-        not admit the message (a required ledger that cannot take rows, design.md §6.7) makes
-        it ``451 4.3.0`` before anything is reserved. The decision is built here, once, and
-        every observer sees it. The work is the span ``smtp.message`` (relay.core.tracing).
-        """
-        with self._tracer.span(MESSAGE) as span:
-            span.set("relay.queue_id", msg.queue_id)
-            span.set("relay.recipients", len(msg.rcpt_tos))
-            decision = await self._process(msg)
-            if span.recording:
-                decision = dataclasses.replace(decision, trace_id=span.trace_id)
-                span.set("relay.result", decision.result.value)
-                span.set("relay.outcomes", ",".join(sorted({o.value for o in
-                                                            decision.outcomes.values()})))
-                span.set("smtp.reply_code", decision.reply.code)
+    def observed(self, msg: InboundMessage, decision: Decision) -> Decision:
+        """Hand ``decision`` on ``msg`` to every observer, once; returns it."""
         for observer in self._observers:
             observer.decided(msg, decision)
         return decision
 
-    async def _process(self, msg: InboundMessage) -> Decision:
-        """The decision on ``msg`` (:meth:`process` without the span and the observers)."""
-        admitted = all(gate.admits() for gate in self._gates)
+    async def decide(self, msg: InboundMessage) -> Decision:
+        """The decision on ``msg``, built here, once (no observer sees it yet).
+
+        Never raises for store or upstream failures: they become 4yz replies (design.md
+        §1: nothing answered 250 is lost, nothing is sent twice by a retry). A gate that does
+        not admit the message (a required ledger that cannot take rows, design.md §6.7) makes
+        it ``451 4.3.0`` before anything is reserved.
+        """
+        admitted = self._gates.admit()
         plan = _Plan()
         headers: DedupHeaders | None = None
         if not admitted:
@@ -194,7 +178,7 @@ class DedupCore:
             concluded = self._answer(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
                                      dict.fromkeys(msg.rcpt_tos, Outcome.REFUSED_TEMP))
         else:
-            headers, concluded = await self._decide(msg, plan)
+            headers, concluded = await self._decide_headers(msg, plan)
         delivery = concluded.delivery
         return Decision(
             reply=concluded.reply, result=concluded.result, outcomes=concluded.outcomes,
@@ -205,7 +189,7 @@ class DedupCore:
             upstream=delivery.upstream if delivery is not None else "",
             refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted)
 
-    async def _decide(self, msg: InboundMessage, plan: _Plan
+    async def _decide_headers(self, msg: InboundMessage, plan: _Plan
                       ) -> tuple[DedupHeaders | None, _Concluded]:
         """What the message's dedup fields (None when they are invalid) lead to."""
         relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
@@ -250,32 +234,23 @@ class DedupCore:
         Over a limit: ``451 4.7.0`` (messages) or ``452 4.5.3`` (recipients) for every
         recipient, nothing reserved. A store that fails the check is treated as for a
         reserve (``store_down``: fail_closed answers ``451 4.3.0``; fail_open lets it go on)."""
-        limits = self._rate_limits
-        if not limits or self._limiter is None:
+        limits = self._gates.rate_limits
+        if limits is None:
             return None
-        subject = LimitSubject(upstream=self._upstream_name(), auth_user=msg.auth_user,
-                               mail_from=msg.mail_from, templates=templates,
-                               recipients=len(set(msg.rcpt_tos)))
-        checks = checks_for(limits, subject)
-        if not checks:
-            return None
-        started = time.perf_counter()
         try:
-            verdict = await self._limiter.acquire(checks)
+            verdict = await limits.acquire(msg, templates)
         except asyncio.CancelledError:  # shutdown past its grace: nothing was sent
             absorb_cancel()
             return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None,
                                   p=p)
         except StoreError as exc:
-            self._metrics.store_call("rate_limit", time.perf_counter() - started, False)
             log.error("rate limit check failed (%s); policy store_down=%s", exc, p.store_down,
                       extra={"queue_id": msg.queue_id})
             failed = rules.reserve_failed(p.store_down)
             if failed.verdict is None:  # fail_open: not limited while the store is down
                 return None
             return self._conclude(msg, self._for_all(msg, failed.verdict), None, p=p)
-        self._metrics.store_call("rate_limit", time.perf_counter() - started, True)
-        if verdict.allowed or verdict.refused is None:
+        if verdict is None or verdict.allowed or verdict.refused is None:
             return None
         return self._over_limit(msg, verdict.refused, verdict.retry_after_s)
 
@@ -387,12 +362,8 @@ class DedupCore:
         if result is None:
             cut = rules.after_cut(progress.dot_written)
             if plan.send:
-                with self._tracer.span(SETTLE) as span:
-                    span.set("relay.settles", len(plan.send))
-                    span.set("relay.settle_actions", cut.settle.value)
-                    await self._settler.settle_cut(list(plan.send), token,
-                                                   progress.dot_written,
-                                                   time.monotonic() + p.lease_s, p.window_s)
+                await self._settler.settle_cut(list(plan.send), token, progress.dot_written,
+                                               time.monotonic() + p.lease_s, p.window_s)
             for rcpt, key in plan.keys.items():
                 if key in sent_for:
                     plan.verdicts[rcpt] = cut.verdict
@@ -413,17 +384,8 @@ class DedupCore:
                 ops.append(SettleOp(key=key, action=ruling.settle, reply=str(upstream.reply),
                                     window_s=p.window_s))
         if ops:
-            await self._settle(ops, token, lease_ends)
-        return self._conclude(msg, plan.verdicts, result, p=p)
-
-    async def _settle(self, ops: list[SettleOp], token: str, lease_ends: float) -> None:
-        """Settle ``ops`` in the span ``store.settle``."""
-        with self._tracer.span(SETTLE) as span:
-            if span.recording:
-                span.set("relay.settles", len(ops))
-                span.set("relay.settle_actions", ",".join(sorted({op.action.value
-                                                                  for op in ops})))
             await self._settler.settle(ops, token, lease_ends)
+        return self._conclude(msg, plan.verdicts, result, p=p)
 
     async def _reserve_uncut(self, keys: list[str], token: str,
                              p: Policy) -> list[Reservation]:
@@ -457,19 +419,7 @@ class DedupCore:
             eight_bit=msg.eight_bit,
             utf8_headers=msg.utf8_headers,
         )
-        with self._tracer.span(UPSTREAM) as span:
-            span.set("relay.recipients", len(rcpts))
-            started = time.perf_counter()
-            result = await self._upstream.deliver(outbound, progress)
-            code = result.final_reply.code if result.final_reply is not None else next(
-                (r.reply.code for r in result.recipients.values() if r.from_upstream), None)
-            self._metrics.upstream_call(time.perf_counter() - started, code, result.upstream)
-            span.set("relay.upstream", result.upstream)
-            if code is None:
-                span.fail("no reply from the upstream")
-            else:
-                span.set("smtp.reply_code", code)
-        return result
+        return await self._upstream.deliver(outbound, progress)
 
     async def _relay_plain(self, msg: InboundMessage, p: Policy, *,
                            relayed: Outcome) -> _Concluded:
@@ -509,14 +459,5 @@ class DedupCore:
         return _Concluded(reply=reply, result=result, outcomes=dict(outcomes))
 
     async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
-        with self._tracer.span(RESERVE) as span:
-            span.set("relay.keys", len(keys))
-            started = time.perf_counter()
-            try:
-                out = await self._store.reserve(keys, token=token, lease_s=p.lease_s,
-                                                resend_unknown=p.unknown == "send")
-            except StoreError:
-                self._metrics.store_call("reserve", time.perf_counter() - started, False)
-                raise
-            self._metrics.store_call("reserve", time.perf_counter() - started, True)
-            return out
+        return await self._store.reserve(keys, token=token, lease_s=p.lease_s,
+                                         resend_unknown=p.unknown == "send")

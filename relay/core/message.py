@@ -90,3 +90,13 @@ class Admission(Protocol):
     def admits(self) -> bool:
         """False: the message is answered ``451 4.3.0`` before anything is reserved."""
         ...
+
+
+class MessageCore(Protocol):
+    """What the listener hands each message to: :class:`relay.core.dedup.DedupCore`, or the
+    core in its span (:class:`relay.ops.traced.TracedCore`)."""
+
+    async def process(self, msg: InboundMessage) -> Decision:
+        """The decision on ``msg``, seen by every observer; never raises for a store or
+        upstream failure."""
+        ...

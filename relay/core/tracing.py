@@ -1,9 +1,9 @@
-"""The spans the core opens around one message (design.md §6.9), behind a small Protocol.
+"""The spans of one message (design.md §6.8), behind a small Protocol.
 
-:class:`Tracer` is what the core sees; :data:`NO_TRACING` is the tracer of a relay whose
-tracing is off (its spans cost one attribute lookup and do nothing). The OpenTelemetry one is
-:class:`relay.ops.tracing.OtelTracer`. Span names and attributes are fixed here, so the core
-and the docs name them once:
+:class:`Tracer` is what the wrappers that open the spans see (:mod:`relay.ops.traced`, built
+only when tracing is on: a relay whose tracing is off makes no call to a tracer); the
+OpenTelemetry one is :class:`relay.ops.tracing.OtelTracer`. Span names and attributes are
+fixed here, so the wrappers and the docs name them once:
 
 ====================  ========================================================================
 span                  attributes
@@ -24,7 +24,6 @@ No attribute carries an address, a dedupe key or a fingerprint.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Protocol
 
 AttributeValue = str | int | float | bool
@@ -61,36 +60,3 @@ class Tracer(Protocol):
 
     def span(self, name: str) -> AbstractContextManager[Span]:
         """A context manager that opens span ``name`` and ends it on exit."""
-
-
-class _NoSpan:
-    """The span of :data:`NO_TRACING`: its own context manager, doing nothing."""
-
-    recording = False
-    trace_id = ""
-
-    def set(self, name: str, value: AttributeValue) -> None:
-        return None
-
-    def fail(self, description: str) -> None:
-        return None
-
-    def __enter__(self) -> _NoSpan:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        return None
-
-
-class _NoTracing:
-    """A tracer that opens no span."""
-
-    _span = _NoSpan()
-
-    def span(self, name: str) -> AbstractContextManager[Span]:
-        return self._span
-
-
-NO_TRACING: Tracer = _NoTracing()
-"""The tracer of a relay whose tracing is off."""

@@ -25,10 +25,11 @@ from aiosmtpd.smtp import SMTP, AuthResult, Envelope, Session
 
 from relay.core import replies
 from relay.core.address import mailbox_problem, mask_address
-from relay.core.dedup import Decision, DedupCore, InboundMessage
+from relay.core.dedup import Decision, InboundMessage
 from relay.core.errors import InvalidAddressError
 from relay.core.headers import parse_message
 from relay.core.interfaces import Metrics, Result, SmtpReply
+from relay.core.message import MessageCore
 from relay.core.queue_id import upstream_queue_id
 from relay.core.recipients import normalize_recipient
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
@@ -84,7 +85,7 @@ class ListenerSecurity:
 class RelayHandler:
     """aiosmtpd hooks: check the envelope, then hand each message to the dedup core."""
 
-    def __init__(self, *, core: DedupCore, metrics: Metrics, limits: ListenerLimits,
+    def __init__(self, *, core: MessageCore, metrics: Metrics, limits: ListenerLimits,
                  sasl: SaslMechanisms | None = None) -> None:
         self._core = core
         self.metrics = metrics

@@ -169,7 +169,7 @@ async def test_an_operator_resolves_an_in_doubt_message_a_viewer_cannot(
     status, refused, _ = await viewer.post("/in-doubt/resolve", {
         "csrf": csrf_of(page), "store_key": key, "action": "release", "reason": "looked"})
     assert status == 403 and "Only an operator" in refused
-    assert (await relay.store.inspect(key)).state.value == "unknown"  # type: ignore[union-attr]
+    assert (await relay.store.inspect(key)).state.value == "unknown"
 
     operator = opened(web, relay)
     await operator.sign_in(OPERATOR, OPERATOR_PASSWORD)
@@ -186,7 +186,7 @@ async def test_an_operator_resolves_an_in_doubt_message_a_viewer_cannot(
     status, _, response = await operator.post("/in-doubt/resolve",
                                               {**form, "csrf": csrf_of(page)})
     assert status == 303
-    assert (await relay.store.inspect(key)).state.value == "sent"  # type: ignore[union-attr]
+    assert (await relay.store.inspect(key)).state.value == "sent"
     rows = await wait_ledger_rows(ledger_url, 2)
     assert [r["outcome"] for r in rows] == ["unknown", "marked_sent"]
     assert rows[1]["store_key"] == key and rows[1]["action"] == "mark_sent"

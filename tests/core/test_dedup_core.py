@@ -144,8 +144,7 @@ async def test_release_owed_when_store_returns_is_paid_before_the_retry_reserves
     """A SENDING mark that landed unseen, then a store outage past the lease: the retry is sent.
 
     Without the owed release applied first, the SENDING record would read as UNKNOWN past the
-    lease and the retry of a message that never left would be suppressed "in doubt" (found by
-    the fault bench's Redis-down run).
+    lease and the retry of a message that never left would be suppressed "in doubt".
     """
     store, core, upstream, msg = await _sending_landed_then_store_down_past_the_lease(prefix)
     retry = await core.process(msg)  # at once: the background loop is still asleep

@@ -660,7 +660,7 @@ def test_python_only_codecs_are_not_rfc2047_charsets() -> None:
     assert escaped.key == "=?unicode_escape?q?=5Cu0041?="
 
 
-# -- found by a probing helper: field boundaries, root dots, literals, charsets ----------------
+# -- field boundaries, root dots, literals, charsets --------------------------------------------
 
 
 def test_template_and_key_sets_keep_their_boundary() -> None:

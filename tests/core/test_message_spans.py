@@ -13,15 +13,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import StatusCode
+from prometheus_client import CollectorRegistry
 
-from relay.core.dedup import DedupCore
+from relay.core.dedup import Policy
 from relay.core.errors import StoreError
 from relay.core.interfaces import Reservation
-from relay.core.message import Decision
+from relay.core.message import Decision, MessageCore
 from relay.core.tracing import MESSAGE, RESERVE, SETTLE, UPSTREAM
+from relay.ops.metrics import PrometheusMetrics
+from relay.ops.observed import observed_core
 from relay.ops.tracing import OtelTracer
 from relay.store.redis.store import RedisStore
-from tests.support.dedup_parts import CountingUpstream, make_core, one_message
+from tests.support.dedup_parts import CountingUpstream, one_message
 from tests.support.relays import REDIS_URL
 
 
@@ -36,8 +39,11 @@ def recorded() -> Iterator[tuple[OtelTracer, InMemorySpanExporter]]:
 
 
 def traced_core(store: RedisStore, upstream: CountingUpstream, prefix: str,
-                tracer: OtelTracer) -> DedupCore:
-    return make_core(store, upstream, prefix, tracer=tracer)
+                tracer: OtelTracer) -> MessageCore:
+    """The core as the relay builds it with tracing on: its message in its span."""
+    return observed_core(store=store, upstream=upstream,
+                         metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                         policy=Policy(key_prefix=prefix), tracer=tracer)[1]
 
 
 async def relayed_once(prefix: str, tracer: OtelTracer) -> Decision:
@@ -147,3 +153,17 @@ async def test_a_failed_reserve_is_an_error_span_and_the_message_a_451(
     assert named[RESERVE].status.status_code is StatusCode.ERROR
     assert [e.name for e in named[RESERVE].events] == ["exception"]
     assert (named[MESSAGE].attributes or {})["smtp.reply_code"] == 451
+
+
+async def test_with_tracing_off_the_listener_gets_the_core_itself(prefix: str) -> None:
+    """No tracer, no wrapper: a message makes no call to a tracer (the spans are wrappers the
+    composition root builds only with tracing on)."""
+    store = RedisStore.from_url(REDIS_URL)
+    try:
+        core, entry = observed_core(store=store, upstream=CountingUpstream(),
+                                    metrics=PrometheusMetrics(registry=CollectorRegistry()),
+                                    policy=Policy(key_prefix=prefix))
+        assert entry is core
+        assert (await entry.process(one_message())).trace_id == ""
+    finally:
+        await store.close()

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
+from relay.core.gates import Gates
 from relay.core.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -93,7 +94,7 @@ def core_with(store: RedisStore, upstream: CountingUpstream, prefix: str,
     return DedupCore(store=store, upstream=upstream,
                      metrics=PrometheusMetrics(registry=registry),
                      policy=Policy(key_prefix=prefix),
-                     gates=() if ledger is None else (ledger,),
+                     gates=Gates(admissions=() if ledger is None else (ledger,)),
                      observers=[*observers, *([RecordDecisions(ledger)] if ledger else [])],
                      clock=lambda: 1_767_225_600.0)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from relay.core.dedup import DedupCore, Policy
+from relay.core.settlement import Settler
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.journal import SettleJournal
 from relay.store.journal_file import read_journal
@@ -26,9 +27,11 @@ def journaled_core(store: RedisStore, path: Path, prefix: str) -> tuple[DedupCor
                                                                          SettleJournal]:
     """A DedupCore over ``store`` whose owed settles go to the journal at ``path``."""
     journal = SettleJournal(path, store, prefix=prefix, url_name=URL_NAME + prefix)
-    core = DedupCore(store=store, upstream=CountingUpstream(),
-                     metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix, lease_s=30.0), settle_log=journal)
+    metrics, policy = PrometheusMetrics(registry=CollectorRegistry()), Policy(key_prefix=prefix,
+                                                                              lease_s=30.0)
+    core = DedupCore(store=store, upstream=CountingUpstream(), metrics=metrics, policy=policy,
+                     settler=Settler(store=store, metrics=metrics, window_s=policy.window_s,
+                                     lease_s=policy.lease_s, journal=journal))
     return core, journal
 
 

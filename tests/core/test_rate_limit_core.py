@@ -19,6 +19,7 @@ from relay.app import Relay
 from relay.core import replies
 from relay.core.dedup import DedupCore, InboundMessage, Policy
 from relay.core.fingerprint import fingerprint, store_key
+from relay.core.gates import Gates, RateLimits
 from relay.core.interfaces import Result, State
 from relay.core.limits import LimitSubject, RateRule, checks_for, sender_domain
 from relay.core.recipients import normalize_recipient
@@ -145,8 +146,9 @@ async def test_auth_user_buckets_per_identity_and_none_without_auth() -> None:
     upstream = CountingUpstream()
     core = DedupCore(store=store, upstream=upstream,
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix), limiter=store.rate_limiter(prefix),
-                     rate_limits=[RateRule("per-user", "auth_user", 30, messages=1)])
+                     policy=Policy(key_prefix=prefix), gates=Gates(rate_limits=RateLimits(
+                         store.rate_limiter(prefix),
+                         [RateRule("per-user", "auth_user", 30, messages=1)])))
 
     def msg(n: int, user: str | None) -> InboundMessage:
         return InboundMessage(mail_from="a@example.com", rcpt_tos=[RCPT],
@@ -170,9 +172,9 @@ async def test_the_upstream_scope_counts_against_the_preferred_upstream() -> Non
     preferred = ["first"]
     core = DedupCore(store=store, upstream=CountingUpstream(),
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix), limiter=store.rate_limiter(prefix),
-                     rate_limits=[RateRule("up", "upstream", 30, messages=1)],
-                     upstream_name=lambda: preferred[0])
+                     policy=Policy(key_prefix=prefix), gates=Gates(rate_limits=RateLimits(
+                         store.rate_limiter(prefix), [RateRule("up", "upstream", 30, messages=1)],
+                         upstream_name=lambda: preferred[0])))
 
     def msg(n: int) -> InboundMessage:
         return InboundMessage(mail_from="a@example.com", rcpt_tos=[RCPT],
@@ -215,8 +217,8 @@ async def test_a_shutdown_cutting_the_limit_check_answers_451_and_sends_nothing(
     upstream = CountingUpstream()
     core = DedupCore(store=store, upstream=upstream,
                      metrics=PrometheusMetrics(registry=CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix), limiter=store.rate_limiter(prefix),
-                     rate_limits=[RateRule("up", "upstream", 30, messages=5)])
+                     policy=Policy(key_prefix=prefix), gates=Gates(rate_limits=RateLimits(
+                         store.rate_limiter(prefix), [RateRule("up", "upstream", 30, messages=5)])))
     admin = redis.Redis.from_url(private_redis.url)
     try:
         await store.ping()

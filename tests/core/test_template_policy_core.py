@@ -253,7 +253,7 @@ async def test_a_message_in_doubt_under_a_window_of_one_lease_stays_in_doubt(
 
 
 # --------------------------------------------------------------------------------------------
-# probes that held
+# a policy swapped mid-message, owed settles and read-backs under a template's window
 # --------------------------------------------------------------------------------------------
 
 

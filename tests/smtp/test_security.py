@@ -652,8 +652,8 @@ async def test_a_failed_handshake_on_the_implicit_tls_port_is_one_info_line_and_
     make_relay: MakeRelay, sink: Sink, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client that sends no TLS at all to the implicit-TLS port: one INFO line, no WARNING
-    and no traceback (asyncio reported the loss to a session that never started; found by a
-    scan), and one ``relay_tls_handshake_failures_total{listener="implicit"}``."""
+    and no traceback (asyncio reported the loss to a session that never started), and one
+    ``relay_tls_handshake_failures_total{listener="implicit"}``."""
     caplog.set_level(logging.INFO)
     relay = await tls_relay(make_relay, sink, pki)
     caplog.clear()  # the start-up lines

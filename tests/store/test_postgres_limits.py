@@ -26,13 +26,13 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from bench.faultbench.lib import _libfaketime
 from relay.core.errors import StoreError
 from relay.core.interfaces import LimitCheck
 from relay.store.postgres.limits import bucket_name
 from relay.store.postgres.migrations import RATE_LOCK_SPACE
 from relay.store.postgres.store import PostgresStore
 from tests.support.cli import REPO
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.postgres import private_schema
 from tests.support.waiting import until
 

@@ -36,7 +36,7 @@ def url() -> Iterator[str]:
 async def test_a_store_whose_connection_set_up_takes_half_the_bound_is_reached(
         url: str) -> None:
     """Connection set-up 0.55 s, store bound 1 s: of three calls in a row, at least the
-    last must answer (before d1eb76f the first did, in about 0.6 s)."""
+    last must answer (the first may too, in about 0.6 s)."""
     parts = urlsplit(url)
     proxy = PgProxy(parts.hostname or "127.0.0.1", parts.port or 5432,
                     connect_delay_s=CONNECT_DELAY_S)

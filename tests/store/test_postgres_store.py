@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 from pydantic import ValidationError
 
+from bench.faultbench.lib import _libfaketime
 from relay.core.errors import StartupError, StoreError
 from relay.core.interfaces import LimitCheck, Settle, SettleOp, State
 from relay.settings import RateLimit, Settings, redact_url
@@ -26,7 +27,6 @@ from relay.store.postgres import migrations
 from relay.store.postgres.store import PostgresStore
 from tests.support.cli import REPO, run_cli
 from tests.support.clients import message, send
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.net import free_port
 from tests.support.postgres import private_schema
 from tests.support.relays import MakeRelay

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.faultbench.lib import _libfaketime
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp, State
 from relay.store.sqlite.store import SqliteStore
 from tests.support.cli import REPO
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.sqlite_procs import race_processes
 
 LEASE_S = 60.0

@@ -21,8 +21,8 @@ from relay.core.interfaces import (
     SettleOp,
     SmtpReply,
 )
-from relay.core.tracing import NO_TRACING, Tracer
 from relay.ops.metrics import PrometheusMetrics
+from relay.ops.observed import observed_core
 from relay.store.redis.store import RedisStore
 from tests.support.clients import message
 
@@ -76,13 +76,12 @@ class HangingUpstream(CountingUpstream):
 
 
 def make_core(store: RedisStore, upstream: CountingUpstream, prefix: str, *,
-              lease_s: float = 900.0, registry: CollectorRegistry | None = None,
-              tracer: Tracer = NO_TRACING) -> DedupCore:
-    """A DedupCore over ``store`` and ``upstream`` with a fresh (or the given) registry."""
-    return DedupCore(store=store, upstream=upstream,
-                     metrics=PrometheusMetrics(
-                         registry=registry if registry is not None else CollectorRegistry()),
-                     policy=Policy(key_prefix=prefix, lease_s=lease_s), tracer=tracer)
+              lease_s: float = 900.0, registry: CollectorRegistry | None = None) -> DedupCore:
+    """A DedupCore over ``store`` and ``upstream`` with a fresh (or the given) registry, its
+    calls timed as the relay's (:func:`relay.ops.observed.observed_core`, tracing off)."""
+    return observed_core(store=store, upstream=upstream, metrics=PrometheusMetrics(
+        registry=registry if registry is not None else CollectorRegistry()),
+        policy=Policy(key_prefix=prefix, lease_s=lease_s))[0]
 
 
 def one_message() -> InboundMessage:

@@ -1,7 +1,7 @@
 """A private PostgreSQL server for one run: its own cluster in a temp dir, a free loopback port,
 started, stopped, restarted and killed on request, always gone at the end.
 
-The fault bench (``tests/support/faultbench_lib.py``) and the benchmark (``bench/run.py``) use
+The fault bench (``bench/faultbench/lib.py``) and the benchmark (``bench/run.py``) use
 it instead of the shared server on 5432, which they must not stop. ``initdb`` runs once per
 process into a template directory (removed at exit); every :class:`PrivatePostgres` copies it,
 with the store's schema already applied (what ``dedup-relay db upgrade`` runs) unless

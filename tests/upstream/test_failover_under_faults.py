@@ -271,7 +271,7 @@ async def test_an_upstream_slower_than_the_probe_but_within_the_connect_timeout_
         relay = await make_relay(upstream=f"127.0.0.1:{slow.port},127.0.0.1:{dead}",
                                  metrics_listen="127.0.0.1:0", health_interval=0.2,
                                  upstream_connect_timeout=5.0, upstream_cooldown=5.0)
-        upstream = relay.upstream
+        upstream = relay.parts.upstream
         assert isinstance(upstream, FailoverUpstream)
         first = f"127.0.0.1:{slow.port}"
         await asyncio.sleep(1.0)  # several readiness rounds, each cut before the greeting

@@ -31,8 +31,8 @@ ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientE
           TimeoutError)
 """What a call on PostgreSQL may raise that is the database's failure, not the relay's.
 ``InternalClientError``: a pooled connection that read the server's "terminating connection"
-(a fast shutdown) but not yet its close is handed out, and its next query fails so (found by the
-fault bench: an uncaught one turned a delivered message's SENT settle into an internal error)."""
+(a fast shutdown) but not yet its close is handed out, and its next query fails so (uncaught,
+it would turn a delivered message's SENT settle into an internal error)."""
 
 INACTIVE_S = 60.0
 """Seconds an idle pooled connection lives before it is closed."""
@@ -179,7 +179,7 @@ async def open_pool(url: str, *, max_size: int, op_name: str,
         init = set_timeout
         # a connect outlives a call's wait (it is handed to the pool when ready), but not
         # the bound itself: a blackholed address holds a pool slot that long, not asyncpg's
-        # 60 s default (an attack test: after a failover every slot was stuck connecting)
+        # 60 s default (after a failover every slot would be stuck connecting that long)
         extra["timeout"] = limit_s
     try:
         pool = asyncpg.create_pool(url, min_size=0, max_size=max_size,

@@ -105,7 +105,7 @@ ORDER BY input.ord
 # an UPDATE or DELETE locks rows in the order of its plan (a bitmap heap scan: the order on
 # disk), a reserve inserts in key order, so without this a renew or a settle and a retry's
 # reserve of the same keys could each hold one and wait for the other (PostgreSQL then fails
-# one: a deadlock, found by an attack test). ORDER BY with FOR UPDATE takes each lock as the
+# one as a deadlock). ORDER BY with FOR UPDATE takes each lock as the
 # sorted rows are read (LockRows above Sort); MATERIALIZED keeps it one step the statement's
 # changes join (a row is changed only once the CTE locked it).
 _LOCKED = f"""locked AS MATERIALIZED (
@@ -200,7 +200,7 @@ GROUP BY reads
 # $1 most rows to delete. The ctid subselect bounds the work of one statement; a row taken
 # over since the subselect read it has another ctid (and a later expiry) and stays. SKIP
 # LOCKED: the cleanup never waits for a row lock, so it never deadlocks with a reserve taking
-# the same expired rows over in key order (an attack test: PostgreSQL failed one of them).
+# the same expired rows over in key order (PostgreSQL would fail one of them as a deadlock).
 _CLEANUP = f"""
 DELETE FROM {_T_} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {_T_} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))

@@ -63,7 +63,7 @@ async def test_mark_sent_by_store_key_keeps_the_template_window(
     """receipt-* has a 600000 s window (the relay's: 3600 s). Its message ends in doubt (the
     upstream does not answer the final dot in time): UNKNOWN for 600000 s. The operator marks
     it sent by the store key of the decision log line: the record must still cover the
-    template's window, as mark-sent --template does (e62fe43)."""
+    template's window, as mark-sent --template does."""
     entries = ({"match": "receipt-*", "dedup_window": 600000},)
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", upstream_timeout=0.5,
                              template_policy=policies(*entries))

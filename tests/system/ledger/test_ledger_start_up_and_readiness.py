@@ -116,11 +116,12 @@ async def _exits_69_or_names_the_schema(proc: asyncio.subprocess.Process, metric
 async def test_a_store_slow_to_connect_at_start_up_still_has_its_schema_checked(
         tmp_path: Path) -> None:
     """Store schema version 1 behind a proxy that takes 0.6 s to open a connection,
-    store_timeout 1 s, one rate limit: serve exits 69 (the schema message), or, if it keeps
-    running, /readyz is 503 with the store's error naming the schema. On 77fc212
-    it runs, /readyz flaps between 200 and 503 ("no PostgreSQL connection within 0.4 s":
-    the cleanup's statements on the missing rate-limit tables fail and their connections
-    are closed) and never names the schema."""
+    store_timeout 1 s, one rate limit: serve exits 69 (the schema message), or,
+    if it keeps running, /readyz is 503 with the store's error naming the schema. A relay
+    that skipped the check when its first connection was slow would run with /readyz
+    flapping between 200 and 503 ("no PostgreSQL connection within 0.4 s": the cleanup's
+    statements on the missing rate-limit tables fail and their connections are closed),
+    never naming the schema."""
     with private_schema(upgraded=False) as url:
         await _v1_schema(url)
         async with _slow_proxy(CONNECT_DELAY_S) as port:
@@ -199,9 +200,10 @@ async def test_a_ledger_slow_to_connect_at_start_up_still_has_its_schema_checked
         tmp_path: Path) -> None:
     """A ledger database without the ledger's table behind a proxy that takes 2.5 s to open a
     connection (the ledger's calls wait 2 s of their 5 s for one): serve exits 69 naming
-    `db upgrade --ledger`, as it does when the database answers quickly. On
-    77fc212 it logs "audit ledger not reachable at start-up ... rows queue until it answers"
-    and runs; every row then fails ("relation dedup_relay_ledger does not exist")."""
+    `db upgrade --ledger`, as it does when the database answers quickly. A relay
+    that skipped the check when its first connection was slow would log "audit ledger not
+    reachable at start-up ... rows queue until it answers" and run, every row then failing
+    ("relation dedup_relay_ledger does not exist")."""
     with private_schema(upgraded=False) as url:
         async with _slow_proxy(2.5) as port:
             slow_url = url.replace("127.0.0.1:5432", f"127.0.0.1:{port}")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_lib import Faults, RelayConfig, RelayProcess, free_port, start_sink
-from tests.support.faultbench_traffic import make_messages, read_sink_log, send_once
+from bench.faultbench.lib import Faults, RelayConfig, RelayProcess, free_port, start_sink
+from bench.faultbench.traffic import make_messages, read_sink_log, send_once
 from tests.support.relays import REDIS_URL, delete_prefix
 
 pytestmark = [

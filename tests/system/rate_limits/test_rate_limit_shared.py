@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.faultbench.lib import _libfaketime
 from tests.support.clients import message, send
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.relays import REDIS_URL, delete_prefix, start_serve
 from tests.support.sink import Sink
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.faultbench.lib import _libfaketime
 from tests.support.clients import message, send
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.relays import start_serve
 from tests.support.sink import Sink
 

@@ -1,6 +1,6 @@
 """The fault bench, short version: a real `python -m relay serve` process in front of a faulty
 aiosmtpd sink, a bench-owned redis-server, 40 messages from clients that retry like MTAs, and
-one fault per test (tests/faultbench_scenarios.py; the long run is tools/faultbench.py).
+one fault per test (bench/faultbench/scenarios.py; the long run is tools/faultbench.py).
 
 Each test asserts design.md §1 as the checker counts it per fingerprint: no duplicate
 outside UNKNOWN, nothing answered 250 and lost, every message ended (250 or 5yz) before the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
+from bench.faultbench.scenarios import RunResult, evidence, run_scenario, scenarios
 
 pytestmark = pytest.mark.slow  # relay processes under load, real leases: seconds per test
 

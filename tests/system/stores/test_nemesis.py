@@ -1,10 +1,10 @@
 """The nemesis, short version (tools/faultbench.py --nemesis is the long one): real relays
 under load while a schedule drawn from a fixed seed applies overlapping faults to them, their
 store and their smarthost; then every fault is healed and the checker reads the history
-(tests/support/faultbench_nemesis.py, docs/reliability.md "The nemesis").
+(bench/faultbench/nemesis.py, docs/reliability.md "The nemesis").
 
 Each seed's run must keep the invariant (no duplicate, nothing lost) with no unhandled error
-in the relays' logs; a relay with a defect planted in it (tests/support/faultbench_defects.py)
+in the relays' logs; a relay with a defect planted in it (bench/faultbench/defects.py)
 must be caught.
 Every seed that ever broke the invariant stays here once its cause is fixed.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_checker import timeline
-from tests.support.faultbench_nemesis import NemesisConfig, NemesisResult, run_nemesis
-from tests.support.faultbench_nemesis_history import relay_lines
-from tests.support.faultbench_schedule import (
+from bench.faultbench.checker import timeline
+from bench.faultbench.nemesis import NemesisConfig, NemesisResult, run_nemesis
+from bench.faultbench.nemesis_history import relay_lines
+from bench.faultbench.schedule import (
     STORE_KINDS,
     STORES,
     count_kinds,
@@ -38,7 +38,7 @@ HEAL_S = 50.0  # the run ends once every client has ended: generous for a loaded
 SEEDS = [("redis", 9, 1), ("redis", 386, 2), ("sqlite", 5, 1), ("sqlite", 158, 2),
          ("postgres", 1, 1), ("postgres", 62, 2)]
 """(store, seed, relays) of each run in CI, drawn for DURATION_S: each store's two seeds
-apply every fault of that store itself (tests/support/faultbench_schedule.py: stopped,
+apply every fault of that store itself (bench/faultbench/schedule.py: stopped,
 restarted, crashed, partitioned; SQLite's held write lock), and between them the six apply
 every kind of fault (test_the_seeds_apply_every_kind_of_fault)."""
 DEFECT_SEEDS = {"inflight-read-as-sent": [(96, 1, 16.0), (119, 1, 16.0)],

@@ -1,5 +1,5 @@
 """The nemesis's checker and schedules on histories written by hand: each rule of
-tests/support/faultbench_checker.py counts what it says, and nothing else; a seed names one
+bench/faultbench/checker.py counts what it says, and nothing else; a seed names one
 schedule, and a printed schedule runs again as it was; the fault bench's report keeps the
 nemesis's section when it is written again."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_checker import ClientRecord, Dot, History, Reply, check, timeline
-from tests.support.faultbench_schedule import (
+from bench.faultbench.checker import ClientRecord, Dot, History, Reply, check, timeline
+from bench.faultbench.schedule import (
     STORE_KINDS,
     draw_schedule,
     kinds_for,

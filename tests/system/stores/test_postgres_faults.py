@@ -2,7 +2,7 @@
 (two workers) whose ``--store`` is a private PostgreSQL server the run owns
 (tests/support/private_postgres.py: fsync and synchronous_commit on, the store's schema from
 ``dedup-relay db upgrade``), a faulty aiosmtpd sink, 40 messages from clients that retry like
-MTAs, and PostgreSQL restarted, stopped or killed mid-load (tests/support/faultbench_scenarios.py;
+MTAs, and PostgreSQL restarted, stopped or killed mid-load (bench/faultbench/scenarios.py;
 the long run is ``tools/faultbench.py --only pg-restart,pg-down,pg-sigkill``).
 
 Each test asserts design.md §1 as the checker counts it per fingerprint (no duplicate outside
@@ -24,13 +24,13 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from bench.faultbench.lib import Faults, RelayConfig, RelayProcess, free_port
+from bench.faultbench.lib import start_sink as start_bench_sink
+from bench.faultbench.scenarios import RunResult, evidence, run_scenario, scenarios
+from bench.faultbench.traffic import make_messages, send_once
 from relay.core.errors import StoreError
 from relay.core.interfaces import Settle, SettleOp
 from relay.store.postgres.store import PostgresStore
-from tests.support.faultbench_lib import Faults, RelayConfig, RelayProcess, free_port
-from tests.support.faultbench_lib import start_sink as start_bench_sink
-from tests.support.faultbench_scenarios import RunResult, evidence, run_scenario, scenarios
-from tests.support.faultbench_traffic import make_messages, send_once
 from tests.support.postgres import private_schema
 
 pytestmark = pytest.mark.slow  # a PostgreSQL server and relay processes under load
@@ -104,7 +104,7 @@ async def test_postgres_postmaster_sigkill_mid_load_keeps_the_invariant(
 
 
 # ------------------------------------------------------------------------------------------
-# A server shutdown reaching an idle pooled connection (found by the pg-restart run)
+# A server shutdown reaching an idle pooled connection
 # ------------------------------------------------------------------------------------------
 
 # What a backend writes to its client as a fast shutdown (pg_ctl restart/stop -m fast) or

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from bench.faultbench.lib import _libfaketime
 from relay.core.interfaces import State
 from relay.store.postgres.store import PostgresStore
 from tests.support.clients import message, send
-from tests.support.faultbench_lib import _libfaketime
 from tests.support.postgres import private_schema
 from tests.support.relays import start_serve
 from tests.support.sink import start_sink

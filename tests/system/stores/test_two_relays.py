@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.faultbench_lib import Faults, RelayProcess, free_port, start_sink
-from tests.support.faultbench_traffic import (
+from bench.faultbench.lib import Faults, RelayProcess, free_port, start_sink
+from bench.faultbench.traffic import (
     RetryPolicy,
     deliver,
     make_messages,

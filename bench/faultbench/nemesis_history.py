@@ -22,12 +22,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.faultbench.checker import ClientRecord, Dot, Fingerprint, History
 from relay.core.keys import KeyRules, recipient_key
 from relay.settings import Settings
-from tests.support.faultbench_checker import ClientRecord, Dot, Fingerprint, History
 
 TEMPLATE = "bench"
-"""The X-Template of every bench message (``faultbench_traffic.BenchMessage``)."""
+"""The X-Template of every bench message (``bench.faultbench.traffic.BenchMessage``)."""
 CLI_TIMEOUT_S = 60.0
 
 

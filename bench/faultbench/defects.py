@@ -22,7 +22,7 @@ ENV = "FAULTBENCH_DEFECT"
 REPO = Path(__file__).resolve().parents[2]
 _SHIM = f"""import os
 if os.environ.get("{ENV}"):
-    from tests.support.faultbench_defects import plant
+    from bench.faultbench.defects import plant
     plant(os.environ["{ENV}"])
 """
 

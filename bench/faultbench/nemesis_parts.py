@@ -1,6 +1,6 @@
 """The nemesis's smarthost and relays, each able to take a fault and heal from it: a
 smarthost whose faults come and go (:class:`NemesisSink`) and a relay kept running as a
-service manager keeps it (:class:`RelayNode`); the store is ``faultbench_nemesis_store``.
+service manager keeps it (:class:`RelayNode`); the store is ``bench.faultbench.nemesis_store``.
 
 Faults holding a relay down are counted (``down``), so overlapping ones compose: the relay is
 started again when the last of them ends. A fault that cannot apply (a kill of a relay already
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-from tests.support.faultbench_lib import (
+from bench.faultbench.lib import (
     BenchSink,
     Faults,
     RelayProcess,

@@ -1,8 +1,8 @@
 """The fault bench's servers: a faulty upstream sink (aiosmtpd, in the bench's loop), a
 bench-owned redis-server or PostgreSQL server, and `python -m relay serve` processes.
 
-The traffic and the checker are in ``faultbench_traffic``, the runs that combine them in
-``faultbench_scenarios``; ``tests/system/stores/test_faults.py`` (short) and
+The traffic and the checker are in ``bench.faultbench.traffic``, the runs that combine them in
+``bench.faultbench.scenarios``; ``tests/system/stores/test_faults.py`` (short) and
 ``tools/faultbench.py`` (long) drive those. Loopback only, every wait bounded; each process
 started here is also killed at interpreter exit when a caller's ``finally`` could not run
 (a test timeout).

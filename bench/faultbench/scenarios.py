@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.support.faultbench_lib import (
+from bench.faultbench.lib import (
     BenchPostgres,
     BenchRedis,
     BenchSqlite,
@@ -31,7 +31,7 @@ from tests.support.faultbench_lib import (
     free_port,
     start_sink,
 )
-from tests.support.faultbench_traffic import (
+from bench.faultbench.traffic import (
     BenchMessage,
     Counts,
     MessageLog,

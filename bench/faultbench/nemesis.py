@@ -1,7 +1,7 @@
 """The nemesis: one or two relays under steady load from retrying clients while a schedule
-drawn from a seed (``faultbench_schedule``) applies overlapping faults to the relays, their
+drawn from a seed (``bench.faultbench.schedule``) applies overlapping faults to the relays, their
 store and their smarthost; then every fault is healed, the clients finish their retries, and
-the checker (``faultbench_checker``) reads the whole history.
+the checker (``bench.faultbench.checker``) reads the whole history.
 
 :func:`run_nemesis` is what ``tools/faultbench.py --nemesis`` and
 ``tests/system/stores/test_nemesis.py`` call. One run, in order: the store (a bench-owned
@@ -12,7 +12,7 @@ which no fault touches, so ``dedup-relay in-doubt`` can be asked at the end), th
 evenly over the load's duration and each client retries as an MTA does, each attempt handed
 to the relays in turn as a load balancer does; the faults run as the schedule says; at the end
 of the load everything is healed, the clients get ``heal_s`` more to finish, the relays are
-stopped (SIGTERM), and the history is collected (``faultbench_nemesis_history``). Every
+stopped (SIGTERM), and the history is collected (``bench.faultbench.nemesis_history``). Every
 process started here is stopped on the way out, also on an error or a cancellation.
 """
 
@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.faultbench_checker import ClientRecord, Counts, History, Reply, check
-from tests.support.faultbench_defects import shim_env
-from tests.support.faultbench_lib import (
+from bench.faultbench.checker import ClientRecord, Counts, History, Reply, check
+from bench.faultbench.defects import shim_env
+from bench.faultbench.lib import (
     BenchPostgres,
     BenchRedis,
     BenchSqlite,
@@ -38,20 +38,20 @@ from tests.support.faultbench_lib import (
     RelayProcess,
     free_port,
 )
-from tests.support.faultbench_nemesis_history import (
+from bench.faultbench.nemesis_history import (
     collect,
     ledger_rows_lost,
     unhandled_errors,
 )
-from tests.support.faultbench_nemesis_parts import (
+from bench.faultbench.nemesis_parts import (
     NemesisSink,
     RelayNode,
     SinkServer,
     start_nemesis_sink,
 )
-from tests.support.faultbench_nemesis_store import StoreControl
-from tests.support.faultbench_schedule import Fault, draw_schedule
-from tests.support.faultbench_traffic import (
+from bench.faultbench.nemesis_store import StoreControl
+from bench.faultbench.schedule import Fault, draw_schedule
+from bench.faultbench.traffic import (
     Attempt,
     BenchMessage,
     RetryPolicy,
@@ -83,7 +83,7 @@ class NemesisConfig:
     ``duration_s`` of load at ``rate`` messages per second (every third with two
     recipients, every tenth about 200 KB); ``heal_s`` more for the clients once every fault
     is healed; the relays' ``unknown_policy``; ``defect`` a planted defect
-    (``faultbench_defects``; "" for the relay as shipped)."""
+    (``bench.faultbench.defects``; "" for the relay as shipped)."""
 
     seed: int
     duration_s: float = 60.0

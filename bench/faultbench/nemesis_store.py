@@ -1,4 +1,4 @@
-"""The nemesis's store (``faultbench_nemesis``): a bench-owned redis-server or PostgreSQL
+"""The nemesis's store (``bench.faultbench.nemesis``): a bench-owned redis-server or PostgreSQL
 server behind a proxy that can hold every byte (a black hole, not a refusal), or a SQLite file
 whose write lock another process can take, each able to take a fault and heal from it.
 
@@ -16,7 +16,7 @@ import signal
 import sqlite3
 from dataclasses import dataclass, field
 
-from tests.support.faultbench_lib import BenchPostgres, BenchRedis, BenchSqlite, _end
+from bench.faultbench.lib import BenchPostgres, BenchRedis, BenchSqlite, _end
 from tests.support.pg_proxy import PgProxy
 
 
