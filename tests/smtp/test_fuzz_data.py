@@ -10,10 +10,11 @@ resends of earlier messages (the same bytes, or the same headers with a new body
 The client dot-stuffs every line (RFC 5321 section 4.5.2) and ends with CRLF.CRLF. The run is
 made under both values of ``bare_newline``: under ``normalize`` the relay sees the message with
 its lone LFs made CRLF (and the client stuffs a line after a lone LF too, as smtplib does); under
-``reject`` a lone LF is refused. For each message the test predicts the reply from the contract, with relay.core.fingerprint as the
-fingerprint oracle and the sink's record as the history of what was delivered, and checks the
-reply, what reached the sink, and that the session still answers. Discrepancies are collected
-and reported together at the end, so one run shows every one of them.
+``reject`` a lone LF is refused. For each message the test predicts the reply from the
+contract, with relay.core.fingerprint as the fingerprint oracle and the sink's record as the
+history of what was delivered, and checks the reply, what reached the sink, and that the session
+still answers. Discrepancies are collected and reported together at the end, so one run shows
+every one of them.
 """
 
 from __future__ import annotations
