@@ -99,6 +99,21 @@ async def test_upstream_552_to_rcpt_after_an_accepted_one_is_its_limit(
     assert len(sink.handler.delivered) == 2
 
 
+async def test_a_transaction_past_the_limit_that_is_refused_ends_the_run(
+        relay: Relay, sink: Sink) -> None:
+    """The smarthost takes one recipient per transaction and refuses the first message
+    (``451`` to the dot): no further transaction; every recipient is released, and the retry
+    goes in two transactions."""
+    sink.handler.rcpt_limit = 1
+    sink.handler.data_plan.append("451 4.3.0 try again later")
+    rcpts = ["a@example.net", "b@example.net"]
+    first = await send(relay.port, rcpts, message(template="bulk", key="T-2"))
+    assert (first.code, sink.handler.transactions) == (451, 1)
+    retry = await send(relay.port, rcpts, message(template="bulk", key="T-2"))
+    assert retry.code == 250 and "relayed 2" in retry.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+
+
 async def test_upstream_552_to_the_first_rcpt_is_temporary_and_the_retry_sends_it(
         relay: Relay, sink: Sink) -> None:
     """A 552 to the transaction's first RCPT is a 452 that is no limit (nothing was accepted
