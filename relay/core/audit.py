@@ -26,8 +26,10 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
     ``now`` is the relay's clock (unix seconds); ``outcomes`` recipient -> outcome;
     ``keys`` recipient -> store key (empty: no fingerprint); ``rcpt_results`` the upstream
     transaction's result of each recipient in it (its reply, when the upstream sent one, is the
-    row's: a refusal at RCPT, or the reply to the final dot); ``final_reply`` the reply to the
-    final dot (its queue id goes into the rows of the recipients it accepted); ``upstream`` the
+    row's: a refusal at RCPT, or the reply to the final dot, whose queue id goes into the row
+    of a recipient it accepted: a recipient of a further transaction, past the smarthost's
+    recipient limit, has its own); ``final_reply`` the first transaction's reply to the final
+    dot, the queue id of an accepted recipient whose reply names none; ``upstream`` the
     name of the upstream of the transaction, named in the rows of the recipients in it (an
     in-doubt recipient has no reply, and its row must still say where the final dot went).
     A recipient without an outcome (the message was refused before a decision per recipient)
@@ -46,7 +48,7 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
             decided_at=now, outcome=outcome.value, recipient=rcpt, store_key=keys.get(rcpt),
             template=template, dedupe_key=dedupe_key,
             reply=str(reply) if reply is not None else "",
-            upstream_queue_id=queue if accepted else "",
+            upstream_queue_id=(upstream_queue_id(reply) or queue) if accepted else "",
             upstream=upstream if result is not None else "",
             message_id=message_id,
             queue_id=queue_id, client_reply=str(client_reply)))

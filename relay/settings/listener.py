@@ -4,7 +4,7 @@ session (RFC 5321 section 4.5.3); built into :class:`relay.smtp.handler.Listener
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -24,8 +24,9 @@ class ListenerSettings(Section):
         "name in the greeting, the EHLO reply and the Received: header"))
     max_message_size: int = Field(default=10 * 1024 * 1024, ge=1024, description=(
         "bytes; advertised as SIZE, a larger message is refused with 552 5.3.4"))
-    max_recipients: int = Field(default=100, ge=1, description=(
-        "RCPT TO per message; more are refused with 452 4.5.3 (RFC 5321 section 4.5.3.1.8)"))
+    max_recipients: int = Field(default=1000, ge=1, description=(
+        "RCPT TO per message; more are refused with 452 4.5.3 (RFC 5321 section 4.5.3.1.8), "
+        "not counted as idle commands"))
     client_timeout: float = Field(default=300.0, gt=0, description=(
         "seconds a client may stay silent; then 421 4.4.2 and the connection is closed"))
     data_deadline: float = Field(default=600.0, gt=0, description=(
@@ -35,6 +36,9 @@ class ListenerSettings(Section):
     max_idle_commands: int = Field(default=100, ge=1, description=(
         "commands since the session's last message (NOOP, RSET, refused MAIL/RCPT/DATA...); "
         "then 421 4.7.0"))
+    bare_newline: Literal["normalize", "reject"] = Field("normalize", description=(
+        "a message line ending in a bare LF: normalize takes it as CRLF (only <CRLF>.<CRLF> "
+        "ends DATA), reject refuses the message with 550 5.6.0; a bare CR is always refused"))
 
     @field_validator("listen")
     @classmethod
@@ -63,6 +67,6 @@ class ListenerSettings(Section):
             hostname=self.hostname, max_recipients=self.max_recipients,
             max_message_size=self.max_message_size, client_timeout_s=self.client_timeout,
             data_deadline_s=self.data_deadline, session_lifetime_s=self.session_lifetime,
-            max_idle_commands=self.max_idle_commands,
+            max_idle_commands=self.max_idle_commands, bare_newline=self.bare_newline,
             local_part_case_sensitive=local_part_case_sensitive,
             log_recipients=log_recipients, allowed_senders=allowed_senders)

@@ -7,6 +7,12 @@ limit, or a message past the size limit, is counted and thrown away as it arrive
 message within both limits is kept. The reply comes after the final dot (RFC 5321 section
 4.2.5: the client sends the whole block before reading it); a client that never sends the dot
 is ended by the session's DATA deadline, not by memory.
+
+With ``bare_newline = "normalize"`` (:data:`NORMALIZE`) a content line may end in a bare LF,
+kept as CRLF, while only ``<CRLF>.<CRLF>`` ends the block (as Postfix's
+``smtpd_forbid_bare_newline = normalize``): a line ``.`` that does not end in CRLF right after
+a CRLF (``<LF>.<LF>``, ``<LF>.<CRLF>``, ``<CRLF>.<LF>``) is no end and is dropped, never kept
+as content. A lone CR stays in the content for the handler's check (``550 5.6.0``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from relay.core.interfaces import SmtpReply
 
 MAX_LINE = 998  # octets before CRLF, after dot-unstuffing (RFC 5321 section 4.5.3.1.6)
 AUTH_LINE_MAX = 12288  # octets of an AUTH exchange line, CRLF included (RFC 4954 section 4)
+NORMALIZE = "normalize"  # bare_newline: a bare LF ends a content line, kept as CRLF
+REJECT = "reject"  # bare_newline: a bare LF stays in the content, which the handler refuses
+BARE_NEWLINE_MODES = (NORMALIZE, REJECT)
 _END = b".\r\n"
 
 
@@ -35,8 +44,8 @@ class ClientGone(Exception):  # an event, not a failure of ours
     """The client's stream ended (EOF) before the final dot."""
 
 
-async def read_message(reader: asyncio.StreamReader, *, max_size: int | None
-                       ) -> bytes | SmtpReply:
+async def read_message(reader: asyncio.StreamReader, *, max_size: int | None,
+                       bare_newline: str = REJECT) -> bytes | SmtpReply:
     """Read the DATA block up to the final dot and return it unstuffed, or the refusal.
 
     ``reader`` must have a limit of at least ``MAX_LINE + 3`` (a stuffed line and its CRLF);
@@ -44,19 +53,31 @@ async def read_message(reader: asyncio.StreamReader, *, max_size: int | None
     (unstuffed, CRLFs counted, RFC 1870 section 3). Returns ``replies.LINE_TOO_LONG`` for a
     line over 998 octets, ``replies.MESSAGE_TOO_BIG`` past ``max_size`` (the first limit hit
     wins), after reading on to the dot. Raises :class:`ClientGone` when the stream ends first.
+    ``bare_newline``: :data:`REJECT` splits lines at CRLF only (a bare LF stays inside a
+    line); :data:`NORMALIZE` also at a bare LF, which the returned content has as CRLF (the
+    limits count the line so ended), and drops a ``.`` line that is no ``<CRLF>.<CRLF>``.
     """
+    separator = b"\n" if bare_newline == NORMALIZE else b"\r\n"
     kept: list[bytes] = []
     size = 0
     refusal: SmtpReply | None = None
+    after_crlf = True  # the DATA command's line ended in CRLF (CommandLineGuard)
     while True:
-        line, whole = await _next_line(reader)
-        if whole and line == _END:
-            break
+        line, whole = await _next_line(reader, separator)
         if not whole:  # past the reader's limit: the rest of the line is dropped unread
-            await _skip_rest_of_line(reader)
+            after_crlf = await _skip_rest_of_line(reader, separator)
             refusal = refusal or replies.LINE_TOO_LONG
             kept.clear()
             continue
+        if line == _END and after_crlf:
+            break
+        crlf = line.endswith(b"\r\n")
+        if not crlf:  # a bare LF (NORMALIZE only): the line ends in CRLF from here on
+            line = line[:-1] + b"\r\n"
+        dot_line = line == _END  # not after a CRLF, or not in CRLF itself: no end
+        after_crlf = crlf
+        if dot_line:
+            continue  # dropped, as Postfix's normalize does
         if line[:1] == b".":
             line = line[1:]  # transparency (RFC 5321 section 4.5.2)
         size += len(line)
@@ -71,26 +92,30 @@ async def read_message(reader: asyncio.StreamReader, *, max_size: int | None
     return refusal if refusal is not None else b"".join(kept)
 
 
-async def _next_line(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
-    """The next line with its CRLF and True, or (b"", False) when it is longer than the limit."""
+async def _next_line(reader: asyncio.StreamReader, separator: bytes) -> tuple[bytes, bool]:
+    """The next line with its ``separator`` and True, or (b"", False) when it is longer than
+    the limit."""
     try:
-        return await reader.readuntil(b"\r\n"), True
+        return await reader.readuntil(separator), True
     except asyncio.LimitOverrunError:
         return b"", False
     except asyncio.IncompleteReadError as exc:
         raise ClientGone from exc
 
 
-async def _skip_rest_of_line(reader: asyncio.StreamReader) -> None:
-    """Throw away octets up to and including the next CRLF, one buffer at a time."""
+async def _skip_rest_of_line(reader: asyncio.StreamReader, separator: bytes) -> bool:
+    """Throw away octets up to and including the next ``separator``, one buffer at a time;
+    True when the line ended in CRLF."""
+    last = b""  # the last octet thrown away before the final piece
     while True:
         try:
-            await reader.readuntil(b"\r\n")
-            return
+            end = await reader.readuntil(separator)
+            return (last + end).endswith(b"\r\n")
         except asyncio.LimitOverrunError as exc:
             # ``consumed`` stops one octet short of the buffer's end: a CR there may be the
             # first half of the CRLF, and stays for the next round
-            await reader.readexactly(exc.consumed)
+            skipped = await reader.readexactly(exc.consumed)
+            last = skipped[-1:] or last
         except asyncio.IncompleteReadError as exc:
             raise ClientGone from exc
 
@@ -108,9 +133,10 @@ class CommandLineGuard:
     aiosmtpd's ``500`` and one ending in a bare LF the ``421``. Each good command line is shown
     to ``on_command`` (the bytes, or ``b""`` for an over-long one), which returns False when the
     session must end (it has said why). The end of the client's stream (EOF, a half-close)
-    ends the session once every command before it has been answered. DATA lines
-    (``readuntil(b"\r\n")``) and AUTH responses (``readline()``) pass through unchanged; every
-    other attribute is the wrapped reader's (aiosmtpd's STARTTLS writes to private ones).
+    ends the session once every command before it has been answered. The DATA block is read
+    from :attr:`stream`, past the check, and AUTH responses (``readline()``) are checked as
+    lines of their own; every other attribute is the wrapped reader's (aiosmtpd's STARTTLS
+    writes to private ones).
     """
 
     __slots__ = ("_inner", "_on_bad", "_on_command", "_overrun", "_tail")
@@ -127,6 +153,12 @@ class CommandLineGuard:
         object.__setattr__(self, "_on_command", on_command)
         object.__setattr__(self, "_overrun", False)
         object.__setattr__(self, "_tail", b"")
+
+    @property
+    def stream(self) -> asyncio.StreamReader:
+        """The wrapped reader: :func:`read_message` reads the DATA block from it (a content
+        line may end in a bare LF, read with ``readuntil(b"\\n")`` as a command line is)."""
+        return self._inner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

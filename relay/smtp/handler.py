@@ -33,7 +33,7 @@ from relay.core.message import MessageCore
 from relay.core.queue_id import upstream_queue_id
 from relay.core.recipients import normalize_recipient
 from relay.smtp.access import ConnectionGate, Network, sender_allowed
-from relay.smtp.data import has_bare_cr_or_lf
+from relay.smtp.data import NORMALIZE, has_bare_cr_or_lf
 from relay.smtp.session import RelaySMTP
 
 if TYPE_CHECKING:
@@ -48,10 +48,12 @@ _SAFE_HELO = re.compile(r"^[A-Za-z0-9.\-_:\[\]]{1,255}$")
 class ListenerLimits:
     """Listener limits: ``max_recipients`` per message, ``max_message_size`` in bytes; a
     session's DATA ends ``data_deadline_s`` after the 354, the session ``session_lifetime_s``
-    after connect, or at ``max_idle_commands`` commands without a message."""
+    after connect, or at ``max_idle_commands`` commands without a message. ``bare_newline``:
+    ``normalize`` takes a content line ending in a bare LF as ending in CRLF, ``reject`` leaves
+    it to the ``550 5.6.0`` (:func:`relay.smtp.data.read_message`)."""
 
     hostname: str
-    max_recipients: int = 100
+    max_recipients: int = 1000
     max_message_size: int = 10 * 1024 * 1024
     client_timeout_s: float = 300.0
     data_deadline_s: float = 600.0
@@ -60,6 +62,7 @@ class ListenerLimits:
     local_part_case_sensitive: bool = False
     log_recipients: bool = False
     allowed_senders: tuple[str, ...] = ()
+    bare_newline: str = NORMALIZE
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,7 @@ def smtp_factory(handler: RelayHandler, limits: ListenerLimits, security: Listen
             data_deadline_s=limits.data_deadline_s,
             session_lifetime_s=limits.session_lifetime_s,
             max_idle_commands=limits.max_idle_commands,
+            bare_newline=limits.bare_newline,
             hostname=limits.hostname,
             data_size_limit=limits.max_message_size,
             enable_SMTPUTF8=True,

@@ -26,7 +26,7 @@ from relay.core import replies
 from relay.core.interfaces import Result, SmtpReply
 from relay.smtp.access import ConnectionGate, Network
 from relay.smtp.aiosmtpd_init import init_smtp
-from relay.smtp.data import ClientGone, CommandLineGuard, read_message
+from relay.smtp.data import REJECT, ClientGone, CommandLineGuard, read_message
 from relay.smtp.tls_halfclose import HalfCloseTLSProtocol
 
 log = logging.getLogger("relay.smtp")
@@ -34,6 +34,8 @@ log = logging.getLogger("relay.smtp")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 controls
 # the commands of a mail transaction, and QUIT: not counted against max_idle_commands
 _TRANSACTION_COMMANDS = frozenset({b"MAIL", b"RCPT", b"DATA", b"QUIT"})
+# past max_recipients: the envelope goes on, so not counted against max_idle_commands either
+_RECIPIENT_LIMIT = str(replies.TOO_MANY_RECIPIENTS)
 # RFC 5321 section 4.1.2: "<" [source route ":"] mailbox ">" then only parameters after a
 # blank; a blank or bracket inside the path is allowed in a quoted local part only
 _PATH = re.compile(r'<(?:"(?:[^"\\]|\\.)*"|[^<>"\s])*>(?:\s|$)')
@@ -177,7 +179,7 @@ class RelaySMTP(SMTP):
                  gate: ConnectionGate, proxy_networks: tuple[Network, ...] | None = None,
                  implicit_tls: bool = False, data_deadline_s: float = 600.0,
                  session_lifetime_s: float = 3600.0, max_idle_commands: int = 100,
-                 **kwargs: Any) -> None:
+                 bare_newline: str = REJECT, **kwargs: Any) -> None:
         # aiosmtpd sees TLS only through its own STARTTLS layer, so on the implicit-TLS port
         # AUTH must not wait for it (auth_require_tls False); aiosmtpd's constructor would log
         # "auth_required == True but auth_require_tls == False" for every session although the
@@ -187,6 +189,7 @@ class RelaySMTP(SMTP):
         self._data_deadline_s = data_deadline_s
         self._session_lifetime_s = session_lifetime_s
         self._max_idle_commands = max_idle_commands
+        self._bare_newline = bare_newline
         self._idle_commands = 0
         self._answering: bytes | None = None  # the transaction command being answered
         self._timers: dict[str, asyncio.TimerHandle] = {}  # "lifetime", "data"
@@ -342,8 +345,11 @@ class RelaySMTP(SMTP):
             self._ehlo_lines = None
         answering, self._answering = self._answering, None
         await super().push(status)
-        if answering in (b"MAIL", b"RCPT", b"DATA") and status[:1] in ("4", "5"):
-            self._count_idle()  # a refused MAIL/RCPT/DATA is no progress either
+        if (answering in (b"MAIL", b"RCPT", b"DATA") and status[:1] in ("4", "5")
+                and status != _RECIPIENT_LIMIT):
+            # a refused MAIL/RCPT/DATA is no progress either; a recipient past the limit is
+            # (the client sends the envelope it has, and its message follows)
+            self._count_idle()
 
     def data_received(self, data: bytes) -> None:
         """While a DATA transfer runs, every chunk restarts the client timeout.
@@ -391,7 +397,8 @@ class RelaySMTP(SMTP):
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         self._start_timer("data", self._data_deadline_s, self._data_too_slow)
         try:
-            content = await read_message(self._reader, max_size=self.data_size_limit)
+            content = await read_message(self._data_stream(), max_size=self.data_size_limit,
+                                         bare_newline=self._bare_newline)
         except ClientGone:
             raise asyncio.CancelledError from None  # aiosmtpd's end for a gone client
         self._stop_timer("data")
@@ -403,6 +410,11 @@ class RelaySMTP(SMTP):
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()  # type: ignore[no-untyped-call]  # aiosmtpd
         await self.push("250 OK" if status is MISSING else status)
+
+    def _data_stream(self) -> asyncio.StreamReader:
+        """The client's stream without the command-line check (DATA lines are content)."""
+        reader: object = self._reader
+        return reader.stream if isinstance(reader, CommandLineGuard) else self._reader
 
     def _start_timer(self, name: str, delay_s: float, callback: Callable[[], None]) -> None:
         self._stop_timer(name)

@@ -238,6 +238,30 @@ def _lost(exc: Exception) -> RcptResult:
         replies.UPSTREAM_TIMEOUT if isinstance(exc, TimeoutError) else replies.UPSTREAM_LOST)
 
 
+@dataclass(frozen=True)
+class _Recipients:
+    """The RCPTs of one transaction: the refusals by recipient, the accepted ones in order,
+    whether the session is in a known state, and the recipients past the smarthost's limit
+    (``left``: refused ``452`` after an accepted one, or not sent after that)."""
+
+    results: dict[str, RcptResult]
+    accepted: list[str]
+    clean: bool
+    left: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Transaction:
+    """One transaction's result; whether the connection may be reused (every command
+    answered, none with 421: the session is in a known state); whether the transaction is
+    over (no RSET needed before the next MAIL); the recipients past the smarthost's limit."""
+
+    result: DeliveryResult
+    clean: bool
+    ended: bool
+    left: tuple[str, ...] = ()
+
+
 class SmtpUpstream:
     """Relays to an SMTP smarthost; implements :class:`relay.core.interfaces.Upstream`."""
 
@@ -268,13 +292,42 @@ class SmtpUpstream:
 
     async def deliver(self, message: OutboundMessage,
                       progress: DeliveryProgress | None = None) -> DeliveryResult:
-        """Run one upstream transaction; see :class:`relay.core.interfaces.Upstream`.
+        """Relay ``message`` in as many transactions as the smarthost's recipient limit needs;
+        see :class:`relay.core.interfaces.Upstream`.
+
+        A ``452`` to RCPT after the transaction had a recipient accepted is the smarthost's
+        limit (RFC 5321 section 4.5.3.1.10): no more RCPTs go in that transaction, and once its
+        final dot is answered 2yz the recipients left go in the next one, each with its own
+        result (a transaction that did not deliver ends the run: the recipients left keep the
+        ``452``). The result is the first transaction's, with every recipient's; the
+        ``before_dot`` hook runs once per transaction with its recipients, and
+        ``progress.dot_written`` stays True once a dot went out (a cut in a later transaction
+        leaves every recipient in doubt, never released to be sent twice).
+        """
+        progress = progress if progress is not None else DeliveryProgress()
+        first, left = await self._deliver_once(message, progress)
+        result, outcomes = first, dict(first.recipients)
+        transactions = 1
+        while left and result.final_reply is not None:
+            transactions += 1
+            log.info("upstream's recipient limit: %d recipient(s) left for transaction %d",
+                     len(left), transactions)
+            more = DeliveryProgress(before_dot=progress.before_dot)
+            result, left = await self._deliver_once(
+                dataclasses.replace(message, rcpt_tos=list(left)), more)
+            progress.abort_reply = more.abort_reply or progress.abort_reply
+            outcomes.update(result.recipients)
+        return dataclasses.replace(first, recipients=outcomes)
+
+    async def _deliver_once(self, message: OutboundMessage, progress: DeliveryProgress
+                            ) -> tuple[DeliveryResult, tuple[str, ...]]:
+        """Run one upstream transaction: its result, and the recipients past the smarthost's
+        limit (refused ``452`` after an accepted one, or not sent after that refusal).
 
         A pooled connection reused without RSET whose MAIL finds it gone (closed, reset, or a
         ``421`` from a smarthost ending an idle session) is dropped and the transaction runs
         once more on a new connection: nothing of the message was sent on it.
         """
-        progress = progress if progress is not None else DeliveryProgress()
         for attempt in range(2):
             try:
                 smtp, uses, untested = await self._pool.acquire()
@@ -283,14 +336,14 @@ class SmtpUpstream:
                             replies.client_safe_text(str(exc)))
                 # nothing of the message reached this upstream: another may take it
                 return self._named(_all(message.rcpt_tos, _connection_failure(exc),
-                                        failover=True))
+                                        failover=True)), ()
             clean = ended = False
             try:
                 done = await self._transaction(smtp, message, progress,
                                                retry_gone=untested and attempt == 0)
                 if done is not None:
-                    result, clean, ended = done
-                    return self._named(result)
+                    clean, ended = done.clean, done.ended
+                    return self._named(done.result), done.left
                 self._pool.drop_idle()  # they idled as long: most likely gone too
             finally:
                 self._pool.release(smtp, uses + 1, clean, ended=ended)
@@ -371,14 +424,12 @@ class SmtpUpstream:
 
     async def _transaction(self, smtp: aiosmtplib.SMTP, message: OutboundMessage,
                            progress: DeliveryProgress, *, retry_gone: bool = False
-                           ) -> tuple[DeliveryResult, bool, bool] | None:
-        """The transaction's result, whether the connection may be reused (every command
-        answered, none with 421: the session is in a known state), and whether the
-        transaction is over (no RSET needed before the next MAIL). None when ``retry_gone``
-        and MAIL found the connection gone (see :meth:`deliver`)."""
+                           ) -> _Transaction | None:
+        """The transaction's :class:`_Transaction`; None when ``retry_gone`` and MAIL found
+        the connection gone (see :meth:`_deliver_once`)."""
         wire = negotiate(message, smtp.esmtp_extensions.keys())
         if isinstance(wire, SmtpReply):
-            return _all(message.rcpt_tos, _synthetic(wire)), True, True
+            return _Transaction(_all(message.rcpt_tos, _synthetic(wire)), True, True)
         encoding = "utf-8" if wire.smtputf8 else "ascii"
         try:
             await smtp.mail(wire.mail_from, options=wire.options, encoding=encoding)
@@ -387,45 +438,53 @@ class SmtpUpstream:
                 _log_gone(exc)
                 return None
             # a 4yz (421 included) to MAIL: no transaction began, another upstream may try
-            return (_all(message.rcpt_tos, _refusal(exc.code, exc.message),
-                         failover=400 <= exc.code < 500), _clean(exc.code), True)
+            return _Transaction(_all(message.rcpt_tos, _refusal(exc.code, exc.message),
+                                     failover=400 <= exc.code < 500), _clean(exc.code), True)
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             if retry_gone and not isinstance(exc, TimeoutError):
                 _log_gone(exc)
                 return None
-            return _all(message.rcpt_tos, _lost(exc), failover=True), False, False
+            return _Transaction(_all(message.rcpt_tos, _lost(exc), failover=True), False, False)
         except ValueError:  # aiosmtplib refuses control characters; the listener already did
-            return _all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)), False, False
-        results, accepted, clean = await self._recipients(smtp, wire.rcpt_to, encoding)
+            return _Transaction(_all(message.rcpt_tos, _synthetic(replies.BAD_SENDER_SYNTAX)),
+                                False, False)
+        rcpts = await self._recipients(smtp, wire.rcpt_to, encoding)
+        results, accepted = rcpts.results, rcpts.accepted
         if not accepted:
-            return DeliveryResult(recipients=results), clean, False
+            return _Transaction(DeliveryResult(recipients=results), rcpts.clean, False)
         outcome, clean = await self._data(smtp, message.content, progress, accepted)
         for rcpt in accepted:
             results[rcpt] = outcome
         final = outcome.reply if outcome.status is RcptStatus.ACCEPTED else None
-        return DeliveryResult(recipients=results, final_reply=final), clean, final is not None
+        return _Transaction(DeliveryResult(recipients=results, final_reply=final), clean,
+                            final is not None, rcpts.left)
 
-    async def _recipients(
-        self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str], encoding: str
-    ) -> tuple[dict[str, RcptResult], list[str], bool]:
-        """RCPT for each recipient (wire form): refusals by recipient, the accepted ones, and
-        whether the session is still in a known state."""
+    async def _recipients(self, smtp: aiosmtplib.SMTP, rcpt_to: dict[str, str],
+                          encoding: str) -> _Recipients:
+        """RCPT for each recipient (wire form) until the smarthost's limit: a ``452`` after an
+        accepted recipient (RFC 5321 section 4.5.3.1.10) ends the RCPTs, and that recipient
+        and those not sent are ``left``, with that refusal as their result."""
         results: dict[str, RcptResult] = {}
         accepted: list[str] = []
         clean = True
-        for rcpt, wire_address in rcpt_to.items():
+        for index, (rcpt, wire_address) in enumerate(rcpt_to.items()):
             try:
                 await smtp.rcpt(wire_address, encoding=encoding)
                 accepted.append(rcpt)
             except aiosmtplib.SMTPResponseException as exc:
-                results[rcpt] = _refusal(*_rcpt_reply(exc.code, exc.message))
+                code, text = _rcpt_reply(exc.code, exc.message)
+                results[rcpt] = _refusal(code, text)
                 clean = clean and _clean(exc.code)
+                if code == 452 and accepted:  # the smarthost's limit: the rest go later
+                    left = tuple(rcpt_to)[index:]
+                    results.update(dict.fromkeys(left, results[rcpt]))
+                    return _Recipients(results, accepted, clean, left)
             except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
                 lost = _lost(exc)
-                return {r: results.get(r, lost) for r in rcpt_to}, [], False
+                return _Recipients({r: results.get(r, lost) for r in rcpt_to}, [], False)
             except ValueError:
                 results[rcpt] = _synthetic(replies.BAD_RECIPIENT_SYNTAX)
-        return results, accepted, clean
+        return _Recipients(results, accepted, clean)
 
     async def _data(self, smtp: aiosmtplib.SMTP, content: bytes, progress: DeliveryProgress,
                     accepted: list[str]) -> tuple[RcptResult, bool]:

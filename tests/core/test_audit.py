@@ -35,6 +35,22 @@ def test_one_row_per_distinct_recipient_with_its_reply() -> None:
     assert {r.client_reply for r in rows} == {"250 2.0.0 Ok"}
 
 
+def test_a_recipient_of_a_further_transaction_has_its_own_queue_id() -> None:
+    """Past the smarthost's recipient limit, recipients went in a second transaction: each row
+    names the queue id of the transaction that accepted it."""
+    first = SmtpReply.parse(250, "2.0.0 Ok: queued as Q1")
+    second = SmtpReply.parse(250, "2.0.0 Ok: queued as Q2")
+    rows = entries_for(
+        now=1.0, rcpt_tos=["a@x", "b@x"],
+        outcomes={"a@x": Outcome.RELAYED, "b@x": Outcome.RELAYED},
+        keys={"a@x": "fp:a", "b@x": "fp:b"}, template="t", dedupe_key="k",
+        rcpt_results={"a@x": RcptResult(RcptStatus.ACCEPTED, first),
+                      "b@x": RcptResult(RcptStatus.ACCEPTED, second)}, final_reply=first,
+        client_reply=SmtpReply(250, "2.0.0", "Ok"), upstream="smarthost",
+        message_id="<m@x>", queue_id="qid")
+    assert [(r.recipient, r.upstream_queue_id) for r in rows] == [("a@x", "Q1"), ("b@x", "Q2")]
+
+
 def test_masking_hides_a_one_character_or_quoted_local_part() -> None:
     """``j***@`` shows one character of a longer local part; one of a single character, or a
     quoted one, is hidden whole (its first character would be all of it, or a quote)."""

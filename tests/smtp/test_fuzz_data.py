@@ -7,16 +7,20 @@ UTF-8), folded and very long header values, lone CR, lone LF and NUL octets, lin
 octets, leading dots, empty bodies, messages without the empty line, random binary bodies, and
 resends of earlier messages (the same bytes, or the same headers with a new body).
 
-The client dot-stuffs every line (RFC 5321 section 4.5.2) and ends with CRLF.CRLF. For each
-message the test predicts the reply from the contract, with relay.core.fingerprint as the
-fingerprint oracle and the sink's record as the history of what was delivered, and checks the
-reply, what reached the sink, and that the session still answers. Discrepancies are collected
-and reported together at the end, so one run shows every one of them.
+The client dot-stuffs every line (RFC 5321 section 4.5.2) and ends with CRLF.CRLF. The run is
+made under both values of ``bare_newline``: under ``normalize`` the relay sees the message with
+its lone LFs made CRLF (and the client stuffs a line after a lone LF too, as smtplib does); under
+``reject`` a lone LF is refused. For each message the test predicts the reply from the
+contract, with relay.core.fingerprint as the fingerprint oracle and the sink's record as the
+history of what was delivered, and checks the reply, what reached the sink, and that the session
+still answers. Discrepancies are collected and reported together at the end, so one run shows
+every one of them.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import random
 import re
@@ -45,6 +49,8 @@ MAX_LINE_OCTETS = 1000
 REPLY_LINE = re.compile(r"^([245])\d\d ([245])\.\d{1,3}\.\d{1,3}(?: |$)")
 BARE_CR_OR_LF = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 LINE_START_DOT = re.compile(rb"(?:\A|(?<=\r\n))\.")
+LINE_START_DOT_AFTER_LF = re.compile(rb"(?m)^\.")
+BARE_LF = re.compile(rb"(?<!\r)\n")
 
 # every spelling in a group is one recipient after normalization (design.md §2)
 RECIPIENT_GROUPS = (
@@ -436,12 +442,20 @@ def oracle_problems(reply: str, exp: Expected) -> list[str]:
 # ------------------------------------------------------------------------------------------
 
 
-def stuffed(data: bytes) -> bytes:
-    """``data`` with a dot added before every line that starts with one (RFC 5321 4.5.2)."""
+def stuffed(data: bytes, bare_newline: str) -> bytes:
+    """``data`` with a dot added before every line that starts with one (RFC 5321 4.5.2); a
+    line after a lone LF counts as one under ``normalize``."""
+    if bare_newline == "normalize":
+        return LINE_START_DOT_AFTER_LF.sub(b"..", data)
     return LINE_START_DOT.sub(b"..", data)
 
 
-async def send_one(client: RawClient, out: Outgoing) -> str:
+def as_read(data: bytes, bare_newline: str) -> bytes:
+    """``data`` as the relay reads it: under ``normalize`` every lone LF is a CRLF."""
+    return BARE_LF.sub(b"\r\n", data) if bare_newline == "normalize" else data
+
+
+async def send_one(client: RawClient, out: Outgoing, bare_newline: str) -> str:
     """MAIL, RCPT..., DATA, the stuffed message and CRLF.CRLF; returns the final reply."""
     data = out.data
     params = (" SMTPUTF8" if out.smtputf8 else "") + (
@@ -453,7 +467,7 @@ async def send_one(client: RawClient, out: Outgoing) -> str:
         assert reply == str(replies.RECIPIENT_OK), (rcpt, reply)
     reply = await client.cmd("DATA")
     assert reply.startswith("354 "), reply
-    await client.write(stuffed(data) + b".\r\n")
+    await client.write(stuffed(data, bare_newline) + b".\r\n")
     return await client.reply()
 
 
@@ -499,11 +513,12 @@ def describe(index: int, out: Outgoing) -> str:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("bare_newline", ["normalize", "reject"])
 async def test_fuzzed_messages_get_one_sound_reply_and_the_matching_delivery(
-    make_relay: MakeRelay, sink: Sink, caplog: pytest.LogCaptureFixture
+    make_relay: MakeRelay, sink: Sink, caplog: pytest.LogCaptureFixture, bare_newline: str
 ) -> None:
     """Every fuzzed message gets one well-formed reply that matches what reached upstream."""
-    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", bare_newline=bare_newline)
     corpus = Corpus(random.Random(SEED))
     delivered_fps: set[str] = set()
     problems: list[str] = []
@@ -513,15 +528,17 @@ async def test_fuzzed_messages_get_one_sound_reply_and_the_matching_delivery(
         if index and index % RECONNECT_EVERY == 0:
             await quit_session(client)
             client = await session(relay.port)
-        out = corpus.next()
+        sent = corpus.next()
+        out = dataclasses.replace(sent, head=as_read(sent.head + sent.body, bare_newline),
+                                  body=b"")
         exp = expect(out, delivered_fps)
         before = len(sink.handler.delivered)
-        reply = await send_one(client, out)
+        reply = await send_one(client, sent, bare_newline)
         new = sink.handler.delivered[before:]
         outcomes.add("suppressed" if "suppressed for" in reply else reply[:3])
         found = (form_problems(reply, out) + oracle_problems(reply, exp)
                  + delivery_problems(reply, exp, new, out.data))
-        problems += [f"{describe(index, out)}\n    {p}" for p in found]
+        problems += [f"{describe(index, sent)}\n    {p}" for p in found]
         delivered_fps |= delivered_fingerprints(out.data, new)
         noop = await client.cmd("NOOP")
         assert noop.startswith("250 "), (describe(index, out), noop)

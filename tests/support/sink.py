@@ -27,7 +27,9 @@ class SinkHandler:
 
     ``rcpt_plan[address]`` and ``data_plan`` are queues of replies used one per call (then
     250); ``mail_plan`` likewise for MAIL; ``hang_after_dot_s`` delays the reply to the final
-    dot; ``delay_s`` delays every DATA reply (to hold a transaction open).
+    dot; ``delay_s`` delays every DATA reply (to hold a transaction open); ``rcpt_limit`` (0:
+    none) answers ``452 4.5.3`` to every RCPT past that many in one transaction, as Postfix's
+    ``smtpd_recipient_limit`` does.
     """
 
     delivered: list[Delivered] = field(default_factory=list)
@@ -38,6 +40,7 @@ class SinkHandler:
     hang_after_dot_s: float = 0.0
     delay_s: float = 0.0
     mail_delay_s: float = 0.0
+    rcpt_limit: int = 0
     mail_commands: list[tuple[str, list[str]]] = field(default_factory=list)
     rcpt_commands: list[str] = field(default_factory=list)
 
@@ -56,6 +59,8 @@ class SinkHandler:
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, options: list[str]) -> str:
         self.rcpt_commands.append(address)
+        if self.rcpt_limit and len(envelope.rcpt_tos) >= self.rcpt_limit:
+            return "452 4.5.3 Error: too many recipients"
         plan = self.rcpt_plan.get(address)
         if plan:
             reply = plan.popleft()

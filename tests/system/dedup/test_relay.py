@@ -85,17 +85,48 @@ async def test_message_without_key_is_delivered_every_time(relay: Relay, sink: S
     assert len(sink.handler.delivered) == 3
 
 
-async def test_upstream_552_to_rcpt_is_temporary_and_the_retry_sends_the_rest(
+async def test_upstream_552_to_rcpt_after_an_accepted_one_is_its_limit(
         relay: Relay, sink: Sink) -> None:
-    """A 552 to RCPT (too many recipients) is a 452 (RFC 5321 4.5.3.1.10): retried, not lost."""
+    """A 552 to RCPT (too many recipients) is a 452 (RFC 5321 4.5.3.1.10); after an accepted
+    recipient it is the smarthost's limit: the rest goes in a further transaction."""
     sink.handler.rcpt_plan["b@example.net"] = deque(["552 5.5.3 Too many recipients"])
     rcpts = ["a@example.net", "b@example.net"]
     first = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
+    assert first.code == 250 and "relayed 2" in first.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+    retry = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
+    assert retry.code == 250 and "suppressed for 2" in retry.text
+    assert len(sink.handler.delivered) == 2
+
+
+async def test_a_transaction_past_the_limit_that_is_refused_ends_the_run(
+        relay: Relay, sink: Sink) -> None:
+    """The smarthost takes one recipient per transaction and refuses the first message
+    (``451`` to the dot): no further transaction; every recipient is released, and the retry
+    goes in two transactions."""
+    sink.handler.rcpt_limit = 1
+    sink.handler.data_plan.append("451 4.3.0 try again later")
+    rcpts = ["a@example.net", "b@example.net"]
+    first = await send(relay.port, rcpts, message(template="bulk", key="T-2"))
+    assert (first.code, sink.handler.transactions) == (451, 1)
+    retry = await send(relay.port, rcpts, message(template="bulk", key="T-2"))
+    assert retry.code == 250 and "relayed 2" in retry.text
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+
+
+async def test_upstream_552_to_the_first_rcpt_is_temporary_and_the_retry_sends_it(
+        relay: Relay, sink: Sink) -> None:
+    """A 552 to the transaction's first RCPT is a 452 that is no limit (nothing was accepted
+    before it): that recipient is refused temporarily, the others relayed, the retry sends
+    it."""
+    sink.handler.rcpt_plan["a@example.net"] = deque(["552 5.5.3 Too many recipients"])
+    rcpts = ["a@example.net", "b@example.net"]
+    first = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
     assert (first.code, first.text) == (452, "4.5.3 upstream: Too many recipients")
-    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"]]
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["b@example.net"]]
     retry = await send(relay.port, rcpts, message(template="bulk", key="T-1"))
     assert retry.code == 250 and "relayed 1, suppressed 1" in retry.text
-    assert [d.rcpt_tos for d in sink.handler.delivered] == [["a@example.net"], ["b@example.net"]]
+    assert [d.rcpt_tos for d in sink.handler.delivered] == [["b@example.net"], ["a@example.net"]]
 
 
 async def test_upstream_multiline_refusal_reaches_the_client_as_one_line(

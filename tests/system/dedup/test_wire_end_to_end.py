@@ -21,6 +21,7 @@ import pytest
 from relay.app import Relay
 from relay.core import replies
 from relay.core.interfaces import State
+from relay.smtp.data import BARE_NEWLINE_MODES
 from tests.support.clients import RawClient, send
 from tests.support.relays import MakeRelay
 from tests.support.sink import Sink, start_sink
@@ -66,6 +67,12 @@ class WireSink:
                 writer.write(b"250 2.0.0 OK\r\n")
             await writer.drain()
         writer.close()
+
+
+@pytest.fixture(params=BARE_NEWLINE_MODES)
+def bare_newline(request: pytest.FixtureRequest) -> str:
+    """Each value of the ``bare_newline`` setting."""
+    return str(request.param)
 
 
 @pytest.fixture
@@ -200,45 +207,70 @@ async def test_nfc_and_case_variants_are_suppressed(relay: Relay, sink: Sink) ->
 # bare LF and SMTP smuggling (RFC 5321 sections 2.3.8, 4.1.1.4)
 # ------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=BARE_NEWLINE_MODES)
+async def each_newline_relay(request: pytest.FixtureRequest, make_relay: MakeRelay,
+                             sink: Sink) -> Relay:
+    """A relay in front of ``sink`` under each ``bare_newline`` value (``relay.settings``
+    says which)."""
+    return await make_relay(upstream=f"127.0.0.1:{sink.port}", bare_newline=request.param)
+
+
 def smuggled(fake_end: bytes) -> bytes:
     """Case 03's DATA: W-1, a fake end marker, then a spoofed W-2 transaction as text."""
     return (b"From: app@example.com\r\nX-Template: welcome\r\nX-Dedupe-Key: W-1\r\n\r\nhello"
-            + fake_end + b"MAIL FROM:<ceo@example.com>\r\nRCPT TO:<b@example.net>\r\nDATA\r\n"
-            b"X-Template: welcome\r\nX-Dedupe-Key: W-2\r\n\r\nspoofed\r\n.\r\n")
+            + fake_end + SPOOFED + b"\r\n.\r\n")
+
+
+SPOOFED = (b"MAIL FROM:<ceo@example.com>\r\nRCPT TO:<b@example.net>\r\nDATA\r\n"
+           b"X-Template: welcome\r\nX-Dedupe-Key: W-2\r\n\r\nspoofed")
 
 
 @pytest.mark.parametrize("fake_end", [b"\n.\r\n", b"\n.\n", b"\r.\r", b"\r\n.\n", b"\r.\r\n"],
                          ids=["LF.CRLF", "LF.LF", "CR.CR", "CRLF.LF", "CR.CRLF"])
-async def test_smuggled_terminator_is_refused(
-    relay: Relay, sink: Sink, fake_end: bytes
+async def test_smuggled_terminator_does_not_end_data(
+    each_newline_relay: Relay, sink: Sink, fake_end: bytes
 ) -> None:
-    """A fake end marker does not end DATA: one 550 5.6.0 (or 421) after the real end, no relay."""
+    """A fake end marker does not end DATA: the smuggled MAIL/RCPT/DATA stay text. Under
+    ``reject`` (or with a bare CR under either value) the message gets one 550 5.6.0 (or
+    421) after the real end and nothing is relayed; under ``normalize`` a fake end made of
+    bare LFs is dropped and W-1 goes upstream once, the smuggled lines as its body."""
+    relay = each_newline_relay
     client, _ = await ehlo(relay.port)
     got = [await client.cmd("MAIL FROM:<app@example.com>"),
            await client.cmd("RCPT TO:<a@example.net>"), await client.cmd("DATA")]
     await client.write(smuggled(fake_end))
     final = await client.reply()
     assert codes(got) == [250, 250, 354]
+    lone_cr = b"\r" in fake_end.replace(b"\r\n", b"")
+    relayed = relay.settings.bare_newline == "normalize" and not lone_cr
     if final.startswith("421"):
+        assert not relayed
         assert await closed_by_server(client)
     else:
-        assert final == str(replies.BARE_CR_OR_LF)
+        assert final.startswith("250 2.0.0 ") if relayed else final == str(replies.BARE_CR_OR_LF)
         # in sync: the smuggled MAIL/RCPT/DATA were body text, not commands
         assert (await client.cmd("NOOP")).startswith("250 ")
     await client.close()
-    assert sink.handler.transactions == 0
-    assert sink.handler.mail_commands == []
-    assert await state_of(relay, "a@example.net", "welcome", "W-1") is State.ABSENT
+    assert [m[0] for m in sink.handler.mail_commands] == (
+        ["app@example.com"] if relayed else [])
+    if relayed:
+        [delivered] = sink.handler.delivered
+        assert delivered.rcpt_tos == ["a@example.net"]
+        assert delivered.content.endswith(b"\r\n\r\nhello\r\n" + SPOOFED + b"\r\n")
+    assert await state_of(relay, "a@example.net", "welcome", "W-1") is (
+        State.SENT if relayed else State.ABSENT)
     assert await state_of(relay, "b@example.net", "welcome", "W-2") is State.ABSENT
-    assert await stored_keys(relay) == []
+    assert len(await stored_keys(relay)) == (1 if relayed else 0)
 
 
-@pytest.mark.parametrize("body", [b"hello\nworld", b"hello\rworld", b"hello\n"],
-                         ids=["bare-LF", "bare-CR", "trailing-LF"])
-async def test_bare_line_end_in_data_is_refused(
-    relay: Relay, sink: Sink, body: bytes
+@pytest.mark.parametrize("body", [b"hello\rworld", b"hello\r", b"hello\r\rworld"],
+                         ids=["bare-CR", "trailing-CR", "two-CRs"])
+async def test_bare_cr_in_data_is_refused(
+    each_newline_relay: Relay, sink: Sink, body: bytes
 ) -> None:
-    """A lone LF or CR inside DATA gets 550 5.6.0 and nothing reaches upstream."""
+    """A lone CR inside DATA gets 550 5.6.0 under either value, and nothing reaches
+    upstream."""
+    relay = each_newline_relay
     client, _ = await ehlo(relay.port)
     got = await transaction(client, [RCPT], msg("X-Template: welcome", "X-Dedupe-Key: W-1",
                                                 body=body))
@@ -249,9 +281,36 @@ async def test_bare_line_end_in_data_is_refused(
     assert await stored_keys(relay) == []
 
 
-async def test_lf_only_client_gets_data_timeout(make_relay: MakeRelay, sink: Sink) -> None:
-    """A DATA section in LF only, ended by <LF>.<LF>, ends with 421 4.4.2 and a close."""
-    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", client_timeout=1.0)
+@pytest.mark.parametrize("body", [b"hello\nworld", b"hello\n", b"hello\n\nworld\n"],
+                         ids=["bare-LF", "trailing-LF", "blank-line"])
+async def test_bare_lf_in_data_is_a_line_end_or_refused(
+    each_newline_relay: Relay, sink: Sink, body: bytes
+) -> None:
+    """A bare LF inside DATA: under ``normalize`` a line end, relayed as CRLF; under ``reject``
+    550 5.6.0 and nothing reaches upstream."""
+    relay = each_newline_relay
+    client, _ = await ehlo(relay.port)
+    data = msg("X-Template: welcome", "X-Dedupe-Key: W-1", body=body)
+    got = await transaction(client, [RCPT], data)
+    await client.close()
+    assert codes(got)[:3] == [250, 250, 354]
+    if relay.settings.bare_newline == "reject":
+        assert got[-1] == str(replies.BARE_CR_OR_LF)
+        assert sink.handler.transactions == 0
+        assert await stored_keys(relay) == []
+        return
+    assert got[-1].startswith("250 2.0.0 ")
+    [delivered] = sink.handler.delivered
+    assert_relayed_unchanged(delivered, data.replace(b"\n", b"\r\n").replace(b"\r\r", b"\r"))
+    assert await state_of(relay, RCPT, "welcome", "W-1") is State.SENT
+
+
+async def test_lf_only_client_gets_data_timeout(make_relay: MakeRelay, sink: Sink,
+                                                bare_newline: str) -> None:
+    """A DATA section in LF only, ended by <LF>.<LF>, ends with 421 4.4.2 and a close: only
+    <CRLF>.<CRLF> ends DATA under either value."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", client_timeout=1.0,
+                             bare_newline=bare_newline)
     client, _ = await ehlo(relay.port)
     got = [await client.cmd("MAIL FROM:<app@example.com>"), await client.cmd(f"RCPT TO:<{RCPT}>"),
            await client.cmd("DATA")]
@@ -851,8 +910,9 @@ async def test_client_sending_data_steadily_is_not_cut_off(
 # ------------------------------------------------------------------------------------------
 
 
-async def test_bare_cr_in_header_value_is_refused(relay: Relay, sink: Sink) -> None:
+async def test_bare_cr_in_header_value_is_refused(each_newline_relay: Relay, sink: Sink) -> None:
     """X-Dedupe-Key: INV-9<CR>Bcc: ... gets 550 5.6.0; nothing upstream, no key."""
+    relay = each_newline_relay
     data = msg("X-Template: invoice", b"X-Dedupe-Key: INV-9\rBcc: attacker@example.org")
     client, _ = await ehlo(relay.port)
     got = await transaction(client, [RCPT], data)
@@ -902,7 +962,7 @@ async def test_control_character_in_rcpt_is_501(
     b"RCPT TO:<a@example.net>\n",
 ], ids=["LF-between-commands", "CR-before-CRLF", "LF-only"])
 async def test_bare_cr_or_lf_in_a_command_line_closes_with_421(
-    relay: Relay, sink: Sink, lines: bytes
+    each_newline_relay: Relay, sink: Sink, lines: bytes
 ) -> None:
     """A command line ends in CRLF only (RFC 5321 2.3.8): a bare LF, or a CR just before the
     CRLF, gets 421 and a close (a CR inside a path is the path check's 501, tested above).
@@ -910,6 +970,7 @@ async def test_bare_cr_or_lf_in_a_command_line_closes_with_421(
     Read as two commands, the first line would add a recipient an application that strips
     only CRLF never meant to send to. Nothing of the transaction reaches upstream.
     """
+    relay = each_newline_relay
     client, _ = await ehlo(relay.port)
     assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250 ")
     await client.write(lines)
@@ -931,10 +992,11 @@ async def test_an_over_long_command_line_ending_in_crlf_is_500_and_the_session_s
     await client.close()
 
 
-async def test_an_over_long_command_line_ending_in_a_bare_lf_is_421(relay: Relay,
+async def test_an_over_long_command_line_ending_in_a_bare_lf_is_421(each_newline_relay: Relay,
                                                                     sink: Sink) -> None:
     """A long line hides a bare LF past the reader's limit: still 421 and a close, so the
     RCPT after it is not read as a command."""
+    relay = each_newline_relay
     client, _ = await ehlo(relay.port)
     assert (await client.cmd("MAIL FROM:<app@example.com>")).startswith("250 ")
     await client.write(b"NOOP " + b"x" * 3000 + b"\nRCPT TO:<attacker@example.org>\r\n")
@@ -944,8 +1006,9 @@ async def test_an_over_long_command_line_ending_in_a_bare_lf_is_421(relay: Relay
     assert sink.handler.rcpt_commands == []
 
 
-async def test_lf_only_session_is_closed_at_its_first_command(relay: Relay) -> None:
+async def test_lf_only_session_is_closed_at_its_first_command(each_newline_relay: Relay) -> None:
     """A client that ends its commands with LF only is told 421 at once, not left waiting."""
+    relay = each_newline_relay
     client = await RawClient.connect(relay.port)  # the 220 greeting read
     await client.write(b"EHLO legacy.example.com\n")
     assert await client.reply() == str(replies.BARE_CR_OR_LF_IN_COMMAND)
