@@ -115,6 +115,7 @@ class Relay:
         self.dsn = s.dsn_sender(self.upstream, metrics, reporting_mta=s.hostname,
                                 log_addresses=s.log_recipients)
         metrics.declare_rate_limits(r.label for r in s.rate_limit)
+        metrics.declare_key_rules(r.name for r in s.key_rule)
         self.journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
                                      self.store, prefix=s.store_prefix,
                                      url_name=s.store_url_name)
