@@ -137,6 +137,7 @@ class Relay:
             dsn = s.dsn_sender(upstream, metrics, reporting_mta=s.hostname,
                                log_addresses=s.log_recipients)
             metrics.declare_rate_limits(r.label for r in s.rate_limit)
+            metrics.declare_key_rules(r.name for r in s.key_rule)
             journal = SettleJournal(Path(s.settle_journal) if s.settle_journal else None,
                                     store, prefix=s.store_prefix, url_name=s.store_url_name)
             limiter = s.rate_limiter(store)
@@ -258,8 +259,7 @@ class Relay:
         self.settings = merged
 
     def count_reload(self, *, applied: bool) -> None:
-        """Count a configuration reload, applied or refused, in ``relay_config_reloads_total``
-        (a worker's are counted by its supervisor: nothing then)."""
+        """Count a reload in ``relay_config_reloads_total`` (a worker's: by its supervisor)."""
         if self.reloads is not None:
             self.reloads.reloaded(applied=applied, now=time.time())
 

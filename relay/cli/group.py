@@ -2,7 +2,8 @@
 (:mod:`relay.cli.serve`), ``hash-password`` and the admin commands ``fingerprint``,
 ``inspect``, ``release``, ``mark-sent`` (:mod:`relay.cli.admin`), ``reload``
 (:mod:`relay.cli.reload`), ``db upgrade`` (:mod:`relay.cli.db`), ``history`` and ``in-doubt``
-(:mod:`relay.cli.ledger`), ``example`` (:mod:`relay.cli.example`).
+(:mod:`relay.cli.ledger`), ``example`` (:mod:`relay.cli.example`), ``explain``
+(:mod:`relay.cli.explain`).
 
 The commands only turn flags into settings (:mod:`relay.cli.options`: one flag per setting,
 also settable as an env var ``RELAY_<NAME>`` and as a key in the ``--config`` TOML file) and call
@@ -20,6 +21,7 @@ from relay.cli.admin import register as register_admin_commands
 from relay.cli.db import register as register_db_commands
 from relay.cli.example import register as register_example_command
 from relay.cli.exit_codes import ExitCode, epilog
+from relay.cli.explain import register as register_explain_command
 from relay.cli.ledger import register as register_ledger_commands
 from relay.cli.reload import register as register_reload_command
 from relay.cli.serve import register as register_serve_commands
@@ -49,3 +51,4 @@ register_reload_command(main)
 register_db_commands(main)
 register_ledger_commands(main)
 register_example_command(main)
+register_explain_command(main)

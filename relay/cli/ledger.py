@@ -99,6 +99,7 @@ def history_json(row: HistoryRow) -> dict[str, object]:
         "upstream_queue_id": row.upstream_queue_id, "upstream": row.upstream,
         "message_id": row.message_id, "queue_id": row.queue_id,
         "client_reply": row.client_reply, "instance": row.instance,
+        "key_source": row.key_source,
     }
 
 
@@ -225,7 +226,8 @@ def _history_line(row: HistoryRow) -> str:
     """``AT  OUTCOME  RECIPIENT  reply: ...  [queue id, Message-ID, upstream, instance]``."""
     extra = [f"{name} {value}" for name, value in (
         ("upstream-queue-id", row.upstream_queue_id), ("message-id", row.message_id),
-        ("upstream", row.upstream), ("queue-id", row.queue_id), ("by", row.instance))
+        ("upstream", row.upstream), ("queue-id", row.queue_id), ("key-from", row.key_source),
+        ("by", row.instance))
         if value]
     return (f"{iso(row.decided_at)}  {row.outcome:<16} {_or_dash(row.recipient):<24} "
             f"reply: {_or_dash(row.reply)}" + (f"  [{', '.join(extra)}]" if extra else ""))

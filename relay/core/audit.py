@@ -20,7 +20,7 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
                 keys: Mapping[str, str], template: str, dedupe_key: str | None,
                 rcpt_results: Mapping[str, RcptResult], final_reply: SmtpReply | None,
                 client_reply: SmtpReply, upstream: str, message_id: str,
-                queue_id: str) -> list[LedgerEntry]:
+                queue_id: str, key_source: str = "") -> list[LedgerEntry]:
     """One row per distinct recipient of a message the core decided on.
 
     ``now`` is the relay's clock (unix seconds); ``outcomes`` recipient -> outcome;
@@ -33,7 +33,8 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
     name of the upstream of the transaction, named in the rows of the recipients in it (an
     in-doubt recipient has no reply, and its row must still say where the final dot went).
     A recipient without an outcome (the message was refused before a decision per recipient)
-    gets none: the caller passes one for every recipient.
+    gets none: the caller passes one for every recipient. ``key_source``: where the key came
+    from (``header``, ``rule:NAME``; ``""``: none).
     """
     queue = upstream_queue_id(final_reply)
     out: list[LedgerEntry] = []
@@ -51,5 +52,5 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
             upstream_queue_id=(upstream_queue_id(reply) or queue) if accepted else "",
             upstream=upstream if result is not None else "",
             message_id=message_id,
-            queue_id=queue_id, client_reply=str(client_reply)))
+            queue_id=queue_id, client_reply=str(client_reply), key_source=key_source))
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -19,7 +20,6 @@ from relay.core import replies, rules
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.gates import Gates
-from relay.core.headers import DedupHeaders
 from relay.core.interfaces import (
     DeliveryProgress,
     DeliveryResult,
@@ -35,7 +35,7 @@ from relay.core.interfaces import (
     SmtpReply,
     Upstream,
 )
-from relay.core.keys import recipient_keys
+from relay.core.keys import DerivedKey, derive_key, recipient_keys
 from relay.core.limits import RateRule
 from relay.core.message import Decision, DecisionObserver, InboundMessage
 from relay.core.observers import CountDecisions
@@ -171,14 +171,15 @@ class DedupCore:
         """
         admitted = self._gates.admit()
         plan = _Plan()
-        headers: DedupHeaders | None = None
+        derived: DerivedKey | None = None
         if not admitted:
             log.warning("audit ledger unavailable and required: answering 451",
                         extra={"queue_id": msg.queue_id})
             concluded = self._answer(replies.LEDGER_UNAVAILABLE, Result.TEMPFAIL,
                                      dict.fromkeys(msg.rcpt_tos, Outcome.REFUSED_TEMP))
         else:
-            headers, concluded = await self._decide_headers(msg, plan)
+            derived, concluded = await self._decide_key(msg, plan)
+        headers = derived.headers if derived is not None else None
         delivery = concluded.delivery
         return Decision(
             reply=concluded.reply, result=concluded.result, outcomes=concluded.outcomes,
@@ -187,11 +188,13 @@ class DedupCore:
             dedupe_key=headers.key if headers is not None else None,
             rcpt_results=delivery.recipients if delivery is not None else {},
             upstream=delivery.upstream if delivery is not None else "",
-            refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted)
+            refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted,
+            key_source=derived.source if derived is not None else "")
 
-    async def _decide_headers(self, msg: InboundMessage, plan: _Plan
-                      ) -> tuple[DedupHeaders | None, _Concluded]:
-        """What the message's dedup fields (None when they are invalid) lead to."""
+    async def _decide_key(self, msg: InboundMessage, plan: _Plan
+                          ) -> tuple[DerivedKey | None, _Concluded]:
+        """What the message's key (its header's, or a key rule's; None when its dedup fields
+        are invalid) leads to."""
         relay_policy = self._policy  # a reload swaps it: this message keeps the one it met
         try:
             headers = msg.message.dedup_headers(
@@ -201,14 +204,24 @@ class DedupCore:
             )
         except InvalidDedupKeyError as exc:
             return None, self._answer(replies.invalid_key(str(exc)), Result.INVALID, {})
-        return headers, await self._decide_read(msg, headers, relay_policy, plan)
+        derived = derive_key(msg.message, headers, relay_policy, mail_from=msg.mail_from,
+                             rcpt_tos=msg.rcpt_tos)
+        if derived.rule is not None and derived.missed:  # relayed without dedup, counted
+            log.info("key rule %s matched but derived no key: relaying without dedup",
+                     derived.rule.name, extra={"queue_id": msg.queue_id})
+            self._metrics.key_rule_miss(derived.rule.name)
+        return derived, await self._decide_read(msg, derived, relay_policy, plan)
 
-    async def _decide_read(self, msg: InboundMessage, headers: DedupHeaders,
+    async def _decide_read(self, msg: InboundMessage, derived: DerivedKey,
                            relay_policy: Policy, plan: _Plan) -> _Concluded:
-        """Decide for a message whose dedup header fields were read (design.md §2)."""
+        """Decide for a message whose key was derived (design.md §2)."""
+        headers = derived.headers
         p = relay_policy.for_templates(headers.templates)  # design.md §4.6
+        if derived.shadow:  # a key rule in shadow mode: decide and count, deliver anyway
+            p = dataclasses.replace(p, mode="shadow")
         keys: dict[str, str] | None = None
-        if p.dedup and headers.key is None and p.missing_key == "reject":
+        if (p.dedup and headers.key is None and p.missing_key == "reject"
+                and not derived.missed):
             return self._answer(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
         if p.dedup and headers.key is not None:
             try:

@@ -536,7 +536,8 @@ class LedgerEntry:
     ``reply`` is the upstream's reply that decided the recipient (``""``: none came, or the
     relay answered without relaying), ``upstream_queue_id`` the queue id read off it,
     ``client_reply`` what the client was told for the message; ``decided_at`` the relay's
-    clock (unix seconds) when it answered.
+    clock (unix seconds) when it answered; ``key_source`` where the key came from
+    (``header``, ``rule:NAME``).
     """
 
     decided_at: float
@@ -552,6 +553,7 @@ class LedgerEntry:
     queue_id: str = ""
     client_reply: str = ""
     action: LedgerAction = LedgerAction.RELAY
+    key_source: str = ""  # where the key came from: header, rule:NAME ("": none, an operator)
 
 
 class AuditLedger(Protocol):
@@ -673,4 +675,9 @@ class Metrics(Protocol):
 
     def tls_handshake_failed(self, listener: str) -> None:
         """Count one failed client TLS handshake on ``listener`` (``starttls``, ``implicit``)."""
+        ...
+
+    def key_rule_miss(self, rule: str) -> None:
+        """Count one message the key rule ``rule`` matched but derived no key for (relayed
+        without dedup; a configured rule's name, so the label set stays bounded)."""
         ...

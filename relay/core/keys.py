@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from relay.core.fingerprint import DEFAULT_STORE_PREFIX, fingerprint, store_key
-from relay.core.headers import DEFAULT_MAX_KEY_CHARS, DedupHeaders, normalize_header_value
+from relay.core.headers import (
+    DEFAULT_MAX_KEY_CHARS,
+    DedupHeaders,
+    ParsedMessage,
+    normalize_header_value,
+)
+from relay.core.key_rules import KeyRule, MessageView, first_match
 from relay.core.recipients import normalize_recipient
 
 KeyFormat = Literal["hex", "compact"]
@@ -60,6 +66,16 @@ class KeyPolicy(Protocol):
         """How the fingerprint is written in the key (:data:`KeyFormat`)."""
         ...
 
+    @property
+    def key_rules(self) -> tuple[KeyRule, ...]:
+        """The ``[[key_rule]]`` entries, in order (:mod:`relay.core.key_rules`)."""
+        ...
+
+    @property
+    def max_key_chars(self) -> int:
+        """Characters of a key or template (a rule's longer key becomes its digest)."""
+        ...
+
 
 @dataclass(frozen=True)
 class KeyRules:
@@ -70,6 +86,46 @@ class KeyRules:
     local_part_case_sensitive: bool = False
     scope_by_auth: bool = False
     key_format: KeyFormat = "hex"
+    key_rules: tuple[KeyRule, ...] = ()
+    max_key_chars: int = DEFAULT_MAX_KEY_CHARS
+
+
+@dataclass(frozen=True)
+class DerivedKey:
+    """Where a message's key comes from: ``headers`` (the key and template the fingerprint
+    takes: the message's own, or a rule's), ``source`` (``header``; ``rule:NAME``; ``""``: no
+    key), the rule that matched (``rule``, None for none) and whether its source yielded
+    nothing (``missed``: the message is relayed without dedup)."""
+
+    headers: DedupHeaders
+    source: str
+    rule: KeyRule | None = None
+    missed: bool = False
+
+    @property
+    def shadow(self) -> bool:
+        """Whether the key came from a rule in shadow mode."""
+        return self.rule is not None and not self.missed and self.rule.mode == "shadow"
+
+
+def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy, *,
+               mail_from: str, rcpt_tos: Sequence[str]) -> DerivedKey:
+    """The key of a message whose dedup header fields are ``headers``: its key header when it
+    has one (an explicit key always wins), else the first of ``policy.key_rules`` that matches
+    (its template replacing the message's when it gives one), else none."""
+    if headers.key is not None:
+        return DerivedKey(headers=headers, source="header")
+    if not policy.key_rules:
+        return DerivedKey(headers=headers, source="")
+    view = MessageView(message, mail_from=mail_from, rcpt_tos=rcpt_tos)
+    found = first_match(policy.key_rules, view, max_key_chars=policy.max_key_chars)
+    if found is None:
+        return DerivedKey(headers=headers, source="")
+    templates = headers.templates if found.template is None else (
+        (found.template,) if found.template else ())
+    return DerivedKey(
+        headers=DedupHeaders(keys=(found.key,) if found.key else (), templates=templates),
+        source=f"rule:{found.rule.name}", rule=found.rule, missed=found.key is None)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ class Decision:
     section 4.2.5), ``decided_at`` (the relay's wall clock, unix seconds) and whether the
     message was ``admitted`` (False: refused because a required ledger could not take rows).
     ``trace_id``: the message span's trace (32 hex digits; empty with tracing off), for the
-    log line.
+    log line. ``key_source``: where the key came from (``header``, ``rule:NAME``; ``""``:
+    the message had none).
     """
 
     reply: SmtpReply
@@ -74,6 +75,7 @@ class Decision:
     decided_at: float = 0.0
     admitted: bool = True
     trace_id: str = ""
+    key_source: str = ""
 
 
 class DecisionObserver(Protocol):

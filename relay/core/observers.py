@@ -54,5 +54,6 @@ class RecordDecisions:
             keys=decision.keys, template=decision.template, dedupe_key=decision.dedupe_key,
             rcpt_results=decision.rcpt_results, final_reply=decision.upstream_reply,
             client_reply=decision.reply, upstream=decision.upstream,
-            message_id=msg.message.message_id, queue_id=msg.queue_id),
+            message_id=msg.message.message_id, queue_id=msg.queue_id,
+            key_source=decision.key_source),
             admitted=decision.admitted)

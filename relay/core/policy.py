@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+from relay.core.key_rules import KeyRule
 from relay.core.keys import KeyFormat
 from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
 
@@ -67,6 +68,7 @@ class Policy:
     duplicate_reply: DuplicateReply = "250"
     mode: Mode = "enforce"
     templates: tuple[TemplateRule, ...] = ()
+    key_rules: tuple[KeyRule, ...] = ()  # [[key_rule]]: keys for messages without a key header
     _resolved: dict[tuple[str, ...], Policy] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False)
 

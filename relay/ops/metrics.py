@@ -142,6 +142,9 @@ class PrometheusMetrics:
         self._rate_limited = Counter(
             "relay_rate_limited", "Messages refused by a rate limit, by the limit's label",
             ["limit"], registry=registry)
+        self._key_rule_misses = Counter(
+            "relay_key_rule_misses", "Messages a key rule matched without deriving a key "
+            "(relayed without dedup), by rule", ["rule"], registry=registry)
         self._ledger_written = Counter(
             "relay_ledger_rows", "Audit ledger rows written", registry=registry)
         self._ledger_dropped = Counter(
@@ -173,6 +176,7 @@ class PrometheusMetrics:
         self._up_by = {c: self._up.labels(c) for c in ("store", "upstream")}
         self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
         self._rate_limited_by: dict[str, Counter] = {}
+        self._key_rule_misses_by: dict[str, Counter] = {}
         self._token_failures_by: dict[str, Counter] = {}
         self._handshakes_failed_by = {listener: self._tls_handshake_failures.labels(listener)
                                       for listener in TLS_LISTENERS}
@@ -191,6 +195,21 @@ class PrometheusMetrics:
         child = self._rate_limited_by.get(label)
         if child is None:
             child = self._rate_limited_by[label] = self._rate_limited.labels(label)
+        child.inc()
+
+    def declare_key_rules(self, names: Iterable[str]) -> None:
+        """Make ``relay_key_rule_misses_total{rule}`` children (at 0) for the configured key
+        rules' ``names`` (at start and after a reload; a rule no longer configured keeps its
+        count)."""
+        for name in names:
+            if name not in self._key_rule_misses_by:
+                self._key_rule_misses_by[name] = self._key_rule_misses.labels(name)
+
+    def key_rule_miss(self, rule: str) -> None:
+        """Count one message the key rule ``rule`` matched without deriving a key."""
+        child = self._key_rule_misses_by.get(rule)
+        if child is None:
+            child = self._key_rule_misses_by[rule] = self._key_rule_misses.labels(rule)
         child.inc()
 
     def message(self, result: Result) -> None:

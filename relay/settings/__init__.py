@@ -55,7 +55,13 @@ from relay.settings.common import (
     split_host_port,
 )
 from relay.settings.console import CONSOLE_ROLES, ConsoleSettings
-from relay.settings.dedup import POLICY_SETTINGS, DedupSettings, RateLimit, TemplatePolicy
+from relay.settings.dedup import (
+    POLICY_SETTINGS,
+    DedupSettings,
+    KeyRuleEntry,
+    RateLimit,
+    TemplatePolicy,
+)
 from relay.settings.ledger import LedgerSettings
 from relay.settings.listener import ListenerSettings
 from relay.settings.oauth import OAuthSettings
@@ -67,7 +73,8 @@ __all__ = [
     "COMPUTED_DEFAULTS", "CONSOLE_ROLES", "DEFAULT_STORE_URL", "ENV_PREFIX",
     "FILE_ONLY_SETTINGS", "FILE_SETTINGS",
     "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
-    "ConsoleSettings", "DedupSettings", "LedgerSettings", "ListenerSettings", "OAuthSettings",
+    "ConsoleSettings", "DedupSettings", "KeyRuleEntry", "LedgerSettings", "ListenerSettings",
+    "OAuthSettings",
     "OperationsSettings", "RateLimit",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "file_warnings",
@@ -86,7 +93,7 @@ SECTIONS: tuple[type[Section], ...] = (
     DedupSettings, LedgerSettings, ConsoleSettings, OperationsSettings)
 
 # settings that only the config file sets (a table or an array of tables): no flag
-FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit"})
+FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit", "key_rule"})
 # the settings a reload applies to the running relay; any other that changed needs a restart
 RELOADABLE: tuple[str, ...] = tuple(name for section in SECTIONS for name in section.LIVE)
 # settings naming a file whose content may change in place (a rotated certificate): a reload

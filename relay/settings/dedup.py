@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from relay.core.key_rules import KeyRule, build_rule
 from relay.core.keys import KeyFormat
 from relay.core.limits import RateRule
 from relay.core.policy import Policy, TemplateRule
@@ -51,6 +52,44 @@ class TemplatePolicy(BaseModel):
     mode: Mode | None = None
 
 
+class KeyRuleMatch(BaseModel):
+    """The ``match`` of a ``[[key_rule]]``: each condition given must hold."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sender: str | None = Field(None, description=(
+        "the envelope sender: an address or a glob such as *@shop.example (case-insensitive)"))
+    recipient_domain: str | None = Field(None, description=(
+        "a glob every recipient's domain matches (case-insensitive)"))
+    header: str | None = Field(None, description="a header field the message must have")
+    subject: str | None = Field(None, description="a pattern the Subject must hold")
+
+
+class KeyRuleEntry(BaseModel):
+    """One ``[[key_rule]]`` entry of the config file: for a message without a key header that
+    ``match`` fits, where its dedupe ``key`` comes from (``header:NAME``, ``subject:REGEX``,
+    ``body:REGEX``: the first capture group, or ``content``: a digest of the normalized text),
+    its ``template`` (a fixed name, or ``subject``: the Subject with digits masked), the
+    patterns ``ignore`` removes before ``content``, and its ``mode`` (design.md §2.1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    match: KeyRuleMatch = Field(default_factory=lambda: KeyRuleMatch.model_validate({}))
+    key: str
+    template: str | None = None
+    ignore: tuple[str, ...] = ()
+    mode: Mode = "enforce"
+
+    def rule(self) -> KeyRule:
+        """The core's rule; raises ``ValueError`` naming this rule when it is invalid."""
+        m = self.match
+        return build_rule(name=self.name, key=self.key, sender=m.sender,
+                          recipient_domain=m.recipient_domain, header=m.header,
+                          subject=m.subject, template=self.template, ignore=self.ignore,
+                          mode=self.mode)
+
+
 class RateLimit(BaseModel):
     """One ``[[rate_limit]]`` entry of the config file: at most ``messages`` messages (and
     ``recipients`` envelope recipients) per ``per`` seconds for each value of ``scope`` (each
@@ -84,8 +123,8 @@ class RateLimit(BaseModel):
 
 
 # the dedup rules swapped into the running Policy on reload (design.md §4.6)
-POLICY_SETTINGS = ("template_policy", "mode", "dedup_window", "missing_key", "unknown_policy",
-                   "duplicate_reply", "store_down")
+POLICY_SETTINGS = ("template_policy", "key_rule", "mode", "dedup_window", "missing_key",
+                   "unknown_policy", "duplicate_reply", "store_down")
 
 
 class DedupSettings(Section):
@@ -138,6 +177,10 @@ class DedupSettings(Section):
     template_policy: tuple[TemplatePolicy, ...] = Field((), description=(
         "[[template_policy]] tables of the config file: per-template dedup, dedup_window, "
         "missing_key, unknown_policy, duplicate_reply and mode; first match wins"))
+    key_rule: tuple[KeyRuleEntry, ...] = Field((), description=(
+        "[[key_rule]] tables of the config file: name, match (sender, recipient_domain, "
+        "header, subject), key (header:NAME, subject:REGEX, body:REGEX, content), template, "
+        "ignore, mode; for messages without a key header, first match wins"))
 
     @field_validator("dedupe_headers", "template_headers", mode="before")
     @classmethod
@@ -177,6 +220,19 @@ class DedupSettings(Section):
         if twice:
             raise ValueError(f"[[rate_limit]] entries share the label {', '.join(twice)}: "
                              "give each a distinct name")
+        return value
+
+    @field_validator("key_rule")
+    @classmethod
+    def _check_key_rules(cls, value: tuple[KeyRuleEntry, ...]) -> tuple[KeyRuleEntry, ...]:
+        """Each rule's patterns compile (with the capture group its key needs) and no two
+        rules share a name; the ``ValueError`` names the rule."""
+        names: set[str] = set()
+        for entry in value:
+            if entry.name in names:
+                raise ValueError(f"key_rule {entry.name!r}: two rules have this name")
+            names.add(entry.name)
+            entry.rule()
         return value
 
     @model_validator(mode="after")
@@ -226,6 +282,10 @@ class DedupSettings(Section):
                          duplicate_reply=t.duplicate_reply, mode=t.mode)
             for t in self.template_policy)
 
+    def key_rules(self) -> tuple[KeyRule, ...]:
+        """The ``[[key_rule]]`` entries as the core's rules (design.md §2.1)."""
+        return tuple(entry.rule() for entry in self.key_rule)
+
     def window_for(self, templates: Sequence[str]) -> float:
         """The dedup window (seconds) of a message whose normalized template values are
         ``templates``: its ``[[template_policy]]`` entry's, else ``dedup_window``."""
@@ -247,7 +307,7 @@ class DedupSettings(Section):
             store_down=self.store_down, strip_headers=self.strip_dedupe_headers,
             scope_by_auth=self.scope_by_auth, key_format=key_format,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            templates=self.template_rules())
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def live_policy(self, running: Policy) -> Policy:
         """``running`` (the relay's policy) with these settings' dedup rules
@@ -258,7 +318,7 @@ class DedupSettings(Section):
             running, window_s=self.dedup_window, missing_key=self.missing_key,
             unknown=self.unknown_policy, store_down=self.store_down,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            templates=self.template_rules())
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def rate_rules(self) -> tuple[RateRule, ...]:
         """The ``[[rate_limit]]`` tables as the core's rules (:mod:`relay.core.limits`)."""
@@ -281,6 +341,7 @@ class DedupSettings(Section):
         """What the start-up log warns about: shadow mode, for all or some templates."""
         shadowed = ["all templates"] if self.mode == "shadow" else [
             t.match for t in self.template_policy if t.mode == "shadow"]
+        shadowed += [f"key_rule {r.name}" for r in self.key_rule if r.mode == "shadow"]
         if not shadowed:
             return []
         return [f"shadow mode for {', '.join(shadowed)}: duplicates are relayed and counted as "

@@ -274,6 +274,7 @@ class RelayHandler:
             "reply": str(decision.reply),
             "outcomes": {label[r]: o.value for r, o in decision.outcomes.items()},
             "keys": {label[r]: k for r, k in decision.keys.items()},
+            "key_source": decision.key_source or None,
             "upstream_reply": str(upstream) if upstream is not None else None,
             "upstream_queue_id": upstream_queue_id(upstream) or None,
             "bytes": size,

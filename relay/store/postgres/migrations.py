@@ -183,6 +183,8 @@ CREATE INDEX IF NOT EXISTS {LEDGER}_store_key ON {LEDGER} (store_key, decided_at
 CREATE INDEX IF NOT EXISTS {LEDGER}_recorded_at ON {LEDGER} (recorded_at);
 CREATE INDEX IF NOT EXISTS {LEDGER}_in_doubt ON {LEDGER} (decided_at)
     WHERE outcome IN ('unknown', 'suppressed_unknown', 'held') AND store_key IS NOT NULL;""",
+    # 2: where each decision's key came from: header, rule:NAME (a [[key_rule]]); '' before
+    f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_source text NOT NULL DEFAULT ''",
 )
 
 STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS, "ledger": _LEDGER_STEPS}
