@@ -538,6 +538,7 @@ async def test_a_failed_renewal_is_tried_again_at_the_next_tick(prefix: str) -> 
     """Renewals the store refuses during a 0.9 s transaction (0.6 s lease) are tried again
     every third of the lease: at least three renew errors, not one."""
     store = RenewDown.from_url(REDIS_URL)
+    store.tried_twice = asyncio.Event()
     registry = CollectorRegistry()
     core = make_core(store, SlowerUpstream(), prefix, lease_s=0.6, registry=registry)
     await core.process(one_message())  # the lapsed lease answers RESERVATION_LOST
