@@ -347,20 +347,23 @@ class DedupCore:
         duplicate once sent, relayed now once released, ``unknown_policy`` once in doubt,
         450 while still in flight. A store failure on that reserve is answered 451 whatever
         ``store_down`` says: the attempt waited for may have sent the message."""
+        deadline = time.monotonic() + p.in_flight_wait_s
         waiting = asyncio.ensure_future(self._waits.until_settled(
             list(dict.fromkeys(held.values())), lease_s=p.lease_s, bound_s=p.in_flight_wait_s))
         first = await self._send_reserved(msg, plan, token, p) \
             if plan.send or plan.shadow else None
         delivery = first.delivery if first is not None else None
         try:
-            await asyncio.shield(waiting)
+            settled = await asyncio.shield(waiting)
         except asyncio.CancelledError:  # shutdown past its grace: answered 450 as they are
             absorb_cancel()
             waiting.cancel()
             return self._conclude(msg, plan.verdicts, delivery, p=p)
+        # a key another copy took over meanwhile is waited for again, within what is left
+        left_s = max(0.0, deadline - time.monotonic()) if settled else 0.0
         again = await self._relay_dedup(
             dataclasses.replace(msg, rcpt_tos=list(held)), _Plan(keys=dict(held)),
-            dataclasses.replace(p, in_flight_wait_s=0.0, store_down="fail_closed"))
+            dataclasses.replace(p, in_flight_wait_s=left_s, store_down="fail_closed"))
         verdicts = {**plan.verdicts, **again.verdicts}
         return self._conclude(msg, {rcpt: verdicts[rcpt] for rcpt in plan.keys},
                               _merged(delivery, again.delivery), p=p)

@@ -44,33 +44,35 @@ class InFlightWaits:
         return self._stopping is not None and self._stopping.is_set()
 
     async def until_settled(self, keys: Sequence[str], *, lease_s: float,
-                            bound_s: float) -> None:
-        """Return once none of ``keys`` is held by another attempt, or ``bound_s`` seconds
-        passed, or :meth:`stop` was called, or the store cannot watch or read (the caller's
-        reserve then decides). ``lease_s`` (seconds) judges a SENDING record that names no
-        lease. Cancellation is raised as usual."""
+                            bound_s: float) -> bool:
+        """Return once none of ``keys`` is held by another attempt (True), or ``bound_s``
+        seconds passed, or :meth:`stop` was called, or the store cannot watch or read (False;
+        the caller's reserve then decides, without waiting again). ``lease_s`` (seconds)
+        judges a SENDING record that names no lease. Cancellation is raised as usual."""
         if self.stopping or not keys:
-            return
+            return False
         try:
             async with self._store.watch_settles(keys) as watch:
                 records = await asyncio.gather(*(self._store.inspect(key) for key in keys))
                 held = [key for key, record in zip(keys, records, strict=True)
                         if rules.reads_as(record, lease_s) is State.PENDING]
-                await self._wait(watch, held, bound_s)
+                return await self._wait(watch, held, bound_s)
         except StoreError as exc:
             log.warning("waiting for another attempt's settle failed (%s): deciding now", exc)
+            return False
 
-    async def _wait(self, watch: SettleWatch, held: list[str], bound_s: float) -> None:
+    async def _wait(self, watch: SettleWatch, held: list[str], bound_s: float) -> bool:
         """Wait for a settle of every key of ``held``, within ``bound_s`` seconds or until
-        :meth:`stop`."""
+        :meth:`stop`; True when every one settled."""
         if not held:
-            return
+            return True
         settles: asyncio.Future[object] = asyncio.ensure_future(
             asyncio.gather(*(watch.settled(key) for key in held)))
         stopped: asyncio.Future[object] = asyncio.ensure_future(self._stop_event().wait())
         try:
             await asyncio.wait({settles, stopped}, timeout=bound_s,
                                return_when=asyncio.FIRST_COMPLETED)
+            return settles.done() and not self.stopping
         finally:
             for waiting in (settles, stopped):
                 waiting.cancel()

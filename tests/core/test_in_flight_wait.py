@@ -166,3 +166,20 @@ async def test_a_new_recipient_is_relayed_while_another_waits_and_both_answered_
     assert decision.outcomes == {
         "new@example.net": "relayed", "held@example.net": "relayed"}
     assert [m.rcpt_tos for m in upstream.sent] == [["new@example.net"], ["held@example.net"]]
+
+
+async def test_copies_waiting_for_a_released_key_relay_it_once_and_all_get_250(
+        store: FingerprintStore, prefix: str) -> None:
+    """Three copies wait for a key the other attempt then releases: one of them takes it and
+    relays it, the other two wait for that one and are answered as duplicates."""
+    upstream = CountingUpstream()
+    core = core_over(store, upstream, prefix)
+    key = await held_by_another(store, core, "user@example.net")
+    tasks = [asyncio.ensure_future(core.process(to("user@example.net"))) for _ in range(3)]
+    await asyncio.sleep(0.5)
+    await store.settle([SettleOp(key, Settle.RELEASE)], token=OTHER, window_s=3600.0)
+    decisions = await asyncio.wait_for(asyncio.gather(*tasks), 15.0)
+    assert sorted(d.outcomes["user@example.net"] for d in decisions) == [
+        "relayed", "suppressed", "suppressed"]
+    assert [d.reply.code for d in decisions] == [250, 250, 250]
+    assert len(upstream.sent) == 1
