@@ -81,7 +81,8 @@ class SettleChannels:
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)
-            except (RedisError, OSError) as exc:  # redis-py subscribes again on reconnect
+            except (RedisError, OSError, RuntimeError) as exc:  # redis-py subscribes again
+                # on reconnect; RuntimeError: its connection was dropped
                 log.warning("the settle channel's connection failed (%r); reading again", exc)
                 await asyncio.sleep(_RETRY_READ_S)
                 continue
