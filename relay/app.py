@@ -276,8 +276,8 @@ class Relay:
 
     async def _drain(self, handler: RelayHandler, served: SmtpListeners, core: DedupCore,
                      dsn: DsnSender | None) -> None:
-        """Drain the listener within the ``shutdown_grace`` the relay has then; pending:
-        the messages, the settle retries and the notices owed for mail answered 250."""
+        """Drain the listener within ``shutdown_grace``; copies waiting are answered at once."""
+        core.stop_waiting()
         await drain(handler, served.servers, served.tls_factory,
                     lambda: {*handler.tasks, *core.background,
                              *(dsn.background if dsn is not None else ())},

@@ -42,6 +42,7 @@ from relay.core.observers import CountDecisions
 from relay.core.policy import Policy, TemplateRule
 from relay.core.rules import Action, Verdict
 from relay.core.settlement import Settler
+from relay.core.waiting import InFlightWaits
 
 __all__ = ["Decision", "DedupCore", "InboundMessage", "Policy", "TemplateRule"]
 
@@ -71,6 +72,7 @@ class _Concluded:
     outcomes: dict[str, Outcome]
     refusals: dict[str, RcptResult] = field(default_factory=dict)
     delivery: DeliveryResult | None = None
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # per recipient, once ruled
 
 
 class DedupCore:
@@ -112,6 +114,7 @@ class DedupCore:
         self._clock = clock
         self._settler = settler if settler is not None else Settler(
             store=store, metrics=metrics, window_s=policy.window_s, lease_s=policy.lease_s)
+        self._waits = InFlightWaits(store)  # copies waiting for another attempt (§4.8)
 
     @property
     def policy(self) -> Policy:
@@ -140,6 +143,11 @@ class DedupCore:
     def background(self) -> set[asyncio.Task[None]]:
         """Settlements still being retried after their message was answered."""
         return self._settler.background
+
+    def stop_waiting(self) -> None:
+        """The relay is stopping: every copy waiting for another attempt's settle is answered
+        now from what the store holds (450 while still in flight), and none waits from now."""
+        self._waits.stop()
 
     def owed_settles(self) -> list[tuple[str, SettleOp]]:
         """Settles not landed yet, as ``(token, op)`` (for the settle journal at shutdown)."""
@@ -309,6 +317,9 @@ class DedupCore:
         self._classify(plan, msg.queue_id, p)
         if p.mode == "shadow":
             self._shadow(plan, msg.queue_id)
+        held = self._held_elsewhere(plan) if p.in_flight_wait_s > 0 else {}
+        if held:
+            return await self._send_and_wait(msg, plan, token, p, held)
         if not plan.send and not plan.shadow:
             return self._conclude(msg, plan.verdicts, None, p=p)
         return await self._send_reserved(msg, plan, token, p)
@@ -333,6 +344,41 @@ class DedupCore:
                 plan.send.setdefault(key, rcpt)
             else:
                 plan.verdicts[rcpt] = decided.verdict
+
+    @staticmethod
+    def _held_elsewhere(plan: _Plan) -> dict[str, str]:
+        """The recipients (recipient -> key) whose key another attempt holds in flight."""
+        return {rcpt: key for rcpt, key in plan.keys.items()
+                if (v := plan.verdicts.get(rcpt)) is not None and v.outcome is Outcome.INFLIGHT}
+
+    async def _send_and_wait(self, msg: InboundMessage, plan: _Plan, token: str, p: Policy,
+                             held: dict[str, str]) -> _Concluded:
+        """Relay what this attempt reserved while the recipients of ``held`` wait for the
+        attempt holding their keys to settle (at most ``in_flight_wait``, design.md §4.8),
+        then reserve those keys again and answer them from what the store holds: a
+        duplicate once sent, relayed now once released, ``unknown_policy`` once in doubt,
+        450 while still in flight. A store failure on that reserve is answered 451 whatever
+        ``store_down`` says: the attempt waited for may have sent the message."""
+        deadline = time.monotonic() + p.in_flight_wait_s
+        waiting = asyncio.ensure_future(self._waits.until_settled(
+            list(dict.fromkeys(held.values())), lease_s=p.lease_s, bound_s=p.in_flight_wait_s))
+        first = await self._send_reserved(msg, plan, token, p) \
+            if plan.send or plan.shadow else None
+        delivery = first.delivery if first is not None else None
+        try:
+            settled = await asyncio.shield(waiting)
+        except asyncio.CancelledError:  # shutdown past its grace: answered 450 as they are
+            absorb_cancel()
+            waiting.cancel()
+            return self._conclude(msg, plan.verdicts, delivery, p=p)
+        # a key another copy took over meanwhile is waited for again, within what is left
+        left_s = max(0.0, deadline - time.monotonic()) if settled else 0.0
+        again = await self._relay_dedup(
+            dataclasses.replace(msg, rcpt_tos=list(held)), _Plan(keys=dict(held)),
+            dataclasses.replace(p, in_flight_wait_s=left_s, store_down="fail_closed"))
+        verdicts = {**plan.verdicts, **again.verdicts}
+        return self._conclude(msg, {rcpt: verdicts[rcpt] for rcpt in plan.keys},
+                              _merged(delivery, again.delivery), p=p)
 
     @staticmethod
     def _shadow(plan: _Plan, queue_id: str) -> None:
@@ -463,7 +509,7 @@ class DedupCore:
         return _Concluded(
             reply=reply, result=res, outcomes={r: v.outcome for r, v in verdicts.items()},
             refusals={r: v.refusal for r, v in verdicts.items() if v.refusal is not None},
-            delivery=result)
+            delivery=result, verdicts=dict(verdicts))
 
     @staticmethod
     def _answer(reply: SmtpReply, result: Result, outcomes: Mapping[str, Outcome]
@@ -474,3 +520,15 @@ class DedupCore:
     async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
         return await self._store.reserve(keys, token=token, lease_s=p.lease_s,
                                          resend_unknown=p.unknown == "send")
+
+
+def _merged(first: DeliveryResult | None, second: DeliveryResult | None
+            ) -> DeliveryResult | None:
+    """One message's two upstream transactions (its own keys, then those it waited for) as
+    one result: every recipient's, the later final reply."""
+    if first is None or second is None:
+        return first if second is None else second
+    return DeliveryResult(
+        recipients={**first.recipients, **second.recipients},
+        final_reply=second.final_reply or first.final_reply,
+        replies=(*first.replies, *second.replies), upstream=second.upstream or first.upstream)

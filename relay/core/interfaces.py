@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -95,6 +96,16 @@ class SettleOp:
     # SENDING and UNKNOWN); 0: the relay's dedup_window
 
 
+class SettleWatch(Protocol):
+    """The settles of some keys, watched (:meth:`FingerprintStore.watch_settles`)."""
+
+    async def settled(self, key: str) -> None:
+        """Return once a settle that ended another attempt's hold on ``key`` (SENT, UNKNOWN,
+        a release, an operator's release or mark-sent) was announced since the watch began.
+        Never raises; waits for ever when none comes (the caller bounds the wait)."""
+        ...
+
+
 class FingerprintStore(Protocol):
     """Atomic per-key state machine: absent -> PENDING -> SENT | UNKNOWN | absent.
 
@@ -163,6 +174,14 @@ class FingerprintStore(Protocol):
         retry that took the key over since the operator looked keeps its record, and the
         call answers False. Without it, whatever the key holds. Raises
         :class:`relay.core.errors.StoreError`."""
+        ...
+
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        """Watch the settles of ``keys`` (design.md §4.8): once entered, every settle of one
+        of them by any relay on this store is seen by the watch, so a caller that reads the
+        record after entering misses none. Shared by every watcher of the process: what it
+        costs the store does not grow with the number of watchers. Entering raises
+        :class:`relay.core.errors.StoreError` when the store cannot watch now."""
         ...
 
     async def ping(self) -> None:

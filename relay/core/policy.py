@@ -67,6 +67,7 @@ class Policy:
     dedup: bool = True  # False: relay without dedup (an exempt template)
     duplicate_reply: DuplicateReply = "250"
     mode: Mode = "enforce"
+    in_flight_wait_s: float = 15.0  # a copy of a message in flight waits this long (0: 450)
     templates: tuple[TemplateRule, ...] = ()
     key_rules: tuple[KeyRule, ...] = ()  # [[key_rule]]: keys for messages without a key header
     _resolved: dict[tuple[str, ...], Policy] = field(

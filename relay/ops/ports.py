@@ -6,6 +6,7 @@ them, so the core (:mod:`relay.core.dedup`) holds decisions only."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 
 from relay.core.interfaces import (
     DeliveryProgress,
@@ -15,6 +16,7 @@ from relay.core.interfaces import (
     Record,
     Reservation,
     SettleOp,
+    SettleWatch,
     Upstream,
 )
 
@@ -57,6 +59,9 @@ class StoreWrapper:
                               expected: Record | None = None) -> bool:
         return await self.inner.force_mark_sent(key, reply=reply, window_s=window_s,
                                                 expected=expected)
+
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        return self.inner.watch_settles(keys)
 
     async def ping(self) -> None:
         await self.inner.ping()

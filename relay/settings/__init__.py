@@ -256,9 +256,13 @@ class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSetting
     @property
     def processing_s(self) -> float:
         """Seconds a message may take from its final dot to its reply at most: connect, four
-        commands and the final reply upstream, four store calls, and the client's timeout."""
-        return (self.upstream_connect_timeout + 4 * self.upstream_command_timeout
-                + self.upstream_timeout + 4 * self.store_timeout + self.client_timeout)
+        commands and the final reply upstream, four store calls, and the client's timeout; with
+        ``in_flight_wait``, that wait and a second transaction (the keys it waited for, relayed
+        once released, design.md §4.8) with its four store calls."""
+        upstream = (self.upstream_connect_timeout + 4 * self.upstream_command_timeout
+                    + self.upstream_timeout + 4 * self.store_timeout)
+        waited = self.in_flight_wait + upstream if self.in_flight_wait > 0 else 0.0
+        return upstream + waited + self.client_timeout
 
 
 class AdminSettings(Settings):

@@ -124,7 +124,7 @@ class RateLimit(BaseModel):
 
 # the dedup rules swapped into the running Policy on reload (design.md §4.6)
 POLICY_SETTINGS = ("template_policy", "key_rule", "mode", "dedup_window", "missing_key",
-                   "unknown_policy", "duplicate_reply", "store_down")
+                   "unknown_policy", "duplicate_reply", "store_down", "in_flight_wait")
 
 
 class DedupSettings(Section):
@@ -162,6 +162,11 @@ class DedupSettings(Section):
     unknown_policy: UnknownPolicy = Field("suppress", description=(
         "a retry of an in-doubt (UNKNOWN) message: suppress (250, not relayed), hold (451) "
         "or send (relayed again, a possible duplicate)"))
+    in_flight_wait: float = Field(default=15.0, ge=0, description=(
+        "seconds a copy of a message another attempt is relaying waits, after its final dot, "
+        "for that attempt's outcome (then: the duplicate reply once sent, relayed once "
+        "released, unknown_policy once in doubt, 450 4.2.0 if still in flight); 0: 450 4.2.0 "
+        "at once"))
     store_down: StoreDownPolicy = Field("fail_closed", description=(
         "the store does not answer: fail_closed (451 4.3.0) or fail_open (relay without "
         "dedup)"))
@@ -307,7 +312,8 @@ class DedupSettings(Section):
             store_down=self.store_down, strip_headers=self.strip_dedupe_headers,
             scope_by_auth=self.scope_by_auth, key_format=key_format,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            templates=self.template_rules(), key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
+            key_rules=self.key_rules())
 
     def live_policy(self, running: Policy) -> Policy:
         """``running`` (the relay's policy) with these settings' dedup rules
@@ -318,7 +324,8 @@ class DedupSettings(Section):
             running, window_s=self.dedup_window, missing_key=self.missing_key,
             unknown=self.unknown_policy, store_down=self.store_down,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            templates=self.template_rules(), key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
+            key_rules=self.key_rules())
 
     def rate_rules(self) -> tuple[RateRule, ...]:
         """The ``[[rate_limit]]`` tables as the core's rules (:mod:`relay.core.limits`)."""

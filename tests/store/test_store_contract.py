@@ -1047,3 +1047,41 @@ async def test_two_operators_marking_one_record_at_once_mark_it_once(
     assert len(marked) == 1, results
     assert all(before.state is State.UNKNOWN for before, _ in results)
     assert (await store.inspect(key)).reply == f"marked sent by an operator: {marked[0]}"
+
+
+@pytest.mark.parametrize("action", [Settle.SENT, Settle.UNKNOWN, Settle.RELEASE])
+async def test_a_watch_hears_the_settle_that_ends_an_attempts_hold_and_not_its_sending_mark(
+        store: FingerprintStore, prefix: str, action: Settle) -> None:
+    """Entered before the settle, a watch of a key returns once SENT, UNKNOWN or a release
+    lands (design.md §4.8), not on the SENDING mark before the final dot."""
+    key = f"{prefix}watched"
+    await store.reserve([key], token="t1", lease_s=60.0)
+    async with store.watch_settles([key, f"{prefix}other"]) as watch:
+        heard = asyncio.ensure_future(watch.settled(key))
+        await store.settle([SettleOp(key, Settle.SENDING, lease_s=60.0)], token="t1",
+                           window_s=WINDOW_S)
+        await asyncio.sleep(0.5)
+        assert not heard.done()
+        await store.settle([SettleOp(key, action, reply="250 ok")], token="t1",
+                           window_s=WINDOW_S)
+        await asyncio.wait_for(heard, 10.0)
+
+
+async def test_watches_of_one_key_share_it_and_each_hears_the_settle(
+        store: FingerprintStore, prefix: str) -> None:
+    """Ten watches of one key, entered together: one settle wakes every one; a watch entered
+    after the others left watches anew."""
+    key = f"{prefix}shared"
+    await store.reserve([key], token="t1", lease_s=60.0)
+    async with contextlib.AsyncExitStack() as stack:
+        watches = [await stack.enter_async_context(store.watch_settles([key]))
+                   for _ in range(10)]
+        heard = [asyncio.ensure_future(w.settled(key)) for w in watches]
+        await store.settle([SettleOp(key, Settle.RELEASE)], token="t1", window_s=WINDOW_S)
+        await asyncio.wait_for(asyncio.gather(*heard), 10.0)
+    await store.reserve([key], token="t2", lease_s=60.0)
+    async with store.watch_settles([key]) as watch:
+        again = asyncio.ensure_future(watch.settled(key))
+        await store.settle([SettleOp(key, Settle.SENT, reply="250 ok")], token="t2",
+                           window_s=WINDOW_S)
+        await asyncio.wait_for(again, 10.0)

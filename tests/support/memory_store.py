@@ -15,13 +15,15 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from relay.core.errors import StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State
+from relay.core.interfaces import Record, Reservation, Settle, SettleOp, SettleWatch, State
 from relay.core.rules import same_record, sending_record
 from relay.store.kinds import NamedFile, OpenOptions, StoreKind
+from relay.store.settled import KeyWaiters
 
 SCHEME = "memory://"
 
@@ -43,6 +45,10 @@ class MemoryStore:
         self.name, self._dump = name, dump
         self._rows: dict[str, _Row] = {}
         self._closed = False
+        self._waiters = KeyWaiters()  # every settle is this process's: heard at once
+
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        return self._waiters.watching(keys)
 
     def _live(self, op: str, key: str) -> _Row | None:
         if self._closed:
@@ -97,6 +103,8 @@ class MemoryStore:
                 self._rows[op.key] = _Row(state, now + window, None, now,
                                           reply if state is State.SENT else None)
             done.append(True)
+            if op.action is not Settle.SENDING:
+                self._waiters.notify(op.key)
         return done
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,

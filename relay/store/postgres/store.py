@@ -21,12 +21,21 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import asyncpg
 
 from relay.core.errors import StartupError, StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
+from relay.core.interfaces import (
+    Record,
+    Reservation,
+    Settle,
+    SettleOp,
+    SettleWatch,
+    State,
+    StateCounts,
+)
 from relay.core.rules import same_record, sending_record
 from relay.store.postgres import limits, migrations
 from relay.store.postgres.calls import (
@@ -46,6 +55,7 @@ from relay.store.postgres.calls import (
 from relay.store.postgres.calls import milliseconds as _ms
 from relay.store.postgres.limits import PostgresRateLimiter
 from relay.store.postgres.migrations import FINGERPRINTS as _T_
+from relay.store.postgres.settled import NOTIFY, SETTLED_CHANNEL, PostgresSettles
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +147,13 @@ WITH ops AS (
     WHERE ops.action <> 'release' AND f.key = ops.key AND locked.key = f.key AND {_OURS}
     RETURNING f.key
 )
-SELECT (ops.action = 'release' AND ops.key IN (SELECT key FROM released))
-    OR (ops.action <> 'release' AND ops.key IN (SELECT key FROM changed)) AS done
-FROM ops ORDER BY ops.ord
+SELECT d.done,
+    CASE WHEN d.done AND d.action <> 'sending' THEN pg_notify('{SETTLED_CHANNEL}', d.key) END
+FROM (SELECT (ops.action = 'release' AND ops.key IN (SELECT key FROM released))
+             OR (ops.action <> 'release' AND ops.key IN (SELECT key FROM changed)) AS done,
+             ops.action, ops.key, ops.ord
+      FROM ops) d
+ORDER BY d.ord
 """
 
 # $1 keys, $2 token, $3 lease ms, $4 window ms (0: keep a SENDING row's expiry). PENDING(token)
@@ -256,6 +270,7 @@ class PostgresStore:
         self._cleanup_batch = cleanup_batch
         self._cleanup_max_batches = cleanup_max_batches
         self._cleanup: asyncio.Task[None] | None = None
+        self._settles = PostgresSettles(pool, op_timeout_s)
         if cleanup_interval_s is not None:
             self._cleanup = asyncio.get_running_loop().create_task(
                 self._cleanup_loop(cleanup_interval_s), name="postgres-cleanup")
@@ -364,6 +379,11 @@ class PostgresStore:
             return Record(State.ABSENT)
         return _record(row)
 
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        """The settles of ``keys``, heard by LISTEN on one connection of this store
+        (:class:`relay.store.postgres.settled.PostgresSettles`)."""
+        return self._settles.watching(keys)
+
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
         """Delete ``key``; True when a live row was deleted. With ``expected``, only while the
         row is still that record (read under a row lock in the same transaction). Raises
@@ -377,6 +397,7 @@ class PostgresStore:
                 if expected is not None and not (live and same_record(_record(row), expected)):
                     return False
                 await conn.execute(f"DELETE FROM {_T_} WHERE key = $1", key)
+                await conn.execute(NOTIFY, key)
                 return bool(live)
 
         return await self._call("force_release", body)
@@ -399,6 +420,7 @@ class PostgresStore:
                             _record(row), expected):
                         return False
                 await conn.execute(_FORCE_SENT, *args)
+                await conn.execute(NOTIFY, key)  # sent on commit
                 return True
 
         return await self._call("force_mark_sent", body)
@@ -496,6 +518,7 @@ class PostgresStore:
             self._cleanup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._cleanup
+        await self._settles.close()
         await close_pool(self._pool, max(1.0, self._op_timeout_s))
 
     async def _cleanup_loop(self, interval_s: float) -> None:

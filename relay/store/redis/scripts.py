@@ -99,6 +99,11 @@ if not pending and not is_sending then
 end
 """
 
+# A settle that ends an attempt's hold on KEYS[1] announces it on the key's channel (PUBLISH
+# SETTLED_CHANNEL .. KEYS[1]), for the copies waiting for it (relay.store.redis.settled)
+SETTLED_CHANNEL = "settled:"
+PUBLISH_LUA = f"redis.call('PUBLISH', '{SETTLED_CHANNEL}' .. KEYS[1], '1')\n"
+
 # KEYS[1] - the fingerprint key
 # ARGV[1] - the attempt's token
 # ARGV[2] - the dedup window in milliseconds (TTL of the SENT value)
@@ -112,7 +117,7 @@ if ARGV[3] ~= '1' then
     sent = 'S|' .. now_ms() .. '|'
 end
 redis.call('SET', KEYS[1], sent, 'PX', ARGV[2])
-return 1
+""" + PUBLISH_LUA + """return 1
 """
 
 # KEYS[1] - the fingerprint key
@@ -122,7 +127,7 @@ return 1
 # server's time, otherwise 0 (nothing changed)
 MARK_UNKNOWN_LUA = NOW_MS_LUA + OURS_LUA + """
 redis.call('SET', KEYS[1], 'U|' .. now_ms(), 'PX', ARGV[2])
-return 1
+""" + PUBLISH_LUA + """return 1
 """
 
 # KEYS[1] - the fingerprint key
@@ -130,7 +135,7 @@ return 1
 # return 1 if KEYS[1] held PENDING(token) or SENDING(token) and was deleted, otherwise 0
 RELEASE_LUA = OURS_LUA + """
 redis.call('DEL', KEYS[1])
-return 1
+""" + PUBLISH_LUA + """return 1
 """
 
 # KEYS[1] - the fingerprint key
@@ -195,7 +200,7 @@ if (ARGV[3] == 'absent' and value ~= false) or (ARGV[3] == 'value' and value ~= 
     return 0
 end
 redis.call('SET', KEYS[1], 'S|' .. now_ms() .. '|' .. ARGV[1], 'PX', ARGV[2])
-return 1
+""" + PUBLISH_LUA + """return 1
 """
 
 # KEYS[1] - the fingerprint key
@@ -221,7 +226,8 @@ RELEASE_IF_LUA = """
 if ARGV[1] == '1' and redis.pcall('GET', KEYS[1]) ~= ARGV[2] then
     return 0
 end
-return redis.call('DEL', KEYS[1])
+local deleted = redis.call('DEL', KEYS[1])
+""" + PUBLISH_LUA + """return deleted
 """
 
 def reply_bytes(reply: str) -> bytes:

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -31,7 +32,15 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from relay.core.errors import StoreError
-from relay.core.interfaces import Record, Reservation, Settle, SettleOp, State, StateCounts
+from relay.core.interfaces import (
+    Record,
+    Reservation,
+    Settle,
+    SettleOp,
+    SettleWatch,
+    State,
+    StateCounts,
+)
 from relay.store.redis.checks import ConfigGet, server_warnings
 from relay.store.redis.clients import Client, SentinelService, open_client
 from relay.store.redis.counting import StateTally, match_pattern
@@ -50,6 +59,7 @@ from relay.store.redis.scripts import (
     decode_value,
     reply_bytes,
 )
+from relay.store.redis.settled import SettleChannels
 
 IDENTITY_KEY = "dedup-relay:store-id"
 """The key of the store's identity (:meth:`RedisStore.identity`), outside any key prefix."""
@@ -153,6 +163,12 @@ class RedisStore:
         self._inspect_script = client.register_script(INSPECT_LUA)
         self._release_if_script = client.register_script(RELEASE_IF_LUA)
         self._force_sent_script = client.register_script(FORCE_SENT_LUA)
+        self._settles = SettleChannels(client, op_timeout_s)
+
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        """The settles of ``keys``, heard on their pub/sub channels (one connection per store:
+        :class:`relay.store.redis.settled.SettleChannels`)."""
+        return self._settles.watching(keys)
 
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 2.0, window_s: float = 86400.0) -> Self:
@@ -435,6 +451,7 @@ class RedisStore:
     async def close(self) -> None:
         """Close the client, its connections and the sentinels'. Never raises for a broken
         connection."""
+        await self._settles.close()
         with contextlib.suppress(RedisError, OSError):
             await self._client.aclose()
         if self._sentinel is not None:

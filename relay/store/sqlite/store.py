@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from relay.core.errors import StoreError
@@ -33,11 +35,13 @@ from relay.core.interfaces import (
     Reservation,
     Settle,
     SettleOp,
+    SettleWatch,
     State,
     StateCounts,
 )
 from relay.core.rules import same_record, sending_record
 from relay.store.sqlite import limits as sqlite_limits
+from relay.store.sqlite.settled import SqliteSettles
 from relay.store.sqlite.writer import (
     BUSY_POLL_MS,
     Op,
@@ -75,6 +79,8 @@ _INDEX = "CREATE INDEX IF NOT EXISTS fingerprints_expiry ON fingerprints (expire
 _SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms "
            "FROM fingerprints "
            "WHERE key = ?")
+_SELECT_MANY = ("SELECT key, state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms "
+                "FROM fingerprints WHERE key IN (SELECT value FROM json_each(?))")
 _UPSERT = (
     "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
     "VALUES (?, ?, ?, ?, ?, ?)"
@@ -285,6 +291,18 @@ class SqliteStore:
         # owns the connection, in its own thread
         self._writer = Writer("sqlite-store", op_timeout_s)
         self._closed = False
+        self._settles = SqliteSettles(self._inspect_keys)
+
+    def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
+        """The settles of ``keys``: this process's at once, another process's within
+        :data:`relay.store.sqlite.settled.REREAD_S` (one shared re-read of the keys waited
+        for)."""
+        return self._settles.watching(keys)
+
+    async def _inspect_keys(self, keys: list[str]) -> list[Record]:
+        """What each of ``keys`` holds, in one statement. Raises :class:`StoreError`."""
+        return await self._call("inspect", lambda conn, _now: _inspect_many(conn, keys),
+                                in_tx=False)
 
     @classmethod
     async def open(cls, path: str, *, op_timeout_s: float = 2.0) -> SqliteStore:
@@ -337,7 +355,10 @@ class SqliteStore:
         def body(conn: sqlite3.Connection, now_ms: int) -> list[bool]:
             return _settle(conn, now_ms, ops, token, window_ms)
 
-        return await self._call("settle", body)
+        applied = await self._call("settle", body)
+        self._settles.announce(op.key for op, done in zip(ops, applied, strict=True)
+                               if done and op.action is not Settle.SENDING)
+        return applied
 
     async def renew(self, keys: Sequence[str], *, token: str, lease_s: float,
                     window_s: float = 0.0) -> list[bool]:
@@ -372,7 +393,9 @@ class SqliteStore:
         def body(conn: sqlite3.Connection, now_ms: int) -> bool:
             return _force_release(conn, now_ms, key, expected)
 
-        return await self._call("force_release", body)
+        released = await self._call("force_release", body)
+        self._settles.announce([key] if released else [])
+        return released
 
     async def force_mark_sent(self, key: str, *, reply: str, window_s: float,
                               expected: Record | None = None) -> bool:
@@ -388,7 +411,9 @@ class SqliteStore:
             conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
             return True
 
-        return await self._call("force_mark_sent", body)
+        written = await self._call("force_mark_sent", body)
+        self._settles.announce([key] if written else [])
+        return written
 
     async def count_states(self, prefix: str, *, lease_s: float, older_than_s: float,
                            max_keys: int | None = None,
@@ -447,6 +472,7 @@ class SqliteStore:
         if self._closed:
             return
         self._closed = True
+        await self._settles.close()
         op = Op(lambda _conn, _now: self._disconnect(), False, asyncio.get_running_loop())
         self._writer.submit(op)
         self._writer.stop()
@@ -624,6 +650,15 @@ def _inspect(conn: sqlite3.Connection | None, key: str) -> Record:
     now_ms = int(time.time() * 1000)
     row = _live(_db(conn).execute(_SELECT, (key,)).fetchone(), now_ms)
     return Record(State.ABSENT) if row is None else _record(row, now_ms)
+
+
+def _inspect_many(conn: sqlite3.Connection | None, keys: Sequence[str]) -> list[Record]:
+    """What each of ``keys`` holds, read by one statement (the keys as one JSON array)."""
+    now_ms = int(time.time() * 1000)
+    rows = {row[0]: _live(row[1:], now_ms) for row in _db(conn).execute(
+        _SELECT_MANY, (json.dumps(list(keys)),))}
+    return [Record(State.ABSENT) if (row := rows.get(key)) is None else _record(row, now_ms)
+            for key in keys]
 
 
 def _count_states(conn: sqlite3.Connection | None, prefix: str, lease_ms: int,

@@ -43,9 +43,11 @@ def recipients(relay: Relay, outcome: str) -> float | None:
 
 
 async def test_copy_while_the_first_is_in_flight_is_450_and_sent_after_the_first_fails(
-        relay: Relay, sink: Sink) -> None:
-    """A copy sent while the first attempt waits on upstream is answered 450 4.2.0 (retry),
-    never 250: the first then fails with 451 and the copy's retry is the one relayed."""
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """Without a wait (``in_flight_wait = 0``), a copy sent while the first attempt waits on
+    upstream is answered 450 4.2.0 (retry), never 250: the first then fails with 451 and the
+    copy's retry is the one relayed."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", in_flight_wait=0)
     sink.handler.delay_s = 1.5
     sink.handler.data_plan = deque(["451 4.3.0 try later"])
     first = asyncio.create_task(send(relay.port, [A], message()))
@@ -61,9 +63,10 @@ async def test_copy_while_the_first_is_in_flight_is_450_and_sent_after_the_first
 
 
 async def test_inflight_recipient_makes_the_whole_message_450_though_another_is_new(
-        relay: Relay, sink: Sink) -> None:
-    """A message with one recipient in flight and one new gets 450 4.2.0, not 250 (the new
-    one goes upstream, and the retry then sends nothing twice)."""
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """Without a wait, a message with one recipient in flight and one new gets 450 4.2.0, not
+    250 (the new one goes upstream, and the retry then sends nothing twice)."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", in_flight_wait=0)
     sink.handler.delay_s = 1.0
     first = asyncio.create_task(send(relay.port, [A], message()))
     await wait_for_transactions(sink, 1)

@@ -116,10 +116,12 @@ async def test_shadow_mode_of_one_template_leaves_the_others_enforced(
 
 async def test_shadow_mode_tells_a_copy_in_flight_to_wait_as_enforce_does(
         make_relay: MakeRelay, sink: Sink) -> None:
-    """A copy sent while the first is still at the upstream: 450 (in flight) in shadow mode
-    too, nothing relayed for it (unreserved, it would leave no record if the first then
-    failed); its retry after the first settled is a shadow copy, relayed and counted."""
-    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", mode="shadow")
+    """Without a wait, a copy sent while the first is still at the upstream: 450 (in flight)
+    in shadow mode too, nothing relayed for it (unreserved, it would leave no record if the
+    first then failed); its retry after the first settled is a shadow copy, relayed and
+    counted."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", mode="shadow",
+                             in_flight_wait=0)
     sink.handler.delay_s = 1.0
     first = asyncio.create_task(send(relay.port, [A], message()))
     await until(lambda: sink.handler.transactions >= 1)

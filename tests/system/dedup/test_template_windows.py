@@ -33,7 +33,7 @@ async def test_a_short_template_window_does_not_expire_a_message_still_in_flight
     mark, while the first attempt is still waiting for its reply, must be told to wait (450:
     in flight), never relayed: the first copy is about to be delivered."""
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", lease=1.5, store_timeout=0.5,
-                             upstream_timeout=8.0, template_policy=policies(
+                             upstream_timeout=8.0, in_flight_wait=0, template_policy=policies(
                                  {"match": "reset-*", "dedup_window": 2}))
     assert relay.core is not None
     key = recipient_key(A, "reset-pw", "K-1", relay.core.policy).key

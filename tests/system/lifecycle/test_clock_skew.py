@@ -36,8 +36,8 @@ HOLD_S = 4.0  # the upstream holds its reply to A's final dot longer than the le
 async def test_a_clock_that_disagrees_does_not_make_a_sending_record_look_in_doubt(
         tmp_path: Path, unknown_policy: str, store: str, offsets: tuple[float, float]) -> None:
     """A copy sent to relay B while relay A waits for the upstream's reply to its dot, their
-    wall clocks apart by more than the lease, is answered 450 (in flight) and never relayed:
-    one delivery, A's client gets 250."""
+    wall clocks apart by more than the lease, is answered 450 (in flight, without a wait) and
+    never relayed: one delivery, A's client gets 250."""
     tag = uuid.uuid4().hex[:8]
     prefix = f"test:skew:{tag}:"
     url = REDIS_URL if store == "redis" else f"sqlite:///{tmp_path / 'dedup.db'}"
@@ -45,7 +45,7 @@ async def test_a_clock_that_disagrees_does_not_make_a_sending_record_look_in_dou
     sink = await start_sink(Faults(), tmp_path / "sink.jsonl")
     config = RelayConfig(lease_s=LEASE_S, upstream_timeout_s=HOLD_S + 3.0,
                          command_timeout_s=2.0)
-    env = {"RELAY_UNKNOWN_POLICY": unknown_policy}
+    env = {"RELAY_UNKNOWN_POLICY": unknown_policy, "RELAY_IN_FLIGHT_WAIT": "0"}
     relays = [RelayProcess(port=free_port(), upstream_port=sink.port, store_url=url,
                            store_prefix=prefix, log_path=tmp_path / f"relay{i}.log",
                            config=config, extra_env=env, clock_offset_s=offset)

@@ -23,7 +23,8 @@ def _relay(tmp_path: Path, sink_port: int, prefix: str, policy: str = "suppress"
     config = RelayConfig(lease_s=LEASE_S, upstream_timeout_s=10.0, command_timeout_s=3.0)
     return RelayProcess(port=free_port(), upstream_port=sink_port, store_url=REDIS_URL,
                         store_prefix=prefix, log_path=tmp_path / "relay.log", config=config,
-                        extra_env={"RELAY_UNKNOWN_POLICY": policy})
+                        extra_env={"RELAY_UNKNOWN_POLICY": policy,
+                                   "RELAY_IN_FLIGHT_WAIT": "0"})
 
 
 @pytest.mark.timeout(60)
