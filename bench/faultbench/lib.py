@@ -534,6 +534,7 @@ class RelayConfig:
     shutdown_grace_s: float = 5.0
     unknown_policy: str = "suppress"
     workers: int = 2  # worker processes under a supervisor; 1: one process
+    in_flight_wait_s: float = 15.0  # a copy of a key in flight waits this long (0: 450 at once)
 
 
 @dataclass
@@ -562,6 +563,7 @@ class RelayProcess:
             "RELAY_STORE_TIMEOUT": str(c.store_timeout_s),
             "RELAY_SHUTDOWN_GRACE": str(c.shutdown_grace_s),
             "RELAY_UNKNOWN_POLICY": c.unknown_policy,
+            "RELAY_IN_FLIGHT_WAIT": str(c.in_flight_wait_s),
             "RELAY_LOG_RECIPIENTS": "true",  # the checker's findings name fingerprints
             "RELAY_MAX_CONNECTIONS_PER_IP": "200",  # every bench client is 127.0.0.1
             **self.extra_env,

@@ -305,8 +305,9 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  "of final replies 2 s; clients give up after 1 s and retry on the other relay; "
                  "unknown_policy = send",
                  faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
+                 # retries meet the other relay's attempt in flight: 450 at once, no wait
                  relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
-                                   unknown_policy="send"),
+                                   unknown_policy="send", in_flight_wait_s=0.0),
                  second_clock_offset_s=10.0,
                  policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
         Scenario("sqlite-clock-step",
@@ -314,8 +315,9 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  "longer than the 5 s lease); upstream holds 30 % of final replies 2 s; clients "
                  "give up after 1 s and retry on the other relay; unknown_policy = send",
                  faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
+                 # retries meet the other relay's attempt in flight: 450 at once, no wait
                  relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
-                                   unknown_policy="send"),
+                                   unknown_policy="send", in_flight_wait_s=0.0),
                  second_clock_offset_s=20.0, store="sqlite",
                  policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
         Scenario("long-transactions",

@@ -31,6 +31,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "session_lifetime": ("13", 13.0),
     "max_idle_commands": ("14", 14),
     "bare_newline": ("reject", "reject"),
+    "in_flight_wait": ("2.5", 2.5),
     "allowed_networks": ("10.0.0.0/8, 192.168.0.0/16", ("10.0.0.0/8", "192.168.0.0/16")),
     "allowed_senders": ("*@example.com", ("*@example.com",)),
     "max_connections": ("15", 15),
