@@ -267,6 +267,13 @@ CONTROL_RELAY = RelayConfig(lease_s=30.0, upstream_timeout_s=5.0, command_timeou
 def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Scenario]:
     """Every fault of the bench, the control run first; the PostgreSQL store's last."""
     plain = Faults(slow_s=LATENCY_S)
+    # two relays on one store with clocks apart: 30 % of final replies held 2 s, clients that
+    # give up after 1 s and retry on the other relay, whose retries meet the first attempt in
+    # flight (450 at once: no in-flight wait)
+    held_replies = Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S)
+    two_clocks = RelayConfig(lease_s=5.0, upstream_timeout_s=3.0, unknown_policy="send",
+                             in_flight_wait_s=0.0)
+    quick_retries = RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)
     return [
         Scenario("baseline", "no fault (control)", faults=plain, relay=CONTROL_RELAY),
         Scenario("redis-restart", "Redis restarted mid-load", faults=plain,
@@ -304,22 +311,15 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  "two relays on one store, the second's clock 10 s ahead; upstream holds 30 % "
                  "of final replies 2 s; clients give up after 1 s and retry on the other relay; "
                  "unknown_policy = send",
-                 faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
-                 # retries meet the other relay's attempt in flight: 450 at once, no wait
-                 relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
-                                   unknown_policy="send", in_flight_wait_s=0.0),
+                 faults=held_replies, relay=two_clocks,
                  second_clock_offset_s=10.0,
-                 policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
+                 policy=quick_retries),
         Scenario("sqlite-clock-step",
                  "two relays on one SQLite file, the second's wall clock 20 s ahead (a step "
                  "longer than the 5 s lease); upstream holds 30 % of final replies 2 s; clients "
                  "give up after 1 s and retry on the other relay; unknown_policy = send",
-                 faults=Faults(hang_ratio=0.3, hang_s=2.0, slow_s=LATENCY_S),
-                 # retries meet the other relay's attempt in flight: 450 at once, no wait
-                 relay=RelayConfig(lease_s=5.0, upstream_timeout_s=3.0,
-                                   unknown_policy="send", in_flight_wait_s=0.0),
-                 second_clock_offset_s=20.0, store="sqlite",
-                 policy=RetryPolicy(base_s=0.1, max_s=1.0, timeout_s=1.0)),
+                 faults=held_replies, relay=two_clocks,
+                 second_clock_offset_s=20.0, store="sqlite", policy=quick_retries),
         Scenario("long-transactions",
                  "every upstream command answered in 0-0.9 s: many transactions outlast the "
                  "3 s lease",
