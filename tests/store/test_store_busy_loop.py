@@ -15,17 +15,26 @@ from relay.store.sqlite.store import SqliteStore
 LEASE_S = 60.0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 async def test_calls_queued_behind_each_other_do_not_time_out(tmp_path: Path) -> None:
-    """200 concurrent reserves on one store with a 50 ms op timeout all succeed: each fsynced
-    transaction is fast, only the queue behind the one worker thread is long."""
-    store = await SqliteStore.open(str(tmp_path / "dedup.db"), op_timeout_s=0.05)
+    """200 reserves queued behind a 3 s call on the store's one writer thread, with a 1 s op
+    timeout, all succeed: the time a call waits behind this process's own calls is not an
+    outage of the database (each waits about 3 s, three times its op timeout)."""
+    store = await SqliteStore.open(str(tmp_path / "dedup.db"), op_timeout_s=1.0)
     try:
+        # the writer thread is busy for 3 s with one call of its own (as a large count_states is)
+        blocking = asyncio.create_task(store._call(
+            "hold", lambda _conn, _now: time.sleep(3.0), in_tx=False, timeout_s=30.0))
+        await asyncio.sleep(0.2)  # the long call has started
+        started = time.monotonic()
         results = await asyncio.gather(*(
             store.reserve([f"k{i}"], token=f"t{i}", lease_s=LEASE_S) for i in range(200)))
+        waited = time.monotonic() - started
+        await blocking
     finally:
         await store.close()
     assert all(r[0].reserved for r in results)
+    assert waited > 1.0  # the reserves did wait longer than their op timeout
 
 
 @pytest.mark.timeout(30)
