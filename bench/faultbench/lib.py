@@ -591,14 +591,16 @@ class RelayProcess:
                                ) from exc
 
     async def signal_and_wait(self, sig: int) -> int:
-        """Send ``sig``, wait for the exit (grace + 10 s at most), record the exit code."""
+        """Send ``sig``, wait for the exit (grace + 30 s at most: past its grace a relay waits
+        up to 5 s for the replies to dots on the wire, then settles them, which takes seconds
+        more on a loaded machine), record the exit code."""
         if self.proc is None:
             return -1
         group = self.proc.pid  # its own session: the supervisor and its workers
         if sig == signal.SIGKILL:  # as a service manager kills a unit: every process of it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-        code = await _end(self.proc, sig, self.config.shutdown_grace_s + 10)
+        code = await _end(self.proc, sig, self.config.shutdown_grace_s + 30)
         await _group_gone(group)
         self.exit_codes.append(code)
         self.proc = None
