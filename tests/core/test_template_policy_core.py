@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -109,6 +110,13 @@ class ScriptedUpstream:
         return None
 
 
+
+def policy_of(**fields: Any) -> Policy:
+    """A :class:`Policy` whose copies of a message in flight are answered 450 at once
+    (``in_flight_wait_s`` 0; the wait itself is tested in test_in_flight_wait.py)."""
+    return Policy(**{"in_flight_wait_s": 0.0, **fields})
+
+
 def core_over(store: FingerprintStore, upstream: ScriptedUpstream, policy: Policy,
               registry: CollectorRegistry | None = None) -> DedupCore:
     return DedupCore(store=store, upstream=upstream, policy=policy, metrics=PrometheusMetrics(
@@ -159,7 +167,7 @@ async def test_a_shadow_copy_of_a_message_in_flight_is_told_to_wait_as_in_enforc
     to enforce would then let M1's retry out as a second copy). M1 is refused temporarily at
     DATA and releases K; after the switch, M1's retry is the one copy delivered."""
     store = RedisStore.from_url(REDIS_URL)
-    shadow = Policy(key_prefix=prefix, mode="shadow")
+    shadow = policy_of(key_prefix=prefix, mode="shadow")
     held = Plan(gate=asyncio.Event(), refuse=TEMP)
     upstream = ScriptedUpstream(held)
     core = core_over(store, upstream, shadow)
@@ -172,7 +180,7 @@ async def test_a_shadow_copy_of_a_message_in_flight_is_told_to_wait_as_in_enforc
         assert held.gate is not None
         held.gate.set()
         assert (await first).reply.code == 451  # M1 refused before its dot: released
-        core.policy = Policy(key_prefix=prefix)  # the switch to enforce
+        core.policy = policy_of(key_prefix=prefix)  # the switch to enforce
         retry = await core.process(msg(queue_id="m1-retry"))
         assert retry.outcomes == {USER: "relayed"} and upstream.copies_to(USER) == 1
         again = await core.process(msg(queue_id="m1-again"))
@@ -185,8 +193,8 @@ async def test_a_shadow_only_message_counts_no_settle_round_trip(prefix: str) ->
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
     registry = CollectorRegistry()
-    enforce = core_over(store, upstream, Policy(key_prefix=prefix))
-    shadow = core_over(store, upstream, Policy(key_prefix=prefix, mode="shadow"), registry)
+    enforce = core_over(store, upstream, policy_of(key_prefix=prefix))
+    shadow = core_over(store, upstream, policy_of(key_prefix=prefix, mode="shadow"), registry)
     try:
         assert (await enforce.process(msg())).outcomes == {USER: "relayed"}
         decision = await shadow.process(msg())
@@ -210,7 +218,7 @@ async def test_a_template_window_of_one_lease_outlives_its_attempt(
     upstream holds the reply for longer than that (the lease renewed all along). Its copy must
     be told to wait (in flight), and M1's record must end SENT."""
     store = await open_store(kind, tmp_path)
-    policy = Policy(key_prefix=prefix, lease_s=1.0, templates=(
+    policy = policy_of(key_prefix=prefix, lease_s=1.0, templates=(
         TemplateRule(match="reset-*", window_s=1.0),))
     slow = Plan(gate=asyncio.Event(), after_dot=True)
     upstream = ScriptedUpstream(slow)
@@ -233,7 +241,7 @@ async def test_a_template_window_of_one_lease_outlives_its_attempt(
 async def test_a_message_in_doubt_under_a_window_of_one_lease_stays_in_doubt(
         kind: str, prefix: str, tmp_path: Path) -> None:
     store = await open_store(kind, tmp_path)
-    policy = Policy(key_prefix=prefix, lease_s=1.0, templates=(
+    policy = policy_of(key_prefix=prefix, lease_s=1.0, templates=(
         TemplateRule(match="reset-*", window_s=1.0),))
     silent = Plan(gate=asyncio.Event(), after_dot=True, no_reply=True)
     upstream = ScriptedUpstream(silent)
@@ -264,7 +272,7 @@ async def test_a_policy_swapped_between_reserve_and_settle_does_not_reach_the_me
     with its own 7200 s window; its copy meets the new policy (shadow: delivered, counted
     would_suppress); the record M1 wrote is left as it was."""
     store = RedisStore.from_url(REDIS_URL)
-    before = Policy(key_prefix=prefix, templates=(
+    before = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0, duplicate_reply="550"),))
     gate = Plan(gate=asyncio.Event())
     upstream = ScriptedUpstream(gate)
@@ -273,7 +281,7 @@ async def test_a_policy_swapped_between_reserve_and_settle_does_not_reach_the_me
     try:
         first = asyncio.create_task(core.process(msg(template="receipt-1")))
         await gate.entered.wait()
-        core.policy = Policy(key_prefix=prefix, mode="shadow")
+        core.policy = policy_of(key_prefix=prefix, mode="shadow")
         assert gate.gate is not None
         gate.gate.set()
         assert (await first).outcomes == {USER: "relayed"}
@@ -291,12 +299,12 @@ async def test_a_policy_swapped_while_a_copy_waits_keeps_its_550(prefix: str) ->
     """The policy at the copy's start says 550; a swap to 250 while it is being reserved (its
     upstream never called) does not change its reply."""
     store = RedisStore.from_url(REDIS_URL)
-    core = core_over(store, ScriptedUpstream(), Policy(key_prefix=prefix, duplicate_reply="550"))
+    core = core_over(store, ScriptedUpstream(), policy_of(key_prefix=prefix, duplicate_reply="550"))
     try:
         assert (await core.process(msg())).reply.code == 250
         copy = asyncio.create_task(core.process(msg()))
         await asyncio.sleep(0)  # the copy has read its policy and awaits the store
-        core.policy = Policy(key_prefix=prefix)
+        core.policy = policy_of(key_prefix=prefix)
         decision = await copy
         assert decision.reply.code == 550 and decision.reply.enhanced == "5.7.1"
         assert (await core.process(msg())).reply.code == 250  # the next message: the new one
@@ -322,7 +330,7 @@ async def test_an_owed_settle_flushed_under_another_window_keeps_its_own(prefix:
     owed settle: with M1's 7200 s, dated by itself (S|), so the copy's 250 names M1's send time;
     the journal line for it would carry 7200 too."""
     store = SentFailsWhileDown.from_url(REDIS_URL)
-    before = Policy(key_prefix=prefix, templates=(
+    before = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0),))
     upstream = ScriptedUpstream()
     core = core_over(store, upstream, before)
@@ -334,7 +342,7 @@ async def test_an_owed_settle_flushed_under_another_window_keeps_its_own(prefix:
         owed = core.owed_settles()
         assert [(op.key, op.action, op.window_s) for _t, op in owed] == [
             (key, Settle.SENT, 7200.0)]
-        core.policy = Policy(key_prefix=prefix, window_s=3600.0, templates=(
+        core.policy = policy_of(key_prefix=prefix, window_s=3600.0, templates=(
             TemplateRule(match="*", window_s=3600.0),))
         store.down = False
         copy = await core.process(msg(template="receipt-1"))
@@ -354,7 +362,7 @@ async def test_the_journal_keeps_a_window_and_the_next_run_applies_it(
     """A SENT owed at exit for a receipt-* message (window 7200 s) goes to the journal with its
     window; a new core (a restart) pays it with 7200 s, not its own 86400 s."""
     store = SentFailsWhileDown.from_url(REDIS_URL)
-    policy = Policy(key_prefix=prefix, templates=(
+    policy = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0),))
     core = core_over(store, ScriptedUpstream(), policy)
     path = tmp_path / "owed.jsonl"
@@ -366,7 +374,7 @@ async def test_the_journal_keeps_a_window_and_the_next_run_applies_it(
             task.cancel()
         add_to_journal(path, core.owed_settles(), "s")
         store.down = False
-        restarted = core_over(store, ScriptedUpstream(), Policy(key_prefix=prefix))
+        restarted = core_over(store, ScriptedUpstream(), policy_of(key_prefix=prefix))
         assert await restarted.pay_owed(read_journal(path, "s")) == []
         value, ttl_ms = await raw(key)
         assert value is not None and value.startswith(b"S|") and 7_000_000 < ttl_ms <= 7_200_000
@@ -380,7 +388,7 @@ async def test_redis_reads_back_the_send_time_whatever_the_window(
     """A template window shorter, equal to or longer than the store's (86400 s): the copy's
     250 says 'original sent' at the first send, never a time shifted by the difference."""
     store = RedisStore.from_url(REDIS_URL, window_s=86400.0)
-    policy = Policy(key_prefix=prefix, templates=(
+    policy = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=window_s),))
     core = core_over(store, ScriptedUpstream(), policy)
     try:
@@ -399,7 +407,7 @@ async def test_redis_reads_back_the_send_time_whatever_the_window(
 async def test_sqlite_reads_back_the_send_time_and_ttl_of_a_template_window(
         tmp_path: Path) -> None:
     store = await SqliteStore.open(str(tmp_path / "fp.db"))
-    policy = Policy(templates=(TemplateRule(match="receipt-*", window_s=7200.0),))
+    policy = policy_of(templates=(TemplateRule(match="receipt-*", window_s=7200.0),))
     core = core_over(store, ScriptedUpstream(), policy)
     try:
         sent_at = time.time()
@@ -422,10 +430,10 @@ async def test_shadow_leaves_the_originals_record_and_counts_each_recipient_once
     counted exactly once (would_suppress, suppressed for the second spelling, relayed)."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    enforce = core_over(store, upstream, Policy(key_prefix=prefix))
+    enforce = core_over(store, upstream, policy_of(key_prefix=prefix))
     registry = CollectorRegistry()
-    shadow = core_over(store, upstream, Policy(key_prefix=prefix, mode="shadow"), registry)
-    key = store_key(Policy(key_prefix=prefix))
+    shadow = core_over(store, upstream, policy_of(key_prefix=prefix, mode="shadow"), registry)
+    key = store_key(policy_of(key_prefix=prefix))
     try:
         assert (await enforce.process(msg())).outcomes == {USER: "relayed"}
         before = await raw(key)
@@ -438,7 +446,7 @@ async def test_shadow_leaves_the_originals_record_and_counts_each_recipient_once
         assert upstream.copies_to(USER) == 2 and upstream.copies_to(OTHER) == 1
         after = await raw(key)
         assert after[0] == before[0] == b"0" and after[1] <= before[1]
-        other = await raw(store_key(Policy(key_prefix=prefix), OTHER))
+        other = await raw(store_key(policy_of(key_prefix=prefix), OTHER))
         assert other[0] == b"0"
         # nothing left PENDING: enforce answers every copy 250 at once, never 450
         again = await enforce.process(msg(rcpts))
@@ -452,9 +460,9 @@ async def test_shadow_relays_a_held_copy_and_leaves_the_record_in_doubt(prefix: 
     (would_suppress) and the UNKNOWN record stays exactly as it was, so enforce still holds."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    enforce = core_over(store, upstream, Policy(key_prefix=prefix, unknown="hold"))
-    shadow = core_over(store, upstream, Policy(key_prefix=prefix, unknown="hold", mode="shadow"))
-    key = store_key(Policy(key_prefix=prefix))
+    enforce = core_over(store, upstream, policy_of(key_prefix=prefix, unknown="hold"))
+    shadow = core_over(store, upstream, policy_of(key_prefix=prefix, unknown="hold", mode="shadow"))
+    key = store_key(policy_of(key_prefix=prefix))
     client = aredis.Redis.from_url(REDIS_URL)
     try:
         await client.set(key, f"U|{int(time.time() * 1000)}", px=3_600_000)
@@ -477,10 +485,10 @@ async def test_shadow_relays_a_copy_enforce_would_suppress_as_in_doubt(prefix: s
     was."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    enforce = core_over(store, upstream, Policy(key_prefix=prefix, unknown="suppress"))
+    enforce = core_over(store, upstream, policy_of(key_prefix=prefix, unknown="suppress"))
     shadow = core_over(store, upstream,
-                       Policy(key_prefix=prefix, unknown="suppress", mode="shadow"))
-    key = store_key(Policy(key_prefix=prefix))
+                       policy_of(key_prefix=prefix, unknown="suppress", mode="shadow"))
+    key = store_key(policy_of(key_prefix=prefix))
     client = aredis.Redis.from_url(REDIS_URL)
     try:
         await client.set(key, f"U|{int(time.time() * 1000)}", px=3_600_000)
@@ -503,8 +511,8 @@ async def test_shadow_leaves_a_copy_in_flight_waiting_and_the_original_settles(
     store = RedisStore.from_url(REDIS_URL)
     gate = Plan(gate=asyncio.Event())
     upstream = ScriptedUpstream(gate)
-    shadow = core_over(store, upstream, Policy(key_prefix=prefix, mode="shadow"))
-    key = store_key(Policy(key_prefix=prefix))
+    shadow = core_over(store, upstream, policy_of(key_prefix=prefix, mode="shadow"))
+    key = store_key(policy_of(key_prefix=prefix))
     try:
         first = asyncio.create_task(shadow.process(msg(queue_id="m1")))
         await gate.entered.wait()
@@ -518,7 +526,7 @@ async def test_shadow_leaves_a_copy_in_flight_waiting_and_the_original_settles(
         assert (await first).outcomes == {USER: "relayed"}
         assert (await raw(key))[0] == b"0"
         assert (await shadow.process(msg(queue_id="m2"))).outcomes == {USER: "would_suppress"}
-        enforce = core_over(store, upstream, Policy(key_prefix=prefix))
+        enforce = core_over(store, upstream, policy_of(key_prefix=prefix))
         assert (await enforce.process(msg())).outcomes == {USER: "suppressed"}
         assert upstream.copies_to(USER) == 2
     finally:
@@ -532,7 +540,7 @@ async def test_550_only_when_nothing_was_relayed_and_nothing_is_in_flight(
     store = RedisStore.from_url(REDIS_URL)
     gate = Plan(gate=asyncio.Event())
     upstream = ScriptedUpstream()
-    policy = Policy(key_prefix=prefix, duplicate_reply="550")
+    policy = policy_of(key_prefix=prefix, duplicate_reply="550")
     core = core_over(store, upstream, policy)
     try:
         spellings = await core.process(msg([USER, "User@EXAMPLE.net"]))
@@ -557,7 +565,7 @@ async def test_550_is_not_given_to_a_message_whose_shadow_copy_went(prefix: str)
     """duplicate_reply = 550 with mode = shadow: the copy went upstream, so 250."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    core = core_over(store, upstream, Policy(key_prefix=prefix, duplicate_reply="550",
+    core = core_over(store, upstream, policy_of(key_prefix=prefix, duplicate_reply="550",
                                              mode="shadow"))
     try:
         assert (await core.process(msg())).reply.code == 250
@@ -574,7 +582,7 @@ async def test_an_exempt_template_is_never_refused_for_its_missing_key(prefix: s
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
     registry = CollectorRegistry()
-    policy = Policy(key_prefix=prefix, missing_key="reject", templates=(
+    policy = policy_of(key_prefix=prefix, missing_key="reject", templates=(
         TemplateRule(match="otp-*", dedup=False),))
     core = core_over(store, upstream, policy, registry)
     try:
@@ -600,7 +608,7 @@ async def test_strictest_of_several_templates_as_documented(prefix: str) -> None
     A copy of the two-template message is 550 and its record lives 7200 s."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    policy = Policy(key_prefix=prefix, window_s=3600.0, templates=(
+    policy = policy_of(key_prefix=prefix, window_s=3600.0, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0, duplicate_reply="550"),
         TemplateRule(match="news*", mode="shadow", unknown="send")))
     core = core_over(store, upstream, policy)
@@ -625,14 +633,14 @@ async def test_a_copy_waits_for_an_owed_release_of_another_window(prefix: str) -
     and is relayed, never answered 450 for M1's leftover PENDING."""
     store = SentFailsWhileDown.from_url(REDIS_URL)
     upstream = ScriptedUpstream(Plan(refuse=TEMP))
-    policy = Policy(key_prefix=prefix, templates=(
+    policy = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0),))
     core = core_over(store, upstream, policy)
     try:
         store.down = True
         assert (await core.process(msg(template="receipt-1"))).reply.code == 451
         await until(lambda: bool(core.owed_settles()), what="the release owed")
-        core.policy = Policy(key_prefix=prefix, mode="shadow")
+        core.policy = policy_of(key_prefix=prefix, mode="shadow")
         store.down = False
         retry = await core.process(msg(template="receipt-1"))
         assert retry.outcomes == {USER: "relayed"} and upstream.copies_to(USER) == 1
@@ -648,11 +656,11 @@ async def test_a_shadow_copy_cut_after_its_dot_leaves_the_originals_record(prefi
     attempt's) is left exactly as it was; the client is told 451 4.4.2 and each recipient is
     counted once."""
     store = RedisStore.from_url(REDIS_URL)
-    plain = Policy(key_prefix=prefix)
+    plain = policy_of(key_prefix=prefix)
     cut = Plan(gate=asyncio.Event(), after_dot=True)
     upstream = ScriptedUpstream()
     registry = CollectorRegistry()
-    shadow = core_over(store, upstream, Policy(key_prefix=prefix, mode="shadow"), registry)
+    shadow = core_over(store, upstream, policy_of(key_prefix=prefix, mode="shadow"), registry)
     try:
         assert (await core_over(store, upstream, plain).process(msg())).reply.code == 250
         before = await raw(store_key(plain))
@@ -677,7 +685,7 @@ async def test_an_exempt_template_needs_no_store(prefix: str) -> None:
     port) an otp-* message is relayed (exempt), another template's is 451 (store_down)."""
     store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", op_timeout_s=0.5)
     upstream = ScriptedUpstream()
-    policy = Policy(key_prefix=prefix, templates=(TemplateRule(match="otp-*", dedup=False),))
+    policy = policy_of(key_prefix=prefix, templates=(TemplateRule(match="otp-*", dedup=False),))
     core = core_over(store, upstream, policy)
     try:
         exempt = await core.process(msg(template="otp-login"))
@@ -695,7 +703,7 @@ async def test_a_template_matches_by_its_normalized_value(prefix: str) -> None:
     same fingerprint and is suppressed."""
     store = RedisStore.from_url(REDIS_URL)
     upstream = ScriptedUpstream()
-    policy = Policy(key_prefix=prefix, templates=(
+    policy = policy_of(key_prefix=prefix, templates=(
         TemplateRule(match="receipt-*", window_s=7200.0),))
     core = core_over(store, upstream, policy)
     encoded = InboundMessage(

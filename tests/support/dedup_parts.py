@@ -78,10 +78,12 @@ class HangingUpstream(CountingUpstream):
 def make_core(store: RedisStore, upstream: CountingUpstream, prefix: str, *,
               lease_s: float = 900.0, registry: CollectorRegistry | None = None) -> DedupCore:
     """A DedupCore over ``store`` and ``upstream`` with a fresh (or the given) registry, its
-    calls timed as the relay's (:func:`relay.ops.observed.observed_core`, tracing off)."""
+    calls timed as the relay's (:func:`relay.ops.observed.observed_core`, tracing off); a copy
+    of a message in flight is answered 450 at once (``in_flight_wait_s`` 0: the wait is
+    tested in tests/core/test_in_flight_wait.py)."""
     return observed_core(store=store, upstream=upstream, metrics=PrometheusMetrics(
         registry=registry if registry is not None else CollectorRegistry()),
-        policy=Policy(key_prefix=prefix, lease_s=lease_s))[0]
+        policy=Policy(key_prefix=prefix, lease_s=lease_s, in_flight_wait_s=0.0))[0]
 
 
 def one_message() -> InboundMessage:
