@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from relay.console.server import Console
 from relay.core.dedup import DedupCore
 from relay.core.dsn import DsnSender
 from relay.core.errors import ConfigError
@@ -27,7 +26,6 @@ from relay.core.interfaces import FingerprintStore
 from relay.core.observers import OweNotices, RecordDecisions
 from relay.listen import Inherited, SmtpListeners, bind_error, serve_smtp
 from relay.ops.health import HealthMonitor
-from relay.ops.http import OpsServer
 from relay.ops.measured import MeasuredLimiter
 from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
 from relay.ops.observed import observed_core
@@ -42,6 +40,7 @@ from relay.upstream.oauth import TOKEN_FAILURES, TokenProvider
 from relay.upstream.pool import default_pool_size
 
 if TYPE_CHECKING:  # the postgres extra: imported only where a ledger is configured
+    from relay.console.server import Console
     from relay.store.postgres.ledger import PostgresLedger
 
 log = logging.getLogger("relay.app")
@@ -182,6 +181,8 @@ class Relay:
         s, address = self.settings, self.settings.console_address
         if address is None or self.inherited is not None:
             return None
+        from relay.console.server import Console  # a worker never serves it
+
         console = Console(s, store=store, registry=self.registry)
         try:
             await console.start()
@@ -206,6 +207,8 @@ class Relay:
         stack.push_async_callback(health.stop)
         if self.inherited is not None:
             return
+        from relay.ops.http import OpsServer  # a worker never serves it
+
         ops = OpsServer(registry=self.registry, health=health, host=address[0],
                         port=address[1])
         try:

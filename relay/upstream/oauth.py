@@ -46,12 +46,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, get_args
-
-import aiohttp
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from relay.core.http_rules import ReplyTooLarge, printable_excerpt, refuse_declared
 from relay.upstream.oauth_lock import LockError, exclusive, lock_path
+
+if TYPE_CHECKING:  # aiohttp is imported where a token is fetched (most relays use none)
+    import aiohttp
 
 log = logging.getLogger("relay.upstream.oauth")
 
@@ -265,6 +266,8 @@ class FormGrant:
             self._in_file = text
 
     async def _post(self) -> tuple[str, float]:
+        import aiohttp  # its import costs a start 0.2 s of CPU
+
         url = self._cfg.token_url
         timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
         try:
