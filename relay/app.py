@@ -126,7 +126,7 @@ class Relay:
             stack.push_async_callback(store.close)
             policy = s.dedup_policy()
             ledger = await s.open_ledger(metrics, instance=f"{s.hostname}/{os.getpid()}",
-                                         secret=policy.secret, timeout_s=s.ledger_timeout)
+                                         policy=policy, timeout_s=s.ledger_timeout)
             stack.push_async_callback(_land, tokens, ledger)
             upstream = s.failover_upstream(
                 local_hostname=s.hostname, health_interval_s=s.health_interval,

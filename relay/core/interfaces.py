@@ -556,7 +556,10 @@ class LedgerEntry:
     relay answered without relaying), ``upstream_queue_id`` the queue id read off it,
     ``client_reply`` what the client was told for the message; ``decided_at`` the relay's
     clock (unix seconds) when it answered; ``key_source`` where the key came from
-    (``header``, ``rule:NAME``).
+    (``header``, ``rule:NAME``). ``received_at``: the relay's clock when the message's final
+    dot came in from the client; ``sending_at``: when the relay marked its records SENDING,
+    right before its own final dot went upstream (None: not known, or nothing was sent with
+    a reservation).
     """
 
     decided_at: float
@@ -573,6 +576,8 @@ class LedgerEntry:
     client_reply: str = ""
     action: LedgerAction = LedgerAction.RELAY
     key_source: str = ""  # where the key came from: header, rule:NAME ("": none, an operator)
+    received_at: float | None = None
+    sending_at: float | None = None
 
 
 class AuditLedger(Protocol):

@@ -198,7 +198,7 @@ def test_db_upgrade_ledger_on_an_empty_database_and_on_the_current_schema() -> N
         first = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env,
                                check=False)
         assert first.returncode == 0, first.stderr
-        assert "ledger schema" in first.stdout and "from version 0 to 2" in first.stdout
+        assert "ledger schema" in first.stdout and "from version 0 to 3" in first.stdout
         again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env,
                                check=False)
         assert again.returncode == 0 and "current" in again.stdout, again
