@@ -73,8 +73,8 @@ def parse_instant(text: str, *, what: str) -> datetime:
         at = datetime.fromisoformat(cleaned)
     except ValueError:
         raise LookupRefused(LookupProblem.TIME, what,
-                            f"{what}: {cleaned!r} is no time (2026-12-05 or 2026-12-05T14:30, "
-                            "UTC)") from None
+                            f"{what}: {cleaned!r} is no date or time (2026-12-05 or "
+                            "2026-12-05T14:30, UTC)") from None
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 

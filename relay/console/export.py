@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from relay.admin.search import LookupRefused
+from relay.admin.search import parse_instant as instant
 from relay.console.context import CONTEXT, SESSION, ledger_call
 from relay.console.errors import ConsoleError
 from relay.core.errors import StoreError
@@ -71,13 +73,12 @@ def iso(at: datetime) -> str:
 
 def parse_instant(text: str, *, what: str) -> datetime:
     """``2026-12-05`` (midnight UTC), ``2026-12-05T14:30`` or a full ISO 8601 time (UTC when it
-    names no offset) as a timezone-aware datetime. Raises :class:`ConsoleError` (400)."""
+    names no offset) as a timezone-aware datetime (:func:`relay.admin.search.parse_instant`,
+    the lookups' rule). Raises :class:`ConsoleError` (400)."""
     try:
-        at = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConsoleError(400, f"{what}: {text!r} is no date (2026-12-05 or "
-                                "2026-12-05T14:30, UTC)") from None
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+        return instant(text, what=what)
+    except LookupRefused as exc:
+        raise ConsoleError(400, str(exc)) from None
 
 
 def period_of(start_text: str, end_text: str, *, now: datetime) -> tuple[datetime, datetime]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from relay.core.address import mailbox_problem
 from relay.core.errors import InvalidAddressError
 from relay.core.recipients import normalize_recipient
 
@@ -69,8 +70,9 @@ def recipient_digest(address: str, *, secret: bytes | None = None,
     for the fingerprint (:func:`relay.core.recipients.normalize_recipient`, so ``Jane@EXAMPLE.net``
     and ``<jane@example.net>`` give one digest). Returns 64 hex characters: HMAC-SHA-256
     (RFC 2104) keyed by ``secret`` of :data:`RECIPIENT_DIGEST_CONTEXT` + the normalized address
-    (UTF-8), or its plain SHA-256 without a secret; None for an empty address or one that
-    does not normalize (no row can hold its digest). Raises ``ValueError`` for an empty
+    (UTF-8), or its plain SHA-256 without a secret; None for an empty address, one that
+    does not normalize or no mailbox (the relay refuses it at RCPT: no row holds its
+    digest). Raises ``ValueError`` for an empty
     secret."""
     if not address:
         return None
@@ -78,6 +80,8 @@ def recipient_digest(address: str, *, secret: bytes | None = None,
         mailbox = normalize_recipient(address,
                                       local_part_case_sensitive=local_part_case_sensitive)
     except InvalidAddressError:
+        return None
+    if mailbox_problem(mailbox, postmaster_alone=True) is not None:  # refused at RCPT
         return None
     data = RECIPIENT_DIGEST_CONTEXT + mailbox.encode("utf-8", "surrogateescape")
     if secret is None:
