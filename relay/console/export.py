@@ -37,8 +37,10 @@ if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
 
 CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "recipient",
               "template", "dedupe_key", "reply", "upstream_queue_id", "upstream",
-              "message_id", "queue_id", "client_reply", "instance", "key_source")
-"""The columns of ``/export.csv``, in order: the ledger's own (times ISO 8601 UTC)."""
+              "message_id", "queue_id", "client_reply", "instance", "key_source",
+              "received_at", "sending_at")
+"""The columns of ``/export.csv``, in order: the ledger's own (times ISO 8601 UTC; the
+recipient's digest is left out: it identifies an address to whoever can guess it)."""
 MAX_EXPORT_DAYS = 400
 """The longest period (days): the ledger keeps rows 400 days by default; longer is a typo."""
 WRITE_TIMEOUT_S = 30.0

@@ -102,7 +102,7 @@ def _urls(fields: dict[str, str], page: Page | None) -> tuple[str, str | None]:
 _HISTORY_DEFAULTS: dict[str, object] = {
     "view": None, "refused": "", "page": None, "query": None, "shown_rcpt": "", "first": True,
     "first_url": "/history", "next_url": None, "key": "", "heading": "", "template": "",
-    "state": None, "done": None}
+    "state": None, "state_at": None, "done": None}
 """What the history page shows when a view leaves it out."""
 
 
@@ -158,6 +158,8 @@ async def _fingerprint(ctx: ConsoleContext, request: web.Request, fields: dict[s
     return _history_page(ctx, request, fields=fields, view="fingerprint", key=key,
                     heading=heading, template=template,
                     state=describe(key, record, ctx.settings.lease), page=page,
+                    state_at=None if record.at is None else datetime.fromtimestamp(
+                        record.at, tz=UTC),
                     first=after is None, done=DONE.get(request.query.get("done", "")),
                     first_url=first_url, next_url=next_url)
 

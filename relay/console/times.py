@@ -39,12 +39,14 @@ def iso_exact(at: datetime) -> str:
 
 def when(at: datetime | None, now: datetime | None = None) -> Markup:
     """``at`` as the console shows every time: ``<time>2026-12-05 14:30:00 UTC</time>
-    <span class="age">(3 hours ago)</span>``, the exact instant in ``datetime`` and ``title``;
-    ``-`` for None. ``now`` (default: the clock) dates the age."""
+    <span class="age">(3 hours ago)</span>``, the exact instant in ``datetime`` and ``title``
+    (the day and the clock in spans of their own: a narrow column breaks between them, never
+    inside one); ``-`` for None. ``now`` (default: the clock) dates the age."""
     if at is None:
         return Markup("-")
     now = now or datetime.now(tz=UTC)
     exact = iso_exact(at)
-    return Markup('<time datetime="{0}" title="{0}">{1}</time> '
-                  '<span class="age">({2})</span>').format(
-        exact, utc_text(at), escape(age_words((now - at).total_seconds())))
+    day, clock = utc_text(at).split(" ", 1)
+    return Markup('<time datetime="{0}" title="{0}"><span>{1}</span> <span>{2}</span></time> '
+                  '<span class="age">({3})</span>').format(
+        exact, day, clock, escape(age_words((now - at).total_seconds())))
