@@ -54,11 +54,11 @@ class ConsoleSettings(Section):
                                         "console_tls_key")
 
     console_listen: str | None = Field(None, description=(
-        "HOST:PORT of the web console (a message's history, in-doubt review, stats, CSV "
-        "export); unset or off: no console"))
+        "HOST:PORT of the web console (find a message by address, Message-ID, queue id or "
+        "period, in-doubt review, stats, CSV export); unset or off: no console"))
     console_auth_file: Path | None = Field(None, description=(
-        "user:hash:role lines (hash-password --role viewer|operator) of who may sign in to "
-        "the console; needed with console_listen"))
+        "user:hash:role lines (hash-password --role viewer, or --role operator) of who may "
+        "sign in to the console; needed with console_listen"))
     console_tls_cert: Path | None = Field(None, description=(
         "PEM certificate chain of the console's HTTPS; unset: the listener's tls_cert when "
         "set, else plain HTTP (loopback only, unless console_plain_http)"))
@@ -103,8 +103,8 @@ class ConsoleSettings(Section):
             return self
         if self.console_auth_file is None:
             raise SettingsRuleError(
-                "console_listen needs console_auth_file (hash-password --role viewer|operator "
-                "writes its lines): the console has no anonymous pages",
+                "console_listen needs console_auth_file (hash-password --role viewer or --role "
+                "operator writes its lines): the console has no anonymous pages",
                 "console_listen", "console_auth_file")
         return self
 
