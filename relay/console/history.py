@@ -14,8 +14,8 @@ same page, ``400``, with what was typed still in the form.
 ``/message/<queue id>`` (the relay's queue id, as the decision log line names it and its
 ``console`` link points to): the message's rows, what the store holds now for each of its
 recipients, and its timeline oldest first: received, marked SENDING before the final dot,
-each recipient's decision, then every later row of its store keys (retries, operators'
-actions).
+each recipient's decision, and every other row of its store keys (the send it was a duplicate
+of, later retries, operators' actions).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ async def _search(ctx: ConsoleContext, request: web.Request, fields: dict[str, s
 
 @routes.get("/message/{queue_id}")
 async def message(request: web.Request) -> web.StreamResponse:
-    """One message by the relay's queue id: its recipients and timeline."""
+    """One message by the relay's queue id: its recipients and timeline (404: no row has it)."""
     ctx = request.app[CONTEXT]
     queue_id = request.match_info["queue_id"].strip()
     if ctx.settings.ledger is None:
