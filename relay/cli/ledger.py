@@ -99,7 +99,7 @@ def history_json(row: HistoryRow) -> dict[str, object]:
         "upstream_queue_id": row.upstream_queue_id, "upstream": row.upstream,
         "message_id": row.message_id, "queue_id": row.queue_id,
         "client_reply": row.client_reply, "instance": row.instance,
-        "key_source": row.key_source,
+        "key_source": row.key_source, "key_reused": row.key_reused,
     }
 
 
@@ -227,6 +227,7 @@ def _history_line(row: HistoryRow) -> str:
     extra = [f"{name} {value}" for name, value in (
         ("upstream-queue-id", row.upstream_queue_id), ("message-id", row.message_id),
         ("upstream", row.upstream), ("queue-id", row.queue_id), ("key-from", row.key_source),
+        ("key", "reused for other content" if row.key_reused else ""),
         ("by", row.instance))
         if value]
     return (f"{iso(row.decided_at)}  {row.outcome:<16} {_or_dash(row.recipient):<24} "

@@ -15,6 +15,7 @@ take seconds; a pattern past its limit does not match.
 
 from __future__ import annotations
 
+import base64
 import email
 import email.policy
 import functools
@@ -237,6 +238,8 @@ class MessageView:
         self.message = message
         self.mail_from = mail_from.strip().strip("<>").lower()
         self.rcpt_tos = tuple(rcpt_tos)
+        # content_digest's, by ignore patterns: computed once per message
+        self.digests: dict[tuple[regex.Pattern[str], ...], str] = {}
 
     def field(self, name: str) -> str | None:
         """The first ``name`` field, unfolded, encoded-words decoded, blanks collapsed, at
@@ -319,9 +322,28 @@ def normalized_text(text: str, ignore: Sequence[regex.Pattern[str]] = ()) -> str
 
 def content_digest(view: MessageView, ignore: Sequence[regex.Pattern[str]] = ()) -> str:
     """SHA-256 hex of the Subject and the :func:`normalized_text` of the decoded text,
-    NUL-joined (MIME boundaries, Message-ID and Date are never part of it)."""
-    data = f"{normalized_text(view.subject, ignore)}\0{normalized_text(view.text, ignore)}"
-    return hashlib.sha256(data.encode("utf-8", "surrogateescape")).hexdigest()
+    NUL-joined (MIME boundaries, Message-ID and Date are never part of it). Computed once
+    per view and ``ignore`` (the view keeps it: a ``content`` rule's key and the digest the
+    store keeps share one computation)."""
+    key = tuple(ignore)
+    found = view.digests.get(key)
+    if found is None:
+        data = f"{normalized_text(view.subject, ignore)}\0{normalized_text(view.text, ignore)}"
+        found = view.digests[key] = hashlib.sha256(
+            data.encode("utf-8", "surrogateescape")).hexdigest()
+    return found
+
+
+STORED_DIGEST_CHARS = 10
+"""Characters of a content digest as a store keeps it (:func:`stored_digest`): 60 bits."""
+
+
+def stored_digest(hex_digest: str) -> str:
+    """What a store keeps of a :func:`content_digest` (64 hex): its first 60 bits as
+    :data:`STORED_DIGEST_CHARS` base64url characters (RFC 4648 section 5), ``[A-Za-z0-9_-]``
+    only. Two contents are told apart with certainty but for one chance in 2**60."""
+    raw = base64.urlsafe_b64encode(bytes.fromhex(hex_digest[:16]))
+    return raw[:STORED_DIGEST_CHARS].decode("ascii")
 
 
 def subject_template(subject: str) -> str:

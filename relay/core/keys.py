@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from relay.core.fingerprint import DEFAULT_STORE_PREFIX, fingerprint, store_key
@@ -20,7 +20,13 @@ from relay.core.headers import (
     ParsedMessage,
     normalize_header_value,
 )
-from relay.core.key_rules import KeyRule, MessageView, first_match
+from relay.core.key_rules import (
+    KeyRule,
+    MessageView,
+    content_digest,
+    first_match,
+    stored_digest,
+)
 from relay.core.recipients import normalize_recipient
 
 KeyFormat = Literal["hex", "compact"]
@@ -95,17 +101,31 @@ class DerivedKey:
     """Where a message's key comes from: ``headers`` (the key and template the fingerprint
     takes: the message's own, or a rule's), ``source`` (``header``; ``rule:NAME``; ``""``: no
     key), the rule that matched (``rule``, None for none) and whether its source yielded
-    nothing (``missed``: the message is relayed without dedup)."""
+    nothing (``missed``: the message is relayed without dedup). ``view`` is what the rules
+    read of the message (its decoded text parsed on first use only), kept for
+    :meth:`content_digest`."""
 
     headers: DedupHeaders
     source: str
     rule: KeyRule | None = None
     missed: bool = False
+    view: MessageView | None = field(default=None, compare=False, repr=False)
 
     @property
     def shadow(self) -> bool:
         """Whether the key came from a rule in shadow mode."""
         return self.rule is not None and not self.missed and self.rule.mode == "shadow"
+
+    def content_digest(self) -> str:
+        """The message's content as a store keeps it (design.md §2.2): the ``content``
+        digest of :mod:`relay.core.key_rules` (the built-in volatile parts and, for a key a
+        rule gave, that rule's ``ignore`` patterns removed), in its stored form
+        (:func:`relay.core.key_rules.stored_digest`, 10 characters); ``""`` without a view.
+        Computed on the first call, once per message (a ``content`` rule's key shares it)."""
+        if self.view is None:
+            return ""
+        ignore = self.rule.ignore if self.rule is not None else ()
+        return stored_digest(content_digest(self.view, ignore))
 
 
 def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy, *,
@@ -113,19 +133,17 @@ def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy,
     """The key of a message whose dedup header fields are ``headers``: its key header when it
     has one (an explicit key always wins), else the first of ``policy.key_rules`` that matches
     (its template replacing the message's when it gives one), else none."""
-    if headers.key is not None:
-        return DerivedKey(headers=headers, source="header")
-    if not policy.key_rules:
-        return DerivedKey(headers=headers, source="")
     view = MessageView(message, mail_from=mail_from, rcpt_tos=rcpt_tos)
+    if headers.key is not None:
+        return DerivedKey(headers=headers, source="header", view=view)
     found = first_match(policy.key_rules, view, max_key_chars=policy.max_key_chars)
     if found is None:
-        return DerivedKey(headers=headers, source="")
+        return DerivedKey(headers=headers, source="", view=view)
     templates = headers.templates if found.template is None else (
         (found.template,) if found.template else ())
     return DerivedKey(
         headers=DedupHeaders(keys=(found.key,) if found.key else (), templates=templates),
-        source=f"rule:{found.rule.name}", rule=found.rule, missed=found.key is None)
+        source=f"rule:{found.rule.name}", rule=found.rule, missed=found.key is None, view=view)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,14 @@ from relay.core.key_rules import KeyRule, build_rule
 from relay.core.keys import KeyFormat
 from relay.core.limits import RateRule
 from relay.core.policy import Policy, TemplateRule
-from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
+from relay.core.rules import (
+    DuplicateReply,
+    KeyReuse,
+    MissingKeyPolicy,
+    Mode,
+    StoreDownPolicy,
+    UnknownPolicy,
+)
 from relay.settings.common import (
     CsvList,
     FileCheck,
@@ -50,6 +57,9 @@ class TemplatePolicy(BaseModel):
     duplicate_reply: DuplicateReply | None = Field(None, description=(
         '"250" (accepted, not relayed again) or "550" (550 5.7.1, the caller is told)'))
     mode: Mode | None = None
+    key_reuse: KeyReuse | None = Field(None, description=(
+        "a copy whose key's record is of other content: suppress, reject (550 5.7.1) or "
+        "relay"))
 
 
 class KeyRuleMatch(BaseModel):
@@ -124,7 +134,8 @@ class RateLimit(BaseModel):
 
 # the dedup rules swapped into the running Policy on reload (design.md §4.6)
 POLICY_SETTINGS = ("template_policy", "key_rule", "mode", "dedup_window", "missing_key",
-                   "unknown_policy", "duplicate_reply", "store_down", "in_flight_wait")
+                   "unknown_policy", "duplicate_reply", "store_down", "in_flight_wait",
+                   "key_reuse")
 
 
 class DedupSettings(Section):
@@ -176,12 +187,17 @@ class DedupSettings(Section):
     mode: Mode = Field("enforce", description=(
         "enforce (suppress duplicates) or shadow (decide, reserve and settle as enforce does, "
         "but deliver duplicates anyway, counted as would_suppress)"))
+    key_reuse: KeyReuse = Field("suppress", description=(
+        "a message whose key's record was written for other content (the application reused "
+        "the key): suppress (as a duplicate, logged WARNING, counted in "
+        "relay_key_reuse_total and the ledger), reject (550 5.7.1, the key was used for "
+        "other content) or relay (relayed, the record then this message's)"))
     rate_limit: tuple[RateLimit, ...] = Field((), description=(
         "[[rate_limit]] tables of the config file: scope (upstream, auth_user, sender_domain, "
         "template), messages and/or recipients per `per` seconds, shared through the store"))
     template_policy: tuple[TemplatePolicy, ...] = Field((), description=(
         "[[template_policy]] tables of the config file: per-template dedup, dedup_window, "
-        "missing_key, unknown_policy, duplicate_reply and mode; first match wins"))
+        "missing_key, unknown_policy, duplicate_reply, mode and key_reuse; first match wins"))
     key_rule: tuple[KeyRuleEntry, ...] = Field((), description=(
         "[[key_rule]] tables of the config file: name, match (sender, recipient_domain, "
         "header, subject), key (header:NAME, subject:REGEX, body:REGEX, content), template, "
@@ -284,7 +300,8 @@ class DedupSettings(Section):
         return tuple(
             TemplateRule(match=t.match, dedup=t.dedup, window_s=t.dedup_window,
                          missing_key=t.missing_key, unknown=t.unknown_policy,
-                         duplicate_reply=t.duplicate_reply, mode=t.mode)
+                         duplicate_reply=t.duplicate_reply, mode=t.mode,
+                         key_reuse=t.key_reuse)
             for t in self.template_policy)
 
     def key_rules(self) -> tuple[KeyRule, ...]:
@@ -312,8 +329,8 @@ class DedupSettings(Section):
             store_down=self.store_down, strip_headers=self.strip_dedupe_headers,
             scope_by_auth=self.scope_by_auth, key_format=key_format,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
-            key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, key_reuse=self.key_reuse,
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def live_policy(self, running: Policy) -> Policy:
         """``running`` (the relay's policy) with these settings' dedup rules
@@ -324,8 +341,8 @@ class DedupSettings(Section):
             running, window_s=self.dedup_window, missing_key=self.missing_key,
             unknown=self.unknown_policy, store_down=self.store_down,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
-            key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, key_reuse=self.key_reuse,
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def rate_rules(self) -> tuple[RateRule, ...]:
         """The ``[[rate_limit]]`` tables as the core's rules (:mod:`relay.core.limits`)."""

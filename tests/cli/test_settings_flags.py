@@ -110,6 +110,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "settle_journal": ("", ""),
     "duplicate_reply": ("550", "550"),
     "mode": ("shadow", "shadow"),
+    "key_reuse": ("reject", "reject"),
     "pid_file": ("relay.pid", "relay.pid"),
     "ledger": ("postgresql://relay@db:5432/audit", "postgresql://relay@db:5432/audit"),
     "ledger_required": (None, True),

@@ -40,7 +40,7 @@ _ERRORS = (*ERRORS, ValueError)
 
 _FIELDS = ("decided_at, recorded_at, action, outcome, store_key, recipient, template, "
            "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "
-           "client_reply, instance, key_source")
+           "client_reply, instance, key_source, key_reused")
 
 # $1 store key, $2 most rows: the oldest first (decided_at, then the order they landed)
 _HISTORY = f"""
@@ -100,7 +100,8 @@ class HistoryRow:
     ``store_key`` is None for a decision without a fingerprint; ``dedupe_key`` as the ledger
     keeps it (SHA-256 hex, HMAC or plain, per ``ledger_keys``), None without one;
     ``recipient`` masked or full per ``ledger_recipients``. The other texts are "" when there
-    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``)."""
+    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``);
+    ``key_reused``: the recipient's key held a record of other content (design.md §4.9)."""
 
     decided_at: datetime
     recorded_at: datetime
@@ -118,6 +119,7 @@ class HistoryRow:
     client_reply: str
     instance: str
     key_source: str
+    key_reused: bool
 
 
 @dataclass(frozen=True)
