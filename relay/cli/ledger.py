@@ -29,7 +29,7 @@ from relay.cli.admin import (
     announce_ledger,
     ledger_option,
     quiet_logging,
-    selected_key,
+    selected_keys,
     selection_options,
     store_options,
 )
@@ -133,11 +133,13 @@ def register(main: click.Group) -> None:
                         limit: int) -> None:
         """Print the audit ledger's rows of one fingerprint, oldest first: every decision the
         relay took for it (outcome, upstream reply, queue id, Message-ID) and every release
-        or mark-sent."""
+        or mark-sent (while fingerprint_secret_previous is set, its rows under that secret's
+        key too)."""
         settings = admin_settings(config_file, store, ledger)
         quiet_logging("text")
-        key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
-        rows = _run_on_ledger(settings, lambda reader: reader.history(key, limit=limit))
+        chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
+        key = chosen[0]
+        rows = _run_on_ledger(settings, lambda reader: reader.history(*chosen, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
             click.echo(json.dumps([history_json(row) for row in rows]))

@@ -75,11 +75,15 @@ class Reservation:
     A SENDING record is reported as PENDING while its last heartbeat (the SENDING mark or a
     renewal, by the store's clock) is younger than the lease (its attempt is waiting for the
     upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
+    ``under`` names the key ``found`` is under when it is not ``key``: the previous
+    fingerprint secret's key of the same recipient (design.md §2.3), whose record counts as
+    one under ``key``.
     """
 
     key: str
     reserved: bool
     found: Record | None = None
+    under: str | None = None
 
 
 class Settle(enum.Enum):
@@ -166,6 +170,12 @@ class FingerprintStore(Protocol):
 
     async def inspect(self, key: str) -> Record:
         """Return the record under ``key`` (``State.ABSENT`` when there is none)."""
+        ...
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """Return the record under each of ``keys``, in order, read as :meth:`inspect` reads
+        one, in one round trip (a Redis Cluster: one per node, in parallel). Raises
+        :class:`relay.core.errors.StoreError`."""
         ...
 
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:

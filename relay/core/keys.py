@@ -58,6 +58,12 @@ class KeyPolicy(Protocol):
         ...
 
     @property
+    def previous_secret(self) -> bytes | None:
+        """The HMAC key the fingerprints had before ``secret`` (a rotation, design.md §2.3):
+        its keys are looked up too; None: none."""
+        ...
+
+    @property
     def local_part_case_sensitive(self) -> bool:
         """Whether ``User@x`` and ``user@x`` are two mailboxes."""
         ...
@@ -89,6 +95,7 @@ class KeyRules:
 
     key_prefix: str = DEFAULT_STORE_PREFIX
     secret: bytes | None = None
+    previous_secret: bytes | None = None
     local_part_case_sensitive: bool = False
     scope_by_auth: bool = False
     key_format: KeyFormat = "hex"
@@ -149,11 +156,13 @@ def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy,
 @dataclass(frozen=True)
 class RecipientKey:
     """One recipient's normalized ``mailbox``, its ``fingerprint`` (64 hex) and store ``key``
-    (the fingerprint in the policy's :data:`KeyFormat`)."""
+    (the fingerprint in the policy's :data:`KeyFormat`); ``previous``: its store key under the
+    policy's previous secret (design.md §2.3), None without one."""
 
     mailbox: str
     fingerprint: str
     key: str
+    previous: str | None = None
 
 
 def header_values(keys: Iterable[str], templates: Iterable[str], *,
@@ -180,14 +189,20 @@ def recipient_key(rcpt: str, template: str, key: str, policy: KeyPolicy,
     by US), under ``policy``; ``auth_user`` (the session's AUTH identity) counts only with
     ``scope_by_auth``.
 
-    Raises :class:`relay.core.errors.InvalidAddressError` for a recipient that cannot be
-    normalized.
+    With ``policy.previous_secret`` the result also names the recipient's store key under
+    that secret (``previous``). Raises :class:`relay.core.errors.InvalidAddressError` for a
+    recipient that cannot be normalized.
     """
     mailbox = normalize_recipient(rcpt, local_part_case_sensitive=policy.local_part_case_sensitive)
     scope = auth_user if policy.scope_by_auth else None
     fp = fingerprint(mailbox, template, key, secret=policy.secret, scope=scope)
+    previous = None
+    if policy.previous_secret is not None:
+        earlier = fingerprint(mailbox, template, key, secret=policy.previous_secret, scope=scope)
+        previous = store_key(policy.key_prefix, key_form(earlier, policy.key_format))
     return RecipientKey(mailbox=mailbox, fingerprint=fp,
-                        key=store_key(policy.key_prefix, key_form(fp, policy.key_format)))
+                        key=store_key(policy.key_prefix, key_form(fp, policy.key_format)),
+                        previous=previous)
 
 
 def recipient_keys(rcpt_tos: Sequence[str], template: str, key: str, policy: KeyPolicy,

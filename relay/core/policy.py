@@ -68,6 +68,7 @@ class Policy:
     max_key_chars: int = 256
     local_part_case_sensitive: bool = False
     secret: bytes | None = None
+    previous_secret: bytes | None = None  # a rotation: its keys are looked up too (§2.3)
     missing_key: MissingKeyPolicy = "relay"
     unknown: UnknownPolicy = "suppress"
     store_down: StoreDownPolicy = "fail_closed"

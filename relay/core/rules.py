@@ -179,6 +179,28 @@ def takes_over(found: Record, *, lease_s: float, content_digest: str = "",
             and other_content(found, content_digest))
 
 
+def through_previous(reservation: Reservation, previous: Record, under: str, *,
+                     lease_s: float, content_digest: str = "", resend_unknown: bool = False,
+                     replace_other_content: bool = False) -> tuple[Reservation, bool]:
+    """What a reserve found for a recipient once the record under its previous secret's key
+    ``under`` (``previous``, as :meth:`FingerprintStore.inspect_many` read it) counts
+    exactly as one under its current key (§2.3): a duplicate, in flight, or in doubt. Only
+    when the current key held nothing (this attempt reserved it, finding no record): a
+    record under the current key always wins. Returns the reservation to classify
+    (``under`` naming the previous key when its record is the one found) and whether this
+    attempt's new PENDING under the current key must be released: kept when the reserve
+    would have taken the previous record over (:func:`takes_over`: in doubt under
+    ``resend_unknown``, of other content under ``replace_other_content``), released when the
+    previous record answers for the recipient."""
+    if not reservation.reserved or reservation.found is not None \
+            or previous.state is State.ABSENT:
+        return reservation, False
+    kept = takes_over(previous, lease_s=lease_s, content_digest=content_digest,
+                      resend_unknown=resend_unknown,
+                      replace_other_content=replace_other_content)
+    return Reservation(reservation.key, reserved=kept, found=previous, under=under), not kept
+
+
 def classify(reservation: Reservation, *, unknown_policy: UnknownPolicy,
              lease_s: float, content_digest: str = "",
              key_reuse: KeyReuse = "suppress") -> Classification:

@@ -55,6 +55,9 @@ class StoreWrapper:
     async def inspect(self, key: str) -> Record:
         return await self.inner.inspect(key)
 
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        return await self.inner.inspect_many(keys)
+
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
         return await self.inner.force_release(key, expected=expected)
 

@@ -46,6 +46,7 @@ from relay.core.rules import (
     sending_record,
     shadowed,
     takes_over,
+    through_previous,
 )
 from tests.support.heartbeat_rows import HEARTBEAT
 
@@ -240,6 +241,49 @@ def test_what_a_reserve_takes_over(found: Record, resend_unknown: bool, replace:
                                    expected: bool) -> None:
     assert takes_over(found, lease_s=LEASE_S, content_digest=MINE,
                       resend_unknown=resend_unknown, replace_other_content=replace) is expected
+
+
+# --------------------------------------------------------------------------------------------
+# §2.3 a record under the previous secret's key counts as one under the current key
+# --------------------------------------------------------------------------------------------
+
+PREVIOUS_KEY = "email:fp:0e"
+FRESH = Reservation(KEY, reserved=True)
+
+# (what the reserve of the current key found, the previous key's record, resend_unknown,
+# what is classified, whether this attempt's PENDING under the current key is released)
+THROUGH_PREVIOUS = [
+    pytest.param(FRESH, Record(State.ABSENT), False, FRESH, False,
+                 id="nothing-under-either-key-is-sent"),
+    pytest.param(FRESH, Record(State.SENT, at=AT), False,
+                 Reservation(KEY, False, Record(State.SENT, at=AT), under=PREVIOUS_KEY), True,
+                 id="sent-under-the-previous-key-is-a-duplicate"),
+    pytest.param(FRESH, Record(State.PENDING, token="t"), False,
+                 Reservation(KEY, False, Record(State.PENDING, token="t"), under=PREVIOUS_KEY),
+                 True, id="pending-under-the-previous-key-is-in-flight"),
+    pytest.param(FRESH, Record(State.UNKNOWN, at=AT), False,
+                 Reservation(KEY, False, Record(State.UNKNOWN, at=AT), under=PREVIOUS_KEY),
+                 True, id="in-doubt-under-the-previous-key-follows-unknown-policy"),
+    pytest.param(FRESH, Record(State.UNKNOWN, at=AT), True,
+                 Reservation(KEY, True, Record(State.UNKNOWN, at=AT), under=PREVIOUS_KEY),
+                 False, id="in-doubt-under-send-keeps-the-current-reservation"),
+    pytest.param(held(State.SENT), Record(State.UNKNOWN, at=AT), True, held(State.SENT), False,
+                 id="a-record-under-the-current-key-wins"),
+]
+
+
+@pytest.mark.parametrize(("reserved", "previous", "resend", "counted", "released"),
+                         THROUGH_PREVIOUS)
+def test_a_record_under_the_previous_secrets_key_counts(
+        reserved: Reservation, previous: Record, resend: bool, counted: Reservation,
+        released: bool) -> None:
+    got = through_previous(reserved, previous, PREVIOUS_KEY, lease_s=LEASE_S,
+                           resend_unknown=resend)
+    assert got == (counted, released)
+    if counted.found is not None and counted.under is not None:  # classified as the current's
+        assert classify(counted, unknown_policy="suppress", lease_s=LEASE_S) == classify(
+            Reservation(KEY, counted.reserved, counted.found), unknown_policy="suppress",
+            lease_s=LEASE_S)
 
 
 @pytest.mark.parametrize(("verdict", "expected"), [

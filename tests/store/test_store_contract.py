@@ -29,8 +29,17 @@ import redis.asyncio
 from redis._parsers import _AsyncRESP3Parser
 
 from relay.admin import mark_sent
+from relay.core import rotation
 from relay.core.errors import StoreError
-from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
+from relay.core.interfaces import (
+    FingerprintStore,
+    Record,
+    Reservation,
+    Settle,
+    SettleOp,
+    State,
+)
+from relay.core.rotation import Claim
 from relay.core.rules import reads_as, takes_over
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.scripts import decode_value
@@ -1204,3 +1213,71 @@ async def test_a_reserve_takes_over_what_the_rule_says(
         assert (after.state, after.token, after.content_digest) == (
             before.state, before.token, before.content_digest)
         assert reservation.found.content_digest == before.content_digest
+
+
+# ---------------------------------------------------------------------------------------------
+# A rotated fingerprint secret (design.md §2.3): inspect_many reads the previous secret's keys
+# in one round trip, and a reserve lets their records count (relay.core.rotation).
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_inspect_many_reads_each_key_as_inspect_does(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    keys = {name: f"{prefix}{name}" for name in
+            ("absent", "pending", "sending", "sent", "unknown", "foreign")}
+    token = new_token()
+    await store.reserve([keys[n] for n in ("pending", "sending", "sent", "unknown")],
+                        token=token, lease_s=LEASE_S, content_digest=MINE)
+    await store.settle([SettleOp(keys["sending"], Settle.SENDING, lease_s=LEASE_S),
+                        SettleOp(keys["sent"], Settle.SENT, "250 ok"),
+                        SettleOp(keys["unknown"], Settle.UNKNOWN)], token=token,
+                       window_s=WINDOW_S)
+    await write_foreign(store, keys["foreign"], db_path)
+    asked = [*keys.values(), keys["sent"]]  # a key asked twice is read twice
+    many = await store.inspect_many(asked)
+    one = [await store.inspect(key) for key in asked]
+    assert [(r.state, r.token, r.at, r.reply, r.content_digest) for r in many] == [
+        (r.state, r.token, r.at, r.reply, r.content_digest) for r in one]
+    assert [r.state for r in many] == [State.ABSENT, State.PENDING, State.SENDING, State.SENT,
+                                       State.UNKNOWN, State.SENT, State.SENT]
+    assert await store.inspect_many([]) == []
+
+
+@pytest.mark.parametrize(("held", "resend_unknown", "counted", "released"), [
+    pytest.param("sent:mine", False, State.SENT, True, id="sent-is-a-duplicate"),
+    pytest.param("pending:mine", False, State.PENDING, True, id="pending-is-in-flight"),
+    pytest.param("unknown:mine", False, State.UNKNOWN, True, id="in-doubt-answers"),
+    pytest.param("unknown:mine", True, State.UNKNOWN, False, id="in-doubt-resent"),
+    pytest.param("absent:", False, None, False, id="nothing-under-either-key"),
+])
+async def test_a_reserve_counts_the_record_under_the_previous_key(
+        store: FingerprintStore, prefix: str, db_path: str, held: str,
+        resend_unknown: bool, counted: State | None, released: bool) -> None:
+    """The previous key holds ``held``; the current key nothing: the reservation is that
+    record's (under the previous key), and this attempt's PENDING under the current key is
+    to be released unless the reserve takes the previous record over."""
+    key, previous, token = prefix + "current", prefix + "previous", new_token()
+    if not held.startswith("absent"):
+        await _write(store, previous, held, db_path)
+    claim = Claim(token=token, lease_s=LEASE_S, content_digest=MINE,
+                  resend_unknown=resend_unknown)
+    [reservation], release = await rotation.reserve(store, [key], claim, {key: previous})
+    assert release == ([key] if released else [])
+    assert (await store.inspect(key)).token == token  # the core releases it
+    if counted is None:
+        assert reservation == Reservation(key, True)
+        return
+    assert reservation.under == previous and reservation.found is not None
+    assert reads_as(reservation.found, LEASE_S) is counted
+    assert reservation.reserved is not released
+
+
+async def test_a_record_under_the_current_key_wins_over_the_previous_one(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    key, previous = prefix + "current", prefix + "previous"
+    await _write(store, key, "sent:mine", db_path)
+    await _write(store, previous, "unknown:mine", db_path)
+    claim = Claim(token=new_token(), lease_s=LEASE_S, resend_unknown=True)
+    [reservation], release = await rotation.reserve(store, [key], claim, {key: previous})
+    assert release == [] and reservation.under is None and not reservation.reserved
+    assert reservation.found is not None and reservation.found.state is State.SENT

@@ -137,6 +137,9 @@ class MemoryStore:
         row = self._live("inspect", key)
         return Record(State.ABSENT) if row is None else self._record(row)
 
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        return [await self.inspect(key) for key in keys]
+
     def _still(self, op: str, key: str, expected: Record | None) -> bool:
         """Whether ``key`` still holds ``expected`` (None: whatever it holds)."""
         row = self._live(op, key)

@@ -187,6 +187,8 @@ RETURNING f.key
 """
 
 _INSPECT = f"SELECT {_COLUMNS}, {_NOW} AS now FROM {_T_} f WHERE f.key = $1"
+_INSPECT_MANY = (f"SELECT f.key, {_COLUMNS}, {_NOW} AS now FROM {_T_} f "
+                 "WHERE f.key = ANY($1::text[])")
 
 _FORCE_SENT = f"""
 INSERT INTO {_T_} AS f (key, state, at, reply, expires_at) VALUES ($1, 'sent', now(), $2,
@@ -397,6 +399,16 @@ class PostgresStore:
         if row is None or row["expires_at"] <= row["now"]:
             return Record(State.ABSENT)
         return _record(row)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds (ABSENT when nothing live), in one statement. Raises
+        :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
+        rows = await self._fetch("inspect", _INSPECT_MANY, list(keys))
+        found = {row["key"]: row for row in rows if row["expires_at"] > row["now"]}
+        return [Record(State.ABSENT) if (row := found.get(key)) is None else _record(row)
+                for key in keys]
 
     def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
         """The settles of ``keys``, heard by LISTEN on one connection of this store

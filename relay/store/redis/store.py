@@ -265,6 +265,21 @@ class RedisStore:
         async with _translated("inspect", self._op_timeout_s):
             [(value, pttl_ms, server_ms)] = await self._run_scripts(
                 [(self._inspect_script, key, ())], durable=frozenset())
+        return self._inspected(value, pttl_ms, server_ms)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds, as :meth:`inspect` reads one, in one pipeline (on a
+        cluster one per node, in parallel). Raises :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
+        async with _translated("inspect", self._op_timeout_s):
+            results = await self._run_scripts(
+                [(self._inspect_script, key, ()) for key in keys], durable=frozenset())
+        return [self._inspected(value, pttl_ms, server_ms)
+                for value, pttl_ms, server_ms in results]
+
+    def _inspected(self, value: Any, pttl_ms: Any, server_ms: Any) -> Record:
+        """One ``INSPECT_LUA`` result as a :class:`Record` (ages by the server's clock)."""
         if value == 0:
             return Record(State.ABSENT)
         record = dataclasses.replace(

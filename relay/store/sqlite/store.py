@@ -308,6 +308,13 @@ class SqliteStore:
 
     async def _inspect_keys(self, keys: list[str]) -> list[Record]:
         """What each of ``keys`` holds, in one statement. Raises :class:`StoreError`."""
+        return await self.inspect_many(keys)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds (ABSENT for none), in one statement (the keys as one
+        JSON array). Raises :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
         return await self._call("inspect", lambda conn, _now: _inspect_many(conn, keys),
                                 in_tx=False)
 
