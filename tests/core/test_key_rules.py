@@ -199,11 +199,23 @@ def _multipart(kind: str) -> bytes:
         msg.replace_header("Content-Type", 'text/plain; charset="x-no-such-charset"')
     elif kind == "no-text":
         msg.set_content(b"\x89PNG", maintype="image", subtype="png")
-    return msg.as_bytes()
+    elif kind in ("nested-after-a-large-attachment", "bare-lf"):
+        msg.set_content("the nested plain text")
+        msg.add_alternative("<p>the nested html</p>", subtype="html")
+        msg.make_mixed()
+        msg.add_attachment(bytes(range(256)) * 1024, maintype="application", subtype="pdf",
+                           filename="receipt.pdf")
+        parts = msg.get_payload()
+        assert isinstance(parts, list)
+        parts.reverse()
+    content = msg.as_bytes()
+    return content.replace(b"\r\n", b"\n") if kind == "bare-lf" else content.replace(
+        b"\n", b"\r\n")
 
 
 @pytest.mark.parametrize("kind", ["alternative", "attachment-first", "related", "html-in-mixed",
-                                  "latin-1", "unknown-charset", "no-text"])
+                                  "latin-1", "unknown-charset", "no-text",
+                                  "nested-after-a-large-attachment", "bare-lf"])
 def test_the_text_is_the_part_get_body_picks(kind: str) -> None:
     """The compat32 read picks and decodes the part ``EmailMessage.get_body(("plain",
     "html"))`` does (the reference, with ``email.policy.default``)."""
