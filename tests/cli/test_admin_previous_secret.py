@@ -98,3 +98,22 @@ def test_check_config_refuses_a_previous_secret_that_names_no_rotation(
     done = run_cli("check-config", "--upstream", "127.0.0.1:25", cwd=tmp_path, env=env)
     assert done.returncode == 78, done
     assert words in done.stderr, done.stderr
+
+
+def test_explain_names_both_store_keys_and_the_content_digest(tmp_path: Path) -> None:
+    saved = tmp_path / "receipt.eml"
+    saved.write_bytes(b"From: shop@shop.example\r\nTo: jane@example.net\r\n"
+                      b"X-Template: receipt\r\nX-Dedupe-Key: order-7\r\nSubject: Receipt\r\n"
+                      b"\r\nThanks for your order of 2024-01-08 09:00.\r\n")
+    done = run_cli("explain", str(saved), "--json", cwd=tmp_path, env=ROTATING)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["store_keys"] == {RCPT: CURRENT}
+    assert found["previous_store_keys"] == {RCPT: PREVIOUS}
+    digest = found["content_digest"]
+    assert isinstance(digest, str) and len(digest) == 10
+    later = saved.read_bytes().replace(b"09:00", b"09:05")  # a retry's timestamp: one content
+    saved.write_bytes(later)
+    again = json.loads(run_cli("explain", str(saved), "--json", cwd=tmp_path,
+                               env=ROTATING).stdout)
+    assert again["content_digest"] == digest
