@@ -54,11 +54,10 @@ class _Plan:
     """One message's plan (design.md §4): each recipient's store key (``keys``, recipient ->
     key) and, while a previous fingerprint secret is set, each key's key under it
     (``previous``, design.md §2.3), the message's stored content digest (``content``,
-    design.md §2.2), what the reserve
-    found per key (``reservations``), the keys this attempt reserved and sends (``send``:
-    key -> the first spelling relayed for it), those shadow mode relays unreserved
-    (``shadow``), the keys whose record was of other content (``reused``, §4.9), and each
-    recipient's verdict once it has one (``verdicts``)."""
+    design.md §2.2), what the reserve found per key (``reservations``), the keys this attempt
+    reserved and sends (``send``: key -> the first spelling relayed for it), those shadow mode
+    relays unreserved (``shadow``), the keys whose record was of other content (``reused``,
+    §4.9), and each recipient's verdict once it has one (``verdicts``)."""
 
     keys: dict[str, str] = field(default_factory=dict)
     previous: dict[str, str] = field(default_factory=dict)

@@ -3,7 +3,11 @@
 Three tables, read in the order a message meets them:
 
 1. :func:`classify` (and :func:`reserve_failed`): what the store held for one recipient's key
-   -> send it, or answer for it without sending (§4.1);
+   -> send it, or answer for it without sending (§4.1; a record of other content,
+   :func:`other_content`, follows ``key_reuse``: §4.9); which records a reserve takes over
+   (:func:`takes_over`, the rule every store follows), and a record under the previous
+   fingerprint secret's key counted as one under the current key (:func:`through_previous`,
+   §2.3);
 2. :func:`after_upstream` (and :func:`after_cut`): one recipient's upstream result -> how its
    reservation is settled and its outcome (§4.2);
 3. :func:`aggregate`: every recipient's outcome -> the one reply to the final dot and the

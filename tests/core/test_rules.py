@@ -2,7 +2,8 @@
 
 The heartbeat rule (§3: how every store reads a SENDING record), then three tables, in the order
 a message meets them: what the store held -> the action (§4.1, and §4.9: a record of other
-content -> key_reuse, and what a reserve takes over);
+content -> key_reuse, and what a reserve takes over; §2.3: a record under the previous
+secret's key);
 the upstream's result -> the settle and the outcome (§4.2); every outcome -> the one reply,
 worst first (§4.3). Pure functions: no store, no upstream, no clock.
 """
