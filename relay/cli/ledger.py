@@ -29,7 +29,7 @@ from relay.cli.admin import (
     announce_ledger,
     ledger_option,
     quiet_logging,
-    selected_key,
+    selected_keys,
     selection_options,
     store_options,
 )
@@ -99,7 +99,7 @@ def history_json(row: HistoryRow) -> dict[str, object]:
         "upstream_queue_id": row.upstream_queue_id, "upstream": row.upstream,
         "message_id": row.message_id, "queue_id": row.queue_id,
         "client_reply": row.client_reply, "instance": row.instance,
-        "key_source": row.key_source,
+        "key_source": row.key_source, "key_reused": row.key_reused,
     }
 
 
@@ -133,11 +133,13 @@ def register(main: click.Group) -> None:
                         limit: int) -> None:
         """Print the audit ledger's rows of one fingerprint, oldest first: every decision the
         relay took for it (outcome, upstream reply, queue id, Message-ID) and every release
-        or mark-sent."""
+        or mark-sent (while fingerprint_secret_previous is set, its rows under that secret's
+        key too)."""
         settings = admin_settings(config_file, store, ledger)
         quiet_logging("text")
-        key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
-        rows = _run_on_ledger(settings, lambda reader: reader.history(key, limit=limit))
+        chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
+        key = chosen[0]
+        rows = _run_on_ledger(settings, lambda reader: reader.history(*chosen, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
             click.echo(json.dumps([history_json(row) for row in rows]))
@@ -227,6 +229,7 @@ def _history_line(row: HistoryRow) -> str:
     extra = [f"{name} {value}" for name, value in (
         ("upstream-queue-id", row.upstream_queue_id), ("message-id", row.message_id),
         ("upstream", row.upstream), ("queue-id", row.queue_id), ("key-from", row.key_source),
+        ("key", "reused for other content" if row.key_reused else ""),
         ("by", row.instance))
         if value]
     return (f"{iso(row.decided_at)}  {row.outcome:<16} {_or_dash(row.recipient):<24} "

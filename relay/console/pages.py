@@ -22,7 +22,8 @@ from relay.admin import (
     SelectionError,
     SelectionProblem,
     describe,
-    selected_key,
+    located,
+    selected_keys,
     stats_report,
 )
 from relay.console.context import CONTEXT, ConsoleContext, ledger_call
@@ -82,20 +83,20 @@ async def history(request: web.Request) -> web.StreamResponse:
     if not any(fields.values()):
         return ctx.page("history.html", request, fields=fields, key=None)
     try:
-        key = selected_key(ctx.settings, Selection(
+        chosen = selected_keys(ctx.settings, Selection(
             store_key=fields["store_key"] or None, rcpt=fields["rcpt"] or None,
             templates=[fields["template"]] if fields["template"] else [],
             keys=[fields["key"]] if fields["key"] else []))
     except SelectionError as exc:
         raise refused_selection(ctx.settings, exc) from exc
-    try:
-        record = await ctx.the_store().inspect(key)
+    try:  # its key, or while a previous secret is set its key of that secret (design §2.3)
+        key, record = await located(ctx.the_store(), chosen)
     except StoreError as exc:
         raise ConsoleError(503, f"The store did not answer: {exc}") from exc
     rows: list[HistoryRow] | None = None
     if ctx.settings.ledger is not None:
         async with ctx.ledger() as reader:
-            rows = await ledger_call(reader.history(key, limit=MAX_ROWS))
+            rows = await ledger_call(reader.history(*chosen, limit=MAX_ROWS))
     return ctx.page("history.html", request, fields=fields, key=key,
                     shown_rcpt=_shown(ctx, fields["rcpt"]),
                     state=describe(key, record, ctx.settings.lease), rows=rows,

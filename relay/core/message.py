@@ -59,7 +59,8 @@ class Decision:
     message was ``admitted`` (False: refused because a required ledger could not take rows).
     ``trace_id``: the message span's trace (32 hex digits; empty with tracing off), for the
     log line. ``key_source``: where the key came from (``header``, ``rule:NAME``; ``""``:
-    the message had none).
+    the message had none). ``reused``: the recipients whose key held a record of other
+    content (design.md §4.9).
     """
 
     reply: SmtpReply
@@ -76,6 +77,7 @@ class Decision:
     admitted: bool = True
     trace_id: str = ""
     key_source: str = ""
+    reused: frozenset[str] = frozenset()
 
 
 class DecisionObserver(Protocol):

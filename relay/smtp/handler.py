@@ -284,6 +284,8 @@ class RelayHandler:
             fields["auth_user"] = msg.auth_user
         if decision.trace_id:
             fields["trace_id"] = decision.trace_id
+        if decision.reused:  # keys reused for other content (design.md §4.9)
+            fields["key_reused"] = sorted(label[r] for r in decision.reused)
         log.info("message", extra=fields)
 
     async def handle_exception(self, error: Exception) -> str:

@@ -65,19 +65,19 @@ message's path, and a large ledger's count reads more than a write."""
 
 COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient", "template",
            "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
-           "client_reply", "instance", "key_source")
+           "client_reply", "instance", "key_source", "key_reused")
 
-# $17: the offset in seconds of the database's clock from the clock the rows' decided_at were
+# $18: the offset in seconds of the database's clock from the clock the rows' decided_at were
 # read on (:func:`clock_offset`); ``decided_at`` is stored on the database's clock, so rows of
 # relays whose clocks disagree still sort in the order their decisions were taken (a relay
 # 10 min ahead would otherwise list a duplicate before its send).
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
-SELECT r, to_timestamp(d + $17::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks
+SELECT r, to_timestamp(d + $18::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr
 FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-            $13::text[], $14::text[], $15::text[], $16::text[])
-     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks)
+            $13::text[], $14::text[], $15::text[], $16::text[], $17::boolean[])
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr)
 ON CONFLICT (row_id) DO NOTHING
 """
 
@@ -198,7 +198,7 @@ def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
             _clean(shown(entry.reply)), _clean(entry.upstream_queue_id),
             _clean(entry.upstream), _clean(entry.message_id), _clean(entry.queue_id),
             _clean(shown(entry.client_reply)),
-            _clean(options.instance), _clean(entry.key_source))
+            _clean(options.instance), _clean(entry.key_source), entry.key_reused)
 
 
 OFFSET_EVERY_S = 60.0

@@ -40,11 +40,12 @@ _ERRORS = (*ERRORS, ValueError)
 
 _FIELDS = ("decided_at, recorded_at, action, outcome, store_key, recipient, template, "
            "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "
-           "client_reply, instance, key_source")
+           "client_reply, instance, key_source, key_reused")
 
-# $1 store key, $2 most rows: the oldest first (decided_at, then the order they landed)
+# $1 store keys (one fingerprint's: its key and, during a rotation, its previous secret's
+# key), $2 most rows: the oldest first (decided_at, then the order they landed)
 _HISTORY = f"""
-SELECT {_FIELDS} FROM {_L_} WHERE store_key = $1
+SELECT {_FIELDS} FROM {_L_} WHERE store_key = ANY($1::text[])
 ORDER BY decided_at, recorded_at, row_id LIMIT $2
 """
 
@@ -100,7 +101,8 @@ class HistoryRow:
     ``store_key`` is None for a decision without a fingerprint; ``dedupe_key`` as the ledger
     keeps it (SHA-256 hex, HMAC or plain, per ``ledger_keys``), None without one;
     ``recipient`` masked or full per ``ledger_recipients``. The other texts are "" when there
-    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``)."""
+    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``);
+    ``key_reused``: the recipient's key held a record of other content (design.md §4.9)."""
 
     decided_at: datetime
     recorded_at: datetime
@@ -118,6 +120,7 @@ class HistoryRow:
     client_reply: str
     instance: str
     key_source: str
+    key_reused: bool
 
 
 @dataclass(frozen=True)
@@ -175,10 +178,11 @@ class LedgerReader:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def history(self, store_key: str, *, limit: int) -> list[HistoryRow]:
-        """The rows of ``store_key``, oldest first (by ``decided_at``, then ``recorded_at``),
-        at most ``limit``."""
-        records = await self._call("ledger history", _HISTORY, store_key, limit)
+    async def history(self, *store_keys: str, limit: int) -> list[HistoryRow]:
+        """The rows of ``store_keys`` (one fingerprint's: its key, and its key under the
+        previous fingerprint secret during a rotation), oldest first (by ``decided_at``, then
+        ``recorded_at``), at most ``limit``."""
+        records = await self._call("ledger history", _HISTORY, list(store_keys), limit)
         return [_history_row(r) for r in records]
 
     async def in_doubt(self, *, older_than_s: float, limit: int) -> list[InDoubtRow]:
