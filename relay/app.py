@@ -248,8 +248,7 @@ class Relay:
             await merged.apply_access_live(
                 applied, security=parts.security, handler=parts.handler,
                 auth_users=None if parts.sasl is None else parts.sasl.credentials)
-            merged.apply_dedup_live(applied, core=parts.core,
-                                     declare_rate_limits=self.metrics.declare_rate_limits)
+            merged.apply_dedup_live(applied, core=parts.core, metrics=self.metrics)
         merged.apply_operations_live(applied)
         if parts is not None and parts.console is not None:
             try:

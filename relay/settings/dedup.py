@@ -7,9 +7,9 @@ The rules change live on reload; what shapes the fingerprint never does."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -39,6 +39,14 @@ from relay.settings.common import (
 
 if TYPE_CHECKING:
     from relay.core.dedup import DedupCore
+
+
+class DeclaresLabels(Protocol):
+    """Where a reload declares the metric children of what it added (the relay's metrics)."""
+
+    def declare_rate_limits(self, labels: Iterable[str]) -> None: ...
+
+    def declare_key_rules(self, names: Iterable[str]) -> None: ...
 
 
 class TemplatePolicy(BaseModel):
@@ -403,15 +411,17 @@ class DedupSettings(Section):
                               recipients=r.recipients, match=r.match) for r in self.rate_limit)
 
     def apply_dedup_live(self, applied: Set[str], *, core: DedupCore,
-                   declare_rate_limits: Callable[[Iterable[str]], None]) -> None:
+                         metrics: DeclaresLabels) -> None:
         """Apply the :attr:`LIVE` settings named in ``applied`` to the running ``core``: the
         dedup rules and the rate limits from the next message on (a message in flight keeps
-        its policy; the store's counters stay); ``declare_rate_limits`` names the new limits'
-        metric children."""
+        its policy; the store's counters stay); ``metrics`` declares the metric children of
+        new rate limits and key rules (at 0, as at start)."""
         if any(name in applied for name in POLICY_SETTINGS):
             core.policy = self.live_policy(core.policy)
+        if "key_rule" in applied:
+            metrics.declare_key_rules(r.name for r in self.key_rule)
         if "rate_limit" in applied:
-            declare_rate_limits(r.label for r in self.rate_limit)
+            metrics.declare_rate_limits(r.label for r in self.rate_limit)
             core.rate_limits = self.rate_rules()
 
     def dedup_warnings(self) -> list[str]:
