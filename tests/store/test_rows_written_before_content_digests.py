@@ -153,23 +153,26 @@ async def test_redis_values_of_the_earlier_formats_are_never_a_key_reused(
         await store.close()
 
 
-async def test_a_ledger_at_version_2_keeps_its_rows_none_of_them_a_key_reused() -> None:
-    """The ledger's steps 1 and 2 and a row; the upgrade (and the SQL script after it, which
-    changes nothing) adds ``key_reused``, false for the row already there."""
+@pytest.mark.parametrize("version", [1, 2])
+async def test_a_ledger_at_an_older_version_keeps_its_rows(version: int) -> None:
+    """The ledger's first ``version`` steps and a row; the upgrade (and the SQL script after
+    it, which changes nothing) keeps the row, its key source empty and ``key_reused`` false."""
     with private_schema(upgraded=False) as url:
         conn = await asyncpg.connect(url)
         try:
             await conn.execute(migrations._SCHEMA_TABLE_SQL)
-            for step in migrations.STEPS["ledger"][:2]:
+            for step in migrations.STEPS["ledger"][:version]:
                 await conn.execute(step)
-            await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 2)")
+            await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', $1)", version)
             await conn.execute(
                 "INSERT INTO dedup_relay_ledger (row_id, decided_at, action, outcome, "
                 "store_key, recipient) VALUES (gen_random_uuid(), now(), 'relay', "
                 "'suppressed', 'k:sent', 'j***@example.net')")
-            assert await migrations.upgrade(conn, "ledger") == (2, migrations.latest("ledger"))
+            assert await migrations.upgrade(conn, "ledger") == (
+                version, migrations.latest("ledger"))
             await conn.execute(migrations.script("ledger"))
-            rows = await conn.fetch("SELECT outcome, key_reused FROM dedup_relay_ledger")
+            rows = await conn.fetch(
+                "SELECT outcome, recipient, key_source, key_reused FROM dedup_relay_ledger")
         finally:
             await conn.close()
-    assert [(r["outcome"], r["key_reused"]) for r in rows] == [("suppressed", False)]
+    assert [tuple(r) for r in rows] == [("suppressed", "j***@example.net", "", False)]
