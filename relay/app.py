@@ -176,13 +176,11 @@ class Relay:
 
     async def _start_console(self, stack: contextlib.AsyncExitStack,
                              store: FingerprintStore) -> Console | None:
-        """Without a supervisor, serve the console on the relay's own store client (a worker's
-        is its supervisor's); its metrics go with the relay's."""
+        """The console of a relay without a supervisor (a worker's is its supervisor's)."""
         s, address = self.settings, self.settings.console_address
         if address is None or self.inherited is not None:
             return None
         from relay.console.server import Console  # a worker never serves it
-
         console = Console(s, store=store, registry=self.registry)
         try:
             await console.start()
@@ -208,7 +206,6 @@ class Relay:
         if self.inherited is not None:
             return
         from relay.ops.http import OpsServer  # a worker never serves it
-
         ops = OpsServer(registry=self.registry, health=health, host=address[0],
                         port=address[1])
         try:
@@ -251,8 +248,7 @@ class Relay:
             await merged.apply_access_live(
                 applied, security=parts.security, handler=parts.handler,
                 auth_users=None if parts.sasl is None else parts.sasl.credentials)
-            merged.apply_dedup_live(applied, core=parts.core,
-                                     declare_rate_limits=self.metrics.declare_rate_limits)
+            merged.apply_dedup_live(applied, core=parts.core, metrics=self.metrics)
         merged.apply_operations_live(applied)
         if parts is not None and parts.console is not None:
             try:

@@ -1,15 +1,15 @@
 """How fast the audit ledger answers support's lookups among a million rows, and how long
-`db upgrade --ledger` takes a million rows of the previous schema (version 2) to version 3.
+`db upgrade --ledger` takes a million rows of the previous schema (version 3) to version 4.
 
     .venv/bin/python tools/bench_ledger_lookups.py [--rows N] [--repeat R] [--url URL]
 
 In a schema of its own (dropped at the end) on the PostgreSQL at ``--url`` (default
 ``RELAY_TEST_POSTGRES_URL``, else ``postgresql://postgres@127.0.0.1:5432/postgres``):
 
-1. the ledger at schema version 2 with version 3's three columns added (no index of them
+1. the ledger at schema version 3 with version 4's three columns added (no index of them
    yet) and N rows written as relays write them now (a recipient's digest in every row):
    100,000 recipients of about 10 rows each over 30 days, one bulk recipient with N/200
-   rows, 20 templates; then :func:`relay.store.postgres.migrations.upgrade` to version 3,
+   rows, 20 templates; then :func:`relay.store.postgres.migrations.upgrade` to version 4,
    timed: it builds the lookups' indexes over the N rows while holding the table (a real
    ledger's older rows have no digest, so its digest index is smaller: this is an upper
    bound), with the rate of a relay's writes (500 rows a statement) before and after; then
@@ -69,15 +69,15 @@ _V2_VALUES = ("gen_random_uuid(), t, t, 'relay', CASE WHEN i % 97 = 0 THEN 'supp
               "'<' || i || '.' || md5(i::text) || '@app.example>', lpad(to_hex(i), 12, '0'), "
               "'250 2.0.0 Ok: relayed 1; id=' || lpad(to_hex(i), 12, '0'), 'relay-a/1', "
               "'header'")
-_V3_EXTRA = ("recipient_digest, received_at, sending_at",
+_V4_EXTRA = ("recipient_digest, received_at, sending_at",
              "encode(sha256(decode($3, 'hex') || convert_to('user' || r || '@example.net', "
              "'UTF8')), 'hex'), t - interval '40 ms', t - interval '15 ms'")
 
 
 def _insert(version: int) -> str:
     columns, values = _V2_COLUMNS, _V2_VALUES
-    if version >= 3:
-        columns, values = f"{columns}, {_V3_EXTRA[0]}", f"{values}, {_V3_EXTRA[1]}"
+    if version >= 4:
+        columns, values = f"{columns}, {_V4_EXTRA[0]}", f"{values}, {_V4_EXTRA[1]}"
     return f"INSERT INTO dedup_relay_ledger ({columns}) SELECT {values} FROM ({_ROWS}) AS s"
 
 
@@ -88,7 +88,7 @@ async def fill(conn: asyncpg.Connection, rows: int, version: int) -> float:
     for lo in range(1, rows + 1, CHUNK):
         hi = min(rows, lo + CHUNK - 1)
         args: list[object] = [lo, hi]
-        if version >= 3:
+        if version >= 4:
             args.append(RECIPIENT_DIGEST_CONTEXT.hex())
         await conn.execute(sql, *args)
         print(f"  {hi:,} rows written ({time.monotonic() - started:.0f} s)", flush=True)
@@ -116,13 +116,13 @@ async def write_rate(conn: asyncpg.Connection, rows: int = 20_000) -> float:
 
 
 async def previous_schema(conn: asyncpg.Connection) -> None:
-    """The ledger at schema version 2, as the previous relay's `db upgrade --ledger` left it."""
+    """The ledger at schema version 3, as the previous relay's `db upgrade --ledger` left it."""
     async with conn.transaction():
         await conn.execute("CREATE TABLE dedup_relay_schema "
                            "(component text PRIMARY KEY, version integer NOT NULL)")
-        for step in migrations.STEPS["ledger"][:2]:
+        for step in migrations.STEPS["ledger"][:3]:
             await conn.execute(step)
-        await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 2)")
+        await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 3)")
 
 
 async def timed(repeat: int, call: Callable[[int], Awaitable[object]]) -> list[float]:
@@ -162,25 +162,30 @@ async def lookups(url: str, rows: int, repeat: int) -> None:
     def any_row() -> int:
         return rng.randrange(1, rows + 1)
 
-    def someone() -> str | None:
+    def digest_of(address: str) -> str:
+        digest = recipient_digest(address)
+        assert digest is not None
+        return digest
+
+    def someone() -> str:
         i = any_row()
         while _recipient_of(i) == 0:
             i = any_row()
-        return recipient_digest(f"user{_recipient_of(i)}@example.net")
+        return digest_of(f"user{_recipient_of(i)}@example.net")
 
-    bulk = recipient_digest("user0@example.net")
+    bulk = digest_of("user0@example.net")
     reader = await LedgerReader.open(url)
     try:
-        first_bulk = await reader.search(LedgerQuery(recipient_digest=bulk, since=week),
+        first_bulk = await reader.search(LedgerQuery(recipient_digests=[bulk], since=week),
                                          limit=PAGE)
         cases: list[tuple[str, Callable[[int], LedgerQuery], Position | None]] = [
             ("recipient, last 7 days (the default)",
-             lambda n: LedgerQuery(recipient_digest=someone(), since=week), None),
-            ("recipient, all 30 days", lambda n: LedgerQuery(recipient_digest=someone()), None),
+             lambda n: LedgerQuery(recipient_digests=[someone()], since=week), None),
+            ("recipient, all 30 days", lambda n: LedgerQuery(recipient_digests=[someone()]), None),
             (f"bulk recipient ({rows // BULK_EVERY:,} rows), 7 days",
-             lambda n: LedgerQuery(recipient_digest=bulk, since=week), None),
+             lambda n: LedgerQuery(recipient_digests=[bulk], since=week), None),
             ("bulk recipient, its next page",
-             lambda n: LedgerQuery(recipient_digest=bulk, since=week), first_bulk.next),
+             lambda n: LedgerQuery(recipient_digests=[bulk], since=week), first_bulk.next),
             ("Message-ID (with and without brackets)", lambda n: LedgerQuery(
                 message_ids=[m := _message_id(any_row()), m[1:-1]]), None),
             ("relay queue id", lambda n: LedgerQuery(queue_id=f"{any_row():012x}"), None),
@@ -200,7 +205,7 @@ async def lookups(url: str, rows: int, repeat: int) -> None:
             report(label, await timed(repeat, once), found[0])
     finally:
         await reader.close()
-    sql, args = search_sql(LedgerQuery(recipient_digest=someone(), since=week), None, PAGE + 1)
+    sql, args = search_sql(LedgerQuery(recipient_digests=[someone()], since=week), None, PAGE + 1)
     conn = await asyncpg.connect(url)
     try:
         plan = await conn.fetch(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", *args)
@@ -226,13 +231,13 @@ async def main() -> None:
     try:
         print(f"PostgreSQL {await conn.fetchval('SHOW server_version')}, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; {args.rows:,} rows")
-        print("1. N rows in the ledger at schema version 2 (with version 3's columns, no index "
+        print("1. N rows in the ledger at schema version 3 (with version 4's columns, no index "
               "of them yet), then `db upgrade --ledger`:")
         await previous_schema(conn)
         for column in ("recipient_digest text", "received_at timestamptz",
                        "sending_at timestamptz"):
             await conn.execute(f"ALTER TABLE dedup_relay_ledger ADD COLUMN {column}")
-        await fill(conn, args.rows, 3)
+        await fill(conn, args.rows, 4)
         print(f"  relays' writes before it: {await write_rate(conn):,.0f} rows/s")
         started = time.monotonic()
         before, after = await migrations.upgrade(conn, "ledger")

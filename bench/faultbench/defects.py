@@ -16,7 +16,7 @@ from pathlib import Path
 
 from relay.core import rules
 from relay.core.interfaces import Outcome, RcptStatus, Reservation, Settle
-from relay.core.rules import Action, Classification, UnknownPolicy, Verdict
+from relay.core.rules import Action, Classification, KeyReuse, UnknownPolicy, Verdict
 
 ENV = "FAULTBENCH_DEFECT"
 REPO = Path(__file__).resolve().parents[2]
@@ -34,8 +34,10 @@ def _inflight_read_as_sent() -> None:
     original = rules.classify
 
     def classify(reservation: Reservation, *, unknown_policy: UnknownPolicy,
-                 lease_s: float) -> Classification:
-        decided = original(reservation, unknown_policy=unknown_policy, lease_s=lease_s)
+                 lease_s: float, content_digest: str = "",
+                 key_reuse: KeyReuse = "suppress") -> Classification:
+        decided = original(reservation, unknown_policy=unknown_policy, lease_s=lease_s,
+                           content_digest=content_digest, key_reuse=key_reuse)
         if decided.verdict is not None and decided.verdict.outcome is Outcome.INFLIGHT:
             found = reservation.found
             return Classification(Action.ANSWER, Verdict(

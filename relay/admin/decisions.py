@@ -13,13 +13,14 @@ A row that fails to land after the store acted is reported in the :class:`Outcom
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from relay.admin.lookup import Selection
-from relay.admin.records import OperatorRow, mark_sent, release
+from relay.admin.records import OperatorRow, located, mark_sent, release
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, Record, State
 from relay.core.rules import reads_as
@@ -56,6 +57,8 @@ class Decision:
     doubt (read as unknown in the store, or gone from it and listed unresolved in the
     ledger), else :class:`relay.admin.records.NotInDoubtError`. ``given``: the recipient,
     template and key the operator gave, for the row (a store key alone leaves them empty).
+    ``previous_key``: the same fingerprint's key under the previous fingerprint secret
+    (design.md §2.3): the action is on it when it holds a record and ``key`` holds none.
     """
 
     action: LedgerAction
@@ -69,6 +72,7 @@ class Decision:
     keep_expiry: bool = False
     in_doubt_only: bool = False
     given: Selection = field(default_factory=Selection)
+    previous_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,15 @@ class Outcome:
     marked), whether nothing was done because the record ``changed`` under the compare (a
     retry took the key over, another operator acted: :func:`relay.admin.records.changed_meanwhile`),
     the ledger row it called for (``entry``, None: none) and the error of that row's write
-    (``unrecorded``, None: written, or no ledger)."""
+    (``unrecorded``, None: written, or no ledger); ``key``: the store key acted on (the
+    decision's, or its ``previous_key``)."""
 
     before: Record
     done: bool
     changed: bool
     entry: LedgerEntry | None
     unrecorded: StoreError | None = None
+    key: str = ""
 
 
 async def decide(settings: Settings, decision: Decision, *,
@@ -107,20 +113,23 @@ async def decide(settings: Settings, decision: Decision, *,
             except StoreError as exc:
                 raise LedgerRefused(str(exc)) from exc
         async with store as opened:
+            if decision.previous_key is not None:
+                key, _ = await located(opened, (decision.key, decision.previous_key))
+                decision = dataclasses.replace(decision, key=key, previous_key=None)
             before, done = await _on_store(settings, opened, decision, listed)
         entry = _row(settings, decision, before, done)
         changed = not done and (decision.action is LedgerAction.MARK_SENT
                                 or before.state is not State.ABSENT)
         if entry is None or reader is None:
-            return Outcome(before, done, changed, entry)
+            return Outcome(before, done, changed, entry, key=decision.key)
         options = settings.ledger_options(
             instance=instance, secret=settings.fingerprint_secret_bytes,
             local_part_case_sensitive=settings.local_part_case_sensitive)
         try:
             await reader.write([entry], options)
         except StoreError as exc:
-            return Outcome(before, done, changed, entry, unrecorded=exc)
-        return Outcome(before, done, changed, entry)
+            return Outcome(before, done, changed, entry, unrecorded=exc, key=decision.key)
+        return Outcome(before, done, changed, entry, key=decision.key)
 
 
 async def _on_store(settings: Settings, store: FingerprintStore, decision: Decision,

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from relay.admin.records import FingerprintInput, key_for
+from relay.admin.records import FingerprintInput, recipient_key_for
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError
 from relay.settings import Settings
 
@@ -67,17 +67,28 @@ def selected_key(settings: Settings, given: Selection) -> str:
     :class:`SelectionError`: ``BOTH``, ``FOREIGN``, ``INCOMPLETE``, or ``REFUSED`` for a
     recipient, key or template the relay refuses (or an AUTH identity without
     ``scope_by_auth``)."""
+    return selected_keys(settings, given)[0]
+
+
+def selected_keys(settings: Settings, given: Selection) -> tuple[str, ...]:
+    """The store keys ``given`` names under ``settings``: its store key alone, or the key
+    computed from its recipient and key followed, while ``fingerprint_secret_previous`` is
+    set, by the same fingerprint's key under that secret (design.md §2.3: a record there
+    counts as the fingerprint's; :func:`relay.admin.records.located` finds which holds one).
+    Raises :class:`SelectionError` as :func:`selected_key` does, and ConfigError for a
+    secret's file that cannot be read."""
     if given.store_key is not None:
         if given.rcpt is not None or given.keys or given.templates or given.auth_user:
             raise SelectionError(SelectionProblem.BOTH,
                                  "give a store key, or a recipient and key, not both")
-        return own_store_key(settings, given.store_key)
+        return (own_store_key(settings, given.store_key),)
     if given.rcpt is None or not given.keys:
         raise SelectionError(SelectionProblem.INCOMPLETE,
                              "give a recipient and its key (and template), or a store key")
     try:
-        return key_for(settings, FingerprintInput(rcpt=given.rcpt, templates=given.templates,
-                                                  keys=given.keys,
-                                                  auth_user=given.auth_user))[1]
+        found = recipient_key_for(settings, FingerprintInput(
+            rcpt=given.rcpt, templates=given.templates, keys=given.keys,
+            auth_user=given.auth_user))
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
         raise SelectionError(SelectionProblem.REFUSED, str(exc)) from exc
+    return (found.key,) if found.previous is None else (found.key, found.previous)

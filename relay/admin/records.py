@@ -34,7 +34,7 @@ from relay.core.interfaces import (
     Record,
     State,
 )
-from relay.core.keys import KeyRules, header_values, recipient_key
+from relay.core.keys import KeyRules, RecipientKey, header_values, recipient_key
 from relay.core.rules import reads_as
 from relay.settings import Settings, redact_url
 
@@ -56,19 +56,30 @@ class FingerprintInput:
 
 
 def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
-    """(fingerprint hex, store key) the relay would use for ``given`` under ``settings``.
+    """(fingerprint hex, store key) the relay would use for ``given`` under ``settings``
+    (:func:`recipient_key_for` has the previous secret's key too).
 
     Raises :class:`relay.core.errors.InvalidAddressError` for a recipient the relay refuses,
     :class:`relay.core.errors.InvalidDedupKeyError` for a key or template it refuses, and
     ``ValueError`` when no key is given (a message without one is never deduplicated) or
     when ``auth_user`` is given but ``scope_by_auth`` is off (it would change nothing).
     """
+    derived = recipient_key_for(settings, given)
+    return derived.fingerprint, derived.key
+
+
+def recipient_key_for(settings: Settings, given: FingerprintInput) -> RecipientKey:
+    """The recipient's fingerprint and store key the relay would use for ``given`` under
+    ``settings``, with its store key under ``fingerprint_secret_previous`` when that is set
+    (``previous``, design.md §2.3). Raises as :func:`key_for` does (and ConfigError for a
+    secret's file that cannot be read)."""
     if given.auth_user and not settings.scope_by_auth:
         raise ValueError("scope_by_auth is off: the AUTH identity is not part of fingerprints")
     headers = header_values(given.keys, given.templates, max_chars=settings.max_key_chars)
     if headers.key is None:
         raise ValueError("a dedupe key is needed: a message without one is not deduplicated")
     rules = KeyRules(key_prefix=settings.store_prefix, secret=settings.fingerprint_secret_bytes,
+                     previous_secret=settings.fingerprint_secret_previous_bytes,
                      local_part_case_sensitive=settings.local_part_case_sensitive,
                      scope_by_auth=settings.scope_by_auth,
                      key_format=settings.store_key_format)
@@ -76,7 +87,18 @@ def key_for(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
     problem = mailbox_problem(derived.mailbox, postmaster_alone=True)  # source route dropped
     if problem is not None:  # the relay refuses such a RCPT: it has no fingerprint
         raise InvalidAddressError(f"recipient is not a mailbox ({problem})")
-    return derived.fingerprint, derived.key
+    return derived
+
+
+async def located(store: FingerprintStore, keys: Sequence[str]) -> tuple[str, Record]:
+    """The first of ``keys`` (a fingerprint's store key, then its key under the previous
+    secret, design.md §2.3) that holds a record, with the record, in one round trip; the
+    first key and ABSENT when none does. Raises :class:`relay.core.errors.StoreError`."""
+    if len(keys) == 1:
+        return keys[0], await store.inspect(keys[0])
+    records = await store.inspect_many(keys)
+    return next(((key, record) for key, record in zip(keys, records, strict=True)
+                 if record.state is not State.ABSENT), (keys[0], records[0]))
 
 
 def store_label(settings: Settings) -> str:

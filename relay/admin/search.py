@@ -4,8 +4,9 @@ rule of the console's ``/history?rcpt=|message_id=|queue_id=|template=|since=|un
 
 A :class:`Lookup` holds what a person typed; :func:`ledger_query` makes it the ledger's
 :class:`relay.store.postgres.ledger_query.LedgerQuery` under the relay's settings: the
-recipient normalized as the relay's fingerprints are and digested with its secret (the
-ledger keeps recipients masked: its ``recipient_digest`` column finds them), a Message-ID
+recipient normalized as the relay's fingerprints are and digested with its secret, and
+during a rotation with the previous one too (the ledger keeps recipients masked: its
+``recipient_digest`` column finds them), a Message-ID
 with and without its angle brackets, a template as the relay normalizes ``X-Template``, and
 the period (:data:`DEFAULT_DAYS` back when a recipient, a template or nothing else narrows
 it). A refusal is a :class:`LookupRefused` naming its :class:`LookupProblem`, which each surface
@@ -87,6 +88,21 @@ def message_ids(text: str) -> list[str]:
     return list(dict.fromkeys((typed, f"<{bare}>", bare)))
 
 
+def recipient_digests(settings: Settings, rcpt: str) -> tuple[str, ...]:
+    """The digests the ledger's rows of ``rcpt`` hold (:func:`recipient_digest`): keyed by
+    ``fingerprint_secret`` and, while ``fingerprint_secret_previous`` is set, by that secret
+    too (the rows written before the rotation, design.md §2.3); empty for an address the
+    relay refuses. Raises :class:`relay.core.errors.ConfigError` when a secret's file cannot
+    be read."""
+    secrets = [settings.fingerprint_secret_bytes]
+    if (previous := settings.fingerprint_secret_previous_bytes) is not None:
+        secrets.append(previous)
+    found = (recipient_digest(rcpt, secret=secret,
+                              local_part_case_sensitive=settings.local_part_case_sensitive)
+             for secret in secrets)
+    return tuple(digest for digest in found if digest is not None)
+
+
 def ledger_query(settings: Settings, given: Lookup, *, now: datetime) -> LedgerQuery:
     """The ledger's query for ``given`` under ``settings``, newest first; ``now`` (timezone-
     aware) dates the default period. Raises :class:`LookupRefused`: ``EMPTY`` when nothing is
@@ -103,11 +119,10 @@ def ledger_query(settings: Settings, given: Lookup, *, now: datetime) -> LedgerQ
         raise LookupRefused(LookupProblem.EMPTY, "",
                             "give a recipient, a Message-ID, a queue id, a template or a "
                             "period")
-    digest = None
+    digests: tuple[str, ...] = ()
     if rcpt is not None:
-        digest = recipient_digest(rcpt, secret=settings.fingerprint_secret_bytes,
-                                  local_part_case_sensitive=settings.local_part_case_sensitive)
-        if digest is None:
+        digests = recipient_digests(settings, rcpt)
+        if not digests:
             raise LookupRefused(LookupProblem.RECIPIENT, "rcpt",
                                 f"{rcpt!r} is no address the relay takes (no row can hold "
                                 "it)")
@@ -121,5 +136,5 @@ def ledger_query(settings: Settings, given: Lookup, *, now: datetime) -> LedgerQ
     if since is not None and until is not None and until <= since:
         raise LookupRefused(LookupProblem.PERIOD, "until",
                             "the period is empty: 'until' must come after 'since'")
-    return LedgerQuery(recipient_digest=digest, message_ids=message_ids(mid) if mid else (),
+    return LedgerQuery(recipient_digests=digests, message_ids=message_ids(mid) if mid else (),
                        queue_id=queue_id, template=template, since=since, until=until)

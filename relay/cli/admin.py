@@ -45,14 +45,15 @@ from relay.admin import (
     count_states,
     decide,
     describe,
-    key_for,
+    located,
     open_ledger,
     os_user,
+    recipient_key_for,
     stats_report,
     stats_table,
     store_label,
 )
-from relay.admin import selected_key as select_key
+from relay.admin import selected_keys as select_keys
 from relay.cli.exit_codes import ExitCode, epilog
 from relay.cli.options import config_option, fail, load
 from relay.core.errors import (
@@ -122,26 +123,46 @@ _SELECTION_WORDS = {
 recipient or key the relay refuses is said in the relay's own words)."""
 
 
-def selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
-                  keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
-    """The store key the selection options name (:func:`relay.admin.selected_key`); exits 2
-    with the reason when they name none."""
+def selected_keys(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+                  keys: tuple[str, ...], auth_user: str | None, store_key: str | None
+                  ) -> tuple[str, ...]:
+    """The store keys the selection options name (:func:`relay.admin.selected_keys`: the
+    fingerprint's key, then its key under ``fingerprint_secret_previous`` while that is
+    set); exits 2 with the reason when they name none, 78 when a secret's file cannot be
+    read."""
     try:
-        return select_key(settings, Selection(store_key=store_key, rcpt=rcpt,
-                                              templates=templates, keys=keys,
-                                              auth_user=auth_user))
+        return select_keys(settings, Selection(store_key=store_key, rcpt=rcpt,
+                                               templates=templates, keys=keys,
+                                               auth_user=auth_user))
     except SelectionError as exc:
         words = _SELECTION_WORDS.get(exc.problem)
         fail(ExitCode.USAGE, str(exc) if words is None
              else words.format(store_key=store_key, prefix=settings.store_prefix))
+    except ConfigError as exc:
+        fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
 
 
-def _computed(settings: Settings, given: FingerprintInput) -> tuple[str, str]:
-    """:func:`relay.admin.key_for`, exiting 2 with its reason for input the relay refuses."""
+def selected_key(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+                 keys: tuple[str, ...], auth_user: str | None, store_key: str | None) -> str:
+    """The fingerprint's store key the selection options name (:func:`selected_keys`'s
+    first)."""
+    return selected_keys(settings, rcpt, templates, keys, auth_user, store_key)[0]
+
+
+def _computed(settings: Settings, given: FingerprintInput) -> dict[str, str]:
+    """The fingerprint and store key of ``given`` (:func:`relay.admin.recipient_key_for`),
+    with ``previous_key`` while a previous secret is set; exits 2 with its reason for input
+    the relay refuses, 78 when a secret's file cannot be read."""
     try:
-        return key_for(settings, given)
+        found = recipient_key_for(settings, given)
     except (InvalidAddressError, InvalidDedupKeyError, ValueError) as exc:
         fail(ExitCode.USAGE, str(exc))
+    except ConfigError as exc:
+        fail(ExitCode.CONFIG, f"invalid configuration:\n{exc}")
+    computed = {"fingerprint": found.fingerprint, "key": found.key}
+    if found.previous is not None:
+        computed["previous_key"] = found.previous
+    return computed
 
 
 def _window(settings: Settings, templates: tuple[str, ...]) -> float:
@@ -165,11 +186,11 @@ def register(main: click.Group) -> None:
     def fingerprint_command(config_file: Path | None, store: str | None, rcpt: str,
                             templates: tuple[str, ...], keys: tuple[str, ...],
                             auth_user: str | None) -> None:
-        """Print the fingerprint and store key the relay uses for one recipient."""
+        """Print the fingerprint and store key the relay uses for one recipient (and, while
+        fingerprint_secret_previous is set, its store key under that secret)."""
         settings = admin_settings(config_file, store)
-        fp, key = _computed(settings, FingerprintInput(rcpt=rcpt, templates=templates,
-                                                       keys=keys, auth_user=auth_user))
-        click.echo(json.dumps({"fingerprint": fp, "key": key}))
+        click.echo(json.dumps(_computed(settings, FingerprintInput(
+            rcpt=rcpt, templates=templates, keys=keys, auth_user=auth_user))))
 
     @main.command("inspect", epilog=epilog())
     @store_options
@@ -177,11 +198,13 @@ def register(main: click.Group) -> None:
     def inspect_command(config_file: Path | None, store: str | None, rcpt: str | None,
                         templates: tuple[str, ...], keys: tuple[str, ...],
                         auth_user: str | None, store_key: str | None) -> None:
-        """Print what the store holds for a fingerprint (exit 1 when nothing)."""
+        """Print what the store holds for a fingerprint (exit 1 when nothing): under its key
+        or, while fingerprint_secret_previous is set and its key holds nothing, under its key
+        of that secret."""
         settings = admin_settings(config_file, store)
         quiet_logging("text")
-        key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
-        record = _run_on_store(settings, lambda store: store.inspect(key))
+        chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
+        key, record = _run_on_store(settings, lambda store: located(store, chosen))
         click.echo(json.dumps(describe(key, record, settings.lease)))
         if record.state is State.ABSENT:
             sys.exit(int(ExitCode.NOT_FOUND))
@@ -197,13 +220,15 @@ def register(main: click.Group) -> None:
                         force: bool, log_format: str) -> None:
         """Delete a fingerprint, so the next attempt is relayed (audited; with a ledger
         configured, also a `released` row there, or nothing done when it does not answer)."""
-        settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
-                                        auth_user, store_key, reason, log_format)
+        settings, chosen = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
+                                           auth_user, store_key, reason, log_format)
         outcome = _run_audited(settings, Decision(
-            LedgerAction.RELEASE, key, reason, who=os_user(), force=force,
-            given=Selection(rcpt=rcpt, templates=templates, keys=keys)))
+            LedgerAction.RELEASE, chosen[0], reason, who=os_user(), force=force,
+            given=Selection(rcpt=rcpt, templates=templates, keys=keys),
+            previous_key=chosen[1] if len(chosen) > 1 else None))
         click.echo(json.dumps({"released": outcome.done,
-                               "previous": describe(key, outcome.before, settings.lease)}))
+                               "previous": describe(outcome.key, outcome.before,
+                                                    settings.lease)}))
         _fail_if_unrecorded(outcome.unrecorded, "released")
         if not outcome.done:
             if outcome.changed:  # else there was nothing to delete
@@ -222,15 +247,17 @@ def register(main: click.Group) -> None:
         """Record a fingerprint as SENT for the dedup window: the upstream did deliver it, so
         retries are duplicates (audited; with a ledger configured, also a `marked_sent` row
         there, or nothing done when it does not answer)."""
-        settings, key = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
-                                        auth_user, store_key, reason, log_format)
+        settings, chosen = _decision_setup(config_file, store, ledger, rcpt, templates, keys,
+                                           auth_user, store_key, reason, log_format)
         window_s = settings.dedup_window if store_key is not None else _window(settings, templates)
         outcome = _run_audited(settings, Decision(
-            LedgerAction.MARK_SENT, key, reason, who=os_user(), force=force, window_s=window_s,
-            keep_expiry=store_key is not None,
-            given=Selection(rcpt=rcpt, templates=templates, keys=keys)))
+            LedgerAction.MARK_SENT, chosen[0], reason, who=os_user(), force=force,
+            window_s=window_s, keep_expiry=store_key is not None,
+            given=Selection(rcpt=rcpt, templates=templates, keys=keys),
+            previous_key=chosen[1] if len(chosen) > 1 else None))
         click.echo(json.dumps({"marked_sent": outcome.done,
-                               "previous": describe(key, outcome.before, settings.lease)}))
+                               "previous": describe(outcome.key, outcome.before,
+                                                    settings.lease)}))
         _fail_if_unrecorded(outcome.unrecorded, "marked sent")
         if not outcome.done:
             _say_changed("marked sent")
@@ -340,14 +367,15 @@ def _decision_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def _decision_setup(config_file: Path | None, store: str | None, ledger: str | None,
                     rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
                     auth_user: str | None, store_key: str | None, reason: str,
-                    log_format: str) -> tuple[Settings, str]:
-    """Settings, logging and the selected key of a release / mark-sent; exits 2 on bad input."""
+                    log_format: str) -> tuple[Settings, tuple[str, ...]]:
+    """Settings, logging and the selected keys of a release / mark-sent
+    (:func:`selected_keys`); exits 2 on bad input."""
     settings = admin_settings(config_file, store, ledger)
     if not reason.strip():
         fail(ExitCode.USAGE, "--reason must say why (it goes into the audit line)")
     quiet_logging(log_format)
     logging.getLogger("relay.audit").setLevel(logging.INFO)
-    return settings, selected_key(settings, rcpt, templates, keys, auth_user, store_key)
+    return settings, selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
 
 
 def announce_ledger(url: str) -> None:

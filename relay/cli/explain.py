@@ -1,9 +1,11 @@
 """``dedup-relay explain [--config FILE] MESSAGE.eml [--rcpt ADDR ...]``: what the relay would
 derive for a saved message (docs/fingerprints.md): whether its key header or which
-``[[key_rule]]`` gives its key, the template and key, and each recipient's store key, computed
-by :func:`relay.core.keys.derive_key` and :func:`relay.core.keys.recipient_key` as the relay
-computes them. Opens no store. Exit codes: 0 explained, 2 the file cannot be read or the
-message's key or a recipient is refused, 78 invalid configuration."""
+``[[key_rule]]`` gives its key, the template and key, the content digest its records keep, and
+each recipient's store key (and, while a previous fingerprint secret is set, its store key
+under that secret), computed by :func:`relay.core.keys.derive_key` and
+:func:`relay.core.keys.recipient_key` as the relay computes them. Opens no store. Exit codes:
+0 explained, 2 the file cannot be read or the message's key or a recipient is refused, 78
+invalid configuration."""
 
 from __future__ import annotations
 
@@ -43,9 +45,12 @@ def _source(derived: DerivedKey) -> str:
 def explained(content: bytes, policy: Policy, *, rcpts: tuple[str, ...],
               mail_from: str | None) -> dict[str, object]:
     """What the relay derives for ``content`` under ``policy``: ``source``, ``template``,
-    ``key`` and ``store_keys`` (recipient -> store key; the To, Cc and Bcc addresses when
-    ``rcpts`` is empty), ``sender`` (``mail_from``, else Return-Path, else From). Raises
-    :class:`InvalidDedupKeyError` and :class:`InvalidAddressError` as the relay refuses."""
+    ``key``, ``content_digest`` (what its records keep, design.md §2.2; None without a key)
+    and ``store_keys`` (recipient -> store key; the To, Cc and Bcc addresses when ``rcpts``
+    is empty), with ``policy.previous_secret`` also ``previous_store_keys`` (recipient -> its
+    store key under that secret), ``sender`` (``mail_from``, else Return-Path, else From).
+    Raises :class:`InvalidDedupKeyError` and :class:`InvalidAddressError` as the relay
+    refuses."""
     message = parse_message(content)
     sender = mail_from if mail_from is not None else next(
         iter(_addresses(message, "return-path") or _addresses(message, "from")), "")
@@ -56,10 +61,16 @@ def explained(content: bytes, policy: Policy, *, rcpts: tuple[str, ...],
     derived = derive_key(message, headers, policy, mail_from=sender, rcpt_tos=recipients)
     key = derived.headers.key
     p = policy.for_templates(derived.headers.templates)
-    store_keys = {} if key is None or not p.dedup else {
-        rcpt: recipient_key(rcpt, derived.headers.template, key, p).key for rcpt in recipients}
-    return {"sender": sender, "source": _source(derived), "template": derived.headers.template,
-            "key": key, "store_keys": store_keys}
+    found = {} if key is None or not p.dedup else {
+        rcpt: recipient_key(rcpt, derived.headers.template, key, p) for rcpt in recipients}
+    explanation: dict[str, object] = {
+        "sender": sender, "source": _source(derived), "template": derived.headers.template,
+        "key": key, "content_digest": derived.content_digest() if found else None,
+        "store_keys": {rcpt: each.key for rcpt, each in found.items()}}
+    if policy.previous_secret is not None:
+        explanation["previous_store_keys"] = {rcpt: each.previous
+                                              for rcpt, each in found.items()}
+    return explanation
 
 
 def register(main: click.Group) -> None:
@@ -94,10 +105,13 @@ def register(main: click.Group) -> None:
         if as_json:
             click.echo(json.dumps(found))
             return
-        for name in ("sender", "source", "template", "key"):
+        for name in ("sender", "source", "template", "key", "content_digest"):
             value = found[name]
-            click.echo(f"{name}: {shown(str(value)) if value is not None else '(none)'}")
-        store_keys = found["store_keys"]
-        assert isinstance(store_keys, dict)
-        for rcpt, store_key in store_keys.items():
-            click.echo(f"store key of {shown(rcpt)}: {store_key}")
+            label = name.replace("_", " ")
+            click.echo(f"{label}: {shown(str(value)) if value is not None else '(none)'}")
+        for field, words in (("store_keys", "store key"),
+                             ("previous_store_keys", "previous secret's store key")):
+            keys = found.get(field, {})
+            assert isinstance(keys, dict)
+            for rcpt, store_key in keys.items():
+                click.echo(f"{words} of {shown(rcpt)}: {store_key}")

@@ -32,7 +32,7 @@ from relay.cli.admin import (
     announce_ledger,
     ledger_option,
     quiet_logging,
-    selected_key,
+    selected_keys,
     selection_options,
     store_options,
 )
@@ -103,7 +103,7 @@ def history_json(row: HistoryRow) -> dict[str, object]:
         "upstream_queue_id": row.upstream_queue_id, "upstream": row.upstream,
         "message_id": row.message_id, "queue_id": row.queue_id,
         "client_reply": row.client_reply, "instance": row.instance,
-        "key_source": row.key_source,
+        "key_source": row.key_source, "key_reused": row.key_reused,
         "received_at": None if row.received_at is None else iso(row.received_at),
         "sending_at": None if row.sending_at is None else iso(row.sending_at),
     }
@@ -148,9 +148,10 @@ def register(main: click.Group) -> None:
                         as_json: bool, limit: int) -> None:
         """Print the audit ledger's rows of one fingerprint (--rcpt with --key, or
         --store-key), oldest first: every decision the relay took for it (outcome, upstream
-        reply, queue id, Message-ID) and every release or mark-sent. Without a key, look
-        messages up by what support holds (--rcpt alone, --message-id, --queue-id, a
-        --template, --since/--until; every one given must match): their rows, newest
+        reply, queue id, Message-ID) and every release or mark-sent (while
+        fingerprint_secret_previous is set, its rows under that secret's key too). Without a
+        key, look messages up by what support holds (--rcpt alone, --message-id, --queue-id,
+        a --template, --since/--until; every one given must match): their rows, newest
         first, as the console's history page lists them."""
         settings = admin_settings(config_file, store, ledger)
         quiet_logging("text")
@@ -160,10 +161,11 @@ def register(main: click.Group) -> None:
                 fail(ExitCode.USAGE, "--message-id, --queue-id, --since and --until look "
                                      "messages up; a fingerprint (--key or --store-key) is "
                                      "printed whole: give one or the other")
-            key = selected_key(settings, rcpt, templates, keys, auth_user, store_key)
-            rows = _run_on_ledger(settings, lambda reader: reader.history(key, limit=limit))
+            chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
+            rows = _run_on_ledger(settings,
+                                  lambda reader: reader.history(*chosen, limit=limit))
             _say_if_cut(len(rows), limit)
-            _print_history(rows, as_json, shown(key))
+            _print_history(rows, as_json, shown(chosen[0]))
             return
         query = _lookup(settings, rcpt, templates, auth_user, *looked_up)
         page = _run_on_ledger(settings, lambda reader: reader.search(query, limit=limit))
@@ -287,6 +289,7 @@ def _history_line(row: HistoryRow) -> str:
     extra = [f"{name} {value}" for name, value in (
         ("upstream-queue-id", row.upstream_queue_id), ("message-id", row.message_id),
         ("upstream", row.upstream), ("queue-id", row.queue_id), ("key-from", row.key_source),
+        ("key", "reused for other content" if row.key_reused else ""),
         ("by", row.instance))
         if value]
     return (f"{iso(row.decided_at)}  {row.outcome:<16} {_or_dash(row.recipient):<24} "

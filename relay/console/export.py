@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
 CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "recipient",
               "template", "dedupe_key", "reply", "upstream_queue_id", "upstream",
               "message_id", "queue_id", "client_reply", "instance", "key_source",
-              "received_at", "sending_at")
+              "key_reused", "received_at", "sending_at")
 """The columns of ``/export.csv``, in order: the ledger's own (times ISO 8601 UTC; the
 recipient's digest is left out: it identifies an address to whoever can guess it)."""
 MAX_EXPORT_DAYS = 400
@@ -59,11 +59,13 @@ def csv_cell(value: object) -> str:
     """``value`` as a CSV cell a spreadsheet shows as text: a text starting with ``=``, ``+``,
     ``-``, ``@``, a tab or a carriage return gets a leading ``'`` (OWASP's advice against
     formula injection: a recipient or reply is the sender's text); None is empty; a time is
-    ISO 8601 UTC."""
+    ISO 8601 UTC; a truth value ``true`` or ``false``."""
     if value is None:
         return ""
     if isinstance(value, datetime):
         return iso(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
     text = str(value)
     return "'" + text if text.startswith(_FORMULA_START) else text
 

@@ -3,7 +3,8 @@ and shows one fingerprint's rows; ``/message/<queue id>`` is one message's page.
 
 ``/history`` answers three ways. With a key (recipient, template and ``key``) or a
 ``store_key``: that fingerprint, its record in the store and its ledger rows oldest first
-(:func:`relay.admin.selected_key`, the CLI's rule). Else with any of ``rcpt``,
+(:func:`relay.admin.selected_keys`, the CLI's rule; while ``fingerprint_secret_previous``
+is set, its key under that secret too). Else with any of ``rcpt``,
 ``message_id``, ``queue_id`` (the relay's or the smarthost's), ``template``, ``since`` and
 ``until``: the ledger rows that match every one, newest first
 (:func:`relay.admin.search.ledger_query`, the CLI's rule). Both in keyset pages of
@@ -27,7 +28,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from relay.admin import Selection, SelectionError, describe, selected_key
+from relay.admin import Selection, SelectionError, describe, located, selected_keys
 from relay.admin.search import Lookup, LookupRefused, ledger_query
 from relay.console.context import CONTEXT, ConsoleContext, ledger_call
 from relay.console.errors import ConsoleError
@@ -135,22 +136,22 @@ async def _fingerprint(ctx: ConsoleContext, request: web.Request, fields: dict[s
                       "or search by recipient, Message-ID, queue id, template or period: "
                       "leave the key and store key empty to search.")
     try:
-        key = selected_key(ctx.settings, Selection(
+        chosen = selected_keys(ctx.settings, Selection(
             store_key=fields["store_key"] or None, rcpt=fields["rcpt"] or None,
             templates=[fields["template"]] if fields["template"] else [],
             keys=[fields["key"]] if fields["key"] else []))
     except SelectionError as exc:
         raise Refused(selection_words(ctx.settings, exc)) from exc
     after = _after(request)
-    try:
-        record = await ctx.the_store().inspect(key)
+    try:  # its key, or while a previous secret is set its key of that secret (design §2.3)
+        key, record = await located(ctx.the_store(), chosen)
     except StoreError as exc:
         raise ConsoleError(503, f"The store did not answer: {exc}") from exc
     page: Page | None = None
     if ctx.settings.ledger is not None:
         async with ctx.ledger() as reader:
             page = await ledger_call(reader.search(
-                LedgerQuery(store_key=key, oldest_first=True), after=after, limit=PAGE_ROWS))
+                LedgerQuery(store_keys=chosen, oldest_first=True), after=after, limit=PAGE_ROWS))
     first_url, next_url = _urls(fields, page)
     named = [row for row in (page.rows if page is not None else []) if row.recipient]
     heading = shown_address(ctx, fields["rcpt"]) or (named[0].recipient if named else "")

@@ -9,7 +9,7 @@ disputed message in the smarthost's log. No I/O: the ledger adapter
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 from relay.core.interfaces import LedgerEntry, Outcome, RcptResult, SmtpReply
 from relay.core.queue_id import upstream_queue_id
@@ -20,7 +20,8 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
                 keys: Mapping[str, str], template: str, dedupe_key: str | None,
                 rcpt_results: Mapping[str, RcptResult], final_reply: SmtpReply | None,
                 client_reply: SmtpReply, upstream: str, message_id: str,
-                queue_id: str, key_source: str = "", received_at: float | None = None,
+                queue_id: str, key_source: str = "", reused: Set[str] = frozenset(),
+                received_at: float | None = None,
                 sending_at: float | None = None) -> list[LedgerEntry]:
     """One row per distinct recipient of a message the core decided on.
 
@@ -35,10 +36,11 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
     in-doubt recipient has no reply, and its row must still say where the final dot went).
     A recipient without an outcome (the message was refused before a decision per recipient)
     gets none: the caller passes one for every recipient. ``key_source``: where the key came
-    from (``header``, ``rule:NAME``; ``""``: none). ``received_at`` (when the message came in)
-    and ``sending_at`` (when its records were marked SENDING before the final dot; None: not
-    sent with a reservation) go into every row, the second only into the rows of recipients
-    in the upstream transaction.
+    from (``header``, ``rule:NAME``; ``""``: none); ``reused``: the recipients whose key held
+    a record of other content (their rows say ``key_reused``, design.md §4.9). ``received_at``
+    (when the message came in) and ``sending_at`` (when its records were marked SENDING before
+    the final dot; None: not sent with a reservation) go into every row, the second only into
+    the rows of recipients in the upstream transaction.
     """
     queue = upstream_queue_id(final_reply)
     out: list[LedgerEntry] = []
@@ -57,5 +59,6 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
             upstream=upstream if result is not None else "",
             message_id=message_id,
             queue_id=queue_id, client_reply=str(client_reply), key_source=key_source,
-            received_at=received_at, sending_at=sending_at if result is not None else None))
+            key_reused=rcpt in reused, received_at=received_at,
+            sending_at=sending_at if result is not None else None))
     return out

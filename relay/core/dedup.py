@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from relay.core import replies, rules
+from relay.core import replies, rotation, rules
 from relay.core.cancellation import absorb_cancel, reply_past_cut, run_to_end
 from relay.core.errors import InvalidAddressError, InvalidDedupKeyError, StoreError
 from relay.core.gates import Gates
@@ -35,7 +35,7 @@ from relay.core.interfaces import (
     SmtpReply,
     Upstream,
 )
-from relay.core.keys import DerivedKey, derive_key, recipient_keys
+from relay.core.keys import DerivedKey, RecipientKey, derive_key, recipient_key
 from relay.core.limits import RateRule
 from relay.core.message import Decision, DecisionObserver, InboundMessage
 from relay.core.observers import CountDecisions
@@ -52,15 +52,21 @@ log = logging.getLogger("relay.core.dedup")
 @dataclass
 class _Plan:
     """One message's plan (design.md §4): each recipient's store key (``keys``, recipient ->
-    key), what the reserve found per key (``reservations``), the keys this attempt reserved
-    and sends (``send``: key -> the first spelling relayed for it), those shadow mode relays
-    unreserved (``shadow``), each recipient's verdict once it has one (``verdicts``), and when
-    the reserved keys were marked SENDING before the final dot (``sending_at``)."""
+    key) and, while a previous fingerprint secret is set, each key's key under it
+    (``previous``, design.md §2.3), the message's stored content digest (``content``,
+    design.md §2.2), what the reserve found per key (``reservations``), the keys this attempt
+    reserved and sends (``send``: key -> the first spelling relayed for it), those shadow mode
+    relays unreserved (``shadow``), the keys whose record was of other content (``reused``,
+    §4.9), each recipient's verdict once it has one (``verdicts``), and when the reserved keys
+    were marked SENDING before the final dot (``sending_at``)."""
 
     keys: dict[str, str] = field(default_factory=dict)
+    previous: dict[str, str] = field(default_factory=dict)
+    content: str = ""
     reservations: dict[str, Reservation] = field(default_factory=dict)
     send: dict[str, str] = field(default_factory=dict)
     shadow: dict[str, str] = field(default_factory=dict)
+    reused: set[str] = field(default_factory=set)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     sending_at: float | None = None  # when its records were marked SENDING (the relay's clock)
 
@@ -201,6 +207,7 @@ class DedupCore:
             upstream=delivery.upstream if delivery is not None else "",
             refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted,
             key_source=derived.source if derived is not None else "",
+            reused=frozenset(r for r, v in concluded.verdicts.items() if v.reused),
             received_at=received_at, sending_at=plan.sending_at)
 
     async def _decide_key(self, msg: InboundMessage, plan: _Plan
@@ -231,14 +238,14 @@ class DedupCore:
         p = relay_policy.for_templates(headers.templates)  # design.md §4.6
         if derived.shadow:  # a key rule in shadow mode: decide and count, deliver anyway
             p = dataclasses.replace(p, mode="shadow")
-        keys: dict[str, str] | None = None
+        keys: dict[str, RecipientKey] | None = None
         if (p.dedup and headers.key is None and p.missing_key == "reject"
                 and not derived.missed):
             return self._answer(replies.MISSING_KEY_REJECTED, Result.INVALID, {})
         if p.dedup and headers.key is not None:
             try:
-                keys = recipient_keys(msg.rcpt_tos, headers.template, headers.key, p,
-                                      msg.auth_user)
+                keys = {rcpt: recipient_key(rcpt, headers.template, headers.key, p,
+                                            msg.auth_user) for rcpt in msg.rcpt_tos}
             except InvalidAddressError:
                 return self._answer(replies.BAD_RECIPIENT_ADDRESS, Result.INVALID, {})
         # rate limits: after what refuses the message anyway, before anything is reserved
@@ -249,7 +256,10 @@ class DedupCore:
             return await self._relay_plain(msg, p, relayed=Outcome.EXEMPT)
         if keys is None:
             return await self._relay_plain(msg, p, relayed=Outcome.NO_KEY)
-        plan.keys = keys
+        plan.keys = {rcpt: found.key for rcpt, found in keys.items()}
+        plan.previous = {found.key: found.previous for found in keys.values()
+                         if found.previous is not None}
+        plan.content = derived.content_digest()  # only for a message that is reserved
         return await self._relay_dedup(msg, plan, p)
 
     async def _rate_limited(self, msg: InboundMessage, templates: Sequence[str],
@@ -303,7 +313,7 @@ class DedupCore:
         try:
             await self._settler.flush(unique_keys)  # what is owed on the keys lands first
             reserving = True
-            reservations = await self._reserve_uncut(unique_keys, token, p)
+            reservations = await self._reserve_uncut(unique_keys, token, p, plan)
         except asyncio.CancelledError:  # shutdown past its grace, before anything was sent
             absorb_cancel()
             return self._conclude(msg, self._for_all(msg, rules.after_cut(False).verdict), None,
@@ -332,10 +342,15 @@ class DedupCore:
         """Classify each recipient by what the store held (:func:`relay.core.rules.classify`):
         the verdict of those answered without sending goes into ``plan.verdicts``; the keys
         this attempt reserved go into ``plan.send`` with their first spelling (one upstream
-        recipient per fingerprint)."""
+        recipient per fingerprint); a key whose record was of other content goes into
+        ``plan.reused``, logged once (WARNING)."""
         for rcpt, key in plan.keys.items():
             reservation = plan.reservations[key]
-            decided = rules.classify(reservation, unknown_policy=p.unknown, lease_s=p.lease_s)
+            decided = rules.classify(reservation, unknown_policy=p.unknown, lease_s=p.lease_s,
+                                     content_digest=plan.content, key_reuse=p.key_reuse)
+            if decided.action is Action.RELAY_REUSED or (
+                    decided.verdict is not None and decided.verdict.reused):
+                self._reused(plan, key, reservation, queue_id, p)
             if decided.action is Action.RESEND_IN_DOUBT and key not in plan.send:
                 # unknown_policy = send (at least once, design.md §4.4): a possible duplicate
                 found = reservation.found
@@ -348,6 +363,20 @@ class DedupCore:
                 plan.send.setdefault(key, rcpt)
             else:
                 plan.verdicts[rcpt] = decided.verdict
+
+    @staticmethod
+    def _reused(plan: _Plan, key: str, reservation: Reservation, queue_id: str,
+                p: Policy) -> None:
+        """Note that ``key``'s record was written for other content (design.md §4.9) and log
+        it once per key: the application reused a key (a bug, or a key too coarse)."""
+        if key in plan.reused:
+            return
+        plan.reused.add(key)
+        found = reservation.found
+        log.warning("dedupe key reused for other content: the key's record (%s %s) is of "
+                    "another message; key_reuse=%s", found.state.value if found else "absent",
+                    rules.iso_utc(found.at if found is not None else None), p.key_reuse,
+                    extra={"queue_id": queue_id, "key": key})
 
     @staticmethod
     def _held_elsewhere(plan: _Plan) -> dict[str, str]:
@@ -364,8 +393,9 @@ class DedupCore:
         450 while still in flight. A store failure on that reserve is answered 451 whatever
         ``store_down`` says: the attempt waited for may have sent the message."""
         deadline = time.monotonic() + p.in_flight_wait_s
+        watched = [plan.reservations[key].under or key for key in held.values()]
         waiting = asyncio.ensure_future(self._waits.until_settled(
-            list(dict.fromkeys(held.values())), lease_s=p.lease_s, bound_s=p.in_flight_wait_s))
+            list(dict.fromkeys(watched)), lease_s=p.lease_s, bound_s=p.in_flight_wait_s))
         first = await self._send_reserved(msg, plan, token, p) \
             if plan.send or plan.shadow else None
         delivery = first.delivery if first is not None else None
@@ -378,7 +408,8 @@ class DedupCore:
         # a key another copy took over meanwhile is waited for again, within what is left
         left_s = max(0.0, deadline - time.monotonic()) if settled else 0.0
         again = await self._relay_dedup(
-            dataclasses.replace(msg, rcpt_tos=list(held)), _Plan(keys=dict(held)),
+            dataclasses.replace(msg, rcpt_tos=list(held)),
+            _Plan(keys=dict(held), previous=plan.previous, content=plan.content),
             dataclasses.replace(p, in_flight_wait_s=left_s, store_down="fail_closed"))
         verdicts = {**plan.verdicts, **again.verdicts}
         return self._conclude(msg, {rcpt: verdicts[rcpt] for rcpt in plan.keys},
@@ -392,7 +423,7 @@ class DedupCore:
         reserved for them."""
         for rcpt, key in plan.keys.items():
             verdict = plan.verdicts.get(rcpt)
-            if verdict is None or verdict.outcome not in rules.SHADOWED:
+            if verdict is None or not rules.shadowed(verdict):
                 continue
             del plan.verdicts[rcpt]
             if key not in plan.shadow:
@@ -442,7 +473,8 @@ class DedupCore:
             ruling = rules.after_upstream(
                 upstream, second_spelling=first != rcpt,
                 relayed=Outcome.RELAYED if key in plan.send else Outcome.WOULD_SUPPRESS)
-            plan.verdicts[rcpt] = ruling.verdict
+            plan.verdicts[rcpt] = dataclasses.replace(ruling.verdict, reused=True) \
+                if key in plan.reused else ruling.verdict
             if key in plan.send and first == rcpt:
                 ops.append(SettleOp(key=key, action=ruling.settle, reply=str(upstream.reply),
                                     window_s=p.window_s))
@@ -463,12 +495,13 @@ class DedupCore:
 
         return marked
 
-    async def _reserve_uncut(self, keys: list[str], token: str,
-                             p: Policy) -> list[Reservation]:
-        """Reserve ``keys``; when shutdown cuts the wait, let the reserve finish, undo what of
-        it landed (compare-token), then raise the cancellation: a PENDING record left behind
-        would answer the client's retry with 450 until its lease ends."""
-        reserving = asyncio.ensure_future(self._reserve(keys, token, p))
+    async def _reserve_uncut(self, keys: list[str], token: str, p: Policy,
+                             plan: _Plan) -> list[Reservation]:
+        """Reserve ``keys`` (:meth:`_reserve`); when shutdown cuts the wait, let the reserve
+        finish, undo what of it landed (compare-token), then raise the cancellation: a
+        PENDING record left behind would answer the client's retry with 450 until its lease
+        ends."""
+        reserving = asyncio.ensure_future(self._reserve(keys, token, p, plan))
         try:
             return await asyncio.shield(reserving)
         except asyncio.CancelledError:
@@ -534,9 +567,19 @@ class DedupCore:
         """A message answered before any recipient was ruled on."""
         return _Concluded(reply=reply, result=result, outcomes=dict(outcomes))
 
-    async def _reserve(self, keys: list[str], token: str, p: Policy) -> list[Reservation]:
-        return await self._store.reserve(keys, token=token, lease_s=p.lease_s,
-                                         resend_unknown=p.unknown == "send")
+    async def _reserve(self, keys: list[str], token: str, p: Policy,
+                       plan: _Plan) -> list[Reservation]:
+        """Reserve ``keys`` with the message's content digest; while a previous secret is
+        set, its records count too (:func:`relay.core.rotation.reserve`), and the keys this
+        attempt took that such a record answers for are released at once."""
+        claim = rotation.Claim(token=token, lease_s=p.lease_s, content_digest=plan.content,
+                               resend_unknown=p.unknown == "send",
+                               replace_other_content=p.key_reuse == "relay")
+        reservations, release = await rotation.reserve(self._store, keys, claim,
+                                                       plan.previous)
+        if release:
+            await self._settler.release_quietly(release, token)
+        return reservations
 
 
 def _merged(first: DeliveryResult | None, second: DeliveryResult | None

@@ -44,6 +44,9 @@ class Record:
     ``lease_s`` is, for SENDING, the lease of the attempt that wrote it: the record is in doubt
     once that long passed without a heartbeat, whatever lease the reader is configured with
     (relays with different leases may share a store during a configuration change).
+    ``content_digest`` is the stored digest of the content of the message whose attempt
+    wrote the record (:meth:`relay.core.keys.DerivedKey.content_digest`, kept from its
+    reserve through every state), None when the record has none.
     """
 
     state: State
@@ -55,6 +58,9 @@ class Record:
     lease_s: float | None = None  # SENDING: the lease of the attempt that wrote it
     # the value as stored, for a compare-and-delete (None where the store has no single value)
     raw: bytes | None = field(default=None, compare=False, repr=False)
+    # the stored digest of the content of the message that wrote it (design.md §2.2); None:
+    # not known (a record of an earlier version, a foreign value, an operator's mark-sent)
+    content_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,15 +69,21 @@ class Reservation:
 
     ``reserved`` is True when this attempt created ``PENDING(token)``; otherwise ``found`` is the
     record that was already there (PENDING of another attempt, SENT or UNKNOWN). Both are set
-    when a reserve with ``resend_unknown`` replaced a record in doubt (``found`` is UNKNOWN).
+    when a reserve with ``resend_unknown`` replaced a record in doubt (``found`` is UNKNOWN),
+    and when one with ``replace_other_content`` replaced a record of other content (``found``
+    is that SENT or UNKNOWN record, with its ``content_digest``).
     A SENDING record is reported as PENDING while its last heartbeat (the SENDING mark or a
     renewal, by the store's clock) is younger than the lease (its attempt is waiting for the
     upstream's reply) and as UNKNOWN after that (its attempt died after the final dot).
+    ``under`` names the key ``found`` is under when it is not ``key``: the previous
+    fingerprint secret's key of the same recipient (design.md §2.3), whose record counts as
+    one under ``key``.
     """
 
     key: str
     reserved: bool
     found: Record | None = None
+    under: str | None = None
 
 
 class Settle(enum.Enum):
@@ -115,15 +127,20 @@ class FingerprintStore(Protocol):
     """
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False,
+        content_digest: str = "", replace_other_content: bool = False,
     ) -> list[Reservation]:
         """Create ``PENDING(token)`` with TTL ``lease_s`` seconds for every absent key.
 
         All keys go in one round trip; the result has one :class:`Reservation` per key, in order.
-        A value the store does not recognise is reported as SENT. With ``resend_unknown``
-        (``unknown_policy = send``) a record in doubt (UNKNOWN, or SENDING older than the lease)
-        is replaced by ``PENDING(token)`` in the same atomic step: ``reserved=True`` and
-        ``found`` is the UNKNOWN record. Raises :class:`relay.core.errors.StoreError`.
+        A value the store does not recognise is reported as SENT. ``content_digest`` (the
+        message's, ``[A-Za-z0-9_-]``; ``""``: none) is kept in the record through every state
+        it takes, and each ``found`` record carries its own. A record is replaced by
+        ``PENDING(token)`` in the same atomic step (``reserved=True``, ``found`` the record
+        replaced) when :func:`relay.core.rules.takes_over` says so: with ``resend_unknown``
+        (``unknown_policy = send``) a record in doubt (UNKNOWN, or SENDING older than the
+        lease); with ``replace_other_content`` (``key_reuse = relay``) a SENT or in-doubt
+        record of other content. Raises :class:`relay.core.errors.StoreError`.
         """
         ...
 
@@ -153,6 +170,12 @@ class FingerprintStore(Protocol):
 
     async def inspect(self, key: str) -> Record:
         """Return the record under ``key`` (``State.ABSENT`` when there is none)."""
+        ...
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """Return the record under each of ``keys``, in order, read as :meth:`inspect` reads
+        one, in one round trip (a Redis Cluster: one per node, in parallel). Raises
+        :class:`relay.core.errors.StoreError`."""
         ...
 
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
@@ -556,7 +579,8 @@ class LedgerEntry:
     relay answered without relaying), ``upstream_queue_id`` the queue id read off it,
     ``client_reply`` what the client was told for the message; ``decided_at`` the relay's
     clock (unix seconds) when it answered; ``key_source`` where the key came from
-    (``header``, ``rule:NAME``). ``received_at``: the relay's clock when the message's final
+    (``header``, ``rule:NAME``); ``key_reused``: the recipient's key held a record of other
+    content (design.md §4.9). ``received_at``: the relay's clock when the message's final
     dot came in from the client; ``sending_at``: when the relay marked its records SENDING,
     right before its own final dot went upstream (None: not known, or nothing was sent with
     a reservation).
@@ -576,6 +600,7 @@ class LedgerEntry:
     client_reply: str = ""
     action: LedgerAction = LedgerAction.RELAY
     key_source: str = ""  # where the key came from: header, rule:NAME ("": none, an operator)
+    key_reused: bool = False
     received_at: float | None = None
     sending_at: float | None = None
 
@@ -704,4 +729,9 @@ class Metrics(Protocol):
     def key_rule_miss(self, rule: str) -> None:
         """Count one message the key rule ``rule`` matched but derived no key for (relayed
         without dedup; a configured rule's name, so the label set stays bounded)."""
+        ...
+
+    def key_reused(self, template: str, count: int = 1) -> None:
+        """Count ``count`` recipients of a message of ``template`` (its normalized template
+        value, ``""`` for none) whose key held a record of other content (design.md §4.9)."""
         ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from relay.core.fingerprint import DEFAULT_STORE_PREFIX, fingerprint, store_key
@@ -20,7 +20,13 @@ from relay.core.headers import (
     ParsedMessage,
     normalize_header_value,
 )
-from relay.core.key_rules import KeyRule, MessageView, first_match
+from relay.core.key_rules import (
+    KeyRule,
+    MessageView,
+    content_digest,
+    first_match,
+    stored_digest,
+)
 from relay.core.recipients import normalize_recipient
 
 KeyFormat = Literal["hex", "compact"]
@@ -49,6 +55,12 @@ class KeyPolicy(Protocol):
     @property
     def secret(self) -> bytes | None:
         """HMAC key of the fingerprint; None: plain SHA-256."""
+        ...
+
+    @property
+    def previous_secret(self) -> bytes | None:
+        """The HMAC key the fingerprints had before ``secret`` (a rotation, design.md §2.3):
+        its keys are looked up too; None: none."""
         ...
 
     @property
@@ -83,6 +95,7 @@ class KeyRules:
 
     key_prefix: str = DEFAULT_STORE_PREFIX
     secret: bytes | None = None
+    previous_secret: bytes | None = None
     local_part_case_sensitive: bool = False
     scope_by_auth: bool = False
     key_format: KeyFormat = "hex"
@@ -95,17 +108,31 @@ class DerivedKey:
     """Where a message's key comes from: ``headers`` (the key and template the fingerprint
     takes: the message's own, or a rule's), ``source`` (``header``; ``rule:NAME``; ``""``: no
     key), the rule that matched (``rule``, None for none) and whether its source yielded
-    nothing (``missed``: the message is relayed without dedup)."""
+    nothing (``missed``: the message is relayed without dedup). ``view`` is what the rules
+    read of the message (its decoded text parsed on first use only), kept for
+    :meth:`content_digest`."""
 
     headers: DedupHeaders
     source: str
     rule: KeyRule | None = None
     missed: bool = False
+    view: MessageView | None = field(default=None, compare=False, repr=False)
 
     @property
     def shadow(self) -> bool:
         """Whether the key came from a rule in shadow mode."""
         return self.rule is not None and not self.missed and self.rule.mode == "shadow"
+
+    def content_digest(self) -> str:
+        """The message's content as a store keeps it (design.md §2.2): the ``content``
+        digest of :mod:`relay.core.key_rules` (the built-in volatile parts and, for a key a
+        rule gave, that rule's ``ignore`` patterns removed), in its stored form
+        (:func:`relay.core.key_rules.stored_digest`, 10 characters); ``""`` without a view.
+        Computed on the first call, once per message (a ``content`` rule's key shares it)."""
+        if self.view is None:
+            return ""
+        ignore = self.rule.ignore if self.rule is not None else ()
+        return stored_digest(content_digest(self.view, ignore))
 
 
 def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy, *,
@@ -113,29 +140,29 @@ def derive_key(message: ParsedMessage, headers: DedupHeaders, policy: KeyPolicy,
     """The key of a message whose dedup header fields are ``headers``: its key header when it
     has one (an explicit key always wins), else the first of ``policy.key_rules`` that matches
     (its template replacing the message's when it gives one), else none."""
-    if headers.key is not None:
-        return DerivedKey(headers=headers, source="header")
-    if not policy.key_rules:
-        return DerivedKey(headers=headers, source="")
     view = MessageView(message, mail_from=mail_from, rcpt_tos=rcpt_tos)
+    if headers.key is not None:
+        return DerivedKey(headers=headers, source="header", view=view)
     found = first_match(policy.key_rules, view, max_key_chars=policy.max_key_chars)
     if found is None:
-        return DerivedKey(headers=headers, source="")
+        return DerivedKey(headers=headers, source="", view=view)
     templates = headers.templates if found.template is None else (
         (found.template,) if found.template else ())
     return DerivedKey(
         headers=DedupHeaders(keys=(found.key,) if found.key else (), templates=templates),
-        source=f"rule:{found.rule.name}", rule=found.rule, missed=found.key is None)
+        source=f"rule:{found.rule.name}", rule=found.rule, missed=found.key is None, view=view)
 
 
 @dataclass(frozen=True)
 class RecipientKey:
     """One recipient's normalized ``mailbox``, its ``fingerprint`` (64 hex) and store ``key``
-    (the fingerprint in the policy's :data:`KeyFormat`)."""
+    (the fingerprint in the policy's :data:`KeyFormat`); ``previous``: its store key under the
+    policy's previous secret (design.md §2.3), None without one."""
 
     mailbox: str
     fingerprint: str
     key: str
+    previous: str | None = None
 
 
 def header_values(keys: Iterable[str], templates: Iterable[str], *,
@@ -162,14 +189,20 @@ def recipient_key(rcpt: str, template: str, key: str, policy: KeyPolicy,
     by US), under ``policy``; ``auth_user`` (the session's AUTH identity) counts only with
     ``scope_by_auth``.
 
-    Raises :class:`relay.core.errors.InvalidAddressError` for a recipient that cannot be
-    normalized.
+    With ``policy.previous_secret`` the result also names the recipient's store key under
+    that secret (``previous``). Raises :class:`relay.core.errors.InvalidAddressError` for a
+    recipient that cannot be normalized.
     """
     mailbox = normalize_recipient(rcpt, local_part_case_sensitive=policy.local_part_case_sensitive)
     scope = auth_user if policy.scope_by_auth else None
     fp = fingerprint(mailbox, template, key, secret=policy.secret, scope=scope)
+    previous = None
+    if policy.previous_secret is not None:
+        earlier = fingerprint(mailbox, template, key, secret=policy.previous_secret, scope=scope)
+        previous = store_key(policy.key_prefix, key_form(earlier, policy.key_format))
     return RecipientKey(mailbox=mailbox, fingerprint=fp,
-                        key=store_key(policy.key_prefix, key_form(fp, policy.key_format)))
+                        key=store_key(policy.key_prefix, key_form(fp, policy.key_format)),
+                        previous=previous)
 
 
 def recipient_keys(rcpt_tos: Sequence[str], template: str, key: str, policy: KeyPolicy,

@@ -59,7 +59,8 @@ class Decision:
     message was ``admitted`` (False: refused because a required ledger could not take rows).
     ``trace_id``: the message span's trace (32 hex digits; empty with tracing off), for the
     log line. ``key_source``: where the key came from (``header``, ``rule:NAME``; ``""``:
-    the message had none). ``received_at``: the relay's wall clock when the core took the
+    the message had none). ``reused``: the recipients whose key held a record of other
+    content (design.md §4.9). ``received_at``: the relay's wall clock when the core took the
     message (its final dot had come in); ``sending_at``: when its reservations were marked
     SENDING, right before the final dot went upstream (None: no reserved recipient was sent).
     """
@@ -78,6 +79,7 @@ class Decision:
     admitted: bool = True
     trace_id: str = ""
     key_source: str = ""
+    reused: frozenset[str] = frozenset()
     received_at: float | None = None
     sending_at: float | None = None
 

@@ -12,7 +12,8 @@ from relay.core.message import Decision, InboundMessage
 
 
 class CountDecisions:
-    """``relay_messages_total{result}`` and ``relay_recipients_total{outcome}``."""
+    """``relay_messages_total{result}``, ``relay_recipients_total{outcome}`` and
+    ``relay_key_reuse_total{template}``."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -22,6 +23,8 @@ class CountDecisions:
         self._metrics.message(decision.result)
         for outcome, count in Counter(decision.outcomes.values()).items():
             self._metrics.recipients(outcome, count)
+        if decision.reused:
+            self._metrics.key_reused(decision.template, len(decision.reused))
 
 
 class OweNotices:
@@ -55,6 +58,6 @@ class RecordDecisions:
             rcpt_results=decision.rcpt_results, final_reply=decision.upstream_reply,
             client_reply=decision.reply, upstream=decision.upstream,
             message_id=msg.message.message_id, queue_id=msg.queue_id,
-            key_source=decision.key_source, received_at=decision.received_at,
-            sending_at=decision.sending_at),
+            key_source=decision.key_source, reused=decision.reused,
+            received_at=decision.received_at, sending_at=decision.sending_at),
             admitted=decision.admitted)

@@ -16,13 +16,21 @@ from fnmatch import fnmatchcase
 
 from relay.core.key_rules import KeyRule
 from relay.core.keys import KeyFormat
-from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
+from relay.core.rules import (
+    DuplicateReply,
+    KeyReuse,
+    MissingKeyPolicy,
+    Mode,
+    StoreDownPolicy,
+    UnknownPolicy,
+)
 
 # strictest last: the order :meth:`Policy.for_templates` folds several templates' rules by
 _UNKNOWN_ORDER: tuple[UnknownPolicy, ...] = ("send", "suppress", "hold")
 _MISSING_ORDER: tuple[MissingKeyPolicy, ...] = ("relay", "reject")
 _MODE_ORDER: tuple[Mode, ...] = ("shadow", "enforce")
 _REPLY_ORDER: tuple[DuplicateReply, ...] = ("250", "550")
+_REUSE_ORDER: tuple[KeyReuse, ...] = ("relay", "suppress", "reject")
 _CACHE_SIZE = 1024  # resolved template sets kept per policy (a message's templates repeat)
 
 
@@ -39,15 +47,17 @@ class TemplateRule:
     unknown: UnknownPolicy | None = None
     duplicate_reply: DuplicateReply | None = None
     mode: Mode | None = None
+    key_reuse: KeyReuse | None = None
 
 
 @dataclass(frozen=True)
 class Policy:
     """The dedup rules of one relay (durations in seconds); built from Settings by the app.
 
-    ``dedup``, ``window_s``, ``missing_key``, ``unknown``, ``duplicate_reply`` and ``mode`` are
-    the rules a ``[[template_policy]]`` entry (``templates``) may set per template; the others
-    are the relay's alone (they shape the fingerprint, which no policy changes).
+    ``dedup``, ``window_s``, ``missing_key``, ``unknown``, ``duplicate_reply``, ``mode`` and
+    ``key_reuse`` are the rules a ``[[template_policy]]`` entry (``templates``) may set per
+    template; the others are the relay's alone (they shape the fingerprint, which no policy
+    changes).
     """
 
     lease_s: float = 900.0
@@ -58,6 +68,7 @@ class Policy:
     max_key_chars: int = 256
     local_part_case_sensitive: bool = False
     secret: bytes | None = None
+    previous_secret: bytes | None = None  # a rotation: its keys are looked up too (§2.3)
     missing_key: MissingKeyPolicy = "relay"
     unknown: UnknownPolicy = "suppress"
     store_down: StoreDownPolicy = "fail_closed"
@@ -68,6 +79,7 @@ class Policy:
     duplicate_reply: DuplicateReply = "250"
     mode: Mode = "enforce"
     in_flight_wait_s: float = 15.0  # a copy of a message in flight waits this long (0: 450)
+    key_reuse: KeyReuse = "suppress"  # a key's record of other content (design.md §4.9)
     templates: tuple[TemplateRule, ...] = ()
     key_rules: tuple[KeyRule, ...] = ()  # [[key_rule]]: keys for messages without a key header
     _resolved: dict[tuple[str, ...], Policy] = field(
@@ -77,7 +89,8 @@ class Policy:
         """The rules of a message whose normalized template values are ``templates`` (none:
         the empty value): per value the first matching entry's rules over the relay's, and for
         several values rule by rule the strictest (dedup on over off, the longest window,
-        reject over relay, hold over suppress over send, 550 over 250, enforce over shadow).
+        reject over relay, hold over suppress over send, 550 over 250, enforce over shadow,
+        key_reuse reject over suppress over relay).
         Returns ``self`` when no entry is configured."""
         if not self.templates:
             return self
@@ -102,6 +115,7 @@ class Policy:
             unknown=max((p.unknown for p in resolved), key=_UNKNOWN_ORDER.index),
             duplicate_reply=max((p.duplicate_reply for p in resolved), key=_REPLY_ORDER.index),
             mode=max((p.mode for p in resolved), key=_MODE_ORDER.index),
+            key_reuse=max((p.key_reuse for p in resolved), key=_REUSE_ORDER.index),
         )
 
     def _one(self, template: str) -> Policy:
@@ -116,5 +130,6 @@ class Policy:
                     unknown=rule.unknown or self.unknown,
                     duplicate_reply=rule.duplicate_reply or self.duplicate_reply,
                     mode=rule.mode or self.mode,
+                    key_reuse=rule.key_reuse or self.key_reuse,
                 )
         return self

@@ -43,6 +43,11 @@ BDAT_NOT_IMPLEMENTED = SmtpReply(
     "connection")
 MESSAGE_TOO_BIG = SmtpReply(552, "5.3.4", "Message size exceeds fixed maximum message size")
 MISSING_KEY_REJECTED = SmtpReply(554, "5.6.0", "Message has no dedupe key header (policy: reject)")
+# key_reuse = reject (design.md §4.9): RFC 5321 section 4.3.2 lists 550 after DATA for a policy
+# refusal, RFC 3463 X.7.1 "delivery not authorized, message refused"
+KEY_REUSED = SmtpReply(
+    550, "5.7.1", "Dedupe key already used for other content; not sent (policy: key_reuse "
+    "reject)")
 
 # --- temporary outcomes -----------------------------------------------------------------------
 STORE_DOWN = SmtpReply(451, "4.3.0", "Deduplication store unavailable, try again later")

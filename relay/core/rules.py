@@ -3,7 +3,11 @@
 Three tables, read in the order a message meets them:
 
 1. :func:`classify` (and :func:`reserve_failed`): what the store held for one recipient's key
-   -> send it, or answer for it without sending (§4.1);
+   -> send it, or answer for it without sending (§4.1; a record of other content,
+   :func:`other_content`, follows ``key_reuse``: §4.9); which records a reserve takes over
+   (:func:`takes_over`, the rule every store follows), and a record under the previous
+   fingerprint secret's key counted as one under the current key (:func:`through_previous`,
+   §2.3);
 2. :func:`after_upstream` (and :func:`after_cut`): one recipient's upstream result -> how its
    reservation is settled and its outcome (§4.2);
 3. :func:`aggregate`: every recipient's outcome -> the one reply to the final dot and the
@@ -43,6 +47,7 @@ UnknownPolicy = Literal["suppress", "hold", "send"]
 StoreDownPolicy = Literal["fail_closed", "fail_open"]
 Mode = Literal["enforce", "shadow"]  # shadow: decide as enforce does, deliver duplicates anyway
 DuplicateReply = Literal["250", "550"]  # the reply to a message whose recipients are all copies
+KeyReuse = Literal["suppress", "reject", "relay"]  # a key's record of other content (§4.9)
 
 
 class Action(enum.Enum):
@@ -51,6 +56,8 @@ class Action(enum.Enum):
     SEND = "send"  # this attempt reserved it: relay it
     RESEND_IN_DOUBT = "resend_in_doubt"  # reserved over a record in doubt (unknown_policy =
     # send): relay it, a possible duplicate (counted and logged)
+    RELAY_REUSED = "relay_reused"  # reserved over a record of other content (key_reuse =
+    # relay): relay it, the key reused (counted and logged)
     ANSWER = "answer"  # do not relay: the verdict answers for it
     RELAY_WITHOUT_DEDUP = "relay_without_dedup"  # the store failed, store_down = fail_open
 
@@ -62,13 +69,15 @@ class Verdict:
     ``reply`` is the reply of a refusal or a temporary outcome as the client gets it; ``at``
     (unix seconds) when the original of a suppressed duplicate was sent, or when the attempt
     in doubt was; ``refusal`` the upstream result of a permanent refusal, which an RFC 3464
-    notice quotes when the message is answered ``250``.
+    notice quotes when the message is answered ``250``; ``reused``: the recipient's key held
+    a record of other content (§4.9).
     """
 
     outcome: Outcome
     reply: SmtpReply | None = None
     at: float | None = None
     refusal: RcptResult | None = None
+    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,28 +157,91 @@ def reads_as(record: Record, lease_s: float, now: float | None = None) -> State:
     return heartbeat_state(age_s, record.lease_s, lease_s)
 
 
+def other_content(found: Record | None, content_digest: str) -> bool:
+    """Whether ``found`` was written for other content than a message whose stored digest
+    is ``content_digest`` (§4.9): both digests known and different. A record without one (of
+    an earlier version, a foreign value, an operator's mark-sent) never is, nor is any
+    record to a message without one."""
+    return (found is not None and bool(content_digest) and found.content_digest is not None
+            and found.content_digest != content_digest)
+
+
+def takes_over(found: Record, *, lease_s: float, content_digest: str = "",
+               resend_unknown: bool = False, replace_other_content: bool = False) -> bool:
+    """Whether a reserve replaces ``found``, a live record another attempt wrote, with its own
+    PENDING in the same atomic step (§3, §4.1, §4.9): a record in doubt (UNKNOWN, or
+    SENDING past its writer's lease, judged with ``lease_s`` for one that names none) under
+    ``resend_unknown`` (``unknown_policy = send``); a SENT or in-doubt record of other
+    content (:func:`other_content` with the message's ``content_digest``) under
+    ``replace_other_content`` (``key_reuse = relay``). A record in flight never. The stores
+    decide by this rule (SQLite calls it; the Redis script and the PostgreSQL statement are
+    its twins, checked against it by the store contract's table)."""
+    state = reads_as(found, lease_s)
+    if resend_unknown and state is State.UNKNOWN:
+        return True
+    return (replace_other_content and state in (State.SENT, State.UNKNOWN)
+            and other_content(found, content_digest))
+
+
+def through_previous(reservation: Reservation, previous: Record, under: str, *,
+                     lease_s: float, content_digest: str = "", resend_unknown: bool = False,
+                     replace_other_content: bool = False) -> tuple[Reservation, bool]:
+    """What a reserve found for a recipient once the record under its previous secret's key
+    ``under`` (``previous``, as :meth:`FingerprintStore.inspect_many` read it) counts
+    exactly as one under its current key (§2.3): a duplicate, in flight, or in doubt. Only
+    when the current key held nothing (this attempt reserved it, finding no record): a
+    record under the current key always wins. Returns the reservation to classify
+    (``under`` naming the previous key when its record is the one found) and whether this
+    attempt's new PENDING under the current key must be released: kept when the reserve
+    would have taken the previous record over (:func:`takes_over`: in doubt under
+    ``resend_unknown``, of other content under ``replace_other_content``), released when the
+    previous record answers for the recipient."""
+    if not reservation.reserved or reservation.found is not None \
+            or previous.state is State.ABSENT:
+        return reservation, False
+    kept = takes_over(previous, lease_s=lease_s, content_digest=content_digest,
+                      resend_unknown=resend_unknown,
+                      replace_other_content=replace_other_content)
+    return Reservation(reservation.key, reserved=kept, found=previous, under=under), not kept
+
+
 def classify(reservation: Reservation, *, unknown_policy: UnknownPolicy,
-             lease_s: float) -> Classification:
-    """Decide for one recipient from what its reserve found (§4.1).
+             lease_s: float, content_digest: str = "",
+             key_reuse: KeyReuse = "suppress") -> Classification:
+    """Decide for one recipient from what its reserve found (§4.1, §4.9).
 
     ``lease_s`` (seconds) judges a SENDING record without a lease of its own (the stores
     report SENDING to a reserve already judged, as PENDING or UNKNOWN). A record that is
-    neither in flight nor in doubt (SENT, or a foreign value) is a duplicate.
+    neither in flight nor in doubt (SENT, or a foreign value) is a duplicate. One of other
+    content than the message's (:func:`other_content` with ``content_digest``) follows
+    ``key_reuse``: ``reject`` refuses it (``550 5.7.1``), ``suppress`` answers it as any
+    duplicate or copy in doubt, both marked ``reused``; under ``relay`` the store replaced
+    it (:func:`takes_over`): :attr:`Action.RELAY_REUSED`. A record in flight is in flight
+    whatever its content.
     """
     found = reservation.found
     state = reads_as(found, lease_s) if found is not None else State.ABSENT
+    reused = state is not State.PENDING and other_content(found, content_digest)
     if reservation.reserved:
+        if reused:  # the store replaced it: key_reuse = relay
+            return Classification(Action.RELAY_REUSED)
         if state is State.UNKNOWN:  # the store replaced it: unknown_policy = send
             return Classification(Action.RESEND_IN_DOUBT)
         return Classification(Action.SEND)
     if state is State.PENDING:
         return _answer(Outcome.INFLIGHT, replies.INFLIGHT)
+    if reused and key_reuse == "reject":
+        refusal = RcptResult(RcptStatus.REFUSED, replies.KEY_REUSED, from_upstream=False)
+        return Classification(Action.ANSWER, Verdict(
+            Outcome.REFUSED_PERM, replies.KEY_REUSED, refusal=refusal, reused=True))
     at = found.at if found is not None else None
     if state is State.UNKNOWN:
         if unknown_policy == "hold":
-            return _answer(Outcome.HELD, replies.HELD_UNKNOWN)
-        return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED_UNKNOWN, at=at))
-    return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED, at=at))
+            return Classification(Action.ANSWER, Verdict(
+                Outcome.HELD, replies.HELD_UNKNOWN, reused=reused))
+        return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED_UNKNOWN, at=at,
+                                                     reused=reused))
+    return Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED, at=at, reused=reused))
 
 
 def reserve_failed(store_down: StoreDownPolicy) -> Classification:
@@ -238,6 +310,14 @@ _RELAYED_RESULT = {Outcome.RELAYED: Result.RELAYED, Outcome.NO_KEY: Result.NO_KE
 # one's 450 holds nothing back (the client retries once the first attempt settled), and relaying
 # it unreserved would leave no record of it if the first attempt then failed (design.md §4.6)
 SHADOWED = frozenset({Outcome.SUPPRESSED, Outcome.SUPPRESSED_UNKNOWN, Outcome.HELD})
+
+
+def shadowed(verdict: Verdict) -> bool:
+    """Whether shadow mode relays a recipient enforce answers with ``verdict`` (§4.6): one
+    enforce keeps back for good (:data:`SHADOWED`), and one refused for a key reused for other
+    content (``key_reuse = reject``, §4.9)."""
+    return verdict.outcome in SHADOWED or (verdict.reused
+                                           and verdict.outcome is Outcome.REFUSED_PERM)
 
 
 def aggregate(verdicts: Iterable[Verdict], *, queue_id: str,

@@ -35,11 +35,14 @@ class MeasuredStore(StoreWrapper):
         self._metrics = metrics
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      resend_unknown: bool = False, content_digest: str = "",
+                      replace_other_content: bool = False) -> list[Reservation]:
         started = time.perf_counter()
         try:
             out = await self.inner.reserve(keys, token=token, lease_s=lease_s,
-                                           resend_unknown=resend_unknown)
+                                           resend_unknown=resend_unknown,
+                                           content_digest=content_digest,
+                                           replace_other_content=replace_other_content)
         except StoreError:
             self._metrics.store_call("reserve", time.perf_counter() - started, False)
             raise

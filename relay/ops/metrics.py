@@ -39,6 +39,13 @@ from relay.core.interfaces import DsnResult, Outcome, Result
 from relay.ops.worker_files import worker_files
 
 STORE_OPS = ("reserve", "settle", "renew")
+REUSE_TEMPLATES = 100
+"""Distinct ``template`` label values ``relay_key_reuse_total`` takes per process; the
+templates met after them count under :data:`OTHER_TEMPLATES` (a template is the application's
+text: the label set must stay bounded)."""
+OTHER_TEMPLATES = "_other"
+TEMPLATE_LABEL_CHARS = 64
+"""Characters of a template kept in the label (the rest is cut)."""
 CODE_CLASSES = ("2xx", "4xx", "5xx", "none")
 TLS_LISTENERS = ("starttls", "implicit")
 
@@ -145,6 +152,10 @@ class PrometheusMetrics:
         self._key_rule_misses = Counter(
             "relay_key_rule_misses", "Messages a key rule matched without deriving a key "
             "(relayed without dedup), by rule", ["rule"], registry=registry)
+        self._key_reuse = Counter(
+            "relay_key_reuse", "Recipients whose dedupe key held a record of other content "
+            "(handled per key_reuse: suppressed, rejected or relayed), by template",
+            ["template"], registry=registry)
         self._ledger_written = Counter(
             "relay_ledger_rows", "Audit ledger rows written", registry=registry)
         self._ledger_dropped = Counter(
@@ -177,6 +188,7 @@ class PrometheusMetrics:
         self._dsn_by = {r: self._dsn.labels(r.value) for r in DsnResult}
         self._rate_limited_by: dict[str, Counter] = {}
         self._key_rule_misses_by: dict[str, Counter] = {}
+        self._key_reuse_by: dict[str, Counter] = {}
         self._token_failures_by: dict[str, Counter] = {}
         self._handshakes_failed_by = {listener: self._tls_handshake_failures.labels(listener)
                                       for listener in TLS_LISTENERS}
@@ -211,6 +223,21 @@ class PrometheusMetrics:
         if child is None:
             child = self._key_rule_misses_by[rule] = self._key_rule_misses.labels(rule)
         child.inc()
+
+    def key_reused(self, template: str, count: int = 1) -> None:
+        """Count ``count`` recipients of a ``template`` message whose key held a record of
+        other content. The label is the template (several values comma-joined, at most
+        :data:`TEMPLATE_LABEL_CHARS` characters), :data:`OTHER_TEMPLATES` once
+        :data:`REUSE_TEMPLATES` values were counted."""
+        label = template.replace("\x1f", ",")[:TEMPLATE_LABEL_CHARS]
+        child = self._key_reuse_by.get(label)
+        if child is None:
+            if len(self._key_reuse_by) >= REUSE_TEMPLATES:
+                label = OTHER_TEMPLATES
+            child = self._key_reuse_by.get(label)
+            if child is None:
+                child = self._key_reuse_by[label] = self._key_reuse.labels(label)
+        child.inc(count)
 
     def message(self, result: Result) -> None:
         """Count one message by ``result``; raises ``ValueError`` for a value not in

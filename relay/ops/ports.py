@@ -37,9 +37,12 @@ class StoreWrapper:
         self.inner = inner
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      resend_unknown: bool = False, content_digest: str = "",
+                      replace_other_content: bool = False) -> list[Reservation]:
         return await self.inner.reserve(keys, token=token, lease_s=lease_s,
-                                        resend_unknown=resend_unknown)
+                                        resend_unknown=resend_unknown,
+                                        content_digest=content_digest,
+                                        replace_other_content=replace_other_content)
 
     async def settle(self, ops: Sequence[SettleOp], *, token: str,
                      window_s: float) -> list[bool]:
@@ -51,6 +54,9 @@ class StoreWrapper:
 
     async def inspect(self, key: str) -> Record:
         return await self.inner.inspect(key)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        return await self.inner.inspect_many(keys)
 
     async def force_release(self, key: str, *, expected: Record | None = None) -> bool:
         return await self.inner.force_release(key, expected=expected)

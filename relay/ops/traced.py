@@ -59,11 +59,14 @@ class TracedStore(StoreWrapper):
         self._tracer = tracer
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      resend_unknown: bool = False, content_digest: str = "",
+                      replace_other_content: bool = False) -> list[Reservation]:
         with self._tracer.span(RESERVE) as span:
             span.set("relay.keys", len(keys))
             return await self.inner.reserve(keys, token=token, lease_s=lease_s,
-                                            resend_unknown=resend_unknown)
+                                            resend_unknown=resend_unknown,
+                                            content_digest=content_digest,
+                                            replace_other_content=replace_other_content)
 
 
 class TracedUpstream(UpstreamWrapper):

@@ -249,9 +249,10 @@ class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSetting
 
     def dedup_policy(self) -> Policy:
         """The dedup policy (:meth:`DedupSettings.policy`) with the store's key prefix and key
-        form. Raises ConfigError when the fingerprint secret's file cannot be read."""
+        form. Raises ConfigError when a fingerprint secret's file cannot be read."""
         return self.policy(key_prefix=self.store_prefix, key_format=self.store_key_format,
-                           secret=self.fingerprint_secret_bytes)
+                           secret=self.fingerprint_secret_bytes,
+                           previous_secret=self.fingerprint_secret_previous_bytes)
 
     @property
     def processing_s(self) -> float:

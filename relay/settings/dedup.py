@@ -7,17 +7,25 @@ The rules change live on reload; what shapes the fingerprint never does."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from relay.core.errors import ConfigError
 from relay.core.key_rules import KeyRule, build_rule
 from relay.core.keys import KeyFormat
 from relay.core.limits import RateRule
 from relay.core.policy import Policy, TemplateRule
-from relay.core.rules import DuplicateReply, MissingKeyPolicy, Mode, StoreDownPolicy, UnknownPolicy
+from relay.core.rules import (
+    DuplicateReply,
+    KeyReuse,
+    MissingKeyPolicy,
+    Mode,
+    StoreDownPolicy,
+    UnknownPolicy,
+)
 from relay.settings.common import (
     CsvList,
     FileCheck,
@@ -25,11 +33,20 @@ from relay.settings.common import (
     Section,
     SettingsRuleError,
     secret_setting,
+    setting_names,
     split_csv,
 )
 
 if TYPE_CHECKING:
     from relay.core.dedup import DedupCore
+
+
+class DeclaresLabels(Protocol):
+    """Where a reload declares the metric children of what it added (the relay's metrics)."""
+
+    def declare_rate_limits(self, labels: Iterable[str]) -> None: ...
+
+    def declare_key_rules(self, names: Iterable[str]) -> None: ...
 
 
 class TemplatePolicy(BaseModel):
@@ -50,6 +67,9 @@ class TemplatePolicy(BaseModel):
     duplicate_reply: DuplicateReply | None = Field(None, description=(
         '"250" (accepted, not relayed again) or "550" (550 5.7.1, the caller is told)'))
     mode: Mode | None = None
+    key_reuse: KeyReuse | None = Field(None, description=(
+        "a copy whose key's record is of other content: suppress, reject (550 5.7.1) or "
+        "relay"))
 
 
 class KeyRuleMatch(BaseModel):
@@ -124,7 +144,8 @@ class RateLimit(BaseModel):
 
 # the dedup rules swapped into the running Policy on reload (design.md §4.6)
 POLICY_SETTINGS = ("template_policy", "key_rule", "mode", "dedup_window", "missing_key",
-                   "unknown_policy", "duplicate_reply", "store_down", "in_flight_wait")
+                   "unknown_policy", "duplicate_reply", "store_down", "in_flight_wait",
+                   "key_reuse")
 
 
 class DedupSettings(Section):
@@ -132,7 +153,8 @@ class DedupSettings(Section):
 
     TITLE: ClassVar[str] = "Dedup rules"
     LIVE: ClassVar[tuple[str, ...]] = (*POLICY_SETTINGS, "rate_limit")
-    FILES: ClassVar[tuple[str, ...]] = ("fingerprint_secret_file",)
+    FILES: ClassVar[tuple[str, ...]] = ("fingerprint_secret_file",
+                                        "fingerprint_secret_previous_file")
 
     dedup_window: float = Field(default=86400.0, gt=0, description=(
         "seconds a sent fingerprint suppresses copies"))
@@ -153,6 +175,13 @@ class DedupSettings(Section):
     fingerprint_secret_file: Path | None = Field(None, description=(
         "file holding fingerprint_secret (a Docker or systemd secret; surrounding whitespace "
         "and the final newline are not part of it)"))
+    fingerprint_secret_previous: SecretStr | None = Field(None, description=(
+        "the fingerprint_secret before a rotation: while set, a reserve also looks each "
+        "recipient up under this secret's key, and a record there counts as one under the "
+        "current key (set it for one dedup window after changing the secret, then drop it); "
+        "prefer fingerprint_secret_previous_file"))
+    fingerprint_secret_previous_file: Path | None = Field(None, description=(
+        "file holding fingerprint_secret_previous (as fingerprint_secret_file)"))
     missing_key: MissingKeyPolicy = Field("relay", description=(
         "a message without a dedupe key: relay (without dedup) or reject (554 5.6.0)"))
     strip_dedupe_headers: bool = Field(False, description=(
@@ -176,12 +205,17 @@ class DedupSettings(Section):
     mode: Mode = Field("enforce", description=(
         "enforce (suppress duplicates) or shadow (decide, reserve and settle as enforce does, "
         "but deliver duplicates anyway, counted as would_suppress)"))
+    key_reuse: KeyReuse = Field("suppress", description=(
+        "a message whose key's record was written for other content (the application reused "
+        "the key): suppress (as a duplicate, logged WARNING, counted in "
+        "relay_key_reuse_total and the ledger), reject (550 5.7.1, the key was used for "
+        "other content) or relay (relayed, the record then this message's)"))
     rate_limit: tuple[RateLimit, ...] = Field((), description=(
         "[[rate_limit]] tables of the config file: scope (upstream, auth_user, sender_domain, "
         "template), messages and/or recipients per `per` seconds, shared through the store"))
     template_policy: tuple[TemplatePolicy, ...] = Field((), description=(
         "[[template_policy]] tables of the config file: per-template dedup, dedup_window, "
-        "missing_key, unknown_policy, duplicate_reply and mode; first match wins"))
+        "missing_key, unknown_policy, duplicate_reply, mode and key_reuse; first match wins"))
     key_rule: tuple[KeyRuleEntry, ...] = Field((), description=(
         "[[key_rule]] tables of the config file: name, match (sender, recipient_domain, "
         "header, subject), key (header:NAME, subject:REGEX, body:REGEX, content), template, "
@@ -208,11 +242,12 @@ class DedupSettings(Section):
             raise ValueError("dedupe_headers must name at least one header")
         return value
 
-    @field_validator("fingerprint_secret")
+    @field_validator("fingerprint_secret", "fingerprint_secret_previous")
     @classmethod
     def _check_fingerprint_secret(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and not value.get_secret_value():
-            raise ValueError("fingerprint_secret must not be empty (leave it unset for SHA-256)")
+            raise ValueError("a fingerprint secret must not be empty (leave it unset for "
+                             "SHA-256)")
         return value
 
     @field_validator("rate_limit")
@@ -255,7 +290,24 @@ class DedupSettings(Section):
         if self.fingerprint_secret_file is not None and self.fingerprint_secret is not None:
             raise SettingsRuleError("give fingerprint_secret_file or fingerprint_secret, not both",
                                     "fingerprint_secret_file", "fingerprint_secret")
+        self._check_previous_secret()
         return self
+
+    def _check_previous_secret(self) -> None:
+        """The previous secret: in one place (a value or a file), and only beside a current
+        one (it names what the secret was before the one in use)."""
+        previous = (self.fingerprint_secret_previous, self.fingerprint_secret_previous_file)
+        if all(value is not None for value in previous):
+            raise SettingsRuleError(
+                "give fingerprint_secret_previous_file or fingerprint_secret_previous, not both",
+                "fingerprint_secret_previous_file", "fingerprint_secret_previous")
+        current = (self.fingerprint_secret, self.fingerprint_secret_file)
+        if any(value is not None for value in previous) and all(
+                value is None for value in current):
+            raise SettingsRuleError(
+                "fingerprint_secret_previous is the secret before fingerprint_secret: set the "
+                "current one too (fingerprint_secret or fingerprint_secret_file)",
+                "fingerprint_secret_previous", "fingerprint_secret")
 
     @property
     def fingerprint_secret_bytes(self) -> bytes | None:
@@ -270,21 +322,46 @@ class DedupSettings(Section):
         secret = self.fingerprint_secret
         return secret.get_secret_value().encode() if secret is not None else None
 
+    @property
+    def fingerprint_secret_previous_bytes(self) -> bytes | None:
+        """The HMAC key the fingerprints had before :attr:`fingerprint_secret_bytes` (UTF-8 of
+        ``fingerprint_secret_previous``, or of its file's text without surrounding
+        whitespace), or None.
+
+        Raises ConfigError when the file cannot be read or holds nothing, and when it is the
+        current secret (nothing to rotate from)."""
+        if self.fingerprint_secret_previous_file is not None:
+            previous = secret_setting(self.fingerprint_secret_previous_file,
+                                      "fingerprint_secret_previous_file").encode()
+        elif self.fingerprint_secret_previous is not None:
+            previous = self.fingerprint_secret_previous.get_secret_value().encode()
+        else:
+            return None
+        if previous == self.fingerprint_secret_bytes:
+            raise ConfigError(f"{setting_names('fingerprint_secret_previous')}: it is the "
+                              "current fingerprint secret; give the secret in use before it")
+        return previous
+
     def file_checks(self, *, live: bool) -> list[FileCheck]:
-        """The fingerprint secret's file (read)."""
-        return [(("fingerprint_secret_file",), lambda: self.fingerprint_secret_bytes)]
+        """The fingerprint secrets' files (read; the previous one is not the current)."""
+        return [(("fingerprint_secret_file",), lambda: self.fingerprint_secret_bytes),
+                (("fingerprint_secret_previous_file", "fingerprint_secret_previous"),
+                 lambda: self.fingerprint_secret_previous_bytes)]
 
     def secret_files(self) -> list[SecretFile]:
-        """The fingerprint secret's file."""
-        path = self.fingerprint_secret_file
-        return [] if path is None else [("fingerprint_secret_file", path)]
+        """The fingerprint secrets' files."""
+        return [(name, path) for name, path in (
+            ("fingerprint_secret_file", self.fingerprint_secret_file),
+            ("fingerprint_secret_previous_file", self.fingerprint_secret_previous_file))
+            if path is not None]
 
     def template_rules(self) -> tuple[TemplateRule, ...]:
         """The ``[[template_policy]]`` entries as the core's rules (design.md §4.6)."""
         return tuple(
             TemplateRule(match=t.match, dedup=t.dedup, window_s=t.dedup_window,
                          missing_key=t.missing_key, unknown=t.unknown_policy,
-                         duplicate_reply=t.duplicate_reply, mode=t.mode)
+                         duplicate_reply=t.duplicate_reply, mode=t.mode,
+                         key_reuse=t.key_reuse)
             for t in self.template_policy)
 
     def key_rules(self) -> tuple[KeyRule, ...]:
@@ -297,23 +374,24 @@ class DedupSettings(Section):
         return Policy(window_s=self.dedup_window, templates=self.template_rules()
                       ).for_templates(templates).window_s
 
-    def policy(self, *, key_prefix: str, key_format: KeyFormat, secret: bytes | None
-               ) -> Policy:
+    def policy(self, *, key_prefix: str, key_format: KeyFormat, secret: bytes | None,
+               previous_secret: bytes | None = None) -> Policy:
         """The dedup policy of design.md §2-4, its store keys under ``key_prefix`` in
         ``key_format``, fingerprints keyed with ``secret`` (:attr:`fingerprint_secret_bytes`:
-        read once by the caller)."""
+        read once by the caller), and looked up under ``previous_secret`` too
+        (:attr:`fingerprint_secret_previous_bytes`)."""
         return Policy(
             lease_s=self.lease, window_s=self.dedup_window, key_prefix=key_prefix,
             key_names=self.dedupe_headers, template_names=self.template_headers,
             max_key_chars=self.max_key_chars,
             local_part_case_sensitive=self.local_part_case_sensitive,
-            secret=secret,
+            secret=secret, previous_secret=previous_secret,
             missing_key=self.missing_key, unknown=self.unknown_policy,
             store_down=self.store_down, strip_headers=self.strip_dedupe_headers,
             scope_by_auth=self.scope_by_auth, key_format=key_format,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
-            key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, key_reuse=self.key_reuse,
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def live_policy(self, running: Policy) -> Policy:
         """``running`` (the relay's policy) with these settings' dedup rules
@@ -324,8 +402,8 @@ class DedupSettings(Section):
             running, window_s=self.dedup_window, missing_key=self.missing_key,
             unknown=self.unknown_policy, store_down=self.store_down,
             duplicate_reply=self.duplicate_reply, mode=self.mode,
-            in_flight_wait_s=self.in_flight_wait, templates=self.template_rules(),
-            key_rules=self.key_rules())
+            in_flight_wait_s=self.in_flight_wait, key_reuse=self.key_reuse,
+            templates=self.template_rules(), key_rules=self.key_rules())
 
     def rate_rules(self) -> tuple[RateRule, ...]:
         """The ``[[rate_limit]]`` tables as the core's rules (:mod:`relay.core.limits`)."""
@@ -333,15 +411,17 @@ class DedupSettings(Section):
                               recipients=r.recipients, match=r.match) for r in self.rate_limit)
 
     def apply_dedup_live(self, applied: Set[str], *, core: DedupCore,
-                   declare_rate_limits: Callable[[Iterable[str]], None]) -> None:
+                         metrics: DeclaresLabels) -> None:
         """Apply the :attr:`LIVE` settings named in ``applied`` to the running ``core``: the
         dedup rules and the rate limits from the next message on (a message in flight keeps
-        its policy; the store's counters stay); ``declare_rate_limits`` names the new limits'
-        metric children."""
+        its policy; the store's counters stay); ``metrics`` declares the metric children of
+        new rate limits and key rules (at 0, as at start)."""
         if any(name in applied for name in POLICY_SETTINGS):
             core.policy = self.live_policy(core.policy)
+        if "key_rule" in applied:
+            metrics.declare_key_rules(r.name for r in self.key_rule)
         if "rate_limit" in applied:
-            declare_rate_limits(r.label for r in self.rate_limit)
+            metrics.declare_rate_limits(r.label for r in self.rate_limit)
             core.rate_limits = self.rate_rules()
 
     def dedup_warnings(self) -> list[str]:

@@ -288,6 +288,8 @@ class RelayHandler:
             fields["auth_user"] = msg.auth_user
         if decision.trace_id:
             fields["trace_id"] = decision.trace_id
+        if decision.reused:  # keys reused for other content (design.md §4.9)
+            fields["key_reused"] = sorted(label[r] for r in decision.reused)
         if self._limits.console_url is not None:  # the console's page of this message
             fields["console"] = f"{self._limits.console_url}/message/{msg.queue_id}"
         log.info("message", extra=fields)

@@ -95,6 +95,8 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "local_part_case_sensitive": (None, True),
     "fingerprint_secret": ("s3cret", "s3cret"),
     "fingerprint_secret_file": ("secret.txt", Path("secret.txt")),
+    "fingerprint_secret_previous": ("0ld", "0ld"),
+    "fingerprint_secret_previous_file": ("previous.txt", Path("previous.txt")),
     "missing_key": ("reject", "reject"),
     "strip_dedupe_headers": (None, True),
     "scope_by_auth": (None, True),
@@ -110,6 +112,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "settle_journal": ("", ""),
     "duplicate_reply": ("550", "550"),
     "mode": ("shadow", "shadow"),
+    "key_reuse": ("reject", "reject"),
     "pid_file": ("relay.pid", "relay.pid"),
     "ledger": ("postgresql://relay@db:5432/audit", "postgresql://relay@db:5432/audit"),
     "ledger_required": (None, True),
@@ -126,7 +129,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "console_session_timeout": ("600", 600.0),
 }
 SECOND_RUN = {"upstream_password", "fingerprint_secret_file",  # each excludes another setting
-              "console_plain_http"}
+              "fingerprint_secret_previous_file", "console_plain_http"}
 # the OAuth2 credentials exclude each other (and the microsoft provider of the first run takes
 # neither the refresh token nor a service account): one run each, with its provider
 OAUTH_RUNS: list[tuple[set[str], list[str]]] = [

@@ -228,6 +228,33 @@ async def test_history_finds_a_message_by_recipient_template_and_key(
     assert status == 400
 
 
+async def test_history_finds_a_fingerprint_under_the_previous_secrets_key_too(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """Sent by a relay keyed with the old secret, its retry suppressed by one keyed with the
+    new secret and the old as ``fingerprint_secret_previous`` (design.md §2.3): the second
+    relay's history page by recipient, template and key shows both rows (one under each key)
+    and the record found under the previous key."""
+    before = await make_relay(upstream=f"127.0.0.1:{sink.port}", ledger=ledger_url,
+                              fingerprint_secret="old secret")
+    relay = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                store_prefix=before.settings.store_prefix,
+                                fingerprint_secret="new secret",
+                                fingerprint_secret_previous="old secret")
+    sent = message(key="pay-7", template="receipt")
+    assert (await send(before.port, [RCPT], sent)).code == 250
+    retry = await send(relay.port, [RCPT], sent)
+    assert retry.code == 250 and "duplicate suppressed" in retry.text
+    rows = await wait_ledger_rows(ledger_url, 2)
+    assert len({row["store_key"] for row in rows}) == 2
+    b = opened(web, relay)
+    await b.sign_in(VIEWER, VIEWER_PASSWORD)
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}&template=receipt&key=pay-7")
+    assert status == 200
+    assert page.index("relayed") < page.index("suppressed")
+    assert 'id="state-value">sent<' in page
+
+
 async def test_export_streams_a_periods_rows_as_csv(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
         ledger_url: str) -> None:

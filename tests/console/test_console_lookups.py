@@ -149,6 +149,40 @@ async def test_rows_come_in_pages_with_a_next_link(
     assert status == 400 and "page link is damaged" in page
 
 
+async def test_a_recipient_is_found_under_the_previous_secrets_digest_during_a_rotation(
+        make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
+        ledger_url: str) -> None:
+    """A row written under the old fingerprint secret and one under the new (its key reused
+    for other content): a console with the new secret and the old as
+    ``fingerprint_secret_previous`` finds both by the recipient alone, newest first, and says
+    the key was reused; one with the new secret alone finds the new row only."""
+    start = datetime.now(tz=UTC) - timedelta(hours=2)
+    old = LedgerEntry(decided_at=start.timestamp(), outcome="relayed", recipient=RCPT,
+                      store_key="email:fp:old", queue_id="0000000000a1", template="receipt")
+    new = LedgerEntry(decided_at=(start + timedelta(hours=1)).timestamp(), outcome="relayed",
+                      recipient=RCPT, store_key="email:fp:new", queue_id="0000000000b2",
+                      template="receipt", key_reused=True)
+    conn = await asyncpg.connect(ledger_url, timeout=10)
+    try:
+        await insert_rows(conn, [row_of(old, LedgerOptions(secret=b"old secret")),
+                                 row_of(new, LedgerOptions(secret=b"new secret"))])
+    finally:
+        await conn.close()
+    rotating = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                   fingerprint_secret="new secret",
+                                   fingerprint_secret_previous="old secret")
+    b = await signed_in(web, rotating)
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}")
+    assert status == 200
+    assert queue_ids(page) == ["0000000000b2", "0000000000a1"]
+    assert page.count("key reused for other content") == 1
+    rotated = await console_relay(make_relay, sink, tmp_path, ledger=ledger_url,
+                                  fingerprint_secret="new secret")
+    b = await signed_in(web, rotated)
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}")
+    assert status == 200 and queue_ids(page) == ["0000000000b2"]
+
+
 async def test_a_refused_lookup_keeps_what_was_typed(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser],
         ledger_url: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -45,8 +46,8 @@ class LandsThenTimesOut(RedisStore):
     """A real RedisStore whose reserve runs on the server, then reports a timeout."""
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
-        await super().reserve(keys, token=token, lease_s=lease_s, resend_unknown=resend_unknown)
+                      **options: Any) -> list[Reservation]:
+        await super().reserve(keys, token=token, lease_s=lease_s, **options)
         raise StoreError("reserve", "TimeoutError: timed out")
 
 
@@ -115,11 +116,11 @@ class SendingLandsThenStoreDies(RedisStore):
         return applied
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      **options: Any) -> list[Reservation]:
         if self.down:
             raise StoreError("reserve", "ConnectionError: connection refused")
         return await super().reserve(keys, token=token, lease_s=lease_s,
-                                     resend_unknown=resend_unknown)
+                                     **options)
 
 
 async def _sending_landed_then_store_down_past_the_lease(
@@ -263,7 +264,7 @@ class ReserveDown(RedisStore):
     """A real RedisStore whose reserve always fails (Redis unreachable)."""
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      **options: Any) -> list[Reservation]:
         raise StoreError("reserve", "ConnectionError: connection refused")
 
 
@@ -300,10 +301,10 @@ class SlowReserve(RedisStore):
     """A real RedisStore whose reserve reaches Redis only after 0.5 s (a slow link)."""
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      **options: Any) -> list[Reservation]:
         await asyncio.sleep(0.5)
         return await super().reserve(keys, token=token, lease_s=lease_s,
-                                     resend_unknown=resend_unknown)
+                                     **options)
 
 
 async def test_a_cut_during_a_slow_reserve_waits_for_it_then_releases_it(prefix: str) -> None:

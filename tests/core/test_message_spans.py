@@ -134,7 +134,7 @@ class ReserveFails(RedisStore):
     """A real RedisStore whose reserve fails (the store down)."""
 
     async def reserve(self, keys: Any, *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      **options: Any) -> list[Reservation]:
         raise StoreError("reserve", "ConnectionError: connection refused")
 
 

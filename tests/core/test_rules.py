@@ -1,7 +1,9 @@
 """The decision rules (relay/core/rules.py, docs/design.md §4), one row per rule.
 
 The heartbeat rule (§3: how every store reads a SENDING record), then three tables, in the order
-a message meets them: what the store held -> the action (§4.1);
+a message meets them: what the store held -> the action (§4.1, and §4.9: a record of other
+content -> key_reuse, and what a reserve takes over; §2.3: a record under the previous
+secret's key);
 the upstream's result -> the settle and the outcome (§4.2); every outcome -> the one reply,
 worst first (§4.3). Pure functions: no store, no upstream, no clock.
 """
@@ -29,6 +31,7 @@ from relay.core.rules import (
     Action,
     Classification,
     DuplicateReply,
+    KeyReuse,
     Ruling,
     StoreDownPolicy,
     UnknownPolicy,
@@ -42,6 +45,9 @@ from relay.core.rules import (
     reads_as,
     reserve_failed,
     sending_record,
+    shadowed,
+    takes_over,
+    through_previous,
 )
 from tests.support.heartbeat_rows import HEARTBEAT
 
@@ -143,6 +149,154 @@ def test_what_the_store_held_decides_the_action(
         assert policy in ("suppress", "hold", "send")
         got = classify(reserve, unknown_policy=policy, lease_s=LEASE_S)
     assert got == expected
+
+
+# --------------------------------------------------------------------------------------------
+# §4.9 a key's record of other content -> key_reuse
+# --------------------------------------------------------------------------------------------
+
+MINE, THEIRS = "mine000000", "theirs0000"  # stored content digests
+REUSED = RcptResult(RcptStatus.REFUSED, replies.KEY_REUSED, from_upstream=False)
+
+
+def of(state: State, digest: str | None, *, reserved: bool = False,
+       age_s: float | None = None) -> Reservation:
+    """A record written for the content ``digest`` (None: a record without one), as a reserve
+    reports it."""
+    return Reservation(KEY, reserved=reserved, found=Record(
+        state, at=AT, age_s=age_s, token="t" if state is State.PENDING else None,
+        content_digest=digest))
+
+
+KEY_REUSE = [
+    pytest.param(of(State.SENT, THEIRS), "suppress", "suppress",
+                 Classification(Action.ANSWER, Verdict(Outcome.SUPPRESSED, at=AT,
+                                                       reused=True)),
+                 id="other-content-under-suppress-is-a-duplicate-marked-reused"),
+    pytest.param(of(State.SENT, THEIRS), "suppress", "reject",
+                 Classification(Action.ANSWER, Verdict(Outcome.REFUSED_PERM, replies.KEY_REUSED,
+                                                       refusal=REUSED, reused=True)),
+                 id="other-content-under-reject-is-550"),
+    pytest.param(of(State.SENT, THEIRS, reserved=True), "suppress", "relay",
+                 Classification(Action.RELAY_REUSED),
+                 id="other-content-under-relay-was-taken-over-and-is-relayed"),
+    pytest.param(of(State.SENT, MINE), "suppress", "reject",
+                 answer(Outcome.SUPPRESSED, at=AT),
+                 id="the-same-content-is-a-duplicate"),
+    pytest.param(of(State.SENT, None), "suppress", "reject", answer(Outcome.SUPPRESSED, at=AT),
+                 id="a-record-without-a-digest-is-never-reused"),
+    pytest.param(of(State.UNKNOWN, THEIRS), "hold", "suppress",
+                 Classification(Action.ANSWER, Verdict(Outcome.HELD, replies.HELD_UNKNOWN,
+                                                       reused=True)),
+                 id="other-content-in-doubt-under-suppress-follows-unknown-policy"),
+    pytest.param(of(State.UNKNOWN, THEIRS), "suppress", "reject",
+                 Classification(Action.ANSWER, Verdict(Outcome.REFUSED_PERM, replies.KEY_REUSED,
+                                                       refusal=REUSED, reused=True)),
+                 id="other-content-in-doubt-under-reject-is-550"),
+    pytest.param(of(State.UNKNOWN, THEIRS, reserved=True), "send", "relay",
+                 Classification(Action.RELAY_REUSED),
+                 id="other-content-in-doubt-taken-over-is-reused-not-a-possible-duplicate"),
+    pytest.param(of(State.PENDING, THEIRS), "suppress", "reject",
+                 answer(Outcome.INFLIGHT, replies.INFLIGHT),
+                 id="other-content-in-flight-is-in-flight"),
+]
+
+
+@pytest.mark.parametrize(("reserve", "unknown", "key_reuse", "expected"), KEY_REUSE)
+def test_a_record_of_other_content_follows_key_reuse(
+        reserve: Reservation, unknown: UnknownPolicy, key_reuse: KeyReuse,
+        expected: Classification) -> None:
+    got = classify(reserve, unknown_policy=unknown, lease_s=LEASE_S, content_digest=MINE,
+                   key_reuse=key_reuse)
+    assert got == expected
+
+
+def test_a_message_without_a_digest_never_finds_a_key_reused() -> None:
+    got = classify(of(State.SENT, THEIRS), unknown_policy="suppress", lease_s=LEASE_S,
+                   content_digest="", key_reuse="reject")
+    assert got == answer(Outcome.SUPPRESSED, at=AT)
+
+
+# (the record found, resend_unknown, replace_other_content, taken over)
+TAKES_OVER = [
+    pytest.param(Record(State.UNKNOWN, at=AT), True, False, True, id="in-doubt-resent"),
+    pytest.param(Record(State.SENDING, token="t", at=AT, age_s=40.0), True, False, True,
+                 id="sending-past-the-lease-resent"),
+    pytest.param(Record(State.SENDING, token="t", at=AT, age_s=10.0, content_digest=THEIRS),
+                 True, True, False, id="sending-in-flight-never"),
+    pytest.param(Record(State.UNKNOWN, at=AT), False, False, False, id="in-doubt-kept"),
+    pytest.param(Record(State.SENT, at=AT, content_digest=THEIRS), False, True, True,
+                 id="sent-of-other-content-replaced"),
+    pytest.param(Record(State.UNKNOWN, at=AT, content_digest=THEIRS), False, True, True,
+                 id="in-doubt-of-other-content-replaced"),
+    pytest.param(Record(State.SENT, at=AT, content_digest=MINE), False, True, False,
+                 id="sent-of-the-same-content-kept"),
+    pytest.param(Record(State.SENT), True, True, False, id="a-foreign-value-kept"),
+    pytest.param(Record(State.PENDING, token="t", content_digest=THEIRS), True, True, False,
+                 id="pending-never"),
+]
+
+
+@pytest.mark.parametrize(("found", "resend_unknown", "replace", "expected"), TAKES_OVER)
+def test_what_a_reserve_takes_over(found: Record, resend_unknown: bool, replace: bool,
+                                   expected: bool) -> None:
+    assert takes_over(found, lease_s=LEASE_S, content_digest=MINE,
+                      resend_unknown=resend_unknown, replace_other_content=replace) is expected
+
+
+# --------------------------------------------------------------------------------------------
+# §2.3 a record under the previous secret's key counts as one under the current key
+# --------------------------------------------------------------------------------------------
+
+PREVIOUS_KEY = "email:fp:0e"
+FRESH = Reservation(KEY, reserved=True)
+
+# (what the reserve of the current key found, the previous key's record, resend_unknown,
+# what is classified, whether this attempt's PENDING under the current key is released)
+THROUGH_PREVIOUS = [
+    pytest.param(FRESH, Record(State.ABSENT), False, FRESH, False,
+                 id="nothing-under-either-key-is-sent"),
+    pytest.param(FRESH, Record(State.SENT, at=AT), False,
+                 Reservation(KEY, False, Record(State.SENT, at=AT), under=PREVIOUS_KEY), True,
+                 id="sent-under-the-previous-key-is-a-duplicate"),
+    pytest.param(FRESH, Record(State.PENDING, token="t"), False,
+                 Reservation(KEY, False, Record(State.PENDING, token="t"), under=PREVIOUS_KEY),
+                 True, id="pending-under-the-previous-key-is-in-flight"),
+    pytest.param(FRESH, Record(State.UNKNOWN, at=AT), False,
+                 Reservation(KEY, False, Record(State.UNKNOWN, at=AT), under=PREVIOUS_KEY),
+                 True, id="in-doubt-under-the-previous-key-follows-unknown-policy"),
+    pytest.param(FRESH, Record(State.UNKNOWN, at=AT), True,
+                 Reservation(KEY, True, Record(State.UNKNOWN, at=AT), under=PREVIOUS_KEY),
+                 False, id="in-doubt-under-send-keeps-the-current-reservation"),
+    pytest.param(held(State.SENT), Record(State.UNKNOWN, at=AT), True, held(State.SENT), False,
+                 id="a-record-under-the-current-key-wins"),
+]
+
+
+@pytest.mark.parametrize(("reserved", "previous", "resend", "counted", "released"),
+                         THROUGH_PREVIOUS)
+def test_a_record_under_the_previous_secrets_key_counts(
+        reserved: Reservation, previous: Record, resend: bool, counted: Reservation,
+        released: bool) -> None:
+    got = through_previous(reserved, previous, PREVIOUS_KEY, lease_s=LEASE_S,
+                           resend_unknown=resend)
+    assert got == (counted, released)
+    if counted.found is not None and counted.under is not None:  # classified as the current's
+        assert classify(counted, unknown_policy="suppress", lease_s=LEASE_S) == classify(
+            Reservation(KEY, counted.reserved, counted.found), unknown_policy="suppress",
+            lease_s=LEASE_S)
+
+
+@pytest.mark.parametrize(("verdict", "expected"), [
+    pytest.param(Verdict(Outcome.SUPPRESSED), True, id="a-duplicate"),
+    pytest.param(Verdict(Outcome.REFUSED_PERM, replies.KEY_REUSED, reused=True), True,
+                 id="a-key-reused-and-rejected"),
+    pytest.param(Verdict(Outcome.REFUSED_PERM, replies.OUTCOME_UNKNOWN), False,
+                 id="an-upstream-refusal"),
+    pytest.param(Verdict(Outcome.INFLIGHT, replies.INFLIGHT), False, id="in-flight"),
+])
+def test_what_shadow_mode_relays_anyway(verdict: Verdict, expected: bool) -> None:
+    assert shadowed(verdict) is expected
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from relay.core.interfaces import DsnResult, Outcome, Result
-from relay.ops.metrics import ConfigReloadMetrics, PrometheusMetrics
+from relay.ops.metrics import (
+    OTHER_TEMPLATES,
+    REUSE_TEMPLATES,
+    ConfigReloadMetrics,
+    PrometheusMetrics,
+)
 
 
 def test_counting_a_message_looks_up_no_label(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,3 +87,22 @@ def test_the_reload_metrics_exist_at_start_and_count_without_a_lookup(
     assert value("relay_config_reloads_total", {"result": "applied"}) == 1
     assert value("relay_config_reloads_total", {"result": "refused"}) == 2
     assert value("relay_config_last_reload_timestamp_seconds") == 200.0
+
+
+def test_key_reuse_counts_by_template_within_a_bounded_label_set() -> None:
+    """relay_key_reuse_total{template}: each template its own series (several values
+    comma-joined), at most REUSE_TEMPLATES of them; the templates after count as _other."""
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry=registry)
+    metrics.key_reused("receipt", 2)
+    metrics.key_reused("a\x1fb")
+    for n in range(REUSE_TEMPLATES + 5):
+        metrics.key_reused(f"t{n}")
+    value = registry.get_sample_value
+    assert value("relay_key_reuse_total", {"template": "receipt"}) == 2
+    assert value("relay_key_reuse_total", {"template": "a,b"}) == 1
+    assert value("relay_key_reuse_total", {"template": "t0"}) == 1
+    assert value("relay_key_reuse_total", {"template": OTHER_TEMPLATES}) == 7
+    series = {s.labels["template"] for family in registry.collect()
+              if family.name == "relay_key_reuse" for s in family.samples}
+    assert len(series) == REUSE_TEMPLATES + 1

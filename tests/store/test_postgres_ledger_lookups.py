@@ -1,6 +1,6 @@
 """The audit ledger's lookups on a real PostgreSQL (relay/store/postgres/ledger_query.py,
-ledger_read.py): `db upgrade --ledger` takes a ledger at schema version 2, rows in it, to
-version 3 (the recipient digest column and the lookups' indexes; the old rows kept); a
+ledger_read.py): `db upgrade --ledger` takes a ledger at schema version 3, rows in it, to
+version 4 (the recipient digest column and the lookups' indexes; the old rows kept); a
 recipient is found by its digest alone while the row keeps it masked; a Message-ID with or
 without its brackets, the relay's and the smarthost's queue id, a template and a period each
 find their rows, newest first, in keyset pages that neither repeat nor skip a row; a
@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from relay.core.fingerprint import recipient_digest
+from relay.core.fingerprint import recipient_digest as digest_or_none
 from relay.core.interfaces import LedgerAction, LedgerEntry
 from relay.store.postgres import migrations
 from relay.store.postgres.ledger import LedgerOptions, insert_rows, row_of
@@ -50,6 +50,13 @@ def entry(i: int, *, rcpt: str = "someone@example.org", outcome: str = "relayed"
                        sending_at=decided - 0.2)
 
 
+def recipient_digest(address: str, *, secret: bytes | None = None) -> str:
+    """The ledger's digest of ``address`` (one the relay takes)."""
+    digest = digest_or_none(address, secret=secret)
+    assert digest is not None
+    return digest
+
+
 async def write(url: str, entries: list[LedgerEntry], options: LedgerOptions | None = None
                 ) -> None:
     conn = await asyncpg.connect(url, timeout=10)
@@ -59,28 +66,28 @@ async def write(url: str, entries: list[LedgerEntry], options: LedgerOptions | N
         await conn.close()
 
 
-async def test_db_upgrade_takes_a_ledger_with_rows_from_version_2_to_3() -> None:
-    """A ledger made by the previous relay (schema version 2) with rows in it: `db upgrade
+async def test_db_upgrade_takes_a_ledger_with_rows_from_version_3_to_4() -> None:
+    """A ledger made by the previous relay (schema version 3) with rows in it: `db upgrade
     --ledger` adds the digest and time columns and the lookups' indexes, keeps every row
-    (their digest NULL: the address is not in them to digest), and the rows written after it
-    are found by recipient."""
+    (their digest NULL: the address is not in them to digest; their key source and
+    ``key_reused`` as written), and the rows written after it are found by recipient."""
     with private_schema(upgraded=False) as url:
         conn = await asyncpg.connect(url, timeout=10)
         try:
             async with conn.transaction():
                 await conn.execute(f"CREATE TABLE {migrations.SCHEMA_TABLE} "
                                    "(component text PRIMARY KEY, version integer NOT NULL)")
-                for step in migrations.STEPS["ledger"][:2]:
+                for step in migrations.STEPS["ledger"][:3]:
                     await conn.execute(step)
-                await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 2)")
+                await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 3)")
             await conn.executemany(
                 "INSERT INTO dedup_relay_ledger (row_id, decided_at, action, outcome, "
-                "store_key, recipient, message_id, queue_id, key_source) "
+                "store_key, recipient, message_id, queue_id, key_source, key_reused) "
                 "VALUES ($1, $2, 'relay', 'relayed', $3, 'j***@example.net', $4, $5, "
-                "'header')",
+                "'header', true)",
                 [(uuid.uuid4(), T0 + timedelta(minutes=i), f"email:fp:{i}", f"<old-{i}@a>",
                   f"old{i}") for i in range(20)])
-            with pytest.raises(migrations.SchemaError, match="version 2"):
+            with pytest.raises(migrations.SchemaError, match="version 3"):
                 await migrations.check(conn, "ledger")
             upgraded = await asyncio.to_thread(
                 subprocess.run,
@@ -88,7 +95,7 @@ async def test_db_upgrade_takes_a_ledger_with_rows_from_version_2_to_3() -> None
                 capture_output=True, text=True, timeout=60, check=False,
                 env={"PATH": "/usr/bin:/bin"})
             assert upgraded.returncode == 0, upgraded.stderr
-            assert "from version 2 to 3" in upgraded.stdout
+            assert "from version 3 to 4" in upgraded.stdout
             await migrations.check(conn, "ledger")
             indexes = {r["indexname"] for r in await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE tablename = 'dedup_relay_ledger'")}
@@ -96,16 +103,17 @@ async def test_db_upgrade_takes_a_ledger_with_rows_from_version_2_to_3() -> None
                 "recipient_digest", "message_id", "queue_id", "upstream_queue_id",
                 "template", "decided_at")} <= indexes
             old = await conn.fetch("SELECT recipient, recipient_digest, received_at, "
-                                   "key_source FROM dedup_relay_ledger")
+                                   "key_source, key_reused FROM dedup_relay_ledger")
             assert len(old) == 20
-            assert {(r["recipient"], r["recipient_digest"], r["received_at"], r["key_source"])
-                    for r in old} == {("j***@example.net", None, None, "header")}
+            assert {(r["recipient"], r["recipient_digest"], r["received_at"], r["key_source"],
+                     r["key_reused"])
+                    for r in old} == {("j***@example.net", None, None, "header", True)}
         finally:
             await conn.close()
         await write(url, [entry(100, rcpt=CUSTOMER, message_id="<new@a>")])
         async with await LedgerReader.open(url) as reader:
-            page = await reader.search(LedgerQuery(recipient_digest=recipient_digest(
-                "jane.roe@example.net")), limit=10)
+            page = await reader.search(LedgerQuery(recipient_digests=[recipient_digest(
+                "jane.roe@example.net")]), limit=10)
             assert [r.message_id for r in page.rows] == ["<new@a>"]
             assert page.rows[0].recipient == "J***@Example.NET"  # masked as written
             old_page = await reader.search(LedgerQuery(message_ids=["<old-3@a>"]), limit=10)
@@ -119,7 +127,7 @@ async def test_a_recipient_is_found_by_its_digest_alone(
     await write(ledger_url, [entry(1, rcpt=CUSTOMER), entry(2, rcpt="other@example.net"),
                              entry(3, rcpt="<jane.roe@example.net>")])
     for spelling in (CUSTOMER, "jane.roe@example.net", " <JANE.ROE@example.net> "):
-        page = await reader.search(LedgerQuery(recipient_digest=recipient_digest(spelling)),
+        page = await reader.search(LedgerQuery(recipient_digests=[recipient_digest(spelling)]),
                                    limit=10)
         assert [r.queue_id for r in page.rows] == [f"q{3:011x}", f"q{1:011x}"], spelling
         assert all("jane" not in r.recipient.lower() for r in page.rows)
@@ -128,9 +136,9 @@ async def test_a_recipient_is_found_by_its_digest_alone(
     await write(ledger_url, [entry(4, rcpt="keyed@example.net")], LedgerOptions(secret=secret))
     keyed = recipient_digest("keyed@example.net", secret=secret)
     assert keyed != recipient_digest("keyed@example.net")
-    assert len((await reader.search(LedgerQuery(recipient_digest=keyed), limit=5)).rows) == 1
+    assert len((await reader.search(LedgerQuery(recipient_digests=[keyed]), limit=5)).rows) == 1
     assert not (await reader.search(LedgerQuery(
-        recipient_digest=recipient_digest("keyed@example.net")), limit=5)).rows
+        recipient_digests=[recipient_digest("keyed@example.net")]), limit=5)).rows
 
 
 async def test_each_lookup_finds_its_rows(ledger_url: str, reader: LedgerReader) -> None:
@@ -172,7 +180,7 @@ async def test_keyset_pages_neither_repeat_nor_skip_a_row(
                              for i in range(250)] + [entry(999, rcpt="else@example.net")])
     digest = recipient_digest(CUSTOMER)
     for oldest_first in (False, True):
-        query = LedgerQuery(recipient_digest=digest, oldest_first=oldest_first)
+        query = LedgerQuery(recipient_digests=[digest], oldest_first=oldest_first)
         seen: list[str] = []
         after: Position | None = None
         pages = 0

@@ -127,18 +127,22 @@ async def _at_version_1(url: str) -> None:
         await conn.close()
 
 
-async def test_a_schema_at_version_1_is_told_to_run_db_upgrade_then_upgrades_to_2(
+LATEST = migrations.latest("store")
+
+
+async def test_a_schema_at_version_1_is_told_to_run_db_upgrade_then_upgrades(
         empty_url: str, tmp_path: Path) -> None:
     """A database upgraded before the rate limits (version 1): the store refuses to open,
-    naming both versions and the command; `db upgrade` takes it from 1 to 2 (the rate-limit
-    tables and functions), and the store then opens and limits."""
+    naming both versions and the command; `db upgrade` takes it from 1 to this code's
+    version (the rate-limit tables and functions, the content digest), and the store then
+    opens and limits."""
     await _at_version_1(empty_url)
-    with pytest.raises(StartupError, match=r"at version 1, this relay needs 2: run "
+    with pytest.raises(StartupError, match=rf"at version 1, this relay needs {LATEST}: run "
                                            r"`dedup-relay db upgrade --store URL`"):
         await PostgresStore.open(empty_url, cleanup_interval_s=None)
     done = run_cli("db", "upgrade", "--store", empty_url, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "upgraded from version 1 to 2" in done.stdout, done.stdout
+    assert f"upgraded from version 1 to {LATEST}" in done.stdout, done.stdout
     await _limits_work(empty_url)
 
 
@@ -152,16 +156,16 @@ async def _limits_work(url: str) -> None:
         await store.close()
 
 
-async def test_the_sql_script_takes_a_version_1_schema_to_2(empty_url: str) -> None:
+async def test_the_sql_script_takes_a_version_1_schema_to_the_latest(empty_url: str) -> None:
     """`db upgrade --sql` applied by a DBA on a database at version 1: every step again (step
-    1 changes nothing), version 2; the fingerprints already there stay."""
+    1 changes nothing), this code's version; the fingerprints already there stay."""
     await _at_version_1(empty_url)
     conn = await asyncpg.connect(empty_url)
     try:
         await conn.execute("INSERT INTO dedup_relay_fingerprints (key, state, expires_at) "
                            "VALUES ('kept', 'sent', 'infinity')")
         await conn.execute(migrations.script("store"))
-        assert await migrations.current(conn, "store") == 2
+        assert await migrations.current(conn, "store") == LATEST
         assert await conn.fetchval("SELECT count(*) FROM dedup_relay_fingerprints") == 1
     finally:
         await conn.close()
@@ -169,16 +173,20 @@ async def test_the_sql_script_takes_a_version_1_schema_to_2(empty_url: str) -> N
 
 
 async def test_the_sql_script_never_lowers_a_newer_schema(url: str) -> None:
-    """On a database a newer relay upgraded (version 3 here) the script stops at its start:
-    an error, nothing applied, the version still 3 (it never writes a lower one)."""
+    """On a database a newer relay upgraded (one version past this code's) the script stops
+    at its start: an error, nothing applied, the version unchanged (it never writes a lower
+    one)."""
+    newer = LATEST + 1
     conn = await asyncpg.connect(url)
     try:
-        await conn.execute("UPDATE dedup_relay_schema SET version = 3 WHERE component = 'store'")
+        await conn.execute("UPDATE dedup_relay_schema SET version = $1 WHERE component = 'store'",
+                           newer)
         await conn.execute("DROP FUNCTION dedup_relay_rate_give_back")
-        with pytest.raises(asyncpg.RaiseError, match="at version 3, newer than this script's 2"):
+        with pytest.raises(asyncpg.RaiseError,
+                           match=f"at version {newer}, newer than this script's {LATEST}"):
             await conn.execute(migrations.script("store"))
         await conn.execute("ROLLBACK")  # what psql's COMMIT at the script's end does then
-        assert await migrations.current(conn, "store") == 3
+        assert await migrations.current(conn, "store") == newer
         assert not await conn.fetchval(
             "SELECT to_regproc('dedup_relay_rate_give_back') IS NOT NULL")
     finally:

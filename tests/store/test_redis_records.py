@@ -1,5 +1,6 @@
-"""The Redis records of a SENT fingerprint (relay/store/redis/scripts.py): one byte, dated by its
-expiry; the values of earlier versions still read as they did (a rolling upgrade)."""
+"""The Redis records of a SENT fingerprint (relay/store/redis/scripts.py): one byte (12 with the
+content digest), dated by its expiry; the values of earlier versions still read as they did (a
+rolling upgrade)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,29 @@ async def test_values_of_earlier_versions_still_read_as_sent(
     assert (found.found.state, found.found.at, found.found.reply) == (State.SENT, at, reply)
     record = await store.inspect(key)
     assert (record.state, record.at, record.reply) == (State.SENT, at, reply)
+
+
+DIGEST = "AbCdEf0123"  # a stored content digest: 10 characters (relay.core.key_rules)
+
+
+async def test_a_sent_record_with_its_digest_is_twelve_bytes_in_one_small_allocation(
+        store: RedisStore, raw: redis.asyncio.Redis, prefix: str) -> None:
+    """``0#<digest>``: an embedded string of 12 bytes, the most that fits jemalloc's 32-byte
+    class (robj 16 + sds header 3 + 12 + NUL 1); ``0`` is a shared integer (no allocation,
+    though MEMORY USAGE counts its 16-byte object). Still dated by its expiry."""
+    plain, digested, before = prefix + "plain-0", prefix + "digests", time.time()
+    await _sent(store, plain)
+    token = uuid4().hex
+    await store.reserve([digested], token=token, lease_s=LEASE_S, content_digest=DIGEST)
+    await store.settle([SettleOp(digested, Settle.SENT, "250 ok")], token=token,
+                       window_s=WINDOW_S)
+    assert await raw.get(digested) == b"0#" + DIGEST.encode()
+    assert await raw.object("encoding", digested) == b"embstr"
+    # keys of one length: the difference is the value's (MEMORY USAGE: 32 B less the 16 B it
+    # counts for the shared integer)
+    sizes = [await raw.memory_usage(key) for key in (plain, digested)]
+    assert sizes[0] is not None and sizes[1] is not None
+    assert 0 < sizes[1] - sizes[0] <= 32, sizes
+    record = await store.inspect(digested)
+    assert record.at is not None and within(record.at, before, time.time())
+    assert record.content_digest == DIGEST

@@ -29,8 +29,18 @@ import redis.asyncio
 from redis._parsers import _AsyncRESP3Parser
 
 from relay.admin import mark_sent
+from relay.core import rotation
 from relay.core.errors import StoreError
-from relay.core.interfaces import FingerprintStore, Record, Settle, SettleOp, State
+from relay.core.interfaces import (
+    FingerprintStore,
+    Record,
+    Reservation,
+    Settle,
+    SettleOp,
+    State,
+)
+from relay.core.rotation import Claim
+from relay.core.rules import reads_as, takes_over
 from relay.store.postgres.store import PostgresStore
 from relay.store.redis.scripts import decode_value
 from relay.store.redis.store import RedisStore
@@ -1085,3 +1095,189 @@ async def test_watches_of_one_key_share_it_and_each_hears_the_settle(
         await store.settle([SettleOp(key, Settle.SENT, reply="250 ok")], token="t2",
                            window_s=WINDOW_S)
         await asyncio.wait_for(again, 10.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The content digest (design.md §2.2, §4.9): kept from the reserve through every state; a record
+# of other content replaced only under replace_other_content (key_reuse = relay), by the rule of
+# relay.core.rules.takes_over, which every store follows.
+# ---------------------------------------------------------------------------------------------
+
+MINE, THEIRS = "AbC-_09xyz", "zyx90_-CbA"
+
+
+@pytest.mark.parametrize("end", [Settle.SENT, Settle.UNKNOWN])
+async def test_a_records_content_digest_is_kept_through_every_state(
+        store: FingerprintStore, prefix: str, end: Settle) -> None:
+    """PENDING, SENDING (and its renewal), then SENT in the store's own window and in another
+    (Redis writes those two SENT values differently), or UNKNOWN: each carries the digest
+    its reserve was given, and a later reserve finds it."""
+    keys = [prefix + "own-window", prefix + "other-window"]
+    token = new_token()
+    await store.reserve(keys, token=token, lease_s=LEASE_S, content_digest=MINE)
+    assert [(await store.inspect(k)).content_digest for k in keys] == [MINE, MINE]
+    await store.settle([SettleOp(k, Settle.SENDING, lease_s=LEASE_S) for k in keys],
+                       token=token, window_s=WINDOW_S)
+    assert await store.renew(keys, token=token, lease_s=LEASE_S, window_s=WINDOW_S) == [
+        True, True]
+    sending = [await store.inspect(k) for k in keys]
+    assert [(r.state, r.content_digest) for r in sending] == [(State.SENDING, MINE)] * 2
+    await store.settle([SettleOp(keys[0], end, "250 ok"),
+                        SettleOp(keys[1], end, "250 ok", window_s=WINDOW_S / 2)],
+                       token=token, window_s=WINDOW_S)
+    ended = [await store.inspect(k) for k in keys]
+    assert [(r.state.value, r.content_digest) for r in ended] == [(end.value, MINE)] * 2
+    found = await store.reserve(keys, token=new_token(), lease_s=LEASE_S, content_digest=THEIRS)
+    assert [r.found.content_digest for r in found if r.found is not None] == [MINE, MINE]
+    assert not any(r.reserved for r in found)
+
+
+async def test_a_record_written_without_a_digest_and_an_operators_mark_have_none(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    """A reserve without a digest (a message without content, an earlier version) writes
+    none; an operator's mark-sent and another application's value carry none either."""
+    plain, marked, foreign, token = prefix + "p", prefix + "m", prefix + "f", new_token()
+    await store.reserve([plain, marked], token=token, lease_s=LEASE_S)
+    await store.settle([SettleOp(plain, Settle.SENT, "250 ok"),
+                        SettleOp(marked, Settle.UNKNOWN)], token=token, window_s=WINDOW_S)
+    await store.force_mark_sent(marked, reply="marked", window_s=WINDOW_S)
+    await write_foreign(store, foreign, db_path)
+    records = [await store.inspect(k) for k in (plain, marked, foreign)]
+    assert [r.content_digest for r in records] == [None, None, None]
+
+
+# (what the key holds, resend_unknown, replace_other_content, the reserve's digest, taken over)
+TAKE_OVER_ROWS = [
+    pytest.param("sent:theirs", False, True, MINE, True, id="sent-other-content-replaced"),
+    pytest.param("sent:mine", False, True, MINE, False, id="sent-same-content-stays"),
+    pytest.param("sent:theirs", False, False, MINE, False, id="other-content-no-replace"),
+    pytest.param("sent:theirs", True, False, MINE, False, id="resend-unknown-leaves-sent"),
+    pytest.param("sent:", False, True, MINE, False, id="sent-without-a-digest-stays"),
+    pytest.param("sent:theirs", False, True, "", False, id="no-digest-replaces-none"),
+    pytest.param("unknown:theirs", False, True, MINE, True, id="in-doubt-other-replaced"),
+    pytest.param("unknown:mine", False, True, MINE, False, id="in-doubt-same-stays"),
+    pytest.param("unknown:mine", True, False, MINE, True, id="in-doubt-resent"),
+    pytest.param("unknown:", False, True, MINE, False, id="in-doubt-no-digest-stays"),
+    pytest.param("pending:theirs", True, True, MINE, False, id="pending-stays"),
+    pytest.param("sending:theirs", True, True, MINE, False, id="sending-in-flight-stays"),
+    pytest.param("marked:", False, True, MINE, False, id="an-operators-mark-stays"),
+    pytest.param("foreign:", True, True, MINE, False, id="a-foreign-value-stays"),
+]
+
+
+async def _write(store: FingerprintStore, key: str, held: str, db_path: str) -> None:
+    """Make ``key`` hold ``held`` (``state:digest``, see TAKE_OVER_ROWS)."""
+    state, _, digest = held.partition(":")
+    content = {"theirs": THEIRS, "mine": MINE}.get(digest, "")
+    if state == "foreign":
+        await write_foreign(store, key, db_path)
+        return
+    token = new_token()
+    await store.reserve([key], token=token, lease_s=LEASE_S, content_digest=content)
+    action = {"sent": Settle.SENT, "unknown": Settle.UNKNOWN, "sending": Settle.SENDING,
+              "marked": Settle.UNKNOWN}.get(state)
+    if action is not None:
+        await store.settle([SettleOp(key, action, "250 ok", lease_s=LEASE_S)], token=token,
+                           window_s=WINDOW_S)
+    if state == "marked":
+        await store.force_mark_sent(key, reply="marked", window_s=WINDOW_S)
+
+
+@pytest.mark.parametrize(("held", "resend_unknown", "replace", "digest", "taken"),
+                         TAKE_OVER_ROWS)
+async def test_a_reserve_takes_over_what_the_rule_says(
+        store: FingerprintStore, prefix: str, db_path: str, held: str, resend_unknown: bool,
+        replace: bool, digest: str, taken: bool) -> None:
+    """Each row: what the store does is what relay.core.rules.takes_over says of the record it
+    found; a record taken over is this attempt's PENDING with the reserve's digest, and the
+    reservation names what it replaced (its state and digest)."""
+    key, token = prefix + "t", new_token()
+    await _write(store, key, held, db_path)
+    before = await store.inspect(key)
+    [reservation] = await store.reserve([key], token=token, lease_s=LEASE_S,
+                                        resend_unknown=resend_unknown, content_digest=digest,
+                                        replace_other_content=replace)
+    expected = takes_over(before, lease_s=LEASE_S, content_digest=digest,
+                          resend_unknown=resend_unknown, replace_other_content=replace)
+    assert expected is taken
+    assert reservation.reserved is expected
+    assert reservation.found is not None
+    after = await store.inspect(key)
+    if expected:
+        assert (after.state, after.token, after.content_digest) == (
+            State.PENDING, token, digest or None)
+        assert reads_as(reservation.found, LEASE_S) is reads_as(before, LEASE_S)
+        assert reservation.found.content_digest == before.content_digest
+        assert reservation.found.at == pytest.approx(before.at, abs=0.01)
+    else:
+        assert (after.state, after.token, after.content_digest) == (
+            before.state, before.token, before.content_digest)
+        assert reservation.found.content_digest == before.content_digest
+
+
+# ---------------------------------------------------------------------------------------------
+# A rotated fingerprint secret (design.md §2.3): inspect_many reads the previous secret's keys
+# in one round trip, and a reserve lets their records count (relay.core.rotation).
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_inspect_many_reads_each_key_as_inspect_does(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    keys = {name: f"{prefix}{name}" for name in
+            ("absent", "pending", "sending", "sent", "unknown", "foreign")}
+    token = new_token()
+    await store.reserve([keys[n] for n in ("pending", "sending", "sent", "unknown")],
+                        token=token, lease_s=LEASE_S, content_digest=MINE)
+    await store.settle([SettleOp(keys["sending"], Settle.SENDING, lease_s=LEASE_S),
+                        SettleOp(keys["sent"], Settle.SENT, "250 ok"),
+                        SettleOp(keys["unknown"], Settle.UNKNOWN)], token=token,
+                       window_s=WINDOW_S)
+    await write_foreign(store, keys["foreign"], db_path)
+    asked = [*keys.values(), keys["sent"]]  # a key asked twice is read twice
+    many = await store.inspect_many(asked)
+    one = [await store.inspect(key) for key in asked]
+    assert [(r.state, r.token, r.at, r.reply, r.content_digest) for r in many] == [
+        (r.state, r.token, r.at, r.reply, r.content_digest) for r in one]
+    assert [r.state for r in many] == [State.ABSENT, State.PENDING, State.SENDING, State.SENT,
+                                       State.UNKNOWN, State.SENT, State.SENT]
+    assert await store.inspect_many([]) == []
+
+
+@pytest.mark.parametrize(("held", "resend_unknown", "counted", "released"), [
+    pytest.param("sent:mine", False, State.SENT, True, id="sent-is-a-duplicate"),
+    pytest.param("pending:mine", False, State.PENDING, True, id="pending-is-in-flight"),
+    pytest.param("unknown:mine", False, State.UNKNOWN, True, id="in-doubt-answers"),
+    pytest.param("unknown:mine", True, State.UNKNOWN, False, id="in-doubt-resent"),
+    pytest.param("absent:", False, None, False, id="nothing-under-either-key"),
+])
+async def test_a_reserve_counts_the_record_under_the_previous_key(
+        store: FingerprintStore, prefix: str, db_path: str, held: str,
+        resend_unknown: bool, counted: State | None, released: bool) -> None:
+    """The previous key holds ``held``; the current key nothing: the reservation is that
+    record's (under the previous key), and this attempt's PENDING under the current key is
+    to be released unless the reserve takes the previous record over."""
+    key, previous, token = prefix + "current", prefix + "previous", new_token()
+    if not held.startswith("absent"):
+        await _write(store, previous, held, db_path)
+    claim = Claim(token=token, lease_s=LEASE_S, content_digest=MINE,
+                  resend_unknown=resend_unknown)
+    [reservation], release = await rotation.reserve(store, [key], claim, {key: previous})
+    assert release == ([key] if released else [])
+    assert (await store.inspect(key)).token == token  # the core releases it
+    if counted is None:
+        assert reservation == Reservation(key, True)
+        return
+    assert reservation.under == previous and reservation.found is not None
+    assert reads_as(reservation.found, LEASE_S) is counted
+    assert reservation.reserved is not released
+
+
+async def test_a_record_under_the_current_key_wins_over_the_previous_one(
+        store: FingerprintStore, prefix: str, db_path: str) -> None:
+    key, previous = prefix + "current", prefix + "previous"
+    await _write(store, key, "sent:mine", db_path)
+    await _write(store, previous, "unknown:mine", db_path)
+    claim = Claim(token=new_token(), lease_s=LEASE_S, resend_unknown=True)
+    [reservation], release = await rotation.reserve(store, [key], claim, {key: previous})
+    assert release == [] and reservation.under is None and not reservation.reserved
+    assert reservation.found is not None and reservation.found.state is State.SENT

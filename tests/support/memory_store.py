@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from relay.core.errors import StoreError
 from relay.core.interfaces import Record, Reservation, Settle, SettleOp, SettleWatch, State
-from relay.core.rules import same_record, sending_record
+from relay.core.rules import same_record, sending_record, takes_over
 from relay.store.kinds import NamedFile, OpenOptions, StoreKind
 from relay.store.settled import KeyWaiters
 
@@ -36,6 +36,7 @@ class _Row:
     at: float | None = None
     reply: str | None = None
     lease_s: float | None = None
+    content_digest: str | None = None
 
 
 class MemoryStore:
@@ -62,21 +63,28 @@ class MemoryStore:
     def _record(self, row: _Row, lease_s: float | None = None) -> Record:
         now = time.time()
         if row.state is State.SENDING and row.token is not None and row.at is not None:
-            return sending_record(token=row.token, at=row.at, ttl_s=row.expires - now,
-                                  age_s=now - row.at, own_lease_s=row.lease_s, lease_s=lease_s)
+            return dataclasses.replace(sending_record(
+                token=row.token, at=row.at, ttl_s=row.expires - now, age_s=now - row.at,
+                own_lease_s=row.lease_s, lease_s=lease_s), content_digest=row.content_digest)
         return Record(row.state, token=row.token, at=row.at, reply=row.reply,
-                      ttl_s=row.expires - now, age_s=None if row.at is None else now - row.at)
+                      ttl_s=row.expires - now, age_s=None if row.at is None else now - row.at,
+                      content_digest=row.content_digest)
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      resend_unknown: bool = False, content_digest: str = "",
+                      replace_other_content: bool = False) -> list[Reservation]:
         answers = []
         for key in keys:
             row = self._live("reserve", key)
             found = None if row is None else self._record(row, lease_s)
             mine = found is not None and found.state is State.PENDING and found.token == token
-            if found is None or mine or (resend_unknown and found.state is State.UNKNOWN):
+            if found is None or mine or takes_over(
+                    found, lease_s=lease_s, content_digest=content_digest,
+                    resend_unknown=resend_unknown,
+                    replace_other_content=replace_other_content):
                 if not mine:
-                    self._rows[key] = _Row(State.PENDING, time.time() + lease_s, token)
+                    self._rows[key] = _Row(State.PENDING, time.time() + lease_s, token,
+                                           content_digest=content_digest or None)
                 answers.append(Reservation(key, True, None if mine else found))
             else:
                 answers.append(Reservation(key, False, found))
@@ -96,12 +104,14 @@ class MemoryStore:
                 del self._rows[op.key]
             elif op.action is Settle.SENDING:
                 self._rows[op.key] = _Row(State.SENDING, now + window, token, now,
-                                          lease_s=op.lease_s or None)
+                                          lease_s=op.lease_s or None,
+                                          content_digest=row.content_digest)
             else:
                 reply = op.reply.encode("utf-8", "replace").decode("utf-8")
                 state = State.SENT if op.action is Settle.SENT else State.UNKNOWN
                 self._rows[op.key] = _Row(state, now + window, None, now,
-                                          reply if state is State.SENT else None)
+                                          reply if state is State.SENT else None,
+                                          content_digest=row.content_digest)
             done.append(True)
             if op.action is not Settle.SENDING:
                 self._waiters.notify(op.key)
@@ -126,6 +136,9 @@ class MemoryStore:
     async def inspect(self, key: str) -> Record:
         row = self._live("inspect", key)
         return Record(State.ABSENT) if row is None else self._record(row)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        return [await self.inspect(key) for key in keys]
 
     def _still(self, op: str, key: str, expected: Record | None) -> bool:
         """Whether ``key`` still holds ``expected`` (None: whatever it holds)."""

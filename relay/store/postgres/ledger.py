@@ -66,26 +66,26 @@ message's path, and a large ledger's count reads more than a write."""
 
 COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient", "template",
            "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
-           "client_reply", "instance", "key_source", "recipient_digest", "received_at",
-           "sending_at")
+           "client_reply", "instance", "key_source", "key_reused", "recipient_digest",
+           "received_at", "sending_at")
 """The columns a row (:func:`row_of`) holds, in its order. ``decided_at`` is unix seconds on
 the clock the row was decided on; ``received_at`` and ``sending_at`` are the seconds before
 it (None: none), so that the one move of ``decided_at`` onto the database's clock moves
 them too."""
 
-# $20: the offset in seconds of the database's clock from the clock the rows' decided_at were
+# $21: the offset in seconds of the database's clock from the clock the rows' decided_at were
 # read on (:func:`clock_offset`); ``decided_at`` is stored on the database's clock, so rows of
 # relays whose clocks disagree still sort in the order their decisions were taken (a relay
 # 10 min ahead would otherwise list a duplicate before its send).
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
-SELECT r, to_timestamp(d + $20::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, rd,
-       to_timestamp(d + $20::float8 - rb), to_timestamp(d + $20::float8 - sb)
+SELECT r, to_timestamp(d + $21::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr,
+       rd, to_timestamp(d + $21::float8 - rb), to_timestamp(d + $21::float8 - sb)
 FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-            $13::text[], $14::text[], $15::text[], $16::text[], $17::text[], $18::float8[],
-            $19::float8[])
-     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, rd, rb, sb)
+            $13::text[], $14::text[], $15::text[], $16::text[], $17::boolean[], $18::text[],
+            $19::float8[], $20::float8[])
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr, rd, rb, sb)
 ON CONFLICT (row_id) DO NOTHING
 """
 
@@ -216,7 +216,7 @@ def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
             _clean(shown(entry.reply)), _clean(entry.upstream_queue_id),
             _clean(entry.upstream), _clean(entry.message_id), _clean(entry.queue_id),
             _clean(shown(entry.client_reply)),
-            _clean(options.instance), _clean(entry.key_source),
+            _clean(options.instance), _clean(entry.key_source), entry.key_reused,
             recipient_digest(entry.recipient, secret=options.secret,
                              local_part_case_sensitive=options.local_part_case_sensitive),
             _before(entry, entry.received_at), _before(entry, entry.sending_at))

@@ -9,7 +9,7 @@ postgres extra); :class:`relay.store.postgres.ledger_read.LedgerReader` runs wha
 Pages are keyset pages (no OFFSET): rows in the order of ``(decided_at, row_id)``, newest first
 unless ``oldest_first``, and the next page starts after the last row's :class:`Position`.
 Every lookup column has an index ending in ``(decided_at, row_id)``
-(:mod:`.migrations`, ledger step 3), so a page reads about its own rows whatever the ledger
+(:mod:`.migrations`, ledger step 4), so a page reads about its own rows whatever the ledger
 holds. The partial indexes' predicates are repeated in the queries (``message_id <> ''``,
 ...): a prepared statement's generic plan cannot prove them from ``message_id = $1`` alone.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -26,7 +26,7 @@ from relay.store.postgres.migrations import LEDGER as _L_
 
 FIELDS = ("row_id, decided_at, recorded_at, action, outcome, store_key, recipient, template, "
           "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "
-          "client_reply, instance, key_source, received_at, sending_at")
+          "client_reply, instance, key_source, key_reused, received_at, sending_at")
 """The columns a lookup reads (every one but the recipient's digest)."""
 
 TIMELINE_ROWS = 500
@@ -79,26 +79,37 @@ class Position:
 class LedgerQuery:
     """One lookup: the rows that match every field given (None or empty: not asked).
 
-    ``recipient_digest``: the recipient's keyed digest
-    (:func:`relay.core.fingerprint.recipient_digest`); ``message_ids``: any of these
-    Message-IDs as written (with and without angle brackets, say); ``queue_id``: the relay's
-    or the smarthost's queue id; ``template``; ``store_key``; ``since`` / ``until``: decided
-    in [since, until) (timezone-aware). Newest first, unless ``oldest_first`` (a fingerprint's
+    ``recipient_digests``: any of the recipient's keyed digests
+    (:func:`relay.core.fingerprint.recipient_digest`: under the fingerprint secret and, during
+    a rotation, under the previous one); ``message_ids``: any of these Message-IDs as written
+    (with and without angle brackets, say); ``queue_id``: the relay's or the smarthost's queue
+    id; ``template``; ``store_keys``: any of one fingerprint's store keys (its key and, during
+    a rotation, its key under the previous secret); ``since`` / ``until``: decided in
+    [since, until) (timezone-aware). Newest first, unless ``oldest_first`` (a fingerprint's
     rows, read as its story)."""
 
-    recipient_digest: str | None = None
+    recipient_digests: Sequence[str] = ()
     message_ids: Sequence[str] = ()
     queue_id: str | None = None
     template: str | None = None
-    store_key: str | None = None
+    store_keys: Sequence[str] = ()
     since: datetime | None = None
     until: datetime | None = None
     oldest_first: bool = False
 
     def asks(self) -> bool:
         """Whether any field is given (an empty query would list the whole ledger)."""
-        return any((self.recipient_digest, self.message_ids, self.queue_id,
-                    self.template is not None, self.store_key, self.since, self.until))
+        return any((self.recipient_digests, self.message_ids, self.queue_id,
+                    self.template is not None, self.store_keys, self.since, self.until))
+
+
+def _one_of(column: str, values: Sequence[str], arg: Callable[[object], str]) -> str:
+    """``column`` equal to one of ``values`` (at least one): ``=`` for one, which reads the
+    column's index in its order; ``= ANY`` for several (a rotation's two digests or keys),
+    whose rows PostgreSQL sorts."""
+    if len(values) == 1:
+        return f"{column} = {arg(values[0])}"
+    return f"{column} = ANY({arg(list(values))}::text[])"
 
 
 def search_sql(query: LedgerQuery, after: Position | None, limit: int
@@ -112,9 +123,9 @@ def search_sql(query: LedgerQuery, after: Position | None, limit: int
         args.append(value)
         return f"${len(args)}"
 
-    if query.recipient_digest:
-        where.append(f"recipient_digest = {arg(query.recipient_digest)} "
-                     "AND recipient_digest IS NOT NULL")
+    if query.recipient_digests:
+        where.append(_one_of("recipient_digest", query.recipient_digests, arg)
+                     + " AND recipient_digest IS NOT NULL")
     if query.message_ids:
         where.append(f"message_id = ANY({arg(list(query.message_ids))}::text[]) "
                      "AND message_id <> ''")
@@ -124,8 +135,8 @@ def search_sql(query: LedgerQuery, after: Position | None, limit: int
                      f"OR (upstream_queue_id = {same} AND upstream_queue_id <> ''))")
     if query.template is not None:
         where.append(f"template = {arg(query.template)}")
-    if query.store_key:
-        where.append(f"store_key = {arg(query.store_key)}")
+    if query.store_keys:
+        where.append(_one_of("store_key", query.store_keys, arg))
     if query.since is not None:
         where.append(f"decided_at >= {arg(query.since)}")
     if query.until is not None:

@@ -49,9 +49,10 @@ _ERRORS = (*ERRORS, ValueError)
 
 _FIELDS = FIELDS
 
-# $1 store key, $2 most rows: the oldest first (decided_at, then the order they landed)
+# $1 store keys (one fingerprint's: its key and, during a rotation, its previous secret's
+# key), $2 most rows: the oldest first (decided_at, then the order they landed)
 _HISTORY = f"""
-SELECT {_FIELDS} FROM {_L_} WHERE store_key = $1
+SELECT {_FIELDS} FROM {_L_} WHERE store_key = ANY($1::text[])
 ORDER BY decided_at, recorded_at, row_id LIMIT $2
 """
 
@@ -107,10 +108,11 @@ class HistoryRow:
     ``store_key`` is None for a decision without a fingerprint; ``dedupe_key`` as the ledger
     keeps it (SHA-256 hex, HMAC or plain, per ``ledger_keys``), None without one;
     ``recipient`` masked or full per ``ledger_recipients``. The other texts are "" when there
-    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``).
+    was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``);
+    ``key_reused``: the recipient's key held a record of other content (design.md §4.9).
     ``received_at``: when the message came in; ``sending_at``: when its records were marked
     SENDING, right before the final dot went upstream (None: not known, not sent with a
-    reservation, or a row written before the ledger's schema version 3); ``row_id``: the
+    reservation, or a row written before the ledger's schema version 4); ``row_id``: the
     row's own id (a page's :class:`Position`)."""
 
     decided_at: datetime
@@ -129,6 +131,7 @@ class HistoryRow:
     client_reply: str
     instance: str
     key_source: str
+    key_reused: bool
     received_at: datetime | None = None
     sending_at: datetime | None = None
     row_id: uuid.UUID | None = None
@@ -204,10 +207,11 @@ class LedgerReader:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def history(self, store_key: str, *, limit: int) -> list[HistoryRow]:
-        """The rows of ``store_key``, oldest first (by ``decided_at``, then ``recorded_at``),
-        at most ``limit``."""
-        records = await self._call("ledger history", _HISTORY, store_key, limit)
+    async def history(self, *store_keys: str, limit: int) -> list[HistoryRow]:
+        """The rows of ``store_keys`` (one fingerprint's: its key, and its key under the
+        previous fingerprint secret during a rotation), oldest first (by ``decided_at``, then
+        ``recorded_at``), at most ``limit``."""
+        records = await self._call("ledger history", _HISTORY, list(store_keys), limit)
         return [_history_row(r) for r in records]
 
     async def search(self, query: LedgerQuery, *, after: Position | None = None,

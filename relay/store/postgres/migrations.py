@@ -1,9 +1,10 @@
 """Versioned schema of the relay's PostgreSQL tables, per component, and the one way to apply it.
 
 The table ``dedup_relay_schema(component text primary key, version int)`` records how far each
-component's schema went. A component (``store``: the fingerprint table, and from version 2 the
-rate-limit counters; ``ledger``: the audit ledger's) has ordered SQL steps in :data:`STEPS`;
-step ``n`` (1-based) takes the schema from version ``n - 1`` to ``n``. :func:`upgrade` applies
+component's schema went. A component (``store``: the fingerprint table, from version 2 the
+rate-limit counters, from version 3 each row's content digest; ``ledger``: the audit
+ledger's) has ordered SQL steps in :data:`STEPS`; step ``n`` (1-based) takes the schema from
+version ``n - 1`` to ``n``. :func:`upgrade` applies
 the missing steps in one transaction under an advisory lock (two relays upgrading at once wait
 for each other); :func:`check` raises :class:`SchemaError` naming ``dedup-relay db upgrade``
 when the schema is missing or older than this code. Tables are created unqualified, in the
@@ -151,6 +152,9 @@ BEGIN
     RETURN n;
 END
 $fn$;""",
+    # 3: the content digest of the message that wrote a row (design.md §2.2), kept through
+    # every state; NULL in the rows written before (never a key reused, §4.9)
+    f"ALTER TABLE {FINGERPRINTS} ADD COLUMN IF NOT EXISTS content_digest text;",
 )
 
 # The audit ledger (design.md §6.7): one row per recipient decision, appended through the relay's
@@ -184,8 +188,10 @@ CREATE INDEX IF NOT EXISTS {LEDGER}_recorded_at ON {LEDGER} (recorded_at);
 CREATE INDEX IF NOT EXISTS {LEDGER}_in_doubt ON {LEDGER} (decided_at)
     WHERE outcome IN ('unknown', 'suppressed_unknown', 'held') AND store_key IS NOT NULL;""",
     # 2: where each decision's key came from: header, rule:NAME (a [[key_rule]]); '' before
-    f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_source text NOT NULL DEFAULT ''",
-    # 3: what support looks a message up by (design.md §6.7, docs/ledger.md). recipient_digest:
+    f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_source text NOT NULL DEFAULT '';",
+    # 3: the recipient's key held a record of other content (design.md §4.9); false before
+    f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_reused boolean NOT NULL DEFAULT false;",
+    # 4: what support looks a message up by (design.md §6.7, docs/ledger.md). recipient_digest:
     # the keyed digest of the normalized recipient (relay.core.fingerprint.recipient_digest),
     # so an address finds its rows while the ledger keeps it masked; NULL in the rows written
     # before (the address is not in them to digest) and in the operators' rows without one.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,41 +73,54 @@ _RESERVE_ATTEMPTS = 5  # rounds for keys a concurrent transaction changed under 
 
 # the columns a record is read from, times as unix seconds (float8), plus the database's now
 _COLUMNS = ("f.state, f.token, extract(epoch FROM f.at)::float8 AS at, f.reply, "
-            "extract(epoch FROM f.expires_at)::float8 AS expires_at, f.lease_ms")
+            "extract(epoch FROM f.expires_at)::float8 AS expires_at, f.lease_ms, "
+            "f.content_digest")
 _NOW = "extract(epoch FROM now())::float8"
 _MS = "* interval '1 millisecond'"
 _OURS = ("f.state IN ('pending', 'sending') AND f.token = $2 AND f.expires_at > now()")
 
-# $1 keys, $2 token, $3 lease ms, $4 take over a record in doubt. One row per key in order:
-# whether this attempt holds PENDING(token) now (inserted, an expired row or a record in doubt
-# taken over, or its own PENDING: a retried reserve), ``took_at``: the time of a record in doubt
-# it took over (kept in ``at`` of the new PENDING row, read back by RETURNING: what the row held
-# once its lock was ours), and the row as it was before (``seen``, the statement's snapshot,
-# read before any wait for a lock: what a loser found). Rows are locked in key order (no deadlock
-# between two multi-key reserves). A SENDING row is taken over as in doubt by the rule of
-# relay.core.rules.heartbeat_state (the reference), judged here in the statement.
+# A live row in doubt: UNKNOWN, or SENDING whose last heartbeat is its own lease old ($3, the
+# reserve's lease, for one that names none): the rule of relay.core.rules.heartbeat_state (the
+# reference), judged here in the statement
+_IN_DOUBT = f"""(f.state = 'unknown'
+           OR (f.state = 'sending' AND f.token <> '' AND f.at IS NOT NULL
+               AND now() - f.at >= coalesce(f.lease_ms, $3::bigint) {_MS}))"""
+
+# $1 keys, $2 token, $3 lease ms, $4 take over a record in doubt, $5 the message's content digest
+# (NULL: none), $6 take over a SENT or in-doubt record of other content (key_reuse = relay): the
+# twin of relay.core.rules.takes_over. One row per key in order: whether this attempt holds
+# PENDING(token, $5) now (inserted, an expired row or a record taken over, or its own PENDING:
+# a retried reserve), ``took_at`` and ``took``: the time and the state#digest of a record it took
+# over (kept in ``at`` and ``reply`` of the new PENDING row, read back by RETURNING: what the row
+# held once its lock was ours; PostgreSQL before 18 has no RETURNING OLD), and the row as it was
+# before (``seen``, the statement's snapshot, read before any wait for a lock: what a loser
+# found). Rows are locked in key order (no deadlock between two multi-key reserves).
 _RESERVE = f"""
 WITH input AS (
     SELECT k, ord FROM unnest($1::text[]) WITH ORDINALITY AS t(k, ord)
 ), seen AS (
     SELECT f.key, {_COLUMNS} FROM {_T_} f WHERE f.key = ANY($1::text[])
 ), taken AS (
-    INSERT INTO {_T_} AS f (key, state, token, expires_at)
-    SELECT DISTINCT k, 'pending', $2, now() + $3::bigint {_MS} FROM input ORDER BY k
+    INSERT INTO {_T_} AS f (key, state, token, expires_at, content_digest)
+    SELECT DISTINCT k, 'pending', $2, now() + $3::bigint {_MS}, $5::text FROM input ORDER BY k
     ON CONFLICT (key) DO UPDATE
     SET state = 'pending', token = EXCLUDED.token,
-        at = CASE WHEN f.expires_at > now() AND f.state IN ('unknown', 'sending')
+        at = CASE WHEN f.expires_at > now() AND f.state IN ('unknown', 'sending', 'sent')
                   THEN coalesce(f.at, now()) END,
-        reply = NULL, expires_at = EXCLUDED.expires_at, lease_ms = NULL
+        reply = CASE WHEN f.expires_at > now() AND f.state IN ('unknown', 'sending', 'sent')
+                     THEN f.state || coalesce('#' || f.content_digest, '') END,
+        expires_at = EXCLUDED.expires_at, lease_ms = NULL,
+        content_digest = EXCLUDED.content_digest
     WHERE f.expires_at <= now()
        OR (f.state = 'pending' AND f.token = EXCLUDED.token)
-       OR ($4::boolean AND (f.state = 'unknown'
-           OR (f.state = 'sending' AND f.token <> '' AND f.at IS NOT NULL
-               AND now() - f.at >= coalesce(f.lease_ms, $3::bigint) {_MS})))
-    RETURNING f.key, extract(epoch FROM f.at)::float8 AS took_at
+       OR ($4::boolean AND {_IN_DOUBT})
+       OR ($6::boolean AND $5::text IS NOT NULL AND f.content_digest IS NOT NULL
+           AND f.content_digest <> $5::text AND (f.state = 'sent' OR {_IN_DOUBT}))
+    RETURNING f.key, extract(epoch FROM f.at)::float8 AS took_at, f.reply AS took
 )
-SELECT input.k AS key, taken.key IS NOT NULL AS reserved, taken.took_at, seen.state,
-       seen.token, seen.at, seen.reply, seen.expires_at, seen.lease_ms, {_NOW} AS now
+SELECT input.k AS key, taken.key IS NOT NULL AS reserved, taken.took_at, taken.took,
+       seen.state, seen.token, seen.at, seen.reply, seen.expires_at, seen.lease_ms,
+       seen.content_digest, {_NOW} AS now
 FROM input LEFT JOIN taken ON taken.key = input.k LEFT JOIN seen ON seen.key = input.k
 ORDER BY input.ord
 """
@@ -173,12 +187,14 @@ RETURNING f.key
 """
 
 _INSPECT = f"SELECT {_COLUMNS}, {_NOW} AS now FROM {_T_} f WHERE f.key = $1"
+_INSPECT_MANY = (f"SELECT f.key, {_COLUMNS}, {_NOW} AS now FROM {_T_} f "
+                 "WHERE f.key = ANY($1::text[])")
 
 _FORCE_SENT = f"""
 INSERT INTO {_T_} AS f (key, state, at, reply, expires_at) VALUES ($1, 'sent', now(), $2,
     now() + $3::bigint {_MS})
 ON CONFLICT (key) DO UPDATE SET state = 'sent', token = NULL, at = now(), reply = $2,
-    expires_at = now() + $3::bigint {_MS}, lease_ms = NULL
+    expires_at = now() + $3::bigint {_MS}, lease_ms = NULL, content_digest = NULL
 """
 # The same, only where the key holds no live row (an operator saw it absent); a row a
 # concurrent reserve inserts is waited for and then left alone. Returns the key when written.
@@ -232,22 +248,23 @@ def _record(row: Any, lease_ms: int | None = None) -> Record:
     reserve) SENDING reads as PENDING while its last heartbeat is younger than its own lease
     (``lease_ms`` when it names none), and as UNKNOWN after it."""
     state, token, at, reply = row["state"], row["token"], row["at"], row["reply"]
-    now = row["now"]
+    now, digest = row["now"], row["content_digest"]
     expires_at = row["expires_at"]
     ttl_s = None if math.isinf(expires_at) else expires_at - now  # 'infinity': no expiry
     age_s = now - at if at is not None else None
     if state == "pending" and token:
-        return Record(State.PENDING, token=token, ttl_s=ttl_s)
+        return Record(State.PENDING, token=token, ttl_s=ttl_s, content_digest=digest)
     if state == "sending" and token and at is not None:
         own_ms = row["lease_ms"]
-        return sending_record(
+        return dataclasses.replace(sending_record(
             token=token, at=at, ttl_s=ttl_s, age_s=age_s,
             own_lease_s=own_ms / 1000 if own_ms is not None else None,
-            lease_s=lease_ms / 1000 if lease_ms is not None else None)
+            lease_s=lease_ms / 1000 if lease_ms is not None else None), content_digest=digest)
     if state == "sent":
-        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
+        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s,
+                      content_digest=digest)
     if state == "unknown":
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, content_digest=digest)
     return Record(State.SENT, ttl_s=ttl_s)
 
 
@@ -313,10 +330,13 @@ class PostgresStore:
         return store
 
     async def reserve(self, keys: Sequence[str], *, token: str, lease_s: float,
-                      resend_unknown: bool = False) -> list[Reservation]:
+                      resend_unknown: bool = False, content_digest: str = "",
+                      replace_other_content: bool = False) -> list[Reservation]:
         """Create PENDING(token) for ``lease_s`` seconds under every absent (or expired) key,
-        in one statement; with ``resend_unknown`` also replace a record in doubt. A key that
-        a concurrent transaction changed under the statement is asked again (rare: another
+        its row keeping ``content_digest`` (NULL for ``""``), in one statement; also replace
+        a record :func:`relay.core.rules.takes_over` names (``resend_unknown``: in doubt;
+        ``replace_other_content``: of other content), judged in the statement. A key that a
+        concurrent transaction changed under the statement is asked again (rare: another
         round trip). Raises :class:`StoreError` (op ``reserve``)."""
         if not keys:
             return []
@@ -325,7 +345,8 @@ class PostgresStore:
         todo = list(dict.fromkeys(keys))
         for _ in range(_RESERVE_ATTEMPTS):
             rows = await self._fetch("reserve", _RESERVE, todo, token, lease_ms,
-                                     resend_unknown)
+                                     resend_unknown, content_digest or None,
+                                     replace_other_content)
             todo = []
             for row in rows:
                 answer = _reservation(row, token, lease_ms)
@@ -378,6 +399,16 @@ class PostgresStore:
         if row is None or row["expires_at"] <= row["now"]:
             return Record(State.ABSENT)
         return _record(row)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds (ABSENT when nothing live), in one statement. Raises
+        :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
+        rows = await self._fetch("inspect", _INSPECT_MANY, list(keys))
+        found = {row["key"]: row for row in rows if row["expires_at"] > row["now"]}
+        return [Record(State.ABSENT) if (row := found.get(key)) is None else _record(row)
+                for key in keys]
 
     def watch_settles(self, keys: Sequence[str]) -> AbstractAsyncContextManager[SettleWatch]:
         """The settles of ``keys``, heard by LISTEN on one connection of this store
@@ -557,14 +588,16 @@ def _reservation(row: Any, token: str, lease_ms: int) -> Reservation | None:
     key = row["key"]
     if row["reserved"]:
         # what the row held when this statement took it (not the snapshot, read before the
-        # statement may have waited for the row's lock): a record in doubt taken over keeps
-        # its time in ``at`` (``took_at``); anything else taken was absent or expired, or was
-        # this attempt's own PENDING (a retried reserve)
-        took_at = row["took_at"]
-        if took_at is None:
+        # statement may have waited for the row's lock): a record taken over keeps its time
+        # in ``at`` (``took_at``) and its state#digest in ``reply`` (``took``); anything else
+        # taken was absent or expired, or was this attempt's own PENDING (a retried reserve)
+        took, took_at = row["took"], row["took_at"]
+        if took is None or took_at is None:
             return Reservation(key=key, reserved=True)
+        state, _, digest = took.partition("#")
         return Reservation(key=key, reserved=True, found=Record(
-            State.UNKNOWN, at=took_at, age_s=row["now"] - took_at))
+            State.SENT if state == "sent" else State.UNKNOWN, at=took_at,
+            age_s=row["now"] - took_at, content_digest=digest or None))
     del token
     live = row["state"] is not None and row["expires_at"] > row["now"]
     found = _record(row, lease_ms) if live else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from relay.core.interfaces import State, StateCounts
 from relay.core.rules import heartbeat_state
-from relay.store.redis.scripts import SENT_VALUE, decode_value
+from relay.store.redis.scripts import decode_value, relay_sent
 
 _GLOB_SPECIAL = frozenset("*?[]\\")
 
@@ -49,8 +49,8 @@ class StateTally:
             return
         record = decode_value(value)
         self._by_state[record.state] += 1
-        if record.state is State.SENT and value != SENT_VALUE and record.at is None:
-            self._foreign += 1  # neither ``0`` nor ``S|<ms>|...``: not the relay's
+        if record.state is State.SENT and not relay_sent(value) and record.at is None:
+            self._foreign += 1  # neither ``0[#<d>]`` nor ``S|<ms>|...``: not the relay's
         if record.state is State.UNKNOWN:
             self._in_doubt(record.at, now_ms)
         elif record.state is State.SENDING and record.at is not None:

@@ -57,6 +57,7 @@ from relay.store.redis.scripts import (
     RENEW_LUA,
     RESERVE_LUA,
     decode_value,
+    digest_mark,
     reply_bytes,
 )
 from relay.store.redis.settled import SettleChannels
@@ -184,19 +185,24 @@ class RedisStore:
                    window_s=window_s)
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False,
+        content_digest: str = "", replace_other_content: bool = False,
     ) -> list[Reservation]:
-        """Create ``P|token`` with a TTL of ``lease_s`` seconds under every absent key.
+        """Create ``P|token#<content_digest>`` (``P|token`` without one) with a TTL of
+        ``lease_s`` seconds under every absent key.
 
         One pipeline for all keys; one :class:`Reservation` per key, in order. A key that
-        already holds ``P|token`` (same token) reports ``reserved=True`` again. With
-        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
-        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
+        already holds ``P|token`` (same token) reports ``reserved=True`` again. A record the
+        script's twin of :func:`relay.core.rules.takes_over` names (``resend_unknown``: in
+        doubt; ``replace_other_content``: of other content) is replaced too
+        (``reserved=True``, ``found`` the record replaced). Raises :class:`StoreError` (op
+        ``reserve``), ``ValueError`` for a digest outside ``[A-Za-z0-9_-]``.
         """
         if not keys:
             return []
         lease_ms = _ms(lease_s)
-        args = (token, lease_ms, "1" if resend_unknown else "0")
+        args = (token, lease_ms, "1" if resend_unknown else "0", digest_mark(content_digest),
+                "1" if replace_other_content else "0")
         calls = [(self._reserve_script, key, args) for key in keys]
         async with _translated("reserve", self._op_timeout_s):
             results = await self._run_scripts(
@@ -259,6 +265,21 @@ class RedisStore:
         async with _translated("inspect", self._op_timeout_s):
             [(value, pttl_ms, server_ms)] = await self._run_scripts(
                 [(self._inspect_script, key, ())], durable=frozenset())
+        return self._inspected(value, pttl_ms, server_ms)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds, as :meth:`inspect` reads one, in one pipeline (on a
+        cluster one per node, in parallel). Raises :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
+        async with _translated("inspect", self._op_timeout_s):
+            results = await self._run_scripts(
+                [(self._inspect_script, key, ()) for key in keys], durable=frozenset())
+        return [self._inspected(value, pttl_ms, server_ms)
+                for value, pttl_ms, server_ms in results]
+
+    def _inspected(self, value: Any, pttl_ms: Any, server_ms: Any) -> Record:
+        """One ``INSPECT_LUA`` result as a :class:`Record` (ages by the server's clock)."""
         if value == 0:
             return Record(State.ABSENT)
         record = dataclasses.replace(

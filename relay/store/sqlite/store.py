@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -39,7 +40,7 @@ from relay.core.interfaces import (
     State,
     StateCounts,
 )
-from relay.core.rules import same_record, sending_record
+from relay.core.rules import same_record, sending_record, takes_over
 from relay.store.sqlite import limits as sqlite_limits
 from relay.store.sqlite.settled import SqliteSettles
 from relay.store.sqlite.writer import (
@@ -66,7 +67,8 @@ CREATE TABLE IF NOT EXISTS fingerprints (
     expires_at_ms INTEGER,
     lease_ms INTEGER,
     boot_id TEXT,
-    beat_ms INTEGER
+    beat_ms INTEGER,
+    content_digest TEXT
 )
 """
 # SENDING rows keep their attempt's lease (readers judge staleness by it); a file written by an
@@ -75,15 +77,19 @@ _ADD_LEASE = "ALTER TABLE fingerprints ADD COLUMN lease_ms INTEGER"
 # SENDING rows' heartbeat on the boot clock (CLOCK_BOOTTIME, ms) and the boot it belongs to
 _ADD_BEAT = ("ALTER TABLE fingerprints ADD COLUMN boot_id TEXT",
              "ALTER TABLE fingerprints ADD COLUMN beat_ms INTEGER")
+# the stored digest of the content of the message that wrote the row (design.md §2.2), kept
+# through every state; NULL in a row of an earlier version (never a key reused, §4.9)
+_ADD_DIGEST = "ALTER TABLE fingerprints ADD COLUMN content_digest TEXT"
 _INDEX = "CREATE INDEX IF NOT EXISTS fingerprints_expiry ON fingerprints (expires_at_ms)"
-_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms "
-           "FROM fingerprints "
-           "WHERE key = ?")
-_SELECT_MANY = ("SELECT key, state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms "
+_SELECT = ("SELECT state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, beat_ms, "
+           "content_digest FROM fingerprints WHERE key = ?")
+_SELECT_MANY = ("SELECT key, state, token, at_ms, reply, expires_at_ms, lease_ms, boot_id, "
+                "beat_ms, content_digest "
                 "FROM fingerprints WHERE key IN (SELECT value FROM json_each(?))")
 _UPSERT = (
-    "INSERT OR REPLACE INTO fingerprints (key, state, token, at_ms, reply, expires_at_ms) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT OR REPLACE INTO fingerprints "
+    "(key, state, token, at_ms, reply, expires_at_ms, content_digest) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 # Parameters: key, token, now_ms. Touch the row only while it holds PENDING(token) or
 # SENDING(token), unexpired.
@@ -156,7 +162,7 @@ GROUP BY reads
 """
 
 _Row = tuple[str, str | None, int | None, str | None, int | None, int | None, str | None,
-             int | None]
+             int | None, str | None]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -218,24 +224,25 @@ def _record(row: _Row, now_ms: int, lease_ms: int | None = None) -> Record:
     younger than its attempt's own lease (``lease_ms`` for a row of an earlier version) and as
     UNKNOWN after it (its attempt died after the final dot).
     """
-    state, token, at_ms, reply, expires_at_ms, own_lease_ms, boot_id, beat_ms = row
+    state, token, at_ms, reply, expires_at_ms, own_lease_ms, boot_id, beat_ms, digest = row
     ttl_s = (expires_at_ms - now_ms) / 1000 if expires_at_ms is not None else None
     at = at_ms / 1000 if at_ms is not None else None
     age_s = (now_ms - at_ms) / 1000 if at_ms is not None else None
     if state == _PENDING and token:
-        return Record(State.PENDING, token=token, ttl_s=ttl_s)
+        return Record(State.PENDING, token=token, ttl_s=ttl_s, content_digest=digest)
     if state == _SENDING and token and at_ms is not None:
         lease = own_lease_ms if own_lease_ms is not None else lease_ms
         beat_age_ms = _heartbeat_age_ms(at_ms, boot_id, beat_ms, now_ms, lease or 0)
         assert at is not None
-        return sending_record(
+        return dataclasses.replace(sending_record(
             token=token, at=at, ttl_s=ttl_s, age_s=beat_age_ms / 1000,
             own_lease_s=own_lease_ms / 1000 if own_lease_ms is not None else None,
-            lease_s=lease_ms / 1000 if lease_ms is not None else None)
+            lease_s=lease_ms / 1000 if lease_ms is not None else None), content_digest=digest)
     if state == _SENT:
-        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s)
+        return Record(State.SENT, at=at, reply=reply, ttl_s=ttl_s, age_s=age_s,
+                      content_digest=digest)
     if state == _UNKNOWN:
-        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s)
+        return Record(State.UNKNOWN, at=at, ttl_s=ttl_s, age_s=age_s, content_digest=digest)
     return Record(State.SENT, ttl_s=ttl_s)
 
 
@@ -301,6 +308,13 @@ class SqliteStore:
 
     async def _inspect_keys(self, keys: list[str]) -> list[Record]:
         """What each of ``keys`` holds, in one statement. Raises :class:`StoreError`."""
+        return await self.inspect_many(keys)
+
+    async def inspect_many(self, keys: Sequence[str]) -> list[Record]:
+        """What each of ``keys`` holds (ABSENT for none), in one statement (the keys as one
+        JSON array). Raises :class:`StoreError` (op ``inspect``)."""
+        if not keys:
+            return []
         return await self._call("inspect", lambda conn, _now: _inspect_many(conn, keys),
                                 in_tx=False)
 
@@ -320,21 +334,25 @@ class SqliteStore:
         return store
 
     async def reserve(
-        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False
+        self, keys: Sequence[str], *, token: str, lease_s: float, resend_unknown: bool = False,
+        content_digest: str = "", replace_other_content: bool = False,
     ) -> list[Reservation]:
-        """Create ``PENDING(token)`` with a TTL of ``lease_s`` seconds for every absent key.
+        """Create ``PENDING(token)`` with a TTL of ``lease_s`` seconds for every absent key,
+        its row keeping ``content_digest`` (NULL for ``""``).
 
         All keys in one transaction; one :class:`Reservation` per key, in order. A key already
-        holding ``PENDING(token)`` (same token) reports ``reserved=True`` again. With
-        ``resend_unknown`` a record in doubt is replaced too (``reserved=True``, ``found`` the
-        UNKNOWN record). Raises :class:`StoreError` (op ``reserve``).
+        holding ``PENDING(token)`` (same token) reports ``reserved=True`` again. A record
+        :func:`relay.core.rules.takes_over` names (``resend_unknown``: in doubt;
+        ``replace_other_content``: of other content) is replaced too (``reserved=True``,
+        ``found`` the record replaced). Raises :class:`StoreError` (op ``reserve``).
         """
         if not keys:
             return []
         lease_ms = _ms(lease_s)
+        claim = _Claim(token, lease_ms, content_digest, resend_unknown, replace_other_content)
 
         def body(conn: sqlite3.Connection, now_ms: int) -> list[Reservation]:
-            return _reserve(conn, now_ms, keys, token, lease_ms, resend_unknown)
+            return _reserve(conn, now_ms, keys, claim)
 
         return await self._call("reserve", body)
 
@@ -408,7 +426,8 @@ class SqliteStore:
         def body(conn: sqlite3.Connection, now_ms: int) -> bool:
             if expected is not None and not _still(conn, now_ms, key, expected):
                 return False
-            conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms))
+            conn.execute(_UPSERT, (key, _SENT, None, now_ms, _clean(reply), now_ms + window_ms,
+                                   None))
             return True
 
         written = await self._call("force_mark_sent", body)
@@ -577,12 +596,7 @@ def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
     begin_immediate(conn, deadline)
     try:
         conn.execute(_SCHEMA)
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
-        if "lease_ms" not in columns:
-            conn.execute(_ADD_LEASE)
-        if "boot_id" not in columns:
-            for statement in _ADD_BEAT:
-                conn.execute(statement)
+        _add_columns(conn)
         conn.execute(_INDEX)
         for statement in sqlite_limits.SCHEMA:
             conn.execute(statement)
@@ -593,20 +607,50 @@ def _set_up(conn: sqlite3.Connection, deadline: float) -> None:
         raise
 
 
-def _reserve(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str], token: str,
-             lease_ms: int, resend_unknown: bool) -> list[Reservation]:
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    """What one reserve writes and may replace: its ``token``, its lease (ms), the message's
+    stored ``content_digest`` (``""``: none) and which records it takes over
+    (:func:`relay.core.rules.takes_over`)."""
+
+    token: str
+    lease_ms: int
+    content_digest: str
+    resend_unknown: bool
+    replace_other_content: bool
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Add the columns a file of an earlier version lacks (its rows stay, the new columns
+    NULL): the SENDING attempt's lease, its boot clock, the content digest."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(fingerprints)")}
+    if "lease_ms" not in columns:
+        conn.execute(_ADD_LEASE)
+    if "boot_id" not in columns:
+        for statement in _ADD_BEAT:
+            conn.execute(statement)
+    if "content_digest" not in columns:
+        conn.execute(_ADD_DIGEST)
+
+
+def _reserve(conn: sqlite3.Connection, now_ms: int, keys: Sequence[str],
+             claim: _Claim) -> list[Reservation]:
     out: list[Reservation] = []
-    mine = (_PENDING, token, None, None, now_ms + lease_ms)
+    mine = (_PENDING, claim.token, None, None, now_ms + claim.lease_ms,
+            claim.content_digest or None)
     for key in keys:
         row = _live(conn.execute(_SELECT, (key,)).fetchone(), now_ms)
         if row is None:
             conn.execute(_UPSERT, (key, *mine))
             out.append(Reservation(key=key, reserved=True))
-        elif row[0] == _PENDING and row[1] == token:
+        elif row[0] == _PENDING and row[1] == claim.token:
             out.append(Reservation(key=key, reserved=True))
         else:
-            found = _record(row, now_ms, lease_ms)
-            take_over = resend_unknown and found.state is State.UNKNOWN
+            found = _record(row, now_ms, claim.lease_ms)
+            take_over = takes_over(found, lease_s=claim.lease_ms / 1000,
+                                   content_digest=claim.content_digest,
+                                   resend_unknown=claim.resend_unknown,
+                                   replace_other_content=claim.replace_other_content)
             if take_over:
                 conn.execute(_UPSERT, (key, *mine))
             out.append(Reservation(key=key, reserved=take_over, found=found))

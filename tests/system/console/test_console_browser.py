@@ -215,7 +215,7 @@ def find_by_what_support_holds(console: Console, sent: Sent) -> None:
     id, a period; the message's page and its timeline, also from its log line's link."""
     console.fill("#rcpt", CUSTOMER)
     console.click("#look-up", then="#results")
-    assert console.queue_ids()[-2:] == [sent.retry_queue_id, sent.queue_id]
+    assert set(console.queue_ids()[-2:]) == {sent.retry_queue_id, sent.queue_id}
     assert CUSTOMER not in console.text("#results")  # masked, as the ledger holds it
     console.shot("found")
     for query in (f"message_id={quote('<pay-1@app.example>')}",
@@ -379,7 +379,11 @@ async def test_support_and_on_call_in_a_real_browser(
         sink.handler.hang_after_dot_s = 0.0
         rows = [r for r in await wait_ledger_rows(ledger_url, BULK_ROWS + 3)
                 if not r["queue_id"].startswith("bulk")]  # a relay's queue id is hex
-        [first, retry, lost] = rows
+        # by outcome, not by order: two workers' clock offsets (each measured to half a round
+        # trip) may order a send and its retry a few milliseconds apart either way
+        assert len(rows) == 3, rows
+        by_outcome = {r["outcome"]: r for r in rows}
+        first, retry, lost = (by_outcome[o] for o in ("relayed", "suppressed", "unknown"))
         line = await decision_line(served, first["queue_id"])
         sent = Sent(first["queue_id"], retry["queue_id"], first["upstream_queue_id"],
                     lost["store_key"], first["decided_at"] - timedelta(seconds=1),
@@ -393,7 +397,9 @@ async def test_support_and_on_call_in_a_real_browser(
         code = served.stop()
     assert code == 0, served.lines()[-5:]
     mine = [r for r in exported if not r["queue_id"].startswith("bulk")]
-    assert [r["outcome"] for r in mine] == ["relayed", "suppressed", "unknown", "marked_sent"]
+    outcomes = [r["outcome"] for r in mine]  # the send and its retry in either order (above)
+    assert sorted(outcomes[:2]) == ["relayed", "suppressed"]
+    assert outcomes[2:] == ["unknown", "marked_sent"]
     assert {r["recipient"] for r in mine[:3]} == {"j***@example.net"}
     assert mine[3]["reply"].endswith(f"({OPERATOR} (operator, console))")
     starts = [e for e in served.lines() if "console http://" in str(e.get("message", ""))]

@@ -128,6 +128,22 @@ async def test_a_rule_that_derives_nothing_relays_and_counts_a_miss(
     assert sample(relay.registry, "relay_key_rule_misses_total", rule="orders") == 2
 
 
+async def test_a_rule_added_by_a_reload_has_its_miss_counter_at_0(
+        make_relay: MakeRelay, sink: Sink) -> None:
+    """A relay started without rules; a reload adds one: its
+    ``relay_key_rule_misses_total{rule}`` is exported at 0 at once (as at start), then counts
+    the next message's miss."""
+    relay = await make_relay(upstream=f"127.0.0.1:{sink.port}")
+    misses = ("relay_key_rule_misses_total", {"rule": "orders"})
+    assert relay.registry.get_sample_value(*misses) is None
+    await relay.apply(relay.settings.model_copy(update={"key_rule": rules(ORDERS)}),
+                      {"key_rule"})
+    assert relay.registry.get_sample_value(*misses) == 0
+    content = django_mail("Your password was changed", "Hello")
+    assert (await send(relay.port, [JANE], content, mail_from=SHOP)).code == 250
+    assert sample(relay.registry, "relay_key_rule_misses_total", rule="orders") == 1
+
+
 async def test_an_explicit_key_header_wins_over_a_rule(
         make_relay: MakeRelay, sink: Sink) -> None:
     relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", key_rule=rules(ORDERS))
