@@ -126,7 +126,7 @@ class Relay:
             stack.push_async_callback(store.close)
             policy = s.dedup_policy()
             ledger = await s.open_ledger(metrics, instance=f"{s.hostname}/{os.getpid()}",
-                                         secret=policy.secret, timeout_s=s.ledger_timeout)
+                                         policy=policy, timeout_s=s.ledger_timeout)
             stack.push_async_callback(_land, tokens, ledger)
             upstream = s.failover_upstream(
                 local_hostname=s.hostname, health_interval_s=s.health_interval,
@@ -160,7 +160,7 @@ class Relay:
             services = await stack.enter_async_context(contextlib.AsyncExitStack())
             limits = s.listener_limits(allowed_senders=s.allowed_senders,
                                        local_part_case_sensitive=s.local_part_case_sensitive,
-                                       log_recipients=s.log_recipients)
+                                       log_recipients=s.log_recipients, console_url=s.console_url)
             handler = RelayHandler(core=message_core, metrics=metrics, limits=limits,
                                    sasl=sasl)
             served = await serve_smtp(s, self.inherited, security, smtp_factory(

@@ -6,6 +6,8 @@ and the console alike:
   or mark it sent (audit-logged, compare-and-delete / compare-and-set), its ledger row;
 - :mod:`~relay.admin.lookup`: which fingerprint a selection names (a store key within
   ``store_prefix``, or a recipient with its key; not both);
+- :mod:`~relay.admin.search`: the audit ledger's query of what support typed (a recipient
+  alone, a Message-ID, a queue id, a template, a period);
 - :mod:`~relay.admin.decisions`: the audited action, the ledger first, then the store, then
   the row (:func:`decide`);
 - :mod:`~relay.admin.stats`: the store's records by state.

@@ -122,8 +122,9 @@ async def decide(settings: Settings, decision: Decision, *,
                                 or before.state is not State.ABSENT)
         if entry is None or reader is None:
             return Outcome(before, done, changed, entry, key=decision.key)
-        options = settings.ledger_options(instance=instance,
-                                          secret=settings.fingerprint_secret_bytes)
+        options = settings.ledger_options(
+            instance=instance, secret=settings.fingerprint_secret_bytes,
+            local_part_case_sensitive=settings.local_part_case_sensitive)
         try:
             await reader.write([entry], options)
         except StoreError as exc:

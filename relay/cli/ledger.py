@@ -1,5 +1,7 @@
 """Audit ledger commands (design.md §6.7): ``dedup-relay history`` (the ledger rows of
-one fingerprint, oldest first) and ``dedup-relay in-doubt`` (the in-doubt decisions no later row
+one fingerprint, oldest first, or of a lookup by recipient, Message-ID, queue id, template or
+period, newest first: :func:`relay.admin.search.ledger_query`, the console's rule) and
+``dedup-relay in-doubt`` (the in-doubt decisions no later row
 resolved, with what an operator needs to look them up in the smarthost's log).
 
 Both read the relay's own settings (``--config``, ``RELAY_*`` env vars, ``--store``,
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+from relay.admin.search import DEFAULT_DAYS, Lookup, LookupProblem, LookupRefused, ledger_query
 from relay.cli.admin import (
     admin_settings,
     announce_ledger,
@@ -42,6 +45,7 @@ from relay.store.postgres.migrations import SchemaError
 
 if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured (its setting
     # refuses a postgresql:// URL, exit 78, when the driver does not import)
+    from relay.store.postgres.ledger_query import LedgerQuery
     from relay.store.postgres.ledger_read import HistoryRow, InDoubtRow, LedgerReader
 
 _T = TypeVar("_T")
@@ -100,6 +104,8 @@ def history_json(row: HistoryRow) -> dict[str, object]:
         "message_id": row.message_id, "queue_id": row.queue_id,
         "client_reply": row.client_reply, "instance": row.instance,
         "key_source": row.key_source, "key_reused": row.key_reused,
+        "received_at": None if row.received_at is None else iso(row.received_at),
+        "sending_at": None if row.sending_at is None else iso(row.sending_at),
     }
 
 
@@ -123,32 +129,50 @@ def register(main: click.Group) -> None:
     @store_options
     @ledger_option
     @selection_options
+    @click.option("--message-id", help="look up by the message's Message-ID (with or "
+                                       "without its angle brackets)")
+    @click.option("--queue-id", help="look up by the relay's queue id or the smarthost's")
+    @click.option("--since", metavar="TIME", help="decided at or after TIME (ISO 8601: "
+                  "2026-12-05 or 2026-12-05T14:30, UTC unless it names an offset) [default "
+                  f"with --rcpt or --template alone: {DEFAULT_DAYS} days back]")
+    @click.option("--until", metavar="TIME", help="decided before TIME (ISO 8601, as --since)")
     @click.option("--json", "as_json", is_flag=True,
                   help="print a JSON array of the rows (for scripts) instead of lines")
     @click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT,
-                  show_default=True, help="print at most this many rows (the oldest)")
+                  show_default=True, help="print at most this many rows (a fingerprint's "
+                                          "oldest, a lookup's newest)")
     def history_command(config_file: Path | None, store: str | None, ledger: str | None,
                         rcpt: str | None, templates: tuple[str, ...], keys: tuple[str, ...],
-                        auth_user: str | None, store_key: str | None, as_json: bool,
-                        limit: int) -> None:
-        """Print the audit ledger's rows of one fingerprint, oldest first: every decision the
-        relay took for it (outcome, upstream reply, queue id, Message-ID) and every release
-        or mark-sent (while fingerprint_secret_previous is set, its rows under that secret's
-        key too)."""
+                        auth_user: str | None, store_key: str | None, message_id: str | None,
+                        queue_id: str | None, since: str | None, until: str | None,
+                        as_json: bool, limit: int) -> None:
+        """Print the audit ledger's rows of one fingerprint (--rcpt with --key, or
+        --store-key), oldest first: every decision the relay took for it (outcome, upstream
+        reply, queue id, Message-ID) and every release or mark-sent (while
+        fingerprint_secret_previous is set, its rows under that secret's key too). Without a
+        key, look messages up by what support holds (--rcpt alone, --message-id, --queue-id,
+        a --template, --since/--until; every one given must match): their rows, newest
+        first, as the console's history page lists them."""
         settings = admin_settings(config_file, store, ledger)
         quiet_logging("text")
-        chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
-        key = chosen[0]
-        rows = _run_on_ledger(settings, lambda reader: reader.history(*chosen, limit=limit))
-        _say_if_cut(len(rows), limit)
-        if as_json:
-            click.echo(json.dumps([history_json(row) for row in rows]))
+        looked_up = (message_id, queue_id, since, until)
+        if keys or store_key:
+            if any(looked_up):
+                fail(ExitCode.USAGE, "--message-id, --queue-id, --since and --until look "
+                                     "messages up; a fingerprint (--key or --store-key) is "
+                                     "printed whole: give one or the other")
+            chosen = selected_keys(settings, rcpt, templates, keys, auth_user, store_key)
+            rows = _run_on_ledger(settings,
+                                  lambda reader: reader.history(*chosen, limit=limit))
+            _say_if_cut(len(rows), limit)
+            _print_history(rows, as_json, shown(chosen[0]))
             return
-        if not rows:
-            click.echo(f"dedup-relay: no rows for {shown(key)} in the ledger", err=True)
-            return
-        for row in rows:
-            click.echo(shown(_history_line(row)))
+        query = _lookup(settings, rcpt, templates, auth_user, *looked_up)
+        page = _run_on_ledger(settings, lambda reader: reader.search(query, limit=limit))
+        if page.next is not None:
+            click.echo(f"dedup-relay: showing the newest {limit} rows (--limit; narrow with "
+                       "--since/--until)", err=True)
+        _print_history(page.rows, as_json, "this lookup")
 
     @main.command("in-doubt", epilog=epilog())
     @store_options
@@ -186,6 +210,42 @@ def register(main: click.Group) -> None:
             "then:\n"
             "  delivered:     dedup-relay mark-sent --store-key KEY --reason '...'\n"
             "  not delivered: dedup-relay release --store-key KEY --reason '...'")
+
+
+def _print_history(rows: list[HistoryRow], as_json: bool, asked: str) -> None:
+    """``rows`` as a JSON array, or one line each (``asked``: what found none, on stderr)."""
+    if as_json:
+        click.echo(json.dumps([history_json(row) for row in rows]))
+        return
+    if not rows:
+        click.echo(f"dedup-relay: no rows for {asked} in the ledger", err=True)
+        return
+    for row in rows:
+        click.echo(shown(_history_line(row)))
+
+
+def _lookup(settings: Settings, rcpt: str | None, templates: tuple[str, ...],
+            auth_user: str | None, message_id: str | None, queue_id: str | None,
+            since: str | None, until: str | None) -> LedgerQuery:
+    """The ledger query of a lookup's options (:func:`relay.admin.search.ledger_query`, the
+    console's rule); exits 2 with the reason when it asks nothing the ledger can answer."""
+    if auth_user:
+        fail(ExitCode.USAGE, "--auth-user goes with --rcpt and --key (a fingerprint): a "
+                             "lookup by recipient finds every sender's rows")
+    if len(templates) > 1:
+        fail(ExitCode.USAGE, "give one --template to look up by (several are for --key)")
+    try:
+        return ledger_query(settings, Lookup(
+            rcpt=rcpt, message_id=message_id, queue_id=queue_id,
+            template=templates[0] if templates else None, since=since, until=until),
+            now=datetime.now(tz=UTC))
+    except LookupRefused as exc:
+        if exc.problem is LookupProblem.EMPTY:
+            fail(ExitCode.USAGE, "give --rcpt and --key (and --template) or --store-key for "
+                                 "one fingerprint, or look up by --rcpt, --message-id, "
+                                 "--queue-id, --template, --since or --until")
+        fail(ExitCode.USAGE, f"--{exc.field.replace('_', '-')}: {exc}" if exc.field
+             else str(exc))
 
 
 def _ledger_url(settings: Settings) -> str:

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from relay.admin import count_states
 from relay.console.errors import ConsoleError
 from relay.console.sessions import Session, Sessions, SignIns
+from relay.console.times import when
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, StateCounts
 from relay.ops.connection_cap import ConnectionCap
@@ -83,6 +84,7 @@ class ConsoleContext:
         self.templates = jinja2.Environment(
             loader=jinja2.PackageLoader("relay.console", "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined)
+        self.templates.filters["when"] = when
         assert self.templates.loader is not None
         self.style = self.templates.loader.get_source(self.templates, "console.css")[0]
         # ledger connections: the pages' and the exports' apart, so that long downloads never

@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from relay.admin.search import LookupRefused
+from relay.admin.search import parse_instant as instant
 from relay.console.context import CONTEXT, SESSION, ledger_call
 from relay.console.errors import ConsoleError
 from relay.core.errors import StoreError
@@ -36,8 +38,9 @@ if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
 CSV_FIELDS = ("decided_at", "recorded_at", "action", "outcome", "store_key", "recipient",
               "template", "dedupe_key", "reply", "upstream_queue_id", "upstream",
               "message_id", "queue_id", "client_reply", "instance", "key_source",
-              "key_reused")
-"""The columns of ``/export.csv``, in order: the ledger's own (times ISO 8601 UTC)."""
+              "key_reused", "received_at", "sending_at")
+"""The columns of ``/export.csv``, in order: the ledger's own (times ISO 8601 UTC; the
+recipient's digest is left out: it identifies an address to whoever can guess it)."""
 MAX_EXPORT_DAYS = 400
 """The longest period (days): the ledger keeps rows 400 days by default; longer is a typo."""
 WRITE_TIMEOUT_S = 30.0
@@ -74,13 +77,12 @@ def iso(at: datetime) -> str:
 
 def parse_instant(text: str, *, what: str) -> datetime:
     """``2026-12-05`` (midnight UTC), ``2026-12-05T14:30`` or a full ISO 8601 time (UTC when it
-    names no offset) as a timezone-aware datetime. Raises :class:`ConsoleError` (400)."""
+    names no offset) as a timezone-aware datetime (:func:`relay.admin.search.parse_instant`,
+    the lookups' rule). Raises :class:`ConsoleError` (400)."""
     try:
-        at = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConsoleError(400, f"{what}: {text!r} is no date (2026-12-05 or "
-                                "2026-12-05T14:30, UTC)") from None
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+        return instant(text, what=what)
+    except LookupRefused as exc:
+        raise ConsoleError(400, str(exc)) from None
 
 
 def period_of(start_text: str, end_text: str, *, now: datetime) -> tuple[datetime, datetime]:

@@ -1,8 +1,8 @@
-"""The console's pages that read: ``/history`` (one fingerprint's ledger rows oldest first
-and the store's state), ``/in-doubt`` (the unresolved in-doubt decisions, each with the
-operator's release and mark-sent form: :mod:`relay.console.actions`), ``/stats`` (records by
-state, duplicates suppressed per template in the last 24 h, in-doubt counts) and the style
-sheet.
+"""The console's pages that read, but its lookups (``/history``, ``/message/<queue id>``:
+:mod:`relay.console.history`): ``/in-doubt`` (the unresolved in-doubt decisions, each with the
+operator's release and mark-sent form, for an operator only: :mod:`relay.console.actions`),
+``/stats`` (records by state, duplicates suppressed per template in the last 24 h, in-doubt
+counts) and the style sheet.
 
 A page is a handler here: it takes what it needs from the context (``request.app[CONTEXT]``:
 the store, :meth:`~relay.console.context.ConsoleContext.ledger`), raises
@@ -13,29 +13,15 @@ more than the ledger holds (``ledger_recipients``), or without a ledger than the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
-from relay.admin import (
-    Selection,
-    SelectionError,
-    SelectionProblem,
-    describe,
-    located,
-    selected_keys,
-    stats_report,
-)
+from relay.admin import SelectionError, SelectionProblem, stats_report
 from relay.console.context import CONTEXT, ConsoleContext, ledger_call
 from relay.console.errors import ConsoleError
 from relay.core.address import mask_address
-from relay.core.errors import StoreError
 from relay.settings import Settings, redact_url
 
-if TYPE_CHECKING:  # the postgres extra: imported once a ledger is configured
-    from relay.store.postgres.ledger_read import HistoryRow
-
-MAX_ROWS = 1000  # rows a page shows at most (the oldest); the CSV export has no cap
+MAX_IN_DOUBT = 1000  # in-doubt decisions the page lists at most (the oldest)
 STATS_TEMPLATES = 50  # templates the stats page lists at most
 DONE = {"released": "released", "marked_sent": "marked sent",
         "settled": "no longer in the store (its window passed): its in-doubt row is settled"}
@@ -53,11 +39,15 @@ recipient or key the relay refuses is said in the relay's own words)."""
 routes = web.RouteTableDef()
 
 
+def selection_words(settings: Settings, exc: SelectionError) -> str:
+    """How the console says why :func:`relay.admin.selected_key` refused a selection."""
+    words = _SELECTION_WORDS.get(exc.problem)
+    return str(exc) if words is None else words.format(prefix=settings.store_prefix)
+
+
 def refused_selection(settings: Settings, exc: SelectionError) -> ConsoleError:
     """The 400 page of a selection :func:`relay.admin.selected_key` refused."""
-    words = _SELECTION_WORDS.get(exc.problem)
-    return ConsoleError(400, str(exc) if words is None
-                        else words.format(prefix=settings.store_prefix))
+    return ConsoleError(400, selection_words(settings, exc))
 
 
 @routes.get("/")
@@ -73,38 +63,7 @@ async def style(request: web.Request) -> web.StreamResponse:
                         charset="utf-8")
 
 
-@routes.get("/history")
-async def history(request: web.Request) -> web.StreamResponse:
-    """One fingerprint: by recipient + template + key, or by its store key."""
-    ctx = request.app[CONTEXT]
-    query = request.query
-    fields = {name: query.get(name, "").strip() for name in
-              ("rcpt", "template", "key", "store_key")}
-    if not any(fields.values()):
-        return ctx.page("history.html", request, fields=fields, key=None)
-    try:
-        chosen = selected_keys(ctx.settings, Selection(
-            store_key=fields["store_key"] or None, rcpt=fields["rcpt"] or None,
-            templates=[fields["template"]] if fields["template"] else [],
-            keys=[fields["key"]] if fields["key"] else []))
-    except SelectionError as exc:
-        raise refused_selection(ctx.settings, exc) from exc
-    try:  # its key, or while a previous secret is set its key of that secret (design §2.3)
-        key, record = await located(ctx.the_store(), chosen)
-    except StoreError as exc:
-        raise ConsoleError(503, f"The store did not answer: {exc}") from exc
-    rows: list[HistoryRow] | None = None
-    if ctx.settings.ledger is not None:
-        async with ctx.ledger() as reader:
-            rows = await ledger_call(reader.history(*chosen, limit=MAX_ROWS))
-    return ctx.page("history.html", request, fields=fields, key=key,
-                    shown_rcpt=_shown(ctx, fields["rcpt"]),
-                    state=describe(key, record, ctx.settings.lease), rows=rows,
-                    cut=rows is not None and len(rows) >= MAX_ROWS,
-                    done=DONE.get(query.get("done", "")))
-
-
-def _shown(ctx: ConsoleContext, address: str) -> str:
+def shown_address(ctx: ConsoleContext, address: str) -> str:
     """An address as far as the ledger (or, without one, the log) shows it."""
     s = ctx.settings
     full = s.ledger_recipients == "full" if s.ledger is not None else s.log_recipients
@@ -118,8 +77,8 @@ async def in_doubt(request: web.Request) -> web.StreamResponse:
     if ctx.settings.ledger is None:
         return ctx.page("in_doubt.html", request, rows=None, cut=False)
     async with ctx.ledger() as reader:
-        rows = await ledger_call(reader.in_doubt(older_than_s=0, limit=MAX_ROWS))
-    return ctx.page("in_doubt.html", request, rows=rows, cut=len(rows) >= MAX_ROWS)
+        rows = await ledger_call(reader.in_doubt(older_than_s=0, limit=MAX_IN_DOUBT))
+    return ctx.page("in_doubt.html", request, rows=rows, cut=len(rows) >= MAX_IN_DOUBT)
 
 
 @routes.get("/stats")

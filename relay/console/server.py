@@ -4,8 +4,9 @@ the supervisor with several workers, else by the relay's process).
 
 :class:`Console` assembles a small web app: the shared context
 (:mod:`relay.console.context`), the guard every request passes and the sign-in
-(:mod:`relay.console.signin`), the pages that read (:mod:`relay.console.pages`: ``/history``,
-``/in-doubt``, ``/stats``), the operators' actions (:mod:`relay.console.actions`) and the CSV
+(:mod:`relay.console.signin`), the lookups (:mod:`relay.console.history`: ``/history``,
+``/message/<queue id>``), the pages that read (:mod:`relay.console.pages`: ``/in-doubt``,
+``/stats``), the operators' actions (:mod:`relay.console.actions`) and the CSV
 export (:mod:`relay.console.export`), each module a ``web.RouteTableDef`` of its handlers;
 and serves it. Responses are never cached, framed or sniffed, and load nothing from elsewhere
 (Content-Security-Policy). Its connections are capped when TCP accepts them and idle ones
@@ -28,7 +29,7 @@ from collections.abc import Set as AbstractSet
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from relay.console import actions, export, pages, signin
+from relay.console import actions, export, history, pages, signin
 from relay.console.context import CONTEXT, ConsoleContext
 from relay.core.interfaces import FingerprintStore
 from relay.ops.http import CappedSite
@@ -85,7 +86,7 @@ class Console:
         """The console's web app: the guard, then each module's routes."""
         app = web.Application(middlewares=[signin.guard], client_max_size=MAX_BODY)
         app[CONTEXT] = self.context
-        for module in (signin, pages, actions, export):
+        for module in (signin, pages, history, actions, export):
             app.router.add_routes(module.routes)
         return app
 

@@ -20,8 +20,9 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
                 keys: Mapping[str, str], template: str, dedupe_key: str | None,
                 rcpt_results: Mapping[str, RcptResult], final_reply: SmtpReply | None,
                 client_reply: SmtpReply, upstream: str, message_id: str,
-                queue_id: str, key_source: str = "",
-                reused: Set[str] = frozenset()) -> list[LedgerEntry]:
+                queue_id: str, key_source: str = "", reused: Set[str] = frozenset(),
+                received_at: float | None = None,
+                sending_at: float | None = None) -> list[LedgerEntry]:
     """One row per distinct recipient of a message the core decided on.
 
     ``now`` is the relay's clock (unix seconds); ``outcomes`` recipient -> outcome;
@@ -36,7 +37,10 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
     A recipient without an outcome (the message was refused before a decision per recipient)
     gets none: the caller passes one for every recipient. ``key_source``: where the key came
     from (``header``, ``rule:NAME``; ``""``: none); ``reused``: the recipients whose key held
-    a record of other content (their rows say ``key_reused``, design.md §4.9).
+    a record of other content (their rows say ``key_reused``, design.md §4.9). ``received_at``
+    (when the message came in) and ``sending_at`` (when its records were marked SENDING before
+    the final dot; None: not sent with a reservation) go into every row, the second only into
+    the rows of recipients in the upstream transaction.
     """
     queue = upstream_queue_id(final_reply)
     out: list[LedgerEntry] = []
@@ -55,5 +59,6 @@ def entries_for(*, now: float, rcpt_tos: Sequence[str], outcomes: Mapping[str, O
             upstream=upstream if result is not None else "",
             message_id=message_id,
             queue_id=queue_id, client_reply=str(client_reply), key_source=key_source,
-            key_reused=rcpt in reused))
+            key_reused=rcpt in reused, received_at=received_at,
+            sending_at=sending_at if result is not None else None))
     return out

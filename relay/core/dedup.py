@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from relay.core import replies, rotation, rules
@@ -57,7 +57,8 @@ class _Plan:
     design.md §2.2), what the reserve found per key (``reservations``), the keys this attempt
     reserved and sends (``send``: key -> the first spelling relayed for it), those shadow mode
     relays unreserved (``shadow``), the keys whose record was of other content (``reused``,
-    §4.9), and each recipient's verdict once it has one (``verdicts``)."""
+    §4.9), each recipient's verdict once it has one (``verdicts``), and when the reserved keys
+    were marked SENDING before the final dot (``sending_at``)."""
 
     keys: dict[str, str] = field(default_factory=dict)
     previous: dict[str, str] = field(default_factory=dict)
@@ -67,6 +68,7 @@ class _Plan:
     shadow: dict[str, str] = field(default_factory=dict)
     reused: set[str] = field(default_factory=set)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    sending_at: float | None = None  # when its records were marked SENDING (the relay's clock)
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,7 @@ class DedupCore:
         not admit the message (a required ledger that cannot take rows, design.md §6.7) makes
         it ``451 4.3.0`` before anything is reserved.
         """
+        received_at = self._clock()
         admitted = self._gates.admit()
         plan = _Plan()
         derived: DerivedKey | None = None
@@ -204,7 +207,8 @@ class DedupCore:
             upstream=delivery.upstream if delivery is not None else "",
             refusals=concluded.refusals, decided_at=self._clock(), admitted=admitted,
             key_source=derived.source if derived is not None else "",
-            reused=frozenset(r for r, v in concluded.verdicts.items() if v.reused))
+            reused=frozenset(r for r, v in concluded.verdicts.items() if v.reused),
+            received_at=received_at, sending_at=plan.sending_at)
 
     async def _decide_key(self, msg: InboundMessage, plan: _Plan
                           ) -> tuple[DerivedKey | None, _Concluded]:
@@ -437,8 +441,8 @@ class DedupCore:
         (:func:`relay.core.rules.after_upstream`): its verdict, and for a reserved key's first
         spelling the settle."""
         progress = DeliveryProgress()
-        progress.before_dot = self._settler.sending_marker(plan.send, token, progress,
-                                                           p.window_s)
+        progress.before_dot = self._timed(plan, self._settler.sending_marker(
+            plan.send, token, progress, p.window_s))
         sent_for = {**plan.send, **plan.shadow}  # store key -> the recipient relayed for it
 
         async def kept_alive_delivery() -> DeliveryResult:
@@ -477,6 +481,19 @@ class DedupCore:
         if ops:
             await self._settler.settle(ops, token, lease_ends)
         return self._conclude(msg, plan.verdicts, result, p=p)
+
+    def _timed(self, plan: _Plan, marker: Callable[[Sequence[str]], Awaitable[bool]]
+               ) -> Callable[[Sequence[str]], Awaitable[bool]]:
+        """``marker`` (the ``before_dot`` hook) noting in ``plan.sending_at`` when it first
+        said yes: the time the final dot is about to go (for the audit ledger's row)."""
+
+        async def marked(accepted: Sequence[str]) -> bool:
+            ok = await marker(accepted)
+            if ok and plan.sending_at is None:
+                plan.sending_at = self._clock()
+            return ok
+
+        return marked
 
     async def _reserve_uncut(self, keys: list[str], token: str, p: Policy,
                              plan: _Plan) -> list[Reservation]:

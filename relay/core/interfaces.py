@@ -580,7 +580,10 @@ class LedgerEntry:
     ``client_reply`` what the client was told for the message; ``decided_at`` the relay's
     clock (unix seconds) when it answered; ``key_source`` where the key came from
     (``header``, ``rule:NAME``); ``key_reused``: the recipient's key held a record of other
-    content (design.md §4.9).
+    content (design.md §4.9). ``received_at``: the relay's clock when the message's final
+    dot came in from the client; ``sending_at``: when the relay marked its records SENDING,
+    right before its own final dot went upstream (None: not known, or nothing was sent with
+    a reservation).
     """
 
     decided_at: float
@@ -598,6 +601,8 @@ class LedgerEntry:
     action: LedgerAction = LedgerAction.RELAY
     key_source: str = ""  # where the key came from: header, rule:NAME ("": none, an operator)
     key_reused: bool = False
+    received_at: float | None = None
+    sending_at: float | None = None
 
 
 class AuditLedger(Protocol):

@@ -60,7 +60,9 @@ class Decision:
     ``trace_id``: the message span's trace (32 hex digits; empty with tracing off), for the
     log line. ``key_source``: where the key came from (``header``, ``rule:NAME``; ``""``:
     the message had none). ``reused``: the recipients whose key held a record of other
-    content (design.md §4.9).
+    content (design.md §4.9). ``received_at``: the relay's wall clock when the core took the
+    message (its final dot had come in); ``sending_at``: when its reservations were marked
+    SENDING, right before the final dot went upstream (None: no reserved recipient was sent).
     """
 
     reply: SmtpReply
@@ -78,6 +80,8 @@ class Decision:
     trace_id: str = ""
     key_source: str = ""
     reused: frozenset[str] = frozenset()
+    received_at: float | None = None
+    sending_at: float | None = None
 
 
 class DecisionObserver(Protocol):

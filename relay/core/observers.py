@@ -58,5 +58,6 @@ class RecordDecisions:
             rcpt_results=decision.rcpt_results, final_reply=decision.upstream_reply,
             client_reply=decision.reply, upstream=decision.upstream,
             message_id=msg.message.message_id, queue_id=msg.queue_id,
-            key_source=decision.key_source, reused=decision.reused),
+            key_source=decision.key_source, reused=decision.reused,
+            received_at=decision.received_at, sending_at=decision.sending_at),
             admitted=decision.admitted)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -27,6 +28,23 @@ CONSOLE_ROLES: tuple[str, ...] = ("viewer", "operator")
 """The console's roles: a viewer reads every page; an operator also releases and marks sent."""
 
 
+def console_base_url(value: str) -> str:
+    """``value`` as the console's base URL: ``http(s)://HOST[:PORT][/PATH]`` without a
+    trailing slash, a query, a fragment or credentials. Raises ``ValueError`` naming what is
+    wrong."""
+    text = value.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("console_url must be an http:// or https:// URL with a host, as "
+                         f"people open the console, got {text!r}")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError("console_url takes no query, fragment or user: the console's own "
+                         "address, e.g. https://relay-console.example.com")
+    if any(ord(char) < 0x21 or ord(char) == 0x7F for char in text):
+        raise ValueError("console_url holds a space or a control character")
+    return text.rstrip("/")
+
+
 class ConsoleSettings(Section):
     """The web console for support and compliance (off by default)."""
 
@@ -36,11 +54,11 @@ class ConsoleSettings(Section):
                                         "console_tls_key")
 
     console_listen: str | None = Field(None, description=(
-        "HOST:PORT of the web console (a message's history, in-doubt review, stats, CSV "
-        "export); unset or off: no console"))
+        "HOST:PORT of the web console (find a message by address, Message-ID, queue id or "
+        "period, in-doubt review, stats, CSV export); unset or off: no console"))
     console_auth_file: Path | None = Field(None, description=(
-        "user:hash:role lines (hash-password --role viewer|operator) of who may sign in to "
-        "the console; needed with console_listen"))
+        "user:hash:role lines (hash-password --role viewer, or --role operator) of who may "
+        "sign in to the console; needed with console_listen"))
     console_tls_cert: Path | None = Field(None, description=(
         "PEM certificate chain of the console's HTTPS; unset: the listener's tls_cert when "
         "set, else plain HTTP (loopback only, unless console_plain_http)"))
@@ -51,6 +69,10 @@ class ConsoleSettings(Section):
     console_session_timeout: float = Field(default=1800.0, gt=0, le=43200, description=(
         "seconds a console session lasts without a request (at most 12 h); then sign in "
         "again"))
+    console_url: str | None = Field(None, description=(
+        "the console's external URL (https://relay-console.example.com, as people open it: "
+        "behind a proxy, the proxy's); set, each message's decision log line carries its "
+        "console page in the field console (URL/message/QUEUE_ID); unset: no link"))
 
     @field_validator("console_listen")
     @classmethod
@@ -59,6 +81,13 @@ class ConsoleSettings(Section):
             return None
         split_host_port(value, what="console_listen")
         return value
+
+    @field_validator("console_url")
+    @classmethod
+    def _check_console_url(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        return console_base_url(value)
 
     @model_validator(mode="after")
     def _check_console(self) -> ConsoleSettings:
@@ -74,8 +103,8 @@ class ConsoleSettings(Section):
             return self
         if self.console_auth_file is None:
             raise SettingsRuleError(
-                "console_listen needs console_auth_file (hash-password --role viewer|operator "
-                "writes its lines): the console has no anonymous pages",
+                "console_listen needs console_auth_file (hash-password --role viewer or --role "
+                "operator writes its lines): the console has no anonymous pages",
                 "console_listen", "console_auth_file")
         return self
 

@@ -20,6 +20,7 @@ from relay.settings.common import (
 from relay.store.postgres.kind import POSTGRES
 
 if TYPE_CHECKING:
+    from relay.core.policy import Policy
     from relay.ops.metrics import PrometheusMetrics
     from relay.store.postgres.ledger import LedgerOptions, PostgresLedger
 
@@ -79,20 +80,25 @@ class LedgerSettings(Section):
         ledger = self.ledger
         return [] if ledger is None else [(("ledger",), lambda: postgres_files(ledger))]
 
-    def ledger_options(self, *, instance: str, secret: bytes | None) -> LedgerOptions:
+    def ledger_options(self, *, instance: str, secret: bytes | None,
+                       local_part_case_sensitive: bool) -> LedgerOptions:
         """How this process writes ledger rows: ``instance`` names it in every row (the relay's
-        hostname and pid); ``secret`` is the HMAC key of hashed dedupe keys."""
+        hostname and pid); ``secret`` is the HMAC key of hashed dedupe keys and of the
+        recipients' digests, whose addresses are normalized as the fingerprints' are
+        (``local_part_case_sensitive``)."""
         from relay.store.postgres.ledger import LedgerOptions
 
         return LedgerOptions(
             instance=instance, recipients_full=self.ledger_recipients == "full",
             keys_plain=self.ledger_keys == "plain", secret=secret,
+            local_part_case_sensitive=local_part_case_sensitive,
             queue_max=self.ledger_queue, required=self.ledger_required,
             retention_s=self.ledger_retention, in_doubt_after_s=self.in_doubt_alert_after)
 
     async def open_ledger(self, metrics: PrometheusMetrics, *, instance: str,
-                          secret: bytes | None, timeout_s: float) -> PostgresLedger | None:
-        """Open the audit ledger (None without one); each call on it may take ``timeout_s``.
+                          policy: Policy, timeout_s: float) -> PostgresLedger | None:
+        """Open the audit ledger (None without one), its rows keyed and normalized by the
+        dedup ``policy``'s secret and case rule; each call on it may take ``timeout_s``.
         Raises :class:`StartupError` when its schema is missing or old, :class:`StoreError`
         for a URL the driver refuses."""
         if self.ledger is None:
@@ -102,7 +108,9 @@ class LedgerSettings(Section):
         metrics.declare_ledger()
         return await PostgresLedger.open(
             self.ledger, metrics=metrics,
-            options=self.ledger_options(instance=instance, secret=secret),
+            options=self.ledger_options(
+                instance=instance, secret=policy.secret,
+                local_part_case_sensitive=policy.local_part_case_sensitive),
             op_timeout_s=timeout_s)
 
     def describe_ledger(self) -> str:

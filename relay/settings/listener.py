@@ -57,10 +57,11 @@ class ListenerSettings(Section):
         return split_host_port(self.listen, what="listen")
 
     def listener_limits(self, *, allowed_senders: tuple[str, ...],
-                        local_part_case_sensitive: bool, log_recipients: bool
-                        ) -> ListenerLimits:
+                        local_part_case_sensitive: bool, log_recipients: bool,
+                        console_url: str | None = None) -> ListenerLimits:
         """The session limits of :class:`relay.smtp.handler.ListenerLimits`, with the senders
-        allowed, how recipients compare and whether they are logged in full."""
+        allowed, how recipients compare, whether they are logged in full and the console's
+        external URL (the decision log line's link)."""
         from relay.smtp.handler import ListenerLimits
 
         return ListenerLimits(
@@ -69,4 +70,5 @@ class ListenerSettings(Section):
             data_deadline_s=self.data_deadline, session_lifetime_s=self.session_lifetime,
             max_idle_commands=self.max_idle_commands, bare_newline=self.bare_newline,
             local_part_case_sensitive=local_part_case_sensitive,
-            log_recipients=log_recipients, allowed_senders=allowed_senders)
+            log_recipients=log_recipients, allowed_senders=allowed_senders,
+            console_url=console_url)

@@ -50,7 +50,9 @@ class ListenerLimits:
     session's DATA ends ``data_deadline_s`` after the 354, the session ``session_lifetime_s``
     after connect, or at ``max_idle_commands`` commands without a message. ``bare_newline``:
     ``normalize`` takes a content line ending in a bare LF as ending in CRLF, ``reject`` leaves
-    it to the ``550 5.6.0`` (:func:`relay.smtp.data.read_message`)."""
+    it to the ``550 5.6.0`` (:func:`relay.smtp.data.read_message`). ``console_url``: the
+    console's external URL, whose page of each message the decision log line links
+    (``console``: ``URL/message/QUEUE_ID``); None: no link."""
 
     hostname: str
     max_recipients: int = 1000
@@ -63,6 +65,7 @@ class ListenerLimits:
     log_recipients: bool = False
     allowed_senders: tuple[str, ...] = ()
     bare_newline: str = NORMALIZE
+    console_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,8 @@ class RelayHandler:
                       size: int, client: str) -> None:
         """One structured line per message decision (no body; recipients and the sender masked
         by default): what an operator needs in an incident, the client's address, its AUTH
-        user, the sender and the Message-ID among it (docs/operating/logs.md)."""
+        user, the sender and the Message-ID among it, and with ``console_url`` the link to the
+        message's console page (docs/operating/logs.md)."""
         show: Callable[[str], str] = (
             (lambda a: a) if self._limits.log_recipients else mask_address)
         label = distinct_labels([*decision.outcomes, *decision.keys], show)
@@ -286,6 +290,8 @@ class RelayHandler:
             fields["trace_id"] = decision.trace_id
         if decision.reused:  # keys reused for other content (design.md §4.9)
             fields["key_reused"] = sorted(label[r] for r in decision.reused)
+        if self._limits.console_url is not None:  # the console's page of this message
+            fields["console"] = f"{self._limits.console_url}/message/{msg.queue_id}"
         log.info("message", extra=fields)
 
     async def handle_exception(self, error: Exception) -> str:

@@ -305,7 +305,8 @@ class QueueingPeer(ScriptedPeer):
 async def test_history_and_in_doubt_of_a_serving_relay(ledger_url: str, tmp_path: Path) -> None:
     """A relay process with --ledger: a send and its duplicate, then another key's send the
     smarthost loses. `history --rcpt/--template/--key --json` prints relayed then suppressed
-    with the smarthost's reply on the first; `in-doubt --json` lists the lost one with its
+    with the smarthost's reply on the first; the lookups find the same rows
+    (:func:`lookups_find_the_same_rows`); `in-doubt --json` lists the lost one with its
     Message-ID; after `mark-sent` it is resolved and in-doubt prints []."""
     env = {"RELAY_LEDGER": ledger_url, "RELAY_STORE": f"sqlite:///{tmp_path / 'relay.db'}"}
     async with serve_peer(QueueingPeer()) as peer:
@@ -333,6 +334,8 @@ async def test_history_and_in_doubt_of_a_serving_relay(ledger_url: str, tmp_path
     assert got[0]["message_id"] == "<one@app.test>" and got[1]["reply"] == ""
     assert got[0]["at"] < got[1]["at"] and all(r["at"].endswith("Z") for r in got)
 
+    await lookups_find_the_same_rows(tmp_path, env, got)
+
     doubt = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
     assert doubt.returncode == 0, doubt
     [row] = json.loads(doubt.stdout)
@@ -344,3 +347,50 @@ async def test_history_and_in_doubt_of_a_serving_relay(ledger_url: str, tmp_path
     assert marked.returncode == 0, marked
     after = await asyncio.to_thread(run_cli, "in-doubt", "--json", cwd=tmp_path, env=env)
     assert (after.returncode, after.stdout.strip()) == (0, "[]"), after
+
+
+async def lookups_find_the_same_rows(tmp_path: Path, env: dict[str, str],
+                                     fingerprint: list[dict[str, object]]) -> None:
+    """`history --rcpt` alone lists all three rows of the recipient newest first (the lost
+    message's too); `--message-id` (bare) finds the send and its retry, `--queue-id` (the
+    relay's, the smarthost's) and `--since/--until` the send, printed as the fingerprint's
+    history prints it; a text line names the queue ids."""
+    async def history(*args: str) -> list[dict[str, object]]:
+        done = await asyncio.to_thread(run_cli, "history", *args, "--json", cwd=tmp_path,
+                                       env=env)
+        assert done.returncode == 0, done
+        return list(json.loads(done.stdout))
+
+    sent = fingerprint[0]
+    by_rcpt = await history("--rcpt", RCPT.upper())
+    assert [r["outcome"] for r in by_rcpt] == ["unknown", "suppressed", "relayed"]
+    assert by_rcpt[2] == sent
+    assert sent["received_at"] is not None and sent["sending_at"] is not None
+    assert await history("--message-id", "one@app.test") == [fingerprint[1], sent]  # a retry
+    assert await history("--queue-id", str(sent["queue_id"])) == [sent]
+    assert sent in await history("--queue-id", "4Xb2Lk1Zz9z3")
+    assert await history("--rcpt", RCPT, "--template", TEMPLATE, "--since", str(sent["at"]),
+                         "--until", str(fingerprint[1]["at"])) == [sent]
+    assert await history("--template", "no-such-template") == []
+    text = await asyncio.to_thread(run_cli, "history", "--message-id", "<one@app.test>",
+                                   cwd=tmp_path, env=env)
+    assert text.returncode == 0 and f"queue-id {sent['queue_id']}" in text.stdout, text
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    ((), "--message-id"),
+    (("--rcpt", "no address"), "--rcpt"),
+    (("--rcpt", RCPT, "--since", "yesterday"), "--since"),
+    (("--since", "2026-03-02", "--until", "2026-03-01"), "period is empty"),
+    (("--store-key", "email:fp:x", "--message-id", "<m@a>"), "one or the other"),
+    (("--rcpt", RCPT, "--auth-user", "app"), "--auth-user"),
+    (("--rcpt", RCPT, "--template", "a", "--template", "b"), "one --template"),
+])
+def test_a_lookup_history_refuses(ledger_url: str, tmp_path: Path, args: tuple[str, ...],
+                                  said: str) -> None:
+    """Nothing to look up by, an address the relay refuses, a time it cannot read, an empty
+    period, a lookup beside a fingerprint, an AUTH identity or two templates without a key:
+    exit 2 and the reason."""
+    done = run_cli("history", *args, cwd=tmp_path, env={"RELAY_LEDGER": ledger_url})
+    assert done.returncode == 2, done
+    assert said in done.stderr, done.stderr

@@ -301,7 +301,8 @@ async def test_export_streams_a_periods_rows_as_csv(
 async def test_without_a_ledger_the_history_is_the_stores_state_alone(
         make_relay: MakeRelay, sink: Sink, tmp_path: Path, web: list[Browser]) -> None:
     """No ledger configured: the history page shows the store's record and says the ledger
-    is missing; the in-doubt page says where its list comes from; the export is 404."""
+    is missing; a lookup by address alone says it needs one; the in-doubt page says where its
+    list comes from; a message's page and the export are 404."""
     relay = await console_relay(make_relay, sink, tmp_path)
     assert (await send(relay.port, [RCPT], message(key="pay-1"))).code == 250
     b = opened(web, relay)
@@ -310,6 +311,10 @@ async def test_without_a_ledger_the_history_is_the_stores_state_alone(
     assert status == 200 and 'id="no-ledger"' in page and 'id="state-value">sent<' in page
     status, page, _ = await b.get("/in-doubt")
     assert status == 200 and 'id="no-ledger"' in page
+    status, page, _ = await b.get(f"/history?rcpt={quote(RCPT)}")
+    assert status == 200 and 'id="no-ledger"' in page and "no rows to search" in page
+    status, _, _ = await b.get("/message/0123456789ab")
+    assert status == 404
     status, _, _ = await b.get("/export.csv")
     assert status == 404
 

@@ -4,7 +4,7 @@ life, a reload's removals), and the export's cells, dates and the sign-in's next
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from relay.console.errors import ConsoleError
 from relay.console.export import csv_cell, parse_instant
 from relay.console.sessions import MAX_AGE_S, MAX_PER_USER, Sessions
 from relay.console.signin import local_path
+from relay.console.times import age_words, when
 from relay.core.errors import ConfigError
 from relay.credentials import CredentialFile, format_entry
 from relay.settings import CONSOLE_ROLES, load_settings
@@ -217,3 +218,41 @@ def test_one_user_signing_in_again_and_again_ends_only_their_own_sessions() -> N
     assert sessions.find(theirs)[0] is not None
     assert [sessions.find(t)[0] is not None for t in tokens] == [False] * 5 + [
         True] * MAX_PER_USER
+
+
+@pytest.mark.parametrize(("seconds", "words"), [
+    (0, "just now"), (4.9, "just now"), (5, "5 seconds ago"), (61, "1 minute ago"),
+    (3 * 3600 + 59, "3 hours ago"), (86400 * 2 + 5, "2 days ago"), (-120, "in 2 minutes"),
+])
+def test_an_age_in_words(seconds: float, words: str) -> None:
+    assert age_words(seconds) == words
+
+
+def test_every_time_is_shown_one_way() -> None:
+    """UTC to the second with its age; the exact instant on hover; a day and a clock that a
+    narrow column may put on two lines, never split; none is a dash."""
+    at = datetime(2026, 12, 5, 14, 30, 0, 250000, tzinfo=UTC)
+    shown = str(when(at, now=at + timedelta(hours=3)))
+    assert shown == ('<time datetime="2026-12-05T14:30:00.250000Z" '
+                     'title="2026-12-05T14:30:00.250000Z"><span>2026-12-05</span> '
+                     '<span>14:30:00 UTC</span></time> <span class="age">(3 hours ago)</span>')
+    assert str(when(None)) == "-"
+
+
+@pytest.mark.parametrize(("value", "kept"), [
+    ("https://console.example.com/", "https://console.example.com"),
+    ("http://127.0.0.1:8725", "http://127.0.0.1:8725"),
+    ("https://ops.example.com/relay/", "https://ops.example.com/relay"),
+    ("", None),
+])
+def test_the_consoles_url_for_log_lines(value: str, kept: str | None) -> None:
+    assert settings(console_url=value).console_url == kept
+
+
+@pytest.mark.parametrize("value", [
+    "console.example.com", "ftp://console.example.com", "https://", "https://a.example/?x=1",
+    "https://a.example/#top", "https://user:pw@a.example", "https://a.example/a b",
+])
+def test_a_console_url_that_is_no_base_url_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="console_url"):
+        settings(console_url=value)

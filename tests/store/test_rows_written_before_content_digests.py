@@ -153,10 +153,11 @@ async def test_redis_values_of_the_earlier_formats_are_never_a_key_reused(
         await store.close()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 async def test_a_ledger_at_an_older_version_keeps_its_rows(version: int) -> None:
     """The ledger's first ``version`` steps and a row; the upgrade (and the SQL script after
-    it, which changes nothing) keeps the row, its key source empty and ``key_reused`` false."""
+    it, which changes nothing) keeps the row, its key source empty, ``key_reused`` false and
+    no recipient digest (the address is not in it to digest)."""
     with private_schema(upgraded=False) as url:
         conn = await asyncpg.connect(url)
         try:
@@ -172,7 +173,8 @@ async def test_a_ledger_at_an_older_version_keeps_its_rows(version: int) -> None
                 version, migrations.latest("ledger"))
             await conn.execute(migrations.script("ledger"))
             rows = await conn.fetch(
-                "SELECT outcome, recipient, key_source, key_reused FROM dedup_relay_ledger")
+                "SELECT outcome, recipient, key_source, key_reused, recipient_digest "
+                "FROM dedup_relay_ledger")
         finally:
             await conn.close()
-    assert [tuple(r) for r in rows] == [("suppressed", "j***@example.net", "", False)]
+    assert [tuple(r) for r in rows] == [("suppressed", "j***@example.net", "", False, None)]

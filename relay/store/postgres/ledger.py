@@ -32,6 +32,7 @@ import asyncpg
 
 from relay.core.address import mask_address, mask_addresses_in
 from relay.core.errors import StartupError, StoreError
+from relay.core.fingerprint import recipient_digest
 from relay.core.interfaces import LedgerEntry
 from relay.store.postgres import migrations
 from relay.store.postgres.calls import (
@@ -65,19 +66,26 @@ message's path, and a large ledger's count reads more than a write."""
 
 COLUMNS = ("row_id", "decided_at", "action", "outcome", "store_key", "recipient", "template",
            "dedupe_key", "reply", "upstream_queue_id", "upstream", "message_id", "queue_id",
-           "client_reply", "instance", "key_source", "key_reused")
+           "client_reply", "instance", "key_source", "key_reused", "recipient_digest",
+           "received_at", "sending_at")
+"""The columns a row (:func:`row_of`) holds, in its order. ``decided_at`` is unix seconds on
+the clock the row was decided on; ``received_at`` and ``sending_at`` are the seconds before
+it (None: none), so that the one move of ``decided_at`` onto the database's clock moves
+them too."""
 
-# $18: the offset in seconds of the database's clock from the clock the rows' decided_at were
+# $21: the offset in seconds of the database's clock from the clock the rows' decided_at were
 # read on (:func:`clock_offset`); ``decided_at`` is stored on the database's clock, so rows of
 # relays whose clocks disagree still sort in the order their decisions were taken (a relay
 # 10 min ahead would otherwise list a duplicate before its send).
 _INSERT = f"""
 INSERT INTO {_L_} ({", ".join(COLUMNS)})
-SELECT r, to_timestamp(d + $18::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr
+SELECT r, to_timestamp(d + $21::float8), a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr,
+       rd, to_timestamp(d + $21::float8 - rb), to_timestamp(d + $21::float8 - sb)
 FROM unnest($1::uuid[], $2::float8[], $3::text[], $4::text[], $5::text[], $6::text[],
             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-            $13::text[], $14::text[], $15::text[], $16::text[], $17::boolean[])
-     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr)
+            $13::text[], $14::text[], $15::text[], $16::text[], $17::boolean[], $18::text[],
+            $19::float8[], $20::float8[])
+     AS t(r, d, a, o, sk, rc, t, k, rp, uq, u, m, q, cr, i, ks, kr, rd, rb, sb)
 ON CONFLICT (row_id) DO NOTHING
 """
 
@@ -153,14 +161,17 @@ class LedgerOptions:
     """How rows are written: ``instance`` names this relay process in every row;
     ``recipients_full`` keeps recipients as given (else masked, ``j***@example.com``);
     ``keys_plain`` keeps dedupe keys as given (else SHA-256 hex, HMAC-SHA-256 with
-    ``secret`` when one is set); ``queue_max`` rows wait at most; ``required`` fails closed;
-    ``retention_s`` seconds a row is kept; ``in_doubt_after_s`` the age from which an
-    unresolved in-doubt decision counts in the gauge."""
+    ``secret`` when one is set); every row's ``recipient_digest`` is keyed by ``secret`` too,
+    its recipient normalized as the relay's fingerprints are (``local_part_case_sensitive``);
+    ``queue_max`` rows wait at most; ``required`` fails closed; ``retention_s`` seconds a row
+    is kept; ``in_doubt_after_s`` the age from which an unresolved in-doubt decision counts in
+    the gauge."""
 
     instance: str = ""
     recipients_full: bool = False
     keys_plain: bool = False
     secret: bytes | None = None
+    local_part_case_sensitive: bool = False
     queue_max: int = 10000
     required: bool = False
     retention_s: float = 400 * 86400.0
@@ -182,9 +193,16 @@ def key_digest(key: str, secret: bytes | None) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _before(entry: LedgerEntry, at: float | None) -> float | None:
+    """Seconds from ``at`` to the entry's decision (None for None)."""
+    return None if at is None else entry.decided_at - at
+
+
 def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
     """``entry`` as the values of :data:`COLUMNS`, recipient masked (an empty one kept
-    empty), the addresses in the reply texts masked too, and key hashed per ``options``."""
+    empty), the addresses in the reply texts masked too, key hashed per ``options``, and the
+    recipient's keyed digest (:func:`relay.core.fingerprint.recipient_digest`; None for an
+    empty recipient or one that does not normalize)."""
     recipient = (entry.recipient if options.recipients_full or not entry.recipient
                  else mask_address(entry.recipient))  # "" (an operator's row) stays ""
     # an upstream's reply quotes recipients (450 4.2.0 <jane.roe@example.net>: greylisted)
@@ -198,7 +216,10 @@ def row_of(entry: LedgerEntry, options: LedgerOptions) -> tuple[Any, ...]:
             _clean(shown(entry.reply)), _clean(entry.upstream_queue_id),
             _clean(entry.upstream), _clean(entry.message_id), _clean(entry.queue_id),
             _clean(shown(entry.client_reply)),
-            _clean(options.instance), _clean(entry.key_source), entry.key_reused)
+            _clean(options.instance), _clean(entry.key_source), entry.key_reused,
+            recipient_digest(entry.recipient, secret=options.secret,
+                             local_part_case_sensitive=options.local_part_case_sensitive),
+            _before(entry, entry.received_at), _before(entry, entry.sending_at))
 
 
 OFFSET_EVERY_S = 60.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,15 +33,21 @@ from relay.store.postgres.ledger import (
     insert_rows,
     row_of,
 )
+from relay.store.postgres.ledger_query import (
+    FIELDS,
+    TIMELINE,
+    TIMELINE_ROWS,
+    LedgerQuery,
+    Position,
+    search_sql,
+)
 from relay.store.postgres.migrations import LEDGER as _L_
 
-__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader"]
+__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader", "Page"]
 
 _ERRORS = (*ERRORS, ValueError)
 
-_FIELDS = ("decided_at, recorded_at, action, outcome, store_key, recipient, template, "
-           "dedupe_key, reply, upstream_queue_id, upstream, message_id, queue_id, "
-           "client_reply, instance, key_source, key_reused")
+_FIELDS = FIELDS
 
 # $1 store keys (one fingerprint's: its key and, during a rotation, its previous secret's
 # key), $2 most rows: the oldest first (decided_at, then the order they landed)
@@ -102,7 +109,11 @@ class HistoryRow:
     keeps it (SHA-256 hex, HMAC or plain, per ``ledger_keys``), None without one;
     ``recipient`` masked or full per ``ledger_recipients``. The other texts are "" when there
     was none (``key_source``: where the key came from, ``header`` or ``rule:NAME``);
-    ``key_reused``: the recipient's key held a record of other content (design.md §4.9)."""
+    ``key_reused``: the recipient's key held a record of other content (design.md §4.9).
+    ``received_at``: when the message came in; ``sending_at``: when its records were marked
+    SENDING, right before the final dot went upstream (None: not known, not sent with a
+    reservation, or a row written before the ledger's schema version 4); ``row_id``: the
+    row's own id (a page's :class:`Position`)."""
 
     decided_at: datetime
     recorded_at: datetime
@@ -121,6 +132,24 @@ class HistoryRow:
     instance: str
     key_source: str
     key_reused: bool
+    received_at: datetime | None = None
+    sending_at: datetime | None = None
+    row_id: uuid.UUID | None = None
+
+    @property
+    def position(self) -> Position:
+        """Where a page ending at this row ends."""
+        assert self.row_id is not None
+        return Position(self.decided_at, self.row_id)
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a lookup: its ``rows`` and where the next starts (None: this is the
+    last)."""
+
+    rows: list[HistoryRow]
+    next: Position | None
 
 
 @dataclass(frozen=True)
@@ -183,6 +212,23 @@ class LedgerReader:
         previous fingerprint secret during a rotation), oldest first (by ``decided_at``, then
         ``recorded_at``), at most ``limit``."""
         records = await self._call("ledger history", _HISTORY, list(store_keys), limit)
+        return [_history_row(r) for r in records]
+
+    async def search(self, query: LedgerQuery, *, after: Position | None = None,
+                     limit: int) -> Page:
+        """One page of ``query``: at most ``limit`` rows past ``after`` (None: the first
+        page), in ``query``'s order (:func:`.ledger_query.search_sql`), and the position of
+        the next page when there are more."""
+        sql, args = search_sql(query, after, limit + 1)
+        records = await self._call("ledger search", sql, *args)
+        rows = [_history_row(r) for r in records[:limit]]
+        return Page(rows, rows[-1].position if len(records) > limit else None)
+
+    async def timeline(self, queue_id: str, *, limit: int = TIMELINE_ROWS) -> list[HistoryRow]:
+        """The rows of the message the relay gave ``queue_id`` and every row of the store keys
+        it decided on (the send its duplicate was suppressed by, later retries, operators'
+        actions), oldest first, at most ``limit``."""
+        records = await self._call("ledger timeline", TIMELINE, queue_id, limit)
         return [_history_row(r) for r in records]
 
     async def in_doubt(self, *, older_than_s: float, limit: int) -> list[InDoubtRow]:

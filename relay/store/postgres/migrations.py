@@ -191,6 +191,28 @@ CREATE INDEX IF NOT EXISTS {LEDGER}_in_doubt ON {LEDGER} (decided_at)
     f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_source text NOT NULL DEFAULT '';",
     # 3: the recipient's key held a record of other content (design.md §4.9); false before
     f"ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS key_reused boolean NOT NULL DEFAULT false;",
+    # 4: what support looks a message up by (design.md §6.7, docs/ledger.md). recipient_digest:
+    # the keyed digest of the normalized recipient (relay.core.fingerprint.recipient_digest),
+    # so an address finds its rows while the ledger keeps it masked; NULL in the rows written
+    # before (the address is not in them to digest) and in the operators' rows without one.
+    # received_at: when the message came in; sending_at: when its records were marked SENDING,
+    # right before the final dot went upstream (NULL: not sent with a reservation, or before).
+    # Each index ends in (decided_at, row_id), the order and the key of the lookups' pages.
+    # Building them locks the table against writes until the upgrade commits: relays queue
+    # their rows meanwhile (docs/ledger.md says how long for a million rows).
+    f"""ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS recipient_digest text;
+ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS received_at timestamptz;
+ALTER TABLE {LEDGER} ADD COLUMN IF NOT EXISTS sending_at timestamptz;
+CREATE INDEX IF NOT EXISTS {LEDGER}_recipient_digest
+    ON {LEDGER} (recipient_digest, decided_at, row_id) WHERE recipient_digest IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {LEDGER}_message_id
+    ON {LEDGER} (message_id, decided_at, row_id) WHERE message_id <> '';
+CREATE INDEX IF NOT EXISTS {LEDGER}_queue_id
+    ON {LEDGER} (queue_id, decided_at, row_id) WHERE queue_id <> '';
+CREATE INDEX IF NOT EXISTS {LEDGER}_upstream_queue_id
+    ON {LEDGER} (upstream_queue_id, decided_at, row_id) WHERE upstream_queue_id <> '';
+CREATE INDEX IF NOT EXISTS {LEDGER}_template ON {LEDGER} (template, decided_at, row_id);
+CREATE INDEX IF NOT EXISTS {LEDGER}_decided_at ON {LEDGER} (decided_at, row_id);""",
 )
 
 STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS, "ledger": _LEDGER_STEPS}
