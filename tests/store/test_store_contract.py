@@ -829,16 +829,19 @@ async def test_resend_unknown_takes_over_an_unknown_record(store: FingerprintSto
 
 async def test_resend_unknown_takes_over_sending_only_past_the_lease(
         store: FingerprintStore, prefix: str) -> None:
-    """A SENDING key is in flight within the lease (kept) and in doubt after it (taken)."""
+    """A SENDING key is in flight within the lease (kept: the reserve right after the mark,
+    with 2 s to land) and in doubt after it (taken: once the lease is surely over, 2.1 s
+    after the mark answered by the monotonic clock)."""
     key, token = prefix + "d", new_token()
-    await store.reserve([key], token=token, lease_s=0.3)
+    await store.reserve([key], token=token, lease_s=2.0)
     await store.settle([SettleOp(key, Settle.SENDING)], token=token, window_s=3600)
-    [early] = await store.reserve([key], token=new_token(), lease_s=0.3, resend_unknown=True)
+    lease_over = time.monotonic() + 2.1
+    [early] = await store.reserve([key], token=new_token(), lease_s=2.0, resend_unknown=True)
     assert not early.reserved and early.found is not None
     assert early.found.state is State.PENDING
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(max(0.0, lease_over - time.monotonic()))
     retry = new_token()
-    [late] = await store.reserve([key], token=retry, lease_s=0.3, resend_unknown=True)
+    [late] = await store.reserve([key], token=retry, lease_s=2.0, resend_unknown=True)
     assert late.reserved and late.found is not None and late.found.state is State.UNKNOWN
     assert (await store.inspect(key)).token == retry
     # the dead attempt's token no longer settles anything
@@ -934,15 +937,18 @@ async def test_a_renewed_sending_record_stays_sending_and_settles_with_its_token
 
 async def test_a_renewed_sending_record_counts_its_lease_from_the_renewal(
         store: FingerprintStore, prefix: str) -> None:
-    """SENDING with a 0.4 s lease, renewed at 0.25 s, is still in flight at 0.55 s: no
-    takeover (the renewal is its heartbeat)."""
+    """SENDING with a 3 s lease, renewed 1.5 s after the mark, is still in flight once the
+    mark's own heartbeat is surely past the lease (3.1 s after the mark answered, by the
+    monotonic clock): no takeover (the renewal is its heartbeat). The renewal and the last
+    reserve each have about 1.4 s to spare for a loaded runner."""
     key, token = prefix + "k", new_token()
-    await store.reserve([key], token=token, lease_s=0.4)
-    await store.settle([SettleOp(key, Settle.SENDING, lease_s=0.4)], token=token, window_s=3600)
-    await asyncio.sleep(0.25)
-    assert await store.renew([key], token=token, lease_s=0.4) == [True]
-    await asyncio.sleep(0.3)
-    found = (await store.reserve([key], token=new_token(), lease_s=0.4,
+    await store.reserve([key], token=token, lease_s=3.0)
+    await store.settle([SettleOp(key, Settle.SENDING, lease_s=3.0)], token=token, window_s=3600)
+    marked = time.monotonic()
+    await asyncio.sleep(1.5)
+    assert await store.renew([key], token=token, lease_s=3.0) == [True]
+    await asyncio.sleep(max(0.0, marked + 3.1 - time.monotonic()))
+    found = (await store.reserve([key], token=new_token(), lease_s=3.0,
                                  resend_unknown=True))[0]
     assert not found.reserved and found.found is not None
     assert found.found.state is State.PENDING
