@@ -138,7 +138,9 @@ def _env(prefix: str, **extra: str) -> dict[str, str]:
 
 def test_in_flight_records_are_refused_unless_forced(tmp_path: Path, redis_prefix: str) -> None:
     """PENDING, and SENDING within the lease, may still be delivered: release and mark-sent
-    exit 4 and change nothing; --force acts; SENDING past the lease reads as unknown."""
+    exit 4 and change nothing; --force acts; SENDING past the lease reads as unknown. The
+    records live an hour and the lease is ten minutes, far beyond the six CLI runs before
+    the last release (each a Python start; seconds apiece on a loaded runner)."""
     import time
 
     import redis
@@ -146,10 +148,10 @@ def test_in_flight_records_are_refused_unless_forced(tmp_path: Path, redis_prefi
     client = redis.Redis.from_url(REDIS_URL)
     pending, sending, old = (redis_prefix + n for n in ("p", "s", "o"))
     now_ms = int(time.time() * 1000)
-    client.set(pending, "P|tok", px=60_000)
-    client.set(sending, f"D|tok|{now_ms}", px=60_000)
-    client.set(old, f"D|tok|{now_ms - 120_000}", px=60_000)  # its relay died 2 min ago
-    env = _env(redis_prefix, RELAY_LEASE="60", RELAY_UPSTREAM_TIMEOUT="30")
+    client.set(pending, "P|tok", px=3_600_000)
+    client.set(sending, f"D|tok|{now_ms}", px=3_600_000)
+    client.set(old, f"D|tok|{now_ms - 1_200_000}", px=3_600_000)  # its relay died 20 min ago
+    env = _env(redis_prefix, RELAY_LEASE="600", RELAY_UPSTREAM_TIMEOUT="30")
     for key in (pending, sending):
         for command in ("release", "mark-sent"):
             done = run_cli(command, "--store-key", key, "--reason", "r", cwd=tmp_path, env=env)

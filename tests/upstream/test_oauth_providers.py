@@ -409,12 +409,13 @@ async def test_workers_refreshing_at_once_take_turns(
 
 async def test_a_queue_of_refreshes_longer_than_one_timeout_is_waited_out(
         idp: IdentityProvider, rotating: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eight workers queued on the lock behind an endpoint that takes 0.2 s each: the last
-    waits 1.4 s, past one request's timeout (0.5 s, no margin here), yet each holder kept the
-    lock within it, so none gives up."""
+    """Eight workers queued on the lock behind an endpoint that takes 0.5 s each: the last
+    waits at least 3.5 s (the endpoint's sleeps alone), past one request's timeout (3 s, no
+    margin here), yet each holder kept the lock within it (2.5 s to spare for a loaded
+    runner), so none gives up."""
     monkeypatch.setattr(oauth, "_LOCK_MARGIN_S", 0.0)
-    idp.reply_delay_s = 0.2
-    workers = [refresh_grant(idp, rotating, timeout_s=0.5) for _ in range(8)]
+    idp.reply_delay_s = 0.5
+    workers = [refresh_grant(idp, rotating, timeout_s=3.0) for _ in range(8)]
     tokens = await asyncio.gather(*(w.token() for w in workers))
     assert len(set(tokens)) == 8 and len(idp.requests) == 8
 
