@@ -4,8 +4,12 @@ final dot is what happened on the wire (docs/design.md §5.3).
 The payload (dot-stuffed content and the final dot, RFC 5321 section 4.5.2) goes to the
 transport in chunks of :data:`CHUNK_BYTES`, at most :data:`AHEAD_BYTES` ahead of what the kernel
 took. A transfer is *sent* once every byte, the final dot's included, left the process; it
-*stalls* when no byte left for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
-per send, not for the whole message). One given up while bytes are still buffered is reset with
+*stalls* when nothing moved for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
+per send, not for the whole message): the kernel took no byte from the process and sent none
+of those it holds (:func:`kernel_unsent`; where it cannot tell, only the first counts). The
+kernel takes bytes in bursts (a full send buffer is writable again only once about a third of
+it is free, seconds apart on a slow link) while the link moves all along, so what it sends is
+what shows the link moving. One given up while bytes are still buffered is reset with
 :func:`abort`, so the final dot can never follow. A *gate* (the SENDING mark) holds the final dot
 (the payload's last :data:`DOT` bytes) back until it resolves True; it is started (``start_gate``)
 once at most :data:`MARK_AHEAD_BYTES` of the body are left that the kernel has not taken (at
@@ -51,7 +55,7 @@ class Outcome(enum.Enum):
 
     SENT = "sent"  # every byte, the final dot included, left the process
     ANSWERED = "answered"  # the upstream replied before it had the whole message
-    STALLED = "stalled"  # nothing left the process for stall_timeout_s
+    STALLED = "stalled"  # nothing moved (left the process or the kernel) for stall_timeout_s
     WITHHELD = "withheld"  # the gate said no: the final dot was never written
     LOST = "lost"  # the connection closed or failed
 
@@ -152,6 +156,24 @@ def abort(transport: WireTransport) -> None:
     transport.abort()
 
 
+class _Progress:
+    """What a transfer has seen move: the bytes the kernel took from the process, and the
+    bytes its send queue still held unsent (:func:`kernel_unsent`)."""
+
+    def __init__(self) -> None:
+        self._taken = -1
+        self._unsent: int | None = None
+
+    def moved(self, taken: int, unsent: int | None) -> bool:
+        """Record this look (``taken``: payload bytes out of the process; ``unsent``: the
+        kernel's unsent bytes, None when it cannot tell); whether anything moved since the
+        last: the kernel took bytes, or sent some of those it held (see the module doc)."""
+        took = taken > self._taken
+        sent = unsent is not None and self._unsent is not None and unsent < self._unsent
+        self._taken, self._unsent = max(taken, self._taken), unsent
+        return took or sent
+
+
 class Transfer:
     """One payload written into ``transport`` with progress tracking; see the module doc."""
 
@@ -178,7 +200,7 @@ class Transfer:
         all taken by the kernel) the stall clock does not run: the wait is the store's,
         bounded by its own timeout."""
         loop = asyncio.get_running_loop()
-        taken, progress_at = -1, loop.time()
+        progress, progress_at = _Progress(), loop.time()
         body = len(self._payload) - len(DOT)
         gate: asyncio.Future[bool] | None = None
         held = start_gate is not None  # the final dot waits for the gate
@@ -196,9 +218,9 @@ class Transfer:
             if self._transport.is_closing() or reply.done():
                 return Outcome.LOST
             backlog = write_backlog(self._transport)
-            now_taken = self._offset - backlog
-            if now_taken > taken or (held and backlog == 0):
-                taken, progress_at = now_taken, loop.time()
+            moved = progress.moved(self._offset - backlog, kernel_unsent(self._transport))
+            if moved or (held and backlog == 0):
+                progress_at = loop.time()
             elif loop.time() - progress_at > self._stall_timeout_s:
                 return Outcome.STALLED
             if held and gate is not None and backlog == 0:  # wake when the gate or a reply does
