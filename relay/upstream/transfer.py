@@ -26,7 +26,9 @@ pinned by tests/upstream/test_upstream_wire.py). Transports are duck-typed
 *Sent* means the kernel took the dot, not that it left the host: a peer that reads slowly
 keeps the last of the message in the kernel's send queue. A wait for the final reply that ends
 without one therefore calls :func:`withdraw`: while the kernel still holds unsent bytes
-(:func:`kernel_unsent`), the connection is reset and the dot can never arrive.
+(:func:`kernel_unsent`), the connection is reset and the dot can never arrive. "Without one" is
+judged by the wire too (:func:`await_reply`): a reply in the kernel's receive queue at the
+deadline is read, not taken for none.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import gc
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
@@ -48,6 +50,8 @@ POLL_S = 0.005
 DOT = b".\r\n"  # the end of the payload: the final dot, RFC 5321 section 4.5.2
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 SIOCOUTQNSD = 0x894B  # Linux ioctl: a TCP socket's queued bytes not yet sent (linux/sockios.h)
+SIOCINQ = 0x541B  # Linux ioctl (FIONREAD): a TCP socket's received bytes not yet read
+T = TypeVar("T")
 
 
 class Outcome(enum.Enum):
@@ -120,6 +124,19 @@ def kernel_unsent(transport: WireTransport) -> int | None:
     """Bytes the kernel holds for ``transport``'s socket and has not sent yet (Linux
     ``SIOCOUTQNSD``: through TLS, encrypted bytes); None when it cannot tell (another
     system, the socket closed). Never raises."""
+    return _socket_queue(transport, SIOCOUTQNSD)
+
+
+def kernel_unread(transport: WireTransport) -> int | None:
+    """Bytes the kernel received for ``transport``'s socket that the process has not read
+    yet (Linux ``SIOCINQ``: through TLS, encrypted bytes); None when it cannot tell. Never
+    raises."""
+    return _socket_queue(transport, SIOCINQ)
+
+
+def _socket_queue(transport: WireTransport, request: int) -> int | None:
+    """The byte count the ioctl ``request`` reads from ``transport``'s socket; None when
+    there is no open socket or the system has no such request."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return None
@@ -127,10 +144,31 @@ def kernel_unsent(transport: WireTransport) -> int | None:
         fd = sock.fileno()
         if fd < 0:
             return None
-        raw = fcntl.ioctl(fd, SIOCOUTQNSD, b"\0" * 4)
+        raw = fcntl.ioctl(fd, request, b"\0" * 4)
     except (OSError, ValueError):
         return None
     return int(struct.unpack("i", raw)[0])
+
+
+async def await_reply(reader: asyncio.Future[T], transport: WireTransport, timeout_s: float,
+                      more_s: float) -> T:
+    """``reader``'s result (its exception raised), awaited ``timeout_s`` seconds. A reply
+    that reached the host within them is read even when the loop has not read it yet (the
+    kernel's receive queue holds bytes, :func:`kernel_unread`: the process was held up past
+    the deadline, or uvloop ran the timeout before polling the socket), for at most ``more_s``
+    seconds more: judged by the wire, not by the relay's own timer. Raises TimeoutError when
+    no reply came; cancelled, or timed out, ``reader`` is cancelled."""
+    try:
+        await asyncio.wait((reader,), timeout=timeout_s)
+        if not reader.done() and kernel_unread(transport):
+            await asyncio.wait((reader,), timeout=more_s)
+    finally:
+        answered = reader.done()
+        if not answered:
+            reader.cancel()
+    if not answered:
+        raise TimeoutError
+    return reader.result()
 
 
 def withdraw(transport: WireTransport) -> int:
