@@ -287,11 +287,16 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
         Scenario("upstream-drop-perm",
                  "upstream drops 10 % of connections at RCPT, refuses 10 % with 554",
                  faults=Faults(drop_ratio=0.1, perm_ratio=0.1, slow_s=LATENCY_S)),
+        # timeouts far above a loaded runner's pauses, the stall far above the stall timeout:
+        # with the half-second ones a sink starved of CPU turned commands into 451s and
+        # retries past the deadline, and a dot answered after 1 s into one in doubt
         Scenario("upstream-stall",
-                 "every 8th message 6 MB; upstream link stalls 2 s after 354 for half of "
-                 "those (> stall timeout 0.5 s)",
-                 faults=Faults(stall_ratio=0.5, stall_min_bytes=1_000_000, stall_s=2.0,
-                               slow_s=LATENCY_S), big_every=8, big_bytes=6_000_000),
+                 "every 8th message 6 MB; upstream link stalls 6 s after 354 for half of "
+                 "those (> stall timeout 2 s)",
+                 faults=Faults(stall_ratio=0.5, stall_min_bytes=1_000_000, stall_s=6.0,
+                               slow_s=LATENCY_S), big_every=8, big_bytes=6_000_000,
+                 relay=RelayConfig(lease_s=20.0, upstream_timeout_s=5.0, command_timeout_s=2.0,
+                                   connect_timeout_s=2.0)),
         Scenario("relay-sigterm", "relay SIGTERM mid-load, new relay on the same port",
                  faults=plain, action=relay_signalled(signal.SIGTERM)),
         Scenario("relay-sigterm-inflight",

@@ -11,10 +11,11 @@ timeout for the ``354`` and the final reply and cannot say which ran out: a fail
 final dot fully left the relay releases the reservation, one after it is UNKNOWN (RFC 1047). The
 message is written by :mod:`relay.upstream.transfer` (stall timeout ``command_timeout_s``); the
 final reply is awaited for ``final_timeout_s`` (default 600 s, RFC 5321 section 4.5.3.2.6) from
-the moment the kernel took the whole message. A wait that ends without a reply (that timeout, or
-a shutdown's cut) while the kernel still holds unsent bytes of the message resets the
-connection: the dot can never arrive, so the reservation is released, not UNKNOWN. Design:
-docs/design.md §5.3.
+the moment the kernel took the whole message; a reply already in the kernel's receive queue at
+the deadline (the worker was held up) is read, not taken for none. A wait that ends without a
+reply (that timeout, or a shutdown's cut) while the kernel still holds unsent bytes of the
+message resets the connection: the dot can never arrive, so the reservation is released, not
+UNKNOWN. Design: docs/design.md §5.3.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from relay.upstream.transfer import (
     Transfer,
     WireTransport,
     abort,
+    await_reply,
     is_wire,
     withdraw,
     write_backlog,
@@ -593,13 +595,15 @@ class SmtpUpstream:
         """The outcome once the kernel took the final dot: 2yz, a 4yz/5yz refusal, or UNKNOWN
         (never reused: a late reply would be read as the next command's). A cancellation
         (shutdown cut) that meets a reply already read takes that reply: it is the upstream's
-        verdict, and throwing it away would turn a definite answer into an in-doubt one. A
+        verdict, and throwing it away would turn a definite answer into an in-doubt one; so is
+        a reply the kernel received by the deadline (:func:`await_reply`). A
         wait that ends without a reply (the timeout, or a cut) while the kernel has not sent
         all of the message resets the connection (:func:`withdraw`): the dot can never arrive,
         ``progress.dot_written`` goes back to False, and the timeout is a refusal (released),
         not UNKNOWN."""
         try:
-            response = await asyncio.wait_for(reader, self._cfg.final_timeout_s)
+            response = await await_reply(reader, transport, self._cfg.final_timeout_s,
+                                         self._cfg.command_timeout_s)
         except asyncio.CancelledError:
             if not reader.done() or reader.cancelled() or reader.exception() is not None:
                 _withdraw_dot(transport, progress, "the shutdown's wait for it ended")

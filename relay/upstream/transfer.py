@@ -4,8 +4,12 @@ final dot is what happened on the wire (docs/design.md §5.3).
 The payload (dot-stuffed content and the final dot, RFC 5321 section 4.5.2) goes to the
 transport in chunks of :data:`CHUNK_BYTES`, at most :data:`AHEAD_BYTES` ahead of what the kernel
 took. A transfer is *sent* once every byte, the final dot's included, left the process; it
-*stalls* when no byte left for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
-per send, not for the whole message). One given up while bytes are still buffered is reset with
+*stalls* when nothing moved for ``stall_timeout_s`` (RFC 5321 section 4.5.3.2.5: the timeout runs
+per send, not for the whole message): the kernel took no byte from the process and sent none
+of those it holds (:func:`kernel_unsent`; where it cannot tell, only the first counts). The
+kernel takes bytes in bursts (a full send buffer is writable again only once about a third of
+it is free, seconds apart on a slow link) while the link moves all along, so what it sends is
+what shows the link moving. One given up while bytes are still buffered is reset with
 :func:`abort`, so the final dot can never follow. A *gate* (the SENDING mark) holds the final dot
 (the payload's last :data:`DOT` bytes) back until it resolves True; it is started (``start_gate``)
 once at most :data:`MARK_AHEAD_BYTES` of the body are left that the kernel has not taken (at
@@ -22,7 +26,9 @@ pinned by tests/upstream/test_upstream_wire.py). Transports are duck-typed
 *Sent* means the kernel took the dot, not that it left the host: a peer that reads slowly
 keeps the last of the message in the kernel's send queue. A wait for the final reply that ends
 without one therefore calls :func:`withdraw`: while the kernel still holds unsent bytes
-(:func:`kernel_unsent`), the connection is reset and the dot can never arrive.
+(:func:`kernel_unsent`), the connection is reset and the dot can never arrive. "Without one" is
+judged by the wire too (:func:`await_reply`): a reply in the kernel's receive queue at the
+deadline is read, not taken for none.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import gc
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
@@ -44,6 +50,8 @@ POLL_S = 0.005
 DOT = b".\r\n"  # the end of the payload: the final dot, RFC 5321 section 4.5.2
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 SIOCOUTQNSD = 0x894B  # Linux ioctl: a TCP socket's queued bytes not yet sent (linux/sockios.h)
+SIOCINQ = 0x541B  # Linux ioctl (FIONREAD): a TCP socket's received bytes not yet read
+T = TypeVar("T")
 
 
 class Outcome(enum.Enum):
@@ -51,7 +59,7 @@ class Outcome(enum.Enum):
 
     SENT = "sent"  # every byte, the final dot included, left the process
     ANSWERED = "answered"  # the upstream replied before it had the whole message
-    STALLED = "stalled"  # nothing left the process for stall_timeout_s
+    STALLED = "stalled"  # nothing moved (left the process or the kernel) for stall_timeout_s
     WITHHELD = "withheld"  # the gate said no: the final dot was never written
     LOST = "lost"  # the connection closed or failed
 
@@ -116,6 +124,19 @@ def kernel_unsent(transport: WireTransport) -> int | None:
     """Bytes the kernel holds for ``transport``'s socket and has not sent yet (Linux
     ``SIOCOUTQNSD``: through TLS, encrypted bytes); None when it cannot tell (another
     system, the socket closed). Never raises."""
+    return _socket_queue(transport, SIOCOUTQNSD)
+
+
+def kernel_unread(transport: WireTransport) -> int | None:
+    """Bytes the kernel received for ``transport``'s socket that the process has not read
+    yet (Linux ``SIOCINQ``: through TLS, encrypted bytes); None when it cannot tell. Never
+    raises."""
+    return _socket_queue(transport, SIOCINQ)
+
+
+def _socket_queue(transport: WireTransport, request: int) -> int | None:
+    """The byte count the ioctl ``request`` reads from ``transport``'s socket; None when
+    there is no open socket or the system has no such request."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return None
@@ -123,10 +144,31 @@ def kernel_unsent(transport: WireTransport) -> int | None:
         fd = sock.fileno()
         if fd < 0:
             return None
-        raw = fcntl.ioctl(fd, SIOCOUTQNSD, b"\0" * 4)
+        raw = fcntl.ioctl(fd, request, b"\0" * 4)
     except (OSError, ValueError):
         return None
     return int(struct.unpack("i", raw)[0])
+
+
+async def await_reply(reader: asyncio.Future[T], transport: WireTransport, timeout_s: float,
+                      more_s: float) -> T:
+    """``reader``'s result (its exception raised), awaited ``timeout_s`` seconds. A reply
+    that reached the host within them is read even when the loop has not read it yet (the
+    kernel's receive queue holds bytes, :func:`kernel_unread`: the process was held up past
+    the deadline, or uvloop ran the timeout before polling the socket), for at most ``more_s``
+    seconds more: judged by the wire, not by the relay's own timer. Raises TimeoutError when
+    no reply came; cancelled, or timed out, ``reader`` is cancelled."""
+    try:
+        await asyncio.wait((reader,), timeout=timeout_s)
+        if not reader.done() and kernel_unread(transport):
+            await asyncio.wait((reader,), timeout=more_s)
+    finally:
+        answered = reader.done()
+        if not answered:
+            reader.cancel()
+    if not answered:
+        raise TimeoutError
+    return reader.result()
 
 
 def withdraw(transport: WireTransport) -> int:
@@ -150,6 +192,24 @@ def abort(transport: WireTransport) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
     transport.abort()
+
+
+class _Progress:
+    """What a transfer has seen move: the bytes the kernel took from the process, and the
+    bytes its send queue still held unsent (:func:`kernel_unsent`)."""
+
+    def __init__(self) -> None:
+        self._taken = -1
+        self._unsent: int | None = None
+
+    def moved(self, taken: int, unsent: int | None) -> bool:
+        """Record this look (``taken``: payload bytes out of the process; ``unsent``: the
+        kernel's unsent bytes, None when it cannot tell); whether anything moved since the
+        last: the kernel took bytes, or sent some of those it held (see the module doc)."""
+        took = taken > self._taken
+        sent = unsent is not None and self._unsent is not None and unsent < self._unsent
+        self._taken, self._unsent = max(taken, self._taken), unsent
+        return took or sent
 
 
 class Transfer:
@@ -178,7 +238,7 @@ class Transfer:
         all taken by the kernel) the stall clock does not run: the wait is the store's,
         bounded by its own timeout."""
         loop = asyncio.get_running_loop()
-        taken, progress_at = -1, loop.time()
+        progress, progress_at = _Progress(), loop.time()
         body = len(self._payload) - len(DOT)
         gate: asyncio.Future[bool] | None = None
         held = start_gate is not None  # the final dot waits for the gate
@@ -196,9 +256,9 @@ class Transfer:
             if self._transport.is_closing() or reply.done():
                 return Outcome.LOST
             backlog = write_backlog(self._transport)
-            now_taken = self._offset - backlog
-            if now_taken > taken or (held and backlog == 0):
-                taken, progress_at = now_taken, loop.time()
+            moved = progress.moved(self._offset - backlog, kernel_unsent(self._transport))
+            if moved or (held and backlog == 0):
+                progress_at = loop.time()
             elif loop.time() - progress_at > self._stall_timeout_s:
                 return Outcome.STALLED
             if held and gate is not None and backlog == 0:  # wake when the gate or a reply does

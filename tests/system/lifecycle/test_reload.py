@@ -35,7 +35,10 @@ from tests.support.relays import REDIS_URL, ServeProcess, _spawn_serve, delete_p
 from tests.support.sink import Sink
 from tests.support.waiting import until
 
-pytestmark = pytest.mark.timeout(60)
+# A backstop against a hang, not a bound on the steps: each step waits with its own bound (a
+# start up to 60 s, a CLI command up to 60 s, a reload line up to 15 s), and a loaded runner
+# took 36 s to start two workers and 7 s to run one `dedup-relay reload`.
+pytestmark = pytest.mark.timeout(240)
 
 WORKERS = pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
 _IMPLICIT_TLS = re.compile(r"implicit TLS \[?[0-9a-fA-F.:]+?\]?:(\d+)")
