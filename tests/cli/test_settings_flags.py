@@ -127,6 +127,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "console_tls_key": ("console.key", Path("console.key")),
     "console_plain_http": (None, True),
     "console_session_timeout": ("600", 600.0),
+    "console_url": ("https://relay-console.example.com/", "https://relay-console.example.com"),
 }
 SECOND_RUN = {"upstream_password", "fingerprint_secret_file",  # each excludes another setting
               "fingerprint_secret_previous_file", "console_plain_http"}

@@ -20,10 +20,10 @@ from relay.core.observers import RecordDecisions
 from relay.core.rules import KeyReuse
 from relay.ops.metrics import PrometheusMetrics
 from relay.store.redis.store import RedisStore
-from tests.core.test_template_policy_core import OTHER, USER, ScriptedUpstream
 from tests.support.clients import message
 from tests.support.metrics import sample
 from tests.support.relays import REDIS_URL
+from tests.support.scripted_upstream import OTHER, USER, ScriptedUpstream
 
 RECEIPT = "Thanks for order 1042, shipped 2024-01-08 09:00 UTC."
 RECEIPT_LATER = "Thanks for order 1042, shipped 2024-01-08 09:05 UTC."  # a retry's timestamp

@@ -25,10 +25,10 @@ from relay.core.rules import UnknownPolicy
 from relay.ops.metrics import PrometheusMetrics
 from relay.ops.ports import StoreWrapper
 from relay.store.redis.store import RedisStore
-from tests.core.test_template_policy_core import USER, ScriptedUpstream
 from tests.support.clients import message
 from tests.support.metrics import sample
 from tests.support.relays import REDIS_URL
+from tests.support.scripted_upstream import USER, ScriptedUpstream
 
 OLD, NEW = b"the secret before", b"the secret now"
 
