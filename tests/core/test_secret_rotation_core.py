@@ -14,7 +14,6 @@ from contextlib import AbstractAsyncContextManager
 from uuid import uuid4
 
 import pytest
-import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from relay.core.dedup import DedupCore, InboundMessage, Policy
@@ -38,16 +37,6 @@ async def store() -> AsyncIterator[RedisStore]:
     opened = RedisStore.from_url(REDIS_URL)
     yield opened
     await opened.close()
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    prefix = f"test:{uuid4().hex}:"
-    yield prefix
-    client = aredis.Redis.from_url(REDIS_URL)
-    async for key in client.scan_iter(match=f"{prefix}*"):
-        await client.delete(key)
-    await client.aclose()
 
 
 def inbound(body: str = "Your receipt") -> InboundMessage:
