@@ -325,11 +325,13 @@ def scenarios(*, redis_down_s: float = 10.0, pg_down_s: float = 3.0) -> list[Sce
                  "give up after 1 s and retry on the other relay; unknown_policy = send",
                  faults=held_replies, relay=two_clocks,
                  second_clock_offset_s=20.0, store="sqlite", policy=quick_retries),
+        # twice the delays a quiet runner needs: a relay on a loaded runner renews its lease
+        # seconds late, and a renewal later than the lease reads as in doubt
         Scenario("long-transactions",
-                 "every upstream command answered in 0-0.9 s: many transactions outlast the "
-                 "3 s lease",
-                 faults=Faults(slow_s=0.9),
-                 relay=RelayConfig(lease_s=3.0, command_timeout_s=1.0, upstream_timeout_s=1.5)),
+                 "every upstream command answered in 0-1.8 s: many transactions outlast the "
+                 "6 s lease",
+                 faults=Faults(slow_s=1.8),
+                 relay=RelayConfig(lease_s=6.0, command_timeout_s=2.0, upstream_timeout_s=3.0)),
         Scenario("relay-sigkill", "relay SIGKILL mid-load, then restarted", faults=plain,
                  action=relay_signalled(signal.SIGKILL)),
         Scenario("relay-sigkill-mid-data",

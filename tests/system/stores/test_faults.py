@@ -168,7 +168,7 @@ async def test_relays_on_one_sqlite_file_across_a_clock_step_keep_the_invariant(
 
 
 async def test_transactions_longer_than_the_lease_keep_the_invariant(tmp_path: Path) -> None:
-    """A slow upstream makes many transactions outlast the 3 s lease: none is refused as store
+    """A slow upstream makes many transactions outlast the 6 s lease: none is refused as store
     unavailable or lapsed, none is duplicated (item 4)."""
     result = await run("long-transactions", tmp_path)
     assert_invariant(result)

@@ -52,8 +52,8 @@ def test_serve_refuses_to_start_on_a_missing_schema(
         [sys.executable, "-m", "relay", "serve", "--listen", "127.0.0.1:0", "--store",
          empty_url, "--upstream", "maildir:mail", "--workers", workers,
          "--metrics-listen", "off"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=30, check=False,
-        env={"PATH": "/usr/bin:/bin"})
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        env={"PATH": "/usr/bin:/bin"})  # a supervisor and two workers start on a loaded runner
     assert done.returncode == 69, done.stderr
     assert "dedup-relay db upgrade" in done.stderr, done.stderr
 
@@ -79,7 +79,7 @@ def test_serve_refuses_to_start_on_a_database_the_server_refuses(
     done = subprocess.run(
         [sys.executable, "-m", "relay", "serve", "--listen", "127.0.0.1:0", *store,
          "--upstream", "maildir:mail", "--workers", workers, "--metrics-listen", "off"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
         env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 69, done.stderr
     word = "database" if fault == "database" else "role"
