@@ -555,11 +555,20 @@ class SmtpUpstream:
                         ) -> tuple[RcptResult, bool]:
         """Write ``payload`` (final dot included, held back until the gate ``start_gate()``
         returns resolves True) and
-        take the reply: see :mod:`relay.upstream.transfer`. Given up (stalled, lost, answered
-        early, withheld, cancelled), the connection is reset while bytes are buffered, so
-        ``progress.dot_written`` stays False only when the final dot cannot reach the upstream
-        any more."""
-        transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s)
+        take the reply: see :mod:`relay.upstream.transfer`. ``progress.dot_written`` turns
+        True as the final dot is handed to the transport, before the loop or the kernel sent
+        it (uvloop writes at the end of its loop turn): a shutdown cut from then on waits for
+        the reply (:func:`relay.core.cancellation.reply_past_cut`) instead of settling a dot
+        that is leaving as one that never went. Given up (stalled, lost, answered early,
+        withheld, cancelled), the connection is reset while bytes are buffered (cancelled
+        once the process handed all of them over: while the kernel holds some unsent), so
+        ``progress.dot_written`` ends False when the final dot cannot reach the upstream any
+        more, and True only when it may have."""
+        def dot_handed() -> None:
+            progress.dot_written = True
+
+        transfer = Transfer(transport, payload, stall_timeout_s=self._cfg.command_timeout_s,
+                            on_dot=dot_handed)
         reader = asyncio.ensure_future(protocol.read_response(timeout=None))
         try:
             # the reader must be waiting before a byte goes: aiosmtplib drops a reply that
@@ -570,6 +579,8 @@ class SmtpUpstream:
         except BaseException:  # cancelled (shutdown cut): the dot must not leave after this
             reader.cancel()
             progress.dot_written = transfer.complete
+            if progress.dot_written:  # out of the process, maybe not yet out of the kernel
+                _withdraw_dot(transport, progress, "the shutdown cut the transfer")
             discard(smtp)
             raise
         progress.dot_written = transfer.complete

@@ -216,11 +216,14 @@ class Transfer:
     """One payload written into ``transport`` with progress tracking; see the module doc."""
 
     def __init__(self, transport: WireTransport, payload: bytes, *,
-                 stall_timeout_s: float) -> None:
+                 stall_timeout_s: float, on_dot: Callable[[], None] | None = None) -> None:
+        """``on_dot`` is called once, as the final dot is handed to the transport (before
+        the transport or the kernel may have taken it: from then on the dot can leave)."""
         self._transport = transport
         self._payload = payload
         self._offset = 0
         self._stall_timeout_s = stall_timeout_s
+        self._on_dot = on_dot
 
     @property
     def complete(self) -> bool:
@@ -286,3 +289,6 @@ class Transfer:
             stop = min(self._offset + CHUNK_BYTES, end)
             self._transport.write(self._payload[self._offset:stop])
             self._offset = stop
+        if self._offset == len(self._payload) and self._on_dot is not None:
+            on_dot, self._on_dot = self._on_dot, None
+            on_dot()
