@@ -1,0 +1,133 @@
+"""What a log-reading source keeps between looks: the verdicts its log recorded per
+Message-ID, with when they were logged, and the rule that picks the one about an attempt
+(docs/operating/reconciliation.md, evidence sources)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from relay.reconcile.evidence import Evidence, Query, Verdict
+from relay.reconcile.log_tail import LogTail
+
+DETAIL_LIMIT = 1024  # bytes of an Evidence's detail (its docstring's bound)
+DEFAULT_KEEP_S = 2 * 86400.0
+DEFAULT_SKEW_S = 2.0
+_TRIM_EVERY_S = 60.0
+
+
+def id_key(message_id: str) -> str:
+    """A Message-ID without its angle brackets and surrounding blanks (Exim logs it without
+    them, Postfix with them)."""
+    return message_id.strip().removeprefix("<").removesuffix(">").strip()
+
+
+def clip(detail: str) -> str:
+    """``detail`` cut to :data:`DETAIL_LIMIT` bytes of UTF-8."""
+    raw = detail.encode()
+    if len(raw) <= DETAIL_LIMIT:
+        return detail
+    return raw[:DETAIL_LIMIT - 3].decode("utf-8", "ignore") + "..."
+
+
+@dataclass(frozen=True)
+class LoggedVerdict:
+    """One verdict a log recorded: when (unix seconds), what, and the line(s) saying so."""
+
+    logged_at: float
+    verdict: Verdict
+    detail: str
+
+
+class VerdictIndex:
+    """Verdicts per Message-ID (:func:`id_key`), those logged more than ``keep_s`` seconds
+    ago dropped. A query is decided by the earliest verdict logged at or after its
+    ``attempt_at - skew_s`` (the smarthost's clock and the relay's differ, and syslog stamps
+    have 1 s resolution); an earlier one is about an earlier attempt with the same ID."""
+
+    def __init__(self, keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S) -> None:
+        self.keep_s = keep_s
+        self.skew_s = skew_s
+        self._by_id: dict[str, list[LoggedVerdict]] = {}
+        self._trimmed_at = 0.0
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._by_id.values())
+
+    def add(self, message_id: str, logged: LoggedVerdict) -> None:
+        """Record ``logged`` for ``message_id`` (the same verdict read twice, as from a
+        rotated file read again, is kept once)."""
+        entries = self._by_id.setdefault(id_key(message_id), [])
+        if logged not in entries:
+            entries.append(logged)
+
+    def trim(self, now: float) -> None:
+        """Drop what was logged before ``now - keep_s`` (at most once a minute)."""
+        if now - self._trimmed_at < _TRIM_EVERY_S:
+            return
+        self._trimmed_at = now
+        horizon = now - self.keep_s
+        for key in list(self._by_id):
+            kept = [e for e in self._by_id[key] if e.logged_at >= horizon]
+            if kept:
+                self._by_id[key] = kept
+            else:
+                del self._by_id[key]
+
+    def evidence(self, query: Query, source: str) -> Evidence:
+        """The answer to ``query`` (UNKNOWN when no verdict fits)."""
+        since = query.attempt_at - self.skew_s
+        fitting = [e for e in self._by_id.get(id_key(query.message_id), ())
+                   if e.logged_at >= since]
+        if not fitting:
+            return Evidence(Verdict.UNKNOWN, source)
+        first = min(fitting, key=lambda e: e.logged_at)
+        return Evidence(first.verdict, source, clip(first.detail), first.logged_at)
+
+
+class LogSource:
+    """The part every log-reading :class:`~relay.reconcile.evidence.EvidenceSource` shares:
+    its tails are read (in a thread) at each look, their new lines handed to
+    :meth:`_ingest`, then each query is answered from :attr:`index`. Raises OSError from
+    look when a log cannot be read at all."""
+
+    def __init__(self, name: str, paths: Sequence[Path], *, keep_s: float,
+                 skew_s: float) -> None:
+        self._name = name
+        self._tails = [LogTail(path) for path in paths]
+        self.index = VerdictIndex(keep_s, skew_s)
+        self._lock = asyncio.Lock()
+
+    @property
+    def name(self) -> str:
+        """The source's configured name."""
+        return self._name
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from its logs since it was made (a look reads only what is new)."""
+        return sum(tail.bytes_read for tail in self._tails)
+
+    async def look(self, queries: Sequence[Query]) -> Mapping[Query, Evidence]:
+        """Read what the logs gained since the last look, then answer each query."""
+        async with self._lock:
+            await asyncio.to_thread(self._read_all)
+            return {query: self.index.evidence(query, self._name) for query in queries}
+
+    async def close(self) -> None:
+        """Close the log files held."""
+        async with self._lock:
+            for tail in self._tails:
+                tail.close()
+
+    def _read_all(self) -> None:
+        for number, tail in enumerate(self._tails):
+            self._ingest(number, tail.read())
+        self.index.trim(time.time())
+
+    def _ingest(self, log: int, lines: Iterable[str]) -> None:
+        """Take the new ``lines`` of the ``log``-th path given (subclasses)."""
+        raise NotImplementedError
