@@ -52,7 +52,8 @@ class EximLog(LogSource):
     def __init__(self, name: str, path: Path, reject_path: Path | None = None, *,
                  keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S) -> None:
         reject = reject_path if reject_path is not None else exim_reject_log(path)
-        super().__init__(name, [path, reject], keep_s=keep_s, skew_s=skew_s)
+        # Exim makes its reject log at the first rejection
+        super().__init__(name, [path, reject], keep_s=keep_s, skew_s=skew_s, optional=[reject])
         self._rejection: _Rejection | None = None
 
     def _ingest(self, log: int, lines: Iterable[str]) -> None:

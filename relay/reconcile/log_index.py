@@ -92,12 +92,12 @@ class LogSource:
     """The part every log-reading :class:`~relay.reconcile.evidence.EvidenceSource` shares:
     its tails are read (in a thread) at each look, their new lines handed to
     :meth:`_ingest`, then each query is answered from :attr:`index`. Raises OSError from
-    look when a log cannot be read at all."""
+    look when a log cannot be read at all (one of ``optional`` may be missing)."""
 
     def __init__(self, name: str, paths: Sequence[Path], *, keep_s: float,
-                 skew_s: float) -> None:
+                 skew_s: float, optional: Sequence[Path] = ()) -> None:
         self._name = name
-        self._tails = [LogTail(path) for path in paths]
+        self._tails = [LogTail(path, missing_ok=path in optional) for path in paths]
         self.index = VerdictIndex(keep_s, skew_s)
         self._lock = asyncio.Lock()
 

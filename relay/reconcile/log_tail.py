@@ -86,12 +86,23 @@ def _finish(followed: _Followed) -> Iterator[str]:
         yield line.decode("utf-8", "replace").rstrip("\r")
 
 
+def _rewritten(followed: _Followed) -> bool:
+    """Whether the file was truncated in place since it was read (shorter than what was
+    read, or starting with other bytes: truncated, then written past the old length)."""
+    fd = followed.handle.fileno()
+    if os.fstat(fd).st_size < followed.position:
+        return True
+    return bool(followed.head) and os.pread(fd, len(followed.head), 0) != followed.head
+
+
 class LogTail:
     """Follows the log at ``path`` (see the module's docstring). ``bytes_read`` counts every
-    byte taken from disk (decompressed bytes for a ``.gz``)."""
+    byte taken from disk (decompressed bytes for a ``.gz``). ``missing_ok``: a ``path`` that
+    does not exist yet reads as empty (Exim makes its reject log at the first rejection)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, missing_ok: bool = False) -> None:
         self.path = path
+        self.missing_ok = missing_ok
         self.bytes_read = 0
         self._followed: _Followed | None = None
         # a file rotated away: read once more at the next call (its writer may not have
@@ -117,25 +128,24 @@ class LogTail:
             yield from self._history()
             self._started = True
         yield from self._retire()
-        yield from self._drain(self._followed)
+        followed = self._followed
+        if followed is not None and _rewritten(followed):
+            yield from self._truncated(followed)
+        else:
+            yield from self._drain(followed)
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
-            if self._followed is None and self._retiring is None and not self._history_read:
+            if (self._followed is None and self._retiring is None and not self._history_read
+                    and not self.missing_ok):
                 raise
             return  # renamed away and not created again yet: the descriptors have it all
-        followed = self._followed
         if followed is None:
             yield from self._open_current(stat)
         elif (stat.st_dev, stat.st_ino) != followed.ident:
             yield from self._drain(followed)  # what the writer added before it reopened
-            if self._retiring is not None:  # rotated twice in a row: finish the older one
-                yield from _finish(self._retiring)
-                self._retiring.handle.close()
-            self._retiring, self._followed = followed, None
+            self._retiring, self._followed = followed, None  # read once more next time
             yield from self._open_current(stat)
-        elif stat.st_size < followed.position:
-            yield from self._truncated(followed)
 
     def _retire(self) -> Iterator[str]:
         retiring = self._retiring
