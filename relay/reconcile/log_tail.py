@@ -6,8 +6,8 @@ then compressed to ``PATH.1.gz`` and removed) loses nothing: the renamed file is
 through the descriptor held, then the new ``PATH`` is read from its start. A file truncated in
 place (logrotate's ``copytruncate``) is finished from its copy ``PATH.1`` when that copy starts
 as the file did, then read again from 0. A line without its newline yet is kept until the rest
-arrives. At the first read the rotated history present (``PATH.1``, ``PATH.1.gz``,
-``PATH.01``, ``PATH-YYYYMMDD[.gz]``: the newest of them) is read once before ``PATH``.
+arrives. At the first read the newest rotated copy present (:func:`rotated_history`) is
+read once before ``PATH``.
 Blocking (file I/O): callers run it in a thread. Raises OSError when ``PATH`` cannot be read
 and no descriptor is held."""
 
@@ -25,18 +25,20 @@ from pathlib import Path
 _CHUNK = 1 << 20
 # the bytes of a file's start that tell it apart from another file (its first line, mostly)
 _HEAD = 256
-_DATED = re.compile(r"-\d{8}(?:\d{2})?(?:\.gz)?$")
+# logrotate's dateext (-YYYYMMDD, -YYYYMMDDHH) and "postfix logrotate" (.YYYYMMDD-HHMMSS)
+_DATED = re.compile(r"[.-]\d{8}(?:-?\d{2,6})?(?:\.gz)?$")
 
 
 def rotated_history(path: Path) -> Path | None:
     """The newest rotated copy of ``path`` present, or None: ``PATH.1``, ``PATH.1.gz``
     (logrotate), ``PATH.01``/``PATH.01.gz`` (Exim's exicyclog), ``PATH-YYYYMMDD[.gz]``
-    (logrotate's dateext); the one modified last wins."""
+    (logrotate's dateext), ``PATH.YYYYMMDD-HHMMSS[.gz]`` (``postfix logrotate``); the one
+    modified last wins."""
     names = [path.with_name(path.name + suffix)
              for suffix in (".1", ".1.gz", ".01", ".01.gz", ".0")]
     try:
-        names += [p for p in path.parent.glob(path.name + "-*")
-                  if _DATED.search(p.name[len(path.name):])]
+        names += [p for p in path.parent.glob(path.name + "[.-]*")
+                  if _DATED.fullmatch(p.name[len(path.name):])]
     except OSError:
         return None
     present = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import smtplib
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,3 +65,10 @@ def send(port: int, data: bytes) -> tuple[int, bytes]:
         except smtplib.SMTPDataError as refused:
             error = refused.smtp_error
             return refused.smtp_code, error.encode() if isinstance(error, str) else error
+
+
+def postfix_logrotate(maillog: Path) -> None:
+    """``postfix logrotate`` of the instance whose log is ``maillog``: renamed with a
+    ``.YYYYMMDD-HHMMSS`` suffix, compressed to ``.gz``, a new file begun."""
+    subprocess.run([postfix.POSTFIX, "-c", str(maillog.parent / "etc"), "logrotate"],
+                   check=True, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
