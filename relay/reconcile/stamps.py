@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import calendar
+import functools
 import re
 import time
 from datetime import datetime
@@ -85,17 +86,28 @@ def exim_stamp(line: str) -> tuple[float, int] | None:
     if match is None:
         return None
     year, month, day, hour, minute, second, fraction, sign, off_h, off_m = match.groups()
-    fields = (int(year), int(month), int(day), int(hour), int(minute), int(second))
+    if sign is None:
+        start = _local_hour(year, month, day, hour)
+    else:
+        start = _utc_hour(year, month, day, hour)
+        offset = (int(off_h) * 3600 + int(off_m) * 60) * (1 if sign == "+" else -1)
+        start = None if start is None else start - offset
+    if start is None:
+        return None
+    return start + int(minute) * 60 + int(second) + float(fraction or 0), match.end()
+
+
+@functools.lru_cache(maxsize=256)
+def _local_hour(year: str, month: str, day: str, hour: str) -> float | None:
+    """The unix seconds of that hour's start in local time (cached: one call a log hour)."""
     try:
-        if sign is None:
-            stamp = time.mktime((*fields, 0, 0, -1))
-        else:
-            offset = (int(off_h) * 3600 + int(off_m) * 60) * (1 if sign == "+" else -1)
-            stamp = _utc(*fields) - offset
+        return time.mktime((int(year), int(month), int(day), int(hour), 0, 0, 0, 0, -1))
     except (OverflowError, ValueError):
         return None
-    return stamp + float(fraction or 0), match.end()
 
 
-def _utc(year: int, month: int, day: int, hour: int, minute: int, second: int) -> float:
-    return float(calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0)))
+def _utc_hour(year: str, month: str, day: str, hour: str) -> float | None:
+    try:
+        return float(calendar.timegm((int(year), int(month), int(day), int(hour), 0, 0, 0, 0, 0)))
+    except (OverflowError, ValueError):
+        return None
