@@ -60,7 +60,8 @@ class Command:
     async def close(self) -> None:
         """Kill the programs still running."""
         for process in list(self._running):
-            _kill_group(process)
+            if process.returncode is None:
+                _kill_group(process)
 
     async def _ask(self, query: Query) -> Evidence:
         async with self._slots:
@@ -81,9 +82,12 @@ class Command:
         try:
             out, err = await asyncio.wait_for(self._collect(process), self._timeout_s)
         except TimeoutError:
-            raise _NoAnswer(f"no answer within {self._timeout_s:g} s (killed)") from None
-        finally:
             _kill_group(process)
+            raise _NoAnswer(f"no answer within {self._timeout_s:g} s (killed)") from None
+        except BaseException:
+            _kill_group(process)  # too much output, or the look cancelled
+            raise
+        finally:
             self._running.discard(process)
             with contextlib.suppress(TimeoutError, ProcessLookupError):
                 await asyncio.wait_for(process.wait(), 5.0)
@@ -136,7 +140,7 @@ def _parse(out: bytes) -> tuple[Verdict, str]:
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:
-    """SIGKILL the program's process group (it was started in a session of its own)."""
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+    """SIGKILL the program's process group (it was started in a session of its own; a
+    group outlives its leader while a child of it, holding the output open, lives on)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)

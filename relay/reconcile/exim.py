@@ -27,9 +27,11 @@ _DATA_REJECTED = re.compile(r"(?:\[\d+\] )?([0-9A-Za-z]{6}-[0-9A-Za-z]{6,11}-[0-
 _MESSAGE_ID_HEADER = re.compile(r"[A-Za-z* ] message-id:(.*)", re.IGNORECASE)
 
 
-def exim_reject_log(main_log: Path) -> Path:
+def exim_reject_log(main_log: Path) -> Path | None:
     """The reject log next to ``main_log`` (``log_file_path = .../%slog``: ``mainlog`` ->
-    ``rejectlog``, ``main.log`` -> ``reject.log``)."""
+    ``rejectlog``, ``main.log`` -> ``reject.log``), or None when the name has no ``main``."""
+    if "main" not in main_log.name:
+        return None
     return main_log.with_name(main_log.name.replace("main", "reject", 1))
 
 
@@ -46,14 +48,16 @@ class _Rejection:
 
 class EximLog(LogSource):
     """Exim's main log at ``path`` and its reject log (``reject_path``, by default
-    :func:`exim_reject_log`), rotated copies included, read incrementally; ``keep_s`` and
-    ``skew_s`` as for :class:`relay.reconcile.postfix.PostfixLog`."""
+    :func:`exim_reject_log`; without one no refusal is found), rotated copies included,
+    read incrementally; ``keep_s`` and ``skew_s`` as for
+    :class:`relay.reconcile.postfix.PostfixLog`."""
 
     def __init__(self, name: str, path: Path, reject_path: Path | None = None, *,
                  keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S) -> None:
         reject = reject_path if reject_path is not None else exim_reject_log(path)
+        logs = [path] if reject is None else [path, reject]
         # Exim makes its reject log at the first rejection
-        super().__init__(name, [path, reject], keep_s=keep_s, skew_s=skew_s, optional=[reject])
+        super().__init__(name, logs, keep_s=keep_s, skew_s=skew_s, optional=logs[1:])
         self._rejection: _Rejection | None = None
 
     def _ingest(self, log: int, lines: Iterable[str]) -> None:

@@ -100,6 +100,7 @@ class LogSource:
         self._tails = [LogTail(path, missing_ok=path in optional) for path in paths]
         self.index = VerdictIndex(keep_s, skew_s)
         self._lock = asyncio.Lock()
+        self._reading: asyncio.Future[None] | None = None
 
     @property
     def name(self) -> str:
@@ -114,7 +115,11 @@ class LogSource:
     async def look(self, queries: Sequence[Query]) -> Mapping[Query, Evidence]:
         """Read what the logs gained since the last look, then answer each query."""
         async with self._lock:
-            await asyncio.to_thread(self._read_all)
+            # a look cancelled while its thread reads leaves the thread running: the next
+            # look waits for that one instead of starting a second on the same files
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(asyncio.to_thread(self._read_all))
+            await asyncio.shield(self._reading)
             return {query: self.index.evidence(query, self._name) for query in queries}
 
     async def close(self) -> None:

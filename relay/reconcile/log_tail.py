@@ -112,11 +112,19 @@ class LogTail:
         self._retiring: _Followed | None = None
         self._started = False
         self._history_read = False
+        self._carried: list[str] = []
 
     def read(self) -> list[str]:
         """The complete lines appended since the previous call (without their newline,
-        decoded as UTF-8 with undecodable bytes replaced), oldest first."""
-        return list(self._lines())
+        decoded as UTF-8 with undecodable bytes replaced), oldest first. Raises OSError when
+        ``PATH`` cannot be read; the lines read before the error come with the next call."""
+        lines, self._carried = self._carried, []
+        try:
+            lines.extend(self._lines())
+        except OSError:
+            self._carried = lines
+            raise
+        return lines
 
     def close(self) -> None:
         """Release the descriptors held (the next read starts from the current ``PATH``)."""
@@ -143,11 +151,11 @@ class LogTail:
                 raise
             return  # renamed away and not created again yet: the descriptors have it all
         if followed is None:
-            yield from self._open_current(stat)
+            yield from self._open_current()
         elif (stat.st_dev, stat.st_ino) != followed.ident:
             yield from self._drain(followed)  # what the writer added before it reopened
             self._retiring, self._followed = followed, None  # read once more next time
-            yield from self._open_current(stat)
+            yield from self._open_current()
 
     def _retire(self) -> Iterator[str]:
         retiring = self._retiring
@@ -173,7 +181,7 @@ class LogTail:
         except (OSError, EOFError):
             pass  # a history that cannot be read is no evidence; the current file still is
 
-    def _open_current(self, stat: os.stat_result) -> Iterator[str]:
+    def _open_current(self) -> Iterator[str]:
         handle = self.path.open("rb")
         actual = os.fstat(handle.fileno())
         self._followed = _Followed(handle, (actual.st_dev, actual.st_ino))

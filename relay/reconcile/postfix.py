@@ -3,8 +3,9 @@
 cleanup's ``QID: message-id=<...>`` joins a Message-ID to its queue id; then for that queue
 id ``qmgr: QID: from=<...>, size=N, nrcpt=N (queue active)`` (or cleanup's ``hold:`` /
 ``discard:``, a 250 the smarthost answered too) is ACCEPTED, and a ``QID: reject:`` /
-``milter-reject:`` of the content (``header``, ``body``, ``END-OF-MESSAGE``: header_checks,
-body_checks, a milter or smtpd_end_of_data_restrictions) is REFUSED. A header_checks REJECT
+``milter-reject:`` / ``proxy-reject:`` of the content (``header``, ``body``,
+``END-OF-MESSAGE``: header_checks, body_checks, smtpd_end_of_data_restrictions, a milter, a
+before-queue content filter) is REFUSED. A header_checks REJECT
 that fires on a header above the Message-ID leaves no ``message-id=`` line: that refusal
 cannot be joined and stays UNKNOWN. Lines in either syslog timestamp form
 (:mod:`relay.reconcile.stamps`)."""
@@ -22,8 +23,10 @@ from relay.reconcile.stamps import SyslogClock
 # after the timestamp: host, program/daemon[pid]: QID: text
 _LINE = re.compile(r"\S+ [^\s\[:]+/[^\s\[:]+(?:\[\d+\])?: ([0-9A-Za-z]{6,}): (.*)")
 _ACCEPTED = re.compile(r"from=<.*>, size=\d+, nrcpt=\d+ \(queue active\)$"
-                       r"|(?:hold|discard): (?:header|body|END-OF-MESSAGE) ")
-_REFUSED = re.compile(r"(?:milter-)?reject: (?:header|body|content|END-OF-MESSAGE) ")
+                       r"|(?:milter-)?(?:hold|discard): (?:header|body|END-OF-MESSAGE)\b")
+# cleanup's header/body checks, smtpd's end-of-data restrictions and milters, a before-queue
+# content filter (smtpd_proxy_filter)
+_REFUSED = re.compile(r"(?:milter-|proxy-)?reject: (?:header|body|content|END-OF-MESSAGE)\b")
 
 
 class PostfixLog(LogSource):

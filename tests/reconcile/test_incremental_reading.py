@@ -232,3 +232,18 @@ async def test_a_look_reads_only_what_was_appended(tmp_path: Path) -> None:
     assert await verdicts(source, A) == [Verdict.ACCEPTED]
     assert source.bytes_read - first_read == len(grown.encode())  # nothing new, nothing read
     await source.close()
+
+
+async def test_lines_read_before_an_error_are_kept_for_the_next_look(tmp_path: Path) -> None:
+    """The history was read, then the current file could not be opened (a directory here:
+    root reads any file): the look raises, and the history's verdicts still count later."""
+    (tmp_path / "mail.log.1").write_text(accepted(NOW - 60, "AAAA0001", A))
+    path = tmp_path / "mail.log"
+    path.mkdir()
+    source = PostfixLog("mx", path)
+    with pytest.raises(OSError):
+        await source.look([Query(A, 0.0)])
+    path.rmdir()
+    path.write_text(accepted(NOW - 30, "BBBB0002", B))
+    assert await verdicts(source, A, B) == [Verdict.ACCEPTED] * 2
+    await source.close()

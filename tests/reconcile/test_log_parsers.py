@@ -167,3 +167,51 @@ def test_rfc3339_stamps_keep_their_offset() -> None:
     zulu = clock.parse("2026-12-07T20:03:04.123456Z host postfix/qmgr[1]: x")
     assert zulu is not None and zulu[0] == pytest.approx(parsed[0])
     assert clock.parse("not a stamp") is None
+
+
+# Postfix's other end-of-data verdicts, in the forms its smtpd and cleanup log them (no milter
+# or content filter runs here: the lines are written after those of the samples)
+OTHER_POSTFIX_FORMS = [
+    ("milter-reject: END-OF-MESSAGE from localhost[127.0.0.1]: 5.7.1 Spam; from=<a@b.test> "
+     "to=<c@d.test> proto=ESMTP helo=<app.test>", Verdict.REFUSED),
+    ("proxy-reject: END-OF-MESSAGE: 554 5.7.1 infected; from=<a@b.test> to=<c@d.test> "
+     "proto=ESMTP helo=<app.test>", Verdict.REFUSED),
+    ("reject: END-OF-MESSAGE from localhost[127.0.0.1]: 554 5.7.1 <END-OF-MESSAGE>: End-of-data "
+     "rejected; from=<a@b.test> to=<c@d.test> proto=ESMTP helo=<app.test>", Verdict.REFUSED),
+    ("reject: body REFUSE-THIS-BODY from localhost[127.0.0.1]; from=<a@b.test> to=<c@d.test> "
+     "proto=ESMTP helo=<app.test>: 5.7.1 body refused", Verdict.REFUSED),
+    ("hold: header Subject: check me from localhost[127.0.0.1]; from=<a@b.test> "
+     "to=<c@d.test> proto=ESMTP helo=<app.test>", Verdict.ACCEPTED),
+    ("milter-discard: END-OF-MESSAGE from localhost[127.0.0.1]: milter triggers DISCARD "
+     "action; from=<a@b.test> to=<c@d.test> proto=ESMTP helo=<app.test>", Verdict.ACCEPTED),
+    # a recipient refused while others were taken: not a verdict about the message
+    ("reject: RCPT from localhost[127.0.0.1]: 550 5.1.1 <x@d.test>: Recipient address "
+     "rejected; from=<a@b.test> to=<x@d.test> proto=ESMTP helo=<app.test>", Verdict.UNKNOWN),
+    ("to=<c@d.test>, relay=none, delay=0, dsn=2.0.0, status=sent (d.test)", Verdict.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize(("text", "verdict"), OTHER_POSTFIX_FORMS)
+async def test_other_postfix_verdict_forms(tmp_path: Path, text: str, verdict: Verdict) -> None:
+    path = tmp_path / "mail.log"
+    daemon = "cleanup" if text.startswith(("reject: body", "hold:")) else "smtpd"
+    path.write_text(
+        "2026-12-07T21:10:48.000000+00:00 mx postfix/cleanup[7]: 0A1B2C3D4E: "
+        "message-id=<other@app.test>\n"
+        f"2026-12-07T21:10:48.100000+00:00 mx postfix/{daemon}[8]: 0A1B2C3D4E: {text}\n")
+    source = PostfixLog("mx", path, keep_s=FOREVER)
+    query = Query("<other@app.test>", 0.0)
+    assert (await source.look([query]))[query].verdict is verdict
+    await source.close()
+
+
+async def test_an_exim_main_log_without_main_in_its_name_has_no_reject_log(
+        tmp_path: Path) -> None:
+    (main,) = sample(tmp_path, "exim-mainlog.log")
+    renamed = main.rename(tmp_path / "exim.log")
+    source = EximLog("exim", renamed, keep_s=FOREVER)
+    found = await source.look([Query("<first@app.test>", 0.0), Query("<refused-below@app.test>",
+                                                                      0.0)])
+    assert [e.verdict for e in found.values()] == [Verdict.ACCEPTED, Verdict.UNKNOWN]
+    assert source.bytes_read == renamed.stat().st_size
+    await source.close()
