@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.reconcile.evidence import Query, Verdict
+from relay.reconcile.command import Command
+from relay.reconcile.evidence import EvidenceSource, Query, Verdict
 from relay.reconcile.exim import EximLog
 from relay.reconcile.postfix import PostfixLog
 from relay.reconcile.stamps import SyslogClock, exim_stamp
@@ -215,3 +216,19 @@ async def test_an_exim_main_log_without_main_in_its_name_has_no_reject_log(
     assert [e.verdict for e in found.values()] == [Verdict.ACCEPTED, Verdict.UNKNOWN]
     assert source.bytes_read == renamed.stat().st_size
     await source.close()
+
+
+async def test_each_source_is_an_evidence_source(tmp_path: Path) -> None:
+    """The three kinds as the reconciler holds them (mypy checks the Protocol), each answering
+    every query it is asked."""
+    main, reject = sample(tmp_path, "exim-mainlog.log", "exim-rejectlog.log")
+    (maillog,) = sample(tmp_path, "postfix-maillog.log")
+    sources: list[EvidenceSource] = [
+        PostfixLog("postfix", maillog), EximLog("exim", main, reject),
+        Command("command", ["/bin/echo", "unknown"])]
+    queries = [Query("<first@app.test>", time.time()), Query("<x@app.test>", time.time())]
+    for source in sources:
+        found = await source.look(queries)
+        assert set(found) == set(queries)
+        assert {e.source for e in found.values()} == {source.name}
+        await source.close()
