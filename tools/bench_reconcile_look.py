@@ -40,6 +40,8 @@ def postfix_lines(start: int, count: int, at: float) -> str:
         elif n % 10 == 1:
             lines.append(f"{when} mx postfix/qmgr[4240]: {n - 1:011X}: from=<app@example.com>, "
                          "size=2881, nrcpt=1 (queue active)")
+        elif n % 10 == 9:
+            lines.append(f"{when} mx postfix/qmgr[4240]: {n - 9:011X}: removed")
         else:
             lines.append(f"{when} mx postfix/smtp[4243]: {queue_id}: to=<user@example.net>, "
                          "relay=mx.example.net[192.0.2.7]:25, delay=0.2, delays=0/0/0.1/0.1, "

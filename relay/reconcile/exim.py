@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relay.reconcile.evidence import Verdict
-from relay.reconcile.log_index import DEFAULT_KEEP_S, DEFAULT_SKEW_S, LoggedVerdict, LogSource
+from relay.reconcile.log_index import (
+    DEFAULT_KEEP_S,
+    DEFAULT_MAX_VERDICTS,
+    DEFAULT_SKEW_S,
+    LoggedVerdict,
+    LogSource,
+)
 from relay.reconcile.stamps import exim_stamp
 
 # after the timestamp: an optional [pid] (log_selector +pid), the message's id (4.96's
@@ -49,15 +55,17 @@ class _Rejection:
 class EximLog(LogSource):
     """Exim's main log at ``path`` and its reject log (``reject_path``, by default
     :func:`exim_reject_log`; without one no refusal is found), rotated copies included,
-    read incrementally; ``keep_s`` and ``skew_s`` as for
+    read incrementally; ``keep_s``, ``skew_s`` and ``max_verdicts`` as for
     :class:`relay.reconcile.postfix.PostfixLog`."""
 
     def __init__(self, name: str, path: Path, reject_path: Path | None = None, *,
-                 keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S) -> None:
+                 keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S,
+                 max_verdicts: int = DEFAULT_MAX_VERDICTS) -> None:
         reject = reject_path if reject_path is not None else exim_reject_log(path)
         logs = [path] if reject is None else [path, reject]
         # Exim makes its reject log at the first rejection
-        super().__init__(name, logs, keep_s=keep_s, skew_s=skew_s, optional=logs[1:])
+        super().__init__(name, logs, keep_s=keep_s, skew_s=skew_s, max_verdicts=max_verdicts,
+                         optional=logs[1:])
         self._rejection: _Rejection | None = None
 
     def _ingest(self, log: int, lines: Iterable[str]) -> None:

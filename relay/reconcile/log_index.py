@@ -16,6 +16,7 @@ from relay.reconcile.log_tail import LogTail
 DETAIL_LIMIT = 1024  # bytes of an Evidence's detail (its docstring's bound)
 DEFAULT_KEEP_S = 2 * 86400.0
 DEFAULT_SKEW_S = 2.0
+DEFAULT_MAX_VERDICTS = 200_000  # about 110 MB of verdicts (0.5 KiB each) at most
 _TRIM_EVERY_S = 60.0
 
 
@@ -33,7 +34,7 @@ def clip(detail: str) -> str:
     return raw[:DETAIL_LIMIT - 3].decode("utf-8", "ignore") + "..."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LoggedVerdict:
     """One verdict a log recorded: when (unix seconds), what, and the line(s) saying so."""
 
@@ -43,35 +44,49 @@ class LoggedVerdict:
 
 
 class VerdictIndex:
-    """Verdicts per Message-ID (:func:`id_key`), those logged more than ``keep_s`` seconds
-    ago dropped. A query is decided by the earliest verdict logged at or after its
-    ``attempt_at - skew_s`` (the smarthost's clock and the relay's differ, and syslog stamps
-    have 1 s resolution); an earlier one is about an earlier attempt with the same ID."""
+    """Verdicts per Message-ID (:func:`id_key`): those logged more than ``keep_s`` seconds
+    ago dropped, and past ``max_verdicts`` the oldest (about 0.5 KiB each, most of it the
+    log lines kept as the detail). A query is decided by the earliest verdict logged at or
+    after its ``attempt_at - skew_s`` (the smarthost's clock and the relay's differ, and
+    syslog stamps have 1 s resolution); an earlier one is about an earlier attempt with the
+    same ID."""
 
-    def __init__(self, keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S) -> None:
+    def __init__(self, keep_s: float = DEFAULT_KEEP_S, skew_s: float = DEFAULT_SKEW_S,
+                 max_verdicts: int = DEFAULT_MAX_VERDICTS) -> None:
         self.keep_s = keep_s
         self.skew_s = skew_s
+        self.max_verdicts = max_verdicts
         self._by_id: dict[str, list[LoggedVerdict]] = {}
+        self._count = 0
         self._trimmed_at = 0.0
 
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self._by_id.values())
+        return self._count
 
     def add(self, message_id: str, logged: LoggedVerdict) -> None:
         """Record ``logged`` for ``message_id`` (the same verdict read twice, as from a
         rotated file read again, is kept once)."""
         entries = self._by_id.setdefault(id_key(message_id), [])
-        if logged not in entries:
-            entries.append(logged)
+        if logged in entries:
+            return
+        entries.append(logged)
+        self._count += 1
+        if self._count > self.max_verdicts + self.max_verdicts // 10:
+            stamps = sorted(e.logged_at for kept in self._by_id.values() for e in kept)
+            self._drop_before(stamps[len(stamps) - self.max_verdicts])
 
     def trim(self, now: float) -> None:
         """Drop what was logged before ``now - keep_s`` (at most once a minute)."""
         if now - self._trimmed_at < _TRIM_EVERY_S:
             return
         self._trimmed_at = now
-        horizon = now - self.keep_s
+        self._drop_before(now - self.keep_s)
+
+    def _drop_before(self, horizon: float) -> None:
         for key in list(self._by_id):
-            kept = [e for e in self._by_id[key] if e.logged_at >= horizon]
+            entries = self._by_id[key]
+            kept = [e for e in entries if e.logged_at >= horizon]
+            self._count -= len(entries) - len(kept)
             if kept:
                 self._by_id[key] = kept
             else:
@@ -95,10 +110,11 @@ class LogSource:
     look when a log cannot be read at all (one of ``optional`` may be missing)."""
 
     def __init__(self, name: str, paths: Sequence[Path], *, keep_s: float,
-                 skew_s: float, optional: Sequence[Path] = ()) -> None:
+                 skew_s: float, max_verdicts: int = DEFAULT_MAX_VERDICTS,
+                 optional: Sequence[Path] = ()) -> None:
         self._name = name
         self._tails = [LogTail(path, missing_ok=path in optional) for path in paths]
-        self.index = VerdictIndex(keep_s, skew_s)
+        self.index = VerdictIndex(keep_s, skew_s, max_verdicts)
         self._lock = asyncio.Lock()
         self._reading: asyncio.Future[None] | None = None
 
@@ -130,7 +146,7 @@ class LogSource:
 
     def _read_all(self) -> None:
         for number, tail in enumerate(self._tails):
-            self._ingest(number, tail.read())
+            self._ingest(number, tail.lines())
         self.index.trim(time.time())
 
     def _ingest(self, log: int, lines: Iterable[str]) -> None:

@@ -112,19 +112,17 @@ class LogTail:
         self._retiring: _Followed | None = None
         self._started = False
         self._history_read = False
-        self._carried: list[str] = []
 
     def read(self) -> list[str]:
+        """The complete lines appended since the previous call, as :meth:`lines` gives."""
+        return list(self.lines())
+
+    def lines(self) -> Iterator[str]:
         """The complete lines appended since the previous call (without their newline,
-        decoded as UTF-8 with undecodable bytes replaced), oldest first. Raises OSError when
-        ``PATH`` cannot be read; the lines read before the error come with the next call."""
-        lines, self._carried = self._carried, []
-        try:
-            lines.extend(self._lines())
-        except OSError:
-            self._carried = lines
-            raise
-        return lines
+        decoded as UTF-8 with undecodable bytes replaced), oldest first, read as they are
+        consumed (a large history is never held whole). Raises OSError when ``PATH`` cannot
+        be read; the lines yielded before it count as read."""
+        return self._lines()
 
     def close(self) -> None:
         """Release the descriptors held (the next read starts from the current ``PATH``)."""

@@ -17,7 +17,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from relay.reconcile.evidence import Verdict
-from relay.reconcile.log_index import DEFAULT_KEEP_S, DEFAULT_SKEW_S, LoggedVerdict, LogSource
+from relay.reconcile.log_index import (
+    DEFAULT_KEEP_S,
+    DEFAULT_MAX_VERDICTS,
+    DEFAULT_SKEW_S,
+    LoggedVerdict,
+    LogSource,
+)
 from relay.reconcile.stamps import SyslogClock
 
 # after the timestamp: host, program/daemon[pid]: QID: text
@@ -31,12 +37,13 @@ _REFUSED = re.compile(r"(?:milter-|proxy-)?reject: (?:header|body|content|END-OF
 
 class PostfixLog(LogSource):
     """The Postfix log at ``path`` (rotated copies included), read incrementally; verdicts
-    kept ``keep_s`` seconds; ``skew_s``: how far before the attempt a verdict's stamp may
-    be and still be about it."""
+    kept ``keep_s`` seconds, at most ``max_verdicts`` of them (the oldest dropped first);
+    ``skew_s``: how far before the attempt a verdict's stamp may be and still be about it."""
 
     def __init__(self, name: str, path: Path, *, keep_s: float = DEFAULT_KEEP_S,
-                 skew_s: float = DEFAULT_SKEW_S) -> None:
-        super().__init__(name, [path], keep_s=keep_s, skew_s=skew_s)
+                 skew_s: float = DEFAULT_SKEW_S,
+                 max_verdicts: int = DEFAULT_MAX_VERDICTS) -> None:
+        super().__init__(name, [path], keep_s=keep_s, skew_s=skew_s, max_verdicts=max_verdicts)
         # queue id -> (Message-ID, cleanup's line, when): until qmgr's "removed" or keep_s
         self._queued: dict[str, tuple[str, str, float]] = {}
 

@@ -247,3 +247,14 @@ async def test_lines_read_before_an_error_are_kept_for_the_next_look(tmp_path: P
     path.write_text(accepted(NOW - 30, "BBBB0002", B))
     assert await verdicts(source, A, B) == [Verdict.ACCEPTED] * 2
     await source.close()
+
+
+async def test_past_its_bound_the_index_drops_the_oldest_verdicts(tmp_path: Path) -> None:
+    path = tmp_path / "mail.log"
+    path.write_text("".join(accepted(NOW - 600 + n, f"Q{n:09d}", f"<m{n}@app.test>")
+                            for n in range(300)))
+    source = PostfixLog("mx", path, max_verdicts=100)
+    newest, oldest = "<m299@app.test>", "<m0@app.test>"
+    assert await verdicts(source, newest, oldest) == [Verdict.ACCEPTED, Verdict.UNKNOWN]
+    assert 100 <= len(source.index) <= 110
+    await source.close()
