@@ -13,6 +13,7 @@ and no descriptor is held."""
 
 from __future__ import annotations
 
+import glob
 import gzip
 import os
 import re
@@ -35,9 +36,9 @@ def rotated_history(path: Path) -> Path | None:
     (logrotate's dateext), ``PATH.YYYYMMDD-HHMMSS[.gz]`` (``postfix logrotate``); the one
     modified last wins."""
     names = [path.with_name(path.name + suffix)
-             for suffix in (".1", ".1.gz", ".01", ".01.gz", ".0")]
+             for suffix in (".1", ".1.gz", ".01", ".01.gz")]
     try:
-        names += [p for p in path.parent.glob(path.name + "[.-]*")
+        names += [p for p in path.parent.glob(glob.escape(path.name) + "[.-]*")
                   if _DATED.fullmatch(p.name[len(path.name):])]
     except OSError:
         return None
@@ -196,18 +197,21 @@ class LogTail:
             yield from _split(followed, chunk)
 
     def _truncated(self, followed: _Followed) -> Iterator[str]:
-        """``PATH`` shrank in place: finish what was written before the truncation from its
-        copy (when ``PATH.1`` starts as the file did), then read ``PATH`` from 0."""
-        copy = self.path.with_name(self.path.name + ".1")
-        try:
-            with copy.open("rb") as handle:
-                if followed.head and handle.read(len(followed.head)) == followed.head:
-                    handle.seek(followed.position)
-                    while chunk := handle.read(_CHUNK):
+        """``PATH`` was truncated in place: finish what was written before the truncation
+        from its copy (``PATH.1``, or ``PATH.1.gz`` when compressed at once, when it starts
+        as the file did), then read ``PATH`` from 0."""
+        for suffix in (".1", ".1.gz"):
+            try:
+                with _open_any(self.path.with_name(self.path.name + suffix)) as copy:
+                    if not followed.head or copy.read(len(followed.head)) != followed.head:
+                        continue
+                    copy.seek(followed.position)
+                    while chunk := copy.read(_CHUNK):
                         self.bytes_read += len(chunk)
                         yield from _split(followed, chunk)
-        except OSError:
-            pass
+                    break
+            except (OSError, EOFError):
+                continue
         yield from _finish(followed)
         followed.handle.seek(0)
         followed.position = 0

@@ -106,13 +106,18 @@ async def test_a_rotation_compressed_before_the_next_look_is_finished_from_the_h
     await source.close()
 
 
-async def test_a_copy_and_truncate_rotation_is_finished_from_the_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compressed", [False, True])
+async def test_a_copy_and_truncate_rotation_is_finished_from_the_copy(
+        tmp_path: Path, compressed: bool) -> None:
     path = tmp_path / "mail.log"
     path.write_text(accepted(NOW - 50, "AAAA0001", A))
     source = PostfixLog("mx", path)
     assert await verdicts(source, A) == [Verdict.ACCEPTED]
     append(path, accepted(NOW - 40, "BBBB0002", B))
-    shutil.copy(path, tmp_path / "mail.log.1")  # logrotate's copytruncate
+    if compressed:  # logrotate's copytruncate without delaycompress
+        (tmp_path / "mail.log.1.gz").write_bytes(gzip.compress(path.read_bytes()))
+    else:  # logrotate's copytruncate
+        shutil.copy(path, tmp_path / "mail.log.1")
     with path.open("r+") as log:
         log.truncate(0)
     append(path, accepted(NOW - 30, "CCCC0003", C))
