@@ -90,7 +90,7 @@ class Command:
         finally:
             self._running.discard(process)
             with contextlib.suppress(TimeoutError, ProcessLookupError):
-                await asyncio.wait_for(process.wait(), 5.0)
+                await asyncio.wait_for(_reap(process), 5.0)
         if process.returncode != 0:
             said = err[:_STDERR_KEPT].decode("utf-8", "replace").strip()
             raise _NoAnswer(f"exit status {process.returncode}: {said}")
@@ -127,6 +127,16 @@ async def _keep_head(stream: asyncio.StreamReader, limit: int) -> bytes:
     while chunk := await stream.read(65536):
         head = (head + chunk)[:limit]
     return head
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    """Read the program's pipes to their end and wait for it: its pipes' transports close
+    only at their end (a killed program's unread output would keep them open)."""
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:
+            while await stream.read(65536):
+                pass
+    await process.wait()
 
 
 def _parse(out: bytes) -> tuple[Verdict, str]:
