@@ -2,7 +2,8 @@
 
 Installing Debian's exim4 would remove Postfix (both provide mail-transport-agent, and the
 suite needs Postfix), so Exim is unpacked privately instead: ``apt-get download`` of
-``exim4-daemon-light`` and the one library it needs beyond Postfix's (``libidn12``),
+``exim4-daemon-light`` and the one library its binary needs that a Debian with Postfix
+lacks (``libidn12``, found with ``ldd``),
 ``dpkg -x`` into a cache folder (``$DEDUP_RELAY_EXIM_CACHE``, by default
 ``~/.cache/dedup-relay-tests/exim``), done once and shared by every test run. Debian builds
 Exim with its user looked up by name at start (``EXIM_USER=ref:Debian-exim``), a user only the
