@@ -104,18 +104,23 @@ class Reconciler:
     """The loop: ``await run()`` until cancelled, then ``await close()``; :meth:`round` is one
     round. ``settings``: the live settings (read each round: a reload's sources are taken at
     the next); ``store``: the relay's store (None: opened on the first round, closed by
-    :meth:`close`); ``instance`` names it in its ledger rows (``HOST/reconciler``)."""
+    :meth:`close`); ``instance`` names it in its ledger rows (``HOST/reconciler``);
+    ``ledger``: opens the ledger for a round (default: :func:`relay.admin.decisions.
+    open_ledger`); ``sources``: builds the sources of the settings (default: their
+    ``[[reconcile_source]]`` tables)."""
 
     def __init__(self, settings: Callable[[], Settings], *, store: FingerprintStore | None,
                  metrics: ReconcileMetrics, instance: str,
                  ledger: Callable[[Settings], AbstractAsyncContextManager[ReconcileLedger]]
-                 | None = None) -> None:
+                 | None = None,
+                 sources: Callable[[Settings], list[AnsweringSource]] | None = None) -> None:
         self._settings = settings
         self._store = store
         self._own_store = store is None
         self._metrics = metrics
         self._instance = instance
         self._ledger = ledger if ledger is not None else _open_ledger
+        self._build = sources if sources is not None else _configured_sources
         self._sources: list[AnsweringSource] = []
         self._built_from: tuple[ReconcileSource, ...] = ()
 
@@ -261,7 +266,7 @@ class Reconciler:
         """The sources of ``s``: the ones built before unless the list changed (a reload)."""
         if s.reconcile_source != self._built_from or not self._sources:
             await self._close_sources()
-            self._sources = s.reconcile_sources()
+            self._sources = self._build(s)
             self._built_from = s.reconcile_source
             names = [src.source.name for src in self._sources]
             self._metrics.declare(names)
@@ -314,6 +319,10 @@ def _answer_text(step: Step, evidence: Evidence | None, found: Sequence[Evidence
         return f"{step.value}: {_evidence_text(evidence)}"
     return f"{step.value}: " + ("; ".join(f"{e.source} {e.verdict.value}" for e in found)
                                 or "no source answered")
+
+
+def _configured_sources(settings: Settings) -> list[AnsweringSource]:
+    return settings.reconcile_sources()
 
 
 @contextlib.asynccontextmanager
