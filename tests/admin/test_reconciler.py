@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from relay.store.postgres.ledger_read import InDoubtRow, LedgerReader
 from tests.support.clients import message, send
 from tests.support.evidence import SetAnswers
 from tests.support.peers import ScriptedPeer, serve_peer
-from tests.support.postgres import ledger_rows, ledger_schema
+from tests.support.postgres import ledger_rows
 from tests.support.relays import MakeRelay
 from tests.support.waiting import until
 
@@ -111,12 +111,6 @@ class Rig:
 
 def _message(dedupe_key: str) -> bytes:
     return message(key=dedupe_key, extra=f"Message-ID: <{dedupe_key}@app.test>\r\n")
-
-
-@pytest.fixture
-def ledger_url() -> Iterator[str]:
-    with ledger_schema() as url:
-        yield url
 
 
 @pytest.fixture
