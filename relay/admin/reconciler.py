@@ -330,3 +330,33 @@ async def _open_ledger(settings: Settings) -> AsyncIterator[ReconcileLedger]:
     """The ledger for one round (:func:`open_ledger`)."""
     async with open_ledger(settings) as reader:
         yield cast("ReconcileLedger", reader)
+
+
+class RunningReconciler:
+    """A :class:`Reconciler`'s loop as a task: :func:`start_reconciler`, then :meth:`stop`."""
+
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.reconciler = reconciler
+        self._task = asyncio.create_task(reconciler.run())
+
+    async def stop(self) -> None:
+        """Cancel the loop (a round in progress ends where it is: every step is a compare and
+        set, a row written or not) and close the sources and its store."""
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self.reconciler.close()
+
+
+def start_reconciler(settings: Callable[[], Settings], *, store: FingerprintStore | None,
+                     metrics: Callable[[], ReconcileMetrics], instance: str
+                     ) -> RunningReconciler | None:
+    """The relay's one reconciler (its supervisor's, or its one process's) running on the live
+    ``settings``, counted in what ``metrics`` makes (its registry: the process's metrics
+    server's, :class:`ReconcileMetrics`); None without an audit ledger
+    (nothing to reconcile: the in-doubt list is the ledger's). It idles while no source is
+    configured or ``reconcile_interval`` is 0, so a reload may turn it on."""
+    if settings().ledger is None:
+        return None
+    return RunningReconciler(Reconciler(settings, store=store, metrics=metrics(),
+                                        instance=instance))

@@ -28,7 +28,7 @@ from relay.core.interfaces import LedgerAction, State
 from relay.core.recipients import normalize_recipient
 from relay.ops.metrics import ReconcileMetrics
 from relay.reconcile.evidence import Verdict
-from relay.settings import Settings
+from relay.settings import ReconcileSource, Settings
 from relay.settings.reconcile import AnsweringSource
 from relay.store.postgres.ledger_read import InDoubtRow, LedgerReader
 from tests.support.clients import message, send
@@ -278,3 +278,35 @@ async def test_two_relays_reconciling_at_once_resolve_once(rig: Rig) -> None:
                                          rig.reconciler(answers()).round())
     assert first.sent + second.sent == 1 and first.settled + second.settled == 1
     assert [r["outcome"] for r in await rig.rows(key)] == ["unknown", "reconciled_sent"]
+
+
+async def test_a_reload_s_sources_are_asked_from_the_next_round(rig: Rig) -> None:
+    """The reconciler reads the live settings each round: after a reload that replaces the
+    source ``mx1`` (nothing to say) with ``mx2`` (saw it accepted), the old source is closed,
+    the new one declared and asked, and the record marked sent; an unchanged list keeps its
+    sources open."""
+    await rig.in_doubt("K-reload")
+    built = {"mx1": SetAnswers("mx1"),
+             "mx2": SetAnswers("mx2", {"<K-reload@app.test>": Verdict.ACCEPTED})}
+    live = {"settings": _with_sources(rig.relay.settings, "mx1")}
+    reconciler = Reconciler(
+        lambda: live["settings"], store=rig.relay.store, metrics=rig.metrics,
+        instance="relay.test/reconciler",
+        sources=lambda s: [AnsweringSource(built[e.name], None) for e in s.reconcile_source])
+    assert (await reconciler.round()).waiting == 1
+    assert (await reconciler.round()).waiting == 1 and built["mx1"].closed == 0
+    assert rig.counted("mx2", "sent") is None
+
+    live["settings"] = _with_sources(rig.relay.settings, "mx2")  # what a SIGHUP applies
+    report = await reconciler.round()
+    assert report.sent == 1 and built["mx1"].closed == 1, report
+    assert len(built["mx1"].asked) == 2 and len(built["mx2"].asked) == 1
+    assert rig.counted("mx2", "sent") == 1
+    await reconciler.close()
+    assert built["mx2"].closed == 1
+
+
+def _with_sources(settings: Settings, *names: str) -> Settings:
+    """``settings`` with a ``[[reconcile_source]]`` per name (a command: never run here)."""
+    return settings.model_copy(update={"reconcile_source": tuple(
+        ReconcileSource(name=name, command=("/bin/true",)) for name in names)})
