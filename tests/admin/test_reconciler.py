@@ -33,7 +33,7 @@ from relay.settings.reconcile import AnsweringSource
 from relay.store.postgres.ledger_read import InDoubtRow, LedgerReader
 from tests.support.clients import message, send
 from tests.support.evidence import SetAnswers
-from tests.support.peers import ScriptedPeer, serve_peer
+from tests.support.peers import DotSwallower, serve_peer
 from tests.support.postgres import ledger_rows
 from tests.support.relays import MakeRelay
 from tests.support.waiting import until
@@ -41,27 +41,6 @@ from tests.support.waiting import until
 pytestmark = pytest.mark.timeout(120)
 
 RCPT = "user@example.net"
-
-
-@dataclass(kw_only=True)
-class DotSwallower(ScriptedPeer):
-    """An upstream that reads each message to its final dot and then hangs up without a reply
-    while ``swallow`` is set (the relay holds the message in doubt), else answers 250;
-    ``received`` counts the messages whose dot it read."""
-
-    swallow: bool = True
-    received: int = 0
-
-    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"354 go ahead\r\n")
-        await writer.drain()
-        if not await self.read_to_dot(reader):
-            return False
-        self.received += 1
-        if self.swallow:
-            return False
-        writer.write(b"250 2.0.0 queued as Q1\r\n")
-        return True
 
 
 @dataclass
