@@ -44,7 +44,7 @@ from relay.store.postgres.ledger_query import (
 from relay.store.postgres.migrations import LEDGER as _L_
 from relay.store.postgres.migrations import RECONCILE_LOOKS as _R_
 
-__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader", "Page"]
+__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader", "Looks", "Page"]
 
 _ERRORS = (*ERRORS, ValueError)
 
@@ -102,6 +102,12 @@ DELETE FROM {_R_} WHERE ctid = ANY(ARRAY(
 """
 
 _LAST_LOOK = f"SELECT max(looked_at) FROM {_R_}"
+
+# $1 store keys: the reconciler's looks at each
+_LOOKS_OF = f"""
+SELECT store_key, looks, first_looked_at, looked_at, answer FROM {_R_}
+WHERE store_key = ANY($1::text[])
+"""
 
 # $1 seconds back from now, $2 most templates: the suppressed duplicates per template decided in
 # that time. recorded_at >= decided_at (a row lands after it was decided, both on the
@@ -183,6 +189,18 @@ class Page:
 
     rows: list[HistoryRow]
     next: Position | None
+
+
+@dataclass(frozen=True)
+class Looks:
+    """The reconciler's looks at one store key in doubt: how many rounds asked the evidence
+    sources (``looks``), the first and the last (``first_looked_at``, ``looked_at``, the
+    database's clock) and what the last found (``answer``: ``wait: mx1 unknown`` ...)."""
+
+    looks: int
+    first_looked_at: datetime
+    looked_at: datetime
+    answer: str
 
 
 @dataclass(frozen=True)
@@ -304,6 +322,12 @@ class LedgerReader:
     async def forget_looks(self, *, older_than_s: float) -> None:
         """Delete the looks not renewed for ``older_than_s`` seconds (at most 5,000)."""
         await self._call("ledger reconcile", _FORGET_LOOKS, float(older_than_s))
+
+    async def looks(self, store_keys: Sequence[str]) -> dict[str, Looks]:
+        """The reconciler's looks at each of ``store_keys`` that it looked at."""
+        records = await self._call("ledger reconcile", _LOOKS_OF, list(store_keys))
+        return {r["store_key"]: Looks(r["looks"], r["first_looked_at"], r["looked_at"],
+                                      r["answer"]) for r in records}
 
     async def last_look(self) -> datetime | None:
         """When the reconciler last looked at any in-doubt record (None: never, or not
