@@ -80,6 +80,11 @@ class Rig:
         async with await LedgerReader.open(self.ledger_url) as reader:
             return await reader.in_doubt(older_than_s=0, limit=100)
 
+    async def unresolved(self) -> int:
+        """What the in-doubt alert's gauge counts (relay_ledger_in_doubt_unresolved)."""
+        async with await LedgerReader.open(self.ledger_url) as reader:
+            return await reader.count_unresolved()
+
     async def rows(self, key: str) -> list[dict[str, Any]]:
         return [r for r in await ledger_rows(self.ledger_url) if r["store_key"] == key]
 
@@ -123,6 +128,7 @@ async def test_accepted_marks_sent_and_the_retry_is_an_ordinary_duplicate(rig: R
     assert "postfix/qmgr" in row["reply"] and "source mx1" in row["reply"]
     assert rig.counted("mx1", "sent") == 1 and rig.counted("mx1", "released") == 0
     assert key not in [r.store_key for r in await rig.listed()]
+    assert await rig.unresolved() == 0  # out of the in-doubt alert's gauge
 
     rig.peer.swallow = False
     retry = await send(rig.relay.port, [RCPT], _message("K-acc"))
@@ -186,6 +192,7 @@ async def test_no_evidence_stays_then_is_given_up_once(rig: Rig) -> None:
     listed = await rig.listed()
     assert [r.store_key for r in listed] == [key] and listed[0].reconcile_given_up
     assert rig.counted("mx1", "given_up") == 1
+    assert await rig.unresolved() == 1  # still counted for the in-doubt alert
     asked = len(source.asked)
     assert (await reconciler.round()).looked == 0 and len(source.asked) == asked
     await reconciler.close()
