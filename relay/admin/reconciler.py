@@ -46,7 +46,8 @@ log = logging.getLogger("relay.reconcile")
 audit = logging.getLogger("relay.audit")
 
 ROUND_MAX = 500
-"""Most in-doubt records one round looks at (the oldest first; the rest wait a round)."""
+"""Most in-doubt records one round looks at (those not looked at yet first, then the least
+recently looked at: every record is reached in turn)."""
 FIRST_ROUND_S = 5.0
 """Seconds from start to the first round."""
 IDLE_CHECK_S = 5.0

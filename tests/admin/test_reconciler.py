@@ -296,3 +296,23 @@ def _with_sources(settings: Settings, *names: str) -> Settings:
     """``settings`` with a ``[[reconcile_source]]`` per name (a command: never run here)."""
     return settings.model_copy(update={"reconcile_source": tuple(
         ReconcileSource(name=name, command=("/bin/true",)) for name in names)})
+
+
+async def test_a_bounded_round_reaches_every_record_in_turn(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More records in doubt than a round takes: the next round takes those not looked at
+    yet, then the least recently looked at, so none waits for the older ones' give-up."""
+    import relay.admin.reconciler as reconciler_module
+
+    for key in ("K-r1", "K-r2", "K-r3"):
+        await rig.in_doubt(key)
+    monkeypatch.setattr(reconciler_module, "ROUND_MAX", 2)
+    source = SetAnswers("mx1")
+    reconciler = rig.reconciler(source)
+    for _ in range(3):
+        assert (await reconciler.round()).looked == 2
+    asked = [q.message_id.removeprefix("<K-").removesuffix("@app.test>")
+             for q in source.asked]
+    # round 1 the two oldest; round 2 the one not looked at, then the older of the two; round
+    # 3 the one looked at longest ago, then the oldest of the others
+    assert asked == ["r1", "r2", "r3", "r1", "r2", "r1"]

@@ -60,7 +60,8 @@ ORDER BY decided_at, recorded_at, row_id LIMIT $2
 # $1 min age in ms (UNRESOLVED_WHERE), $2 most rows: one row per store key in doubt (its
 # ``unknown`` row when there is one: the transaction's own Message-ID and reply; else its
 # earliest retry's), the oldest first, with the reconciler's looks at that row (none: 0, NULL)
-# and whether it gave the doubt up (a ``reconcile_given_up`` row since); {where}: more rules
+# and whether it gave the doubt up (a ``reconcile_given_up`` row since); {where}: more rules,
+# {first}: what comes before the age in the order
 _IN_DOUBT_OF = f"""
 SELECT * FROM (
     SELECT DISTINCT ON (u.store_key) {_FIELDS},
@@ -79,10 +80,13 @@ CROSS JOIN LATERAL (
            AS reconcile_given_up
 ) AS given_up
 {{where}}
-ORDER BY decided_at, recorded_at LIMIT $2
+ORDER BY {{first}} decided_at, recorded_at LIMIT $2
 """
-_IN_DOUBT = _IN_DOUBT_OF.format(where="")
-_TO_RECONCILE = _IN_DOUBT_OF.format(where="WHERE NOT given_up.reconcile_given_up")
+_IN_DOUBT = _IN_DOUBT_OF.format(where="", first="")
+# the reconciler's: those not looked at first, then the least recently looked at, so that a
+# round bounded below the list's length reaches every record in turn
+_TO_RECONCILE = _IN_DOUBT_OF.format(where="WHERE NOT given_up.reconcile_given_up",
+                                    first="reconcile_looked_at NULLS FIRST,")
 
 # $1 store keys, $2 the in-doubt rows looked at, $3 each one's answer: one more look each
 _LOOKED = f"""
@@ -305,7 +309,9 @@ class LedgerReader:
     async def to_reconcile(self, *, limit: int) -> list[InDoubtRow]:
         """The fingerprints in doubt as :meth:`in_doubt` lists them (any age) but those the
         reconciler gave up (a ``reconcile_given_up`` row since their in-doubt row): its work
-        list, oldest first, at most ``limit``."""
+        list, those it never looked at first, then the least recently looked at, each group
+        oldest first, at most ``limit`` (a round bounded below the list's length reaches every
+        record in turn)."""
         records = await self._call("ledger in-doubt", _TO_RECONCILE, 0, limit)
         return [_in_doubt_row(r) for r in records]
 
