@@ -1,8 +1,9 @@
 """The reconciler in a served relay (relay/admin/reconciler.py: in the supervisor of two
-workers, and in a relay of one process): a message whose dot the upstream swallowed is in doubt; a ``command`` source that
-says ``accepted`` resolves it within a round; the supervisor's /metrics (or the one process's) counts it in
-relay_reconciled_total (declared at 0 for the other results); the retry is an ordinary
-duplicate. Runs once the ``command`` source (relay/reconcile/command.py) is there."""
+workers, and in a relay of one process): a message whose dot the upstream swallowed is in
+doubt; a ``command`` source that says ``accepted`` resolves it within a round; the /metrics of
+the supervisor (or of the one process) counts it in relay_reconciled_total (at 0 for the other
+results); the retry is an ordinary duplicate. Runs once the ``command`` source
+(relay/reconcile/command.py) is there."""
 
 from __future__ import annotations
 
