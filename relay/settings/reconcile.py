@@ -70,9 +70,9 @@ class ReconcileSource(BaseModel):
         if self.command is not None:
             built = _source_class("command", "Command")(self.name, self.command)
         elif self.postfix_log is not None:
-            built = _source_class("postfix_log", "PostfixLog")(self.name, self.postfix_log)
+            built = _source_class("postfix", "PostfixLog")(self.name, self.postfix_log)
         else:
-            built = _source_class("exim_log", "EximLog")(self.name, self.exim_log)
+            built = _source_class("exim", "EximLog")(self.name, self.exim_log)
         return cast("EvidenceSource", built)
 
     def check(self) -> None:
