@@ -9,9 +9,11 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from relay.admin.reconciler import start_reconciler
 from relay.app import Relay
 from relay.core.errors import ConfigError, StartupError, StoreError
 from relay.listen import Inherited
+from relay.ops.metrics import ReconcileMetrics
 from relay.ops.notify import keep_watchdog, notify, watchdog_interval_s
 from relay.settings import Settings, redact_url
 
@@ -28,7 +30,8 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
     readable line when the relay cannot start, :class:`ConfigError` when a setting proves
     wrong only at start (a Redis database number the server does not have). ``inherited``: a
     worker's sockets (:class:`Inherited`); ``started`` is called once the relay serves.
-    ``hangup``: the configuration reload (:mod:`relay.reload`), run for each SIGHUP once the
+    A relay that is not a worker runs the reconciler (:mod:`relay.admin.reconciler`) while it
+    serves. ``hangup``: the configuration reload (:mod:`relay.reload`), run for each SIGHUP once the
     relay serves (one received during start-up waits for it), one at a time.
     """
     relay = Relay(settings, inherited=inherited)
@@ -56,6 +59,10 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
             raise
         if started is not None:
             started(relay)
+        reconciling = None if inherited is not None else start_reconciler(
+            lambda: relay.settings, store=relay.store,
+            metrics=lambda: ReconcileMetrics(registry=relay.registry),
+            instance=f"{settings.hostname}/reconciler")
         watchdog = _announce_ready(inherited)
         reloads = None if hangup is None else asyncio.create_task(
             _reloads(relay, hangups, hangup))
@@ -69,6 +76,8 @@ async def run(settings: Settings, *, inherited: Inherited | None = None,
             reloads.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reloads
+        if reconciling is not None:
+            await reconciling.stop()
     await relay.stop()
 
 

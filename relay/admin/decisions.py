@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from relay.admin.lookup import Selection
-from relay.admin.records import OperatorRow, located, mark_sent, release
+from relay.admin.records import (
+    OPERATOR,
+    RECONCILER,
+    OperatorRow,
+    located,
+    mark_sent,
+    release,
+)
 from relay.core.errors import StoreError
 from relay.core.interfaces import FingerprintStore, LedgerAction, LedgerEntry, Record, State
 from relay.core.rules import reads_as
@@ -59,6 +66,9 @@ class Decision:
     template and key the operator gave, for the row (a store key alone leaves them empty).
     ``previous_key``: the same fingerprint's key under the previous fingerprint secret
     (design.md §2.3): the action is on it when it holds a record and ``key`` holds none.
+    ``action`` may be the reconciler's (``RECONCILED_SENT``, ``RECONCILED_RELEASED``: a
+    mark-sent, a release on a smarthost's record, ``reason`` its evidence), whose row holds
+    the in-doubt message's ``message_id`` and ``upstream``.
     """
 
     action: LedgerAction
@@ -73,6 +83,20 @@ class Decision:
     in_doubt_only: bool = False
     given: Selection = field(default_factory=Selection)
     previous_key: str | None = None
+    message_id: str = ""
+    upstream: str = ""
+
+    @property
+    def releases(self) -> bool:
+        """Whether it deletes the record (a release, the operator's or the reconciler's);
+        else it marks it sent."""
+        return self.action in (LedgerAction.RELEASE, LedgerAction.RECONCILED_RELEASED)
+
+    @property
+    def by(self) -> str:
+        """Who decided, for the audit line and the store's reply."""
+        return RECONCILER if self.action in (LedgerAction.RECONCILED_SENT,
+                                             LedgerAction.RECONCILED_RELEASED) else OPERATOR
 
 
 @dataclass(frozen=True)
@@ -118,8 +142,7 @@ async def decide(settings: Settings, decision: Decision, *,
                 decision = dataclasses.replace(decision, key=key, previous_key=None)
             before, done = await _on_store(settings, opened, decision, listed)
         entry = _row(settings, decision, before, done)
-        changed = not done and (decision.action is LedgerAction.MARK_SENT
-                                or before.state is not State.ABSENT)
+        changed = not done and (not decision.releases or before.state is not State.ABSENT)
         if entry is None or reader is None:
             return Outcome(before, done, changed, entry, key=decision.key)
         options = settings.ledger_options(
@@ -141,15 +164,16 @@ async def _on_store(settings: Settings, store: FingerprintStore, decision: Decis
             return reads_as(record, settings.lease) is State.UNKNOWN or (
                 listed and record.state is State.ABSENT)
 
-    if decision.action is LedgerAction.RELEASE:
+    if decision.releases:
         return await release(store, decision.key, reason=decision.reason,
                              lease_s=settings.lease, force=decision.force,
-                             operator=decision.operator, role=decision.role, only_if=only_if)
+                             operator=decision.operator, role=decision.role, only_if=only_if,
+                             by=decision.by)
     window_s = settings.dedup_window if decision.window_s is None else decision.window_s
     return await mark_sent(store, decision.key, reason=decision.reason, lease_s=settings.lease,
                            window_s=window_s, force=decision.force,
                            operator=decision.operator, role=decision.role,
-                           keep_expiry=decision.keep_expiry, only_if=only_if)
+                           keep_expiry=decision.keep_expiry, only_if=only_if, by=decision.by)
 
 
 def _row(settings: Settings, decision: Decision, before: Record, done: bool
@@ -157,8 +181,9 @@ def _row(settings: Settings, decision: Decision, before: Record, done: bool
     """The ledger row the action calls for (None: none, it did nothing to record)."""
     given = decision.given
     row = OperatorRow(settings, decision.action, decision.key, rcpt=given.rcpt,
-                      templates=given.templates, keys=given.keys)
-    if decision.action is LedgerAction.RELEASE:
+                      templates=given.templates, keys=given.keys,
+                      message_id=decision.message_id, upstream=decision.upstream)
+    if decision.releases:
         return row.released(before, done, who=decision.who, reason=decision.reason)
     return row.marked_sent(who=decision.who, reason=decision.reason) if done else None
 

@@ -40,6 +40,12 @@ from relay.settings import Settings, redact_url
 
 audit = logging.getLogger("relay.audit")
 
+OPERATOR = "an operator"
+RECONCILER = "the reconciler"
+"""Who released or marked a record sent (the audit line, the store's reply, the row)."""
+_EVENTS = {OPERATOR: ("admin_release", "admin_mark_sent"),
+           RECONCILER: ("reconciled_released", "reconciled_sent")}
+
 
 @dataclass(frozen=True)
 class FingerprintInput:
@@ -146,7 +152,8 @@ def describe(key: str, record: Record, lease_s: float) -> dict[str, object]:
 async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                   force: bool = False, operator: str | None = None,
                   role: str | None = None,
-                  only_if: Callable[[Record], bool] | None = None) -> tuple[Record, bool]:
+                  only_if: Callable[[Record], bool] | None = None,
+                  by: str = OPERATOR) -> tuple[Record, bool]:
     """Delete ``key``, but only while it still holds what was inspected (compare-and-delete: an
     attempt that took the key over in between is never wiped); return (what it held, whether
     something was deleted).
@@ -155,11 +162,12 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
     ``force``, and :class:`NotInDoubtError` (nothing done) when ``only_if`` (a console's "still
     in doubt") is false for the record read. Writes one ``relay.audit`` line (WARNING) with
     the operator (default: the OS user) and the console ``role`` when given, the reason and
-    the record released. Raises :class:`relay.core.errors.StoreError`.
+    the record released (``by``: :data:`RECONCILER` for the reconciler's, its event
+    ``reconciled_released``). Raises :class:`relay.core.errors.StoreError`.
     """
     before = await _not_in_flight(store, key, lease_s, force, only_if)
     deleted = await store.force_release(key, expected=before)
-    _audit("fingerprint released by an operator", "admin_release", key, before, lease_s,
+    _audit(f"fingerprint released by {by}", _EVENTS[by][0], key, before, lease_s,
            reason, operator, role, released=deleted)
     return before, deleted
 
@@ -167,7 +175,8 @@ async def release(store: FingerprintStore, key: str, *, reason: str, lease_s: fl
 async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: float,
                     window_s: float, force: bool = False, operator: str | None = None,
                     role: str | None = None, keep_expiry: bool = False,
-                    only_if: Callable[[Record], bool] | None = None) -> tuple[Record, bool]:
+                    only_if: Callable[[Record], bool] | None = None,
+                    by: str = OPERATOR) -> tuple[Record, bool]:
     """Set ``key`` to SENT for the dedup window (``window_s`` seconds from now), but only
     while it still holds what was inspected (compare-and-set: a retry that took the key over
     in between keeps its record): the operator found the message delivered, so its retries
@@ -180,16 +189,16 @@ async def mark_sent(store: FingerprintStore, key: str, *, reason: str, lease_s: 
 
     Raises :class:`InFlightError` and :class:`NotInDoubtError` as :func:`release`, and
     :class:`relay.core.errors.StoreError`. The ``relay.audit`` line says whether it was
-    marked (``marked_sent``).
+    marked (``marked_sent``); ``by`` as :func:`release`'s (event ``reconciled_sent``).
     """
     before = await _not_in_flight(store, key, lease_s, force, only_if)
     if keep_expiry and before.ttl_s is not None and before.state in (
             State.SENDING, State.SENT, State.UNKNOWN):
         window_s = max(window_s, before.ttl_s)
-    marked = await store.force_mark_sent(key, reply=f"marked sent by an operator: {reason}",
+    marked = await store.force_mark_sent(key, reply=f"marked sent by {by}: {reason}",
                                          window_s=window_s, expected=before)
-    _audit("fingerprint marked sent by an operator" if marked else
-           "mark-sent refused: " + changed_meanwhile("marked sent"), "admin_mark_sent", key,
+    _audit(f"fingerprint marked sent by {by}" if marked else
+           "mark-sent refused: " + changed_meanwhile("marked sent"), _EVENTS[by][1], key,
            before, lease_s, reason, operator, role, marked_sent=marked)
     return before, marked
 
@@ -218,21 +227,29 @@ def _audit(message: str, event: str, key: str, before: Record, lease_s: float, r
     })
 
 
-_OUTCOMES = {LedgerAction.RELEASE: "released", LedgerAction.MARK_SENT: "marked_sent"}
+_OUTCOMES = {LedgerAction.RELEASE: "released", LedgerAction.MARK_SENT: "marked_sent",
+             LedgerAction.RECONCILED_SENT: "reconciled_sent",
+             LedgerAction.RECONCILED_RELEASED: "reconciled_released",
+             LedgerAction.RECONCILE_GIVEN_UP: "reconcile_given_up"}
 
 
 class OperatorRow:
-    """The ledger row of a release / mark-sent (design.md §6.7): the store key, the recipient
-    when the operator gave it (else ""), the template and key as the relay normalizes them;
-    its time is taken when :meth:`entry` is called (after the action)."""
+    """The ledger row of a release / mark-sent (design.md §6.7), an operator's or the
+    reconciler's: the store key, the recipient when the operator gave it (else ""), the
+    template and key as the relay normalizes them, the in-doubt message's ``message_id`` and
+    ``upstream`` when known (the reconciler's); its time is taken when :meth:`entry` is called
+    (after the action)."""
 
     def __init__(self, settings: Settings, action: LedgerAction, key: str, *,
                  rcpt: str | None = None, templates: Sequence[str] = (),
-                 keys: Sequence[str] = ()) -> None:
+                 keys: Sequence[str] = (), message_id: str = "", upstream: str = "") -> None:
         headers = header_values(keys, templates, max_chars=settings.max_key_chars)
+        self._by = RECONCILER if action in (LedgerAction.RECONCILED_SENT,
+                                            LedgerAction.RECONCILED_RELEASED) else OPERATOR
         self._fields: dict[str, Any] = {
             "outcome": _OUTCOMES[action], "action": action, "recipient": rcpt or "",
-            "store_key": key, "template": headers.template, "dedupe_key": headers.key}
+            "store_key": key, "template": headers.template, "dedupe_key": headers.key,
+            "message_id": message_id, "upstream": upstream}
 
     def entry(self, reply: str) -> LedgerEntry:
         """The row with ``reply``, decided now."""
@@ -253,7 +270,7 @@ class OperatorRow:
 
     def marked_sent(self, *, who: str, reason: str) -> LedgerEntry:
         """The row of a mark-sent by ``who`` (its reply: what the record now holds)."""
-        return self.entry(f"marked sent by an operator: {reason} ({who})")
+        return self.entry(f"marked sent by {self._by}: {reason} ({who})")
 
 
 def os_user() -> str:

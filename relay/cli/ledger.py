@@ -119,6 +119,11 @@ def in_doubt_json(row: InDoubtRow) -> dict[str, object]:
         "queue_id": row.queue_id, "upstream": row.upstream, "instance": row.instance,
         "client_reply": row.client_reply, "reply": row.reply, "key": row.dedupe_key,
         "recorded_at": iso(row.recorded_at),
+        "reconcile": {
+            "looks": row.reconcile_looks or 0,
+            "looked_at": None if row.reconcile_looked_at is None else iso(
+                row.reconcile_looked_at),
+            "answer": row.reconcile_answer, "given_up": row.reconcile_given_up},
     }
 
 
@@ -193,19 +198,22 @@ def register(main: click.Group) -> None:
         delivered) or `dedup-relay release` (it was not)."""
         settings = admin_settings(config_file, store, ledger)
         quiet_logging("text")
-        rows = _run_on_ledger(settings, lambda reader: reader.in_doubt(
-            older_than_s=older_than_s, limit=limit))
+        rows, last_look = _run_on_ledger(settings, lambda reader: _in_doubt_and_last_look(
+            reader, older_than_s=older_than_s, limit=limit))
         _say_if_cut(len(rows), limit)
         if as_json:
             click.echo(json.dumps([in_doubt_json(row) for row in rows]))
             return
         if not rows:
             click.echo("dedup-relay: no unresolved in-doubt decisions in the ledger", err=True)
+            click.echo(f"dedup-relay: {_last_look_line(last_look)}", err=True)
             return
         for row in rows:
             click.echo(shown(_in_doubt_line(row)))
+            click.echo(shown(f"    {_reconcile_line(row)}"))
+        click.echo(f"\n{_last_look_line(last_look)}")
         click.echo(
-            f"\n{len(rows)} in-doubt decision(s): the upstream took the message and its answer "
+            f"{len(rows)} in-doubt decision(s): the upstream took the message and its answer "
             "was lost. Look each up in the smarthost's log by its queue id or Message-ID, "
             "then:\n"
             "  delivered:     dedup-relay mark-sent --store-key KEY --reason '...'\n"
@@ -302,6 +310,33 @@ def _in_doubt_line(row: InDoubtRow) -> str:
             f"{_or_dash(row.recipient)}  upstream-queue-id {_or_dash(row.upstream_queue_id)}  "
             f"message-id {_or_dash(row.message_id)}  queue-id {_or_dash(row.queue_id)}  "
             f"via {_or_dash(row.upstream)}  by {_or_dash(row.instance)}")
+
+
+async def _in_doubt_and_last_look(reader: LedgerReader, *, older_than_s: float, limit: int
+                                  ) -> tuple[list[InDoubtRow], datetime | None]:
+    """The in-doubt rows and when the reconciler last looked at any."""
+    return (await reader.in_doubt(older_than_s=older_than_s, limit=limit),
+            await reader.last_look())
+
+
+def _reconcile_line(row: InDoubtRow) -> str:
+    """What the reconciler did with ``row``: ``reconciler: looked 3 times, last AT: ANSWER``,
+    ``reconciler: gave up ...`` or ``reconciler: not looked at yet``."""
+    if row.reconcile_given_up:
+        return ("reconciler: gave up (no evidence within reconcile_give_up): decide by hand"
+                + ("" if not row.reconcile_looks else f", after {row.reconcile_looks} looks"))
+    if not row.reconcile_looks or row.reconcile_looked_at is None:
+        return "reconciler: not looked at yet"
+    return (f"reconciler: looked {row.reconcile_looks} time(s), last "
+            f"{iso(row.reconcile_looked_at)}: {_or_dash(row.reconcile_answer)}")
+
+
+def _last_look_line(at: datetime | None) -> str:
+    """When the reconciler last looked at any in-doubt record, for the operator."""
+    if at is None:
+        return ("the reconciler has not looked at any in-doubt record (no [[reconcile_source]] "
+                "configured, or not yet)")
+    return f"the reconciler last looked at {iso(at)}"
 
 
 def _age(seconds: float) -> str:

@@ -97,7 +97,8 @@ def register(main: click.Group) -> None:
             fail(ExitCode.CONFIG, f"invalid configuration:\nevent_loop: {exc}")
         click.echo(f"configuration ok: listen {settings.listen}, upstream "
                    f"{settings.upstream_summary}, store {redact_url(settings.store)}"
-                   f"{settings.describe_ledger()}{settings.describe_console_check()}")
+                   f"{settings.describe_ledger()}{settings.describe_reconcile()}"
+                   f"{settings.describe_console_check()}")
 
     @main.command("healthcheck", cls=SettingsCommand, epilog=epilog())
     @click.option("--timeout", type=float, default=3.0, show_default=True, help="seconds")

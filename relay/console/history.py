@@ -55,6 +55,11 @@ OUTCOME_WORDS = {
     "would_suppress": "relayed (shadow mode: would have been suppressed)",
     "released": "released by an operator", "marked_sent": "marked sent by an operator",
     "refused_temp": "refused for now (4yz)", "refused_perm": "refused (5yz)",
+    "reconciled_sent": "marked sent by the reconciler: the smarthost's records show it "
+                       "accepted",
+    "reconciled_released": "released by the reconciler: the smarthost's records show it "
+                           "refused",
+    "reconcile_given_up": "the reconciler gave up (no evidence): left to an operator",
 }
 """What an outcome means on a timeline (others are shown as they are named)."""
 
@@ -198,7 +203,8 @@ async def message(request: web.Request) -> web.StreamResponse:
                                 "the history page.")
     async with ctx.ledger() as reader:
         rows = await ledger_call(reader.timeline(queue_id))
-    own = [row for row in rows if row.queue_id == queue_id]
+        own = [row for row in rows if row.queue_id == queue_id]
+        looks = await ledger_call(reader.looks([r.store_key for r in own if r.store_key]))
     if not own:
         return ctx.page("message.html", request, status=404, queue_id=queue_id, own=[])
     records: dict[str, dict[str, object]] = {}
@@ -209,7 +215,7 @@ async def message(request: web.Request) -> web.StreamResponse:
         except StoreError as exc:
             raise ConsoleError(503, f"The store did not answer: {exc}") from exc
     return ctx.page("message.html", request, queue_id=queue_id, own=own, first=own[0],
-                    records=records, events=timeline(rows, queue_id),
+                    records=records, looks=looks, events=timeline(rows, queue_id),
                     cut=len(rows) >= TIMELINE_ROWS)
 
 

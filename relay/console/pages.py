@@ -1,6 +1,7 @@
 """The console's pages that read, but its lookups (``/history``, ``/message/<queue id>``:
-:mod:`relay.console.history`): ``/in-doubt`` (the unresolved in-doubt decisions, each with the
-operator's release and mark-sent form, for an operator only: :mod:`relay.console.actions`),
+:mod:`relay.console.history`): ``/in-doubt`` (the unresolved in-doubt decisions, each with what the
+reconciler found and the operator's release and mark-sent form, for an operator only:
+:mod:`relay.console.actions`),
 ``/stats`` (records by state, duplicates suppressed per template in the last 24 h, in-doubt
 counts) and the style sheet.
 
@@ -78,7 +79,9 @@ async def in_doubt(request: web.Request) -> web.StreamResponse:
         return ctx.page("in_doubt.html", request, rows=None, cut=False)
     async with ctx.ledger() as reader:
         rows = await ledger_call(reader.in_doubt(older_than_s=0, limit=MAX_IN_DOUBT))
-    return ctx.page("in_doubt.html", request, rows=rows, cut=len(rows) >= MAX_IN_DOUBT)
+        last_look = await ledger_call(reader.last_look())
+    return ctx.page("in_doubt.html", request, rows=rows, cut=len(rows) >= MAX_IN_DOUBT,
+                    last_look=last_look, reconciling=ctx.settings.reconciling)
 
 
 @routes.get("/stats")

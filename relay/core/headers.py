@@ -14,6 +14,7 @@ import base64
 import binascii
 import codecs
 import contextlib
+import dataclasses
 import re
 import unicodedata
 from collections.abc import Iterator, Sequence
@@ -188,6 +189,26 @@ class ParsedMessage:
             if value:
                 target.add(value)
         return DedupHeaders(keys=tuple(sorted(keys)), templates=tuple(sorted(templates)))
+
+    def with_field(self, name: str, value: str) -> ParsedMessage:
+        """This message with the field ``name: value`` (ASCII, CRLF-terminated) added as the
+        first field of its header section (after an mbox ``From`` line): every byte the
+        message had follows it unchanged, its fields' offsets moved, no second parse. A
+        missing Message-ID is added so (RFC 5322 section 3.6.4, as MTAs add one; the order of
+        fields carries no meaning, section 3.6). Raises ``UnicodeEncodeError`` for a
+        non-ASCII ``name`` or ``value``."""
+        at = self.fields[0].start if self.fields else self.header_end
+        line = f"{name}: {value}\r\n".encode("ascii")
+        if at > 0 and self.content[at - 1:at] != b"\n":  # after a From line without its end
+            line = b"\r\n" + line
+        shift = len(line)
+        added = HeaderField(name.lower().encode("ascii"), f" {value}".encode("ascii"),
+                            at + shift - len(name) - len(value) - 4, at + shift)
+        moved = [dataclasses.replace(f, start=f.start + shift, end=f.end + shift)
+                 for f in self.fields]
+        return ParsedMessage(content=self.content[:at] + line + self.content[at:],
+                             header_end=self.header_end + shift, fields=(added, *moved),
+                             eight_bit_headers=self.eight_bit_headers, eight_bit=self.eight_bit)
 
     def without(self, names: Sequence[str]) -> bytes:
         """The content without the header fields named ``names`` (their continuation lines

@@ -564,6 +564,11 @@ class LedgerAction(enum.StrEnum):
     RELAY = "relay"  # a recipient decision of the relay (its outcome: an :class:`Outcome`)
     RELEASE = "release"  # `dedup-relay release` deleted the record (outcome ``released``)
     MARK_SENT = "mark_sent"  # `dedup-relay mark-sent` set it SENT (outcome ``marked_sent``)
+    # the reconciler (docs/operating/reconciliation.md), on a smarthost's own record of an
+    # in-doubt message: its outcome is the action's name
+    RECONCILED_SENT = "reconciled_sent"  # it logged the message accepted: the record SENT
+    RECONCILED_RELEASED = "reconciled_released"  # it logged a refusal: the record released
+    RECONCILE_GIVEN_UP = "reconcile_given_up"  # no evidence within reconcile_give_up: left
 
 
 @dataclass(frozen=True)
@@ -574,7 +579,8 @@ class LedgerEntry:
     recipient and hashes the key per its settings before they leave the process. ``store_key``
     is ``None`` for a decision without a fingerprint (no key, an exempt template, a message
     refused before one was derived). ``outcome`` is an :class:`Outcome` value for
-    :attr:`LedgerAction.RELAY`, ``released`` or ``marked_sent`` for an operator's row.
+    :attr:`LedgerAction.RELAY`, ``released`` or ``marked_sent`` for an operator's row, the
+    action's own name for the reconciler's (``reconciled_sent`` ...).
     ``reply`` is the upstream's reply that decided the recipient (``""``: none came, or the
     relay answered without relaying), ``upstream_queue_id`` the queue id read off it,
     ``client_reply`` what the client was told for the message; ``decided_at`` the relay's

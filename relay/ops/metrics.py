@@ -414,6 +414,35 @@ class ConfigReloadMetrics:
             self._last.set(now)
 
 
+RECONCILE_RESULTS = ("sent", "released", "given_up")
+NO_SOURCE = "none"
+"""The ``source`` of a record given up that no configured source speaks for."""
+
+
+class ReconcileMetrics:
+    """``relay_reconciled_total{source,result}``: in-doubt records the reconciler resolved on
+    a source's evidence (``sent``, ``released``) or gave up (``given_up``, counted under the
+    first source that speaks for its upstream, :data:`NO_SOURCE` when none does), registered
+    on ``registry``: the single process's, or the supervisor's own (one reconciler per relay);
+    None: a private one (metrics off)."""
+
+    def __init__(self, *, registry: CollectorRegistry | None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        self._reconciled = Counter(
+            "relay_reconciled", "In-doubt records resolved (or given up) by the reconciler, "
+            "by evidence source and result", ["source", "result"], registry=registry)
+
+    def declare(self, sources: Iterable[str]) -> None:
+        """Show each configured source's series from the start (at 0)."""
+        for source in sources:
+            for result in RECONCILE_RESULTS:
+                self._reconciled.labels(source, result)
+
+    def reconciled(self, source: str, result: str) -> None:
+        """Count one record: ``result`` one of :data:`RECONCILE_RESULTS`."""
+        self._reconciled.labels(source, result).inc()
+
+
 CONSOLE_SIGN_INS = ("succeeded", "failed", "refused")
 CONSOLE_REFUSALS = ("anonymous", "csrf", "role", "expired")
 CONSOLE_ACTIONS = ("release", "mark_sent")

@@ -66,6 +66,7 @@ from relay.settings.ledger import LedgerSettings
 from relay.settings.listener import ListenerSettings
 from relay.settings.oauth import OAuthSettings
 from relay.settings.operations import OperationsSettings
+from relay.settings.reconcile import ReconcileSettings, ReconcileSource, reconcile_rule_problem
 from relay.settings.store import DEFAULT_STORE_URL, StoreSettings
 from relay.settings.upstream import UpstreamEntry, UpstreamList, UpstreamSettings
 
@@ -75,7 +76,7 @@ __all__ = [
     "POLICY_SETTINGS", "RELOADABLE", "SECTIONS", "AccessSettings", "AdminSettings",
     "ConsoleSettings", "DedupSettings", "KeyRuleEntry", "LedgerSettings", "ListenerSettings",
     "OAuthSettings",
-    "OperationsSettings", "RateLimit",
+    "OperationsSettings", "RateLimit", "ReconcileSettings", "ReconcileSource",
     "Settings", "SettingsRuleError", "StoreSettings", "TemplatePolicy", "UpstreamEntry",
     "UpstreamSettings", "check_settings", "choices", "env_name", "extra_missing", "file_warnings",
     "flag_name",
@@ -90,10 +91,11 @@ if TYPE_CHECKING:
 # the sections in the order of --help and docs/settings.md
 SECTIONS: tuple[type[Section], ...] = (
     ListenerSettings, AccessSettings, UpstreamSettings, OAuthSettings, StoreSettings,
-    DedupSettings, LedgerSettings, ConsoleSettings, OperationsSettings)
+    DedupSettings, LedgerSettings, ReconcileSettings, ConsoleSettings, OperationsSettings)
 
 # settings that only the config file sets (a table or an array of tables): no flag
-FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit", "key_rule"})
+FILE_ONLY_SETTINGS = frozenset({"template_policy", "rate_limit", "key_rule",
+                                "reconcile_source"})
 # the settings a reload applies to the running relay; any other that changed needs a restart
 RELOADABLE: tuple[str, ...] = tuple(name for section in SECTIONS for name in section.LIVE)
 # settings naming a file whose content may change in place (a rotated certificate): a reload
@@ -107,7 +109,8 @@ def section_fields(section: type[Section]) -> list[str]:
             if name in vars(section).get("__annotations__", {})]
 
 
-class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSettings,
+class Settings(OperationsSettings, ConsoleSettings, ReconcileSettings, LedgerSettings,
+               DedupSettings,
                StoreSettings, OAuthSettings, UpstreamSettings, AccessSettings, ListenerSettings,
                BaseSettings):
     """Every setting of the relay (see ``config/dedup-relay.example.toml`` for each one): the
@@ -146,6 +149,10 @@ class Settings(OperationsSettings, ConsoleSettings, LedgerSettings, DedupSetting
         self._check_listeners_apart()
         self._check_oauth_auth()
         self._check_console_in_clear()
+        problem = reconcile_rule_problem(self.reconcile_source, ledger=self.ledger,
+                                         upstreams=[e.label for e in self.upstream])
+        if problem is not None:
+            raise problem
         return self
 
     @property
@@ -287,7 +294,8 @@ def check_settings(settings: Settings, *, store: bool = True) -> None:
     """
     checks: list[FileCheck] = []
     for section in (UpstreamSettings, OAuthSettings, DedupSettings, AccessSettings,
-                    StoreSettings, LedgerSettings, ConsoleSettings, OperationsSettings):
+                    StoreSettings, LedgerSettings, ReconcileSettings, ConsoleSettings,
+                    OperationsSettings):
         checks += section.file_checks(settings, live=not store)
     checks += _shared_refresh_lock(settings)
     problems: list[str] = []

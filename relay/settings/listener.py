@@ -39,6 +39,11 @@ class ListenerSettings(Section):
     bare_newline: Literal["normalize", "reject"] = Field("normalize", description=(
         "a message line ending in a bare LF: normalize takes it as CRLF (only <CRLF>.<CRLF> "
         "ends DATA), reject refuses the message with 550 5.6.0; a bare CR is always refused"))
+    add_message_id: bool = Field(True, description=(
+        "a message without a Message-ID header gets Message-ID: <QUEUE-ID@hostname> before "
+        "it goes upstream (RFC 5322 section 3.6.4, as MTAs add one), so the ledger records "
+        "one for every message and the reconciler can look it up; a message with one is sent "
+        "unchanged"))
 
     @field_validator("listen")
     @classmethod
@@ -71,4 +76,4 @@ class ListenerSettings(Section):
             max_idle_commands=self.max_idle_commands, bare_newline=self.bare_newline,
             local_part_case_sensitive=local_part_case_sensitive,
             log_recipients=log_recipients, allowed_senders=allowed_senders,
-            console_url=console_url)
+            console_url=console_url, add_message_id=self.add_message_id)

@@ -52,7 +52,8 @@ class ListenerLimits:
     ``normalize`` takes a content line ending in a bare LF as ending in CRLF, ``reject`` leaves
     it to the ``550 5.6.0`` (:func:`relay.smtp.data.read_message`). ``console_url``: the
     console's external URL, whose page of each message the decision log line links
-    (``console``: ``URL/message/QUEUE_ID``); None: no link."""
+    (``console``: ``URL/message/QUEUE_ID``); None: no link. ``add_message_id``: a message
+    without a Message-ID field gets ``<QUEUE-ID@hostname>`` (RFC 5322 section 3.6.4)."""
 
     hostname: str
     max_recipients: int = 1000
@@ -66,6 +67,7 @@ class ListenerLimits:
     allowed_senders: tuple[str, ...] = ()
     bare_newline: str = NORMALIZE
     console_url: str | None = None
+    add_message_id: bool = True
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,9 @@ class RelayHandler:
             return self._refuse(queue_id, replies.NUL_IN_MESSAGE)
         mail_from = "" if envelope.mail_from in (None, "<>") else str(envelope.mail_from)
         parsed = parse_message(content)
+        if self._limits.add_message_id and parsed.first("message-id") is None:
+            parsed = parsed.with_field("Message-ID", f"<{queue_id}@{self._limits.hostname}>")
+            content = parsed.content
         # what the message needs, not what the client declared (RFC 6531 section 3.4):
         # an all-ASCII message goes without SMTPUTF8 / BODY=8BITMIME to any upstream
         utf8_headers = bool(envelope.smtp_utf8) and parsed.eight_bit_headers

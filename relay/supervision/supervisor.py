@@ -1,7 +1,8 @@
 """The supervisor of ``workers`` > 1 worker processes (design.md §8): binds the listeners
 once, starts worker 0 and then the others, restarts them by :mod:`~relay.supervision.policy`,
 forwards SIGTERM and SIGINT and waits for their graceful shutdown, hands SIGHUP to
-:mod:`~relay.supervision.reloads` and hosts the :mod:`~relay.supervision.servers`."""
+:mod:`~relay.supervision.reloads`, hosts the :mod:`~relay.supervision.servers` and runs the
+relay's one reconciler (:mod:`relay.admin.reconciler`, with a ledger)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
+from relay.admin.reconciler import RunningReconciler, start_reconciler
 from relay.core.cancellation import AFTER_DOT_WAIT_S
 from relay.listen import Listeners, bind_listeners
-from relay.ops.metrics import worker_gone
+from relay.ops.metrics import ReconcileMetrics, worker_gone
 from relay.ops.notify import keep_watchdog, notify, watchdog_interval_s
 from relay.ops.pidfile import remove_pid_file, write_pid_file
 from relay.reload import SettingsSource
@@ -53,6 +55,7 @@ class Supervisor:
         self._give_up: int | None = None
         self._codes: list[int] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._reconciling: RunningReconciler | None = None  # with a ledger, once serving
 
     @property
     def metrics_dir(self) -> str | None:
@@ -113,6 +116,10 @@ class Supervisor:
         log.info("supervisor %d: %d workers on SMTP port %d, %s", os.getpid(), self.count,
                  listeners.port, self._servers.describe(self.settings))
         _write_pid(pid_file)
+        self._reconciling = start_reconciler(
+            lambda: self.settings, store=None,
+            metrics=lambda: ReconcileMetrics(registry=self._servers.registry),
+            instance=f"{self.settings.hostname}/reconciler")
         return [asyncio.create_task(self._reloads.serve(self._applied)),
                 asyncio.create_task(self._announce_ready())]
 
@@ -208,8 +215,10 @@ class Supervisor:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _cleanup(self) -> None:
-        """Kill what still runs, stop the hosted servers, close the listeners, remove the
-        private directories."""
+        """Stop the reconciler, kill what still runs, stop the hosted servers, close the
+        listeners, remove the private directories."""
+        if self._reconciling is not None:
+            await self._reconciling.stop()
         for task in self._tasks:
             if not task.done():
                 task.cancel()

@@ -129,3 +129,51 @@ def test_in_doubt_refusals(tmp_path: Path) -> None:
         run_apart(_setup(url, []))
         empty = run_cli("in-doubt", "--json", cwd=tmp_path, env={"RELAY_LEDGER": url})
     assert (empty.returncode, empty.stdout.strip()) == (0, "[]"), empty
+
+
+async def _looked(url: str, looks: dict[str, int], given_up: list[str]) -> None:
+    """Count the reconciler's looks at the in-doubt keys of ``looks`` (key -> times) and write
+    a ``reconcile_given_up`` row for those of ``given_up``."""
+    from relay.store.postgres.ledger_read import LedgerReader
+
+    async with await LedgerReader.open(url) as reader:
+        rows = {row.store_key: row for row in await reader.to_reconcile(limit=100)}
+        for key, times in looks.items():
+            for _ in range(times):
+                await reader.note_looks([(rows[f"email:fp:{key}"], "wait: mx1 unknown")])
+        await reader.write([LedgerEntry(
+            decided_at=time.time(), outcome="reconcile_given_up", recipient="",
+            store_key=f"email:fp:{key}", action=LedgerAction.RECONCILE_GIVEN_UP,
+            reply="given up by the reconciler") for key in given_up], LedgerOptions())
+
+
+def test_in_doubt_says_when_the_reconciler_looked(tmp_path: Path) -> None:
+    """Each record says what the reconciler did with it (looked at N times, last when and
+    what it found; gave up; not looked at yet), the text ends with when it last looked at
+    any, and --json holds the same per record. Without any look: it says so."""
+    now = time.time()
+    with private_schema(upgraded=False) as url:
+        run_apart(_setup(url, [unknown("looked", now - 3 * HOUR),
+                               unknown("gone", now - 2 * HOUR), unknown("new", now - HOUR)]))
+        env = {"RELAY_LEDGER": url}
+        before = run_cli("in-doubt", cwd=tmp_path, env=env)
+        assert before.returncode == 0, before
+        assert "has not looked at any in-doubt record" in before.stdout
+        run_apart(_looked(url, {"looked": 2, "gone": 1}, ["gone"]))
+
+        text = run_cli("in-doubt", cwd=tmp_path, env=env)
+        got = json.loads(run_cli("in-doubt", "--json", cwd=tmp_path, env=env).stdout)
+    assert text.returncode == 0, text
+    lines = text.stdout.splitlines()
+    assert "email:fp:looked" in lines[0]
+    assert lines[1].strip().startswith("reconciler: looked 2 time(s), last ")
+    assert lines[1].endswith("wait: mx1 unknown")
+    assert "email:fp:gone" in lines[2] and "reconciler: gave up" in lines[3]
+    assert "email:fp:new" in lines[4] and "reconciler: not looked at yet" in lines[5]
+    assert "the reconciler last looked at 20" in text.stdout
+    by_key = {r["store_key"]: r["reconcile"] for r in got}
+    assert by_key["email:fp:looked"]["looks"] == 2
+    assert by_key["email:fp:looked"]["answer"] == "wait: mx1 unknown"
+    assert by_key["email:fp:gone"]["given_up"] and not by_key["email:fp:looked"]["given_up"]
+    assert by_key["email:fp:new"] == {"looks": 0, "looked_at": None, "answer": None,
+                                      "given_up": False}

@@ -31,6 +31,7 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "session_lifetime": ("13", 13.0),
     "max_idle_commands": ("14", 14),
     "bare_newline": ("reject", "reject"),
+    "add_message_id": (None, False),  # --no-add-message-id
     "in_flight_wait": ("2.5", 2.5),
     "allowed_networks": ("10.0.0.0/8, 192.168.0.0/16", ("10.0.0.0/8", "192.168.0.0/16")),
     "allowed_senders": ("*@example.com", ("*@example.com",)),
@@ -121,6 +122,8 @@ SAMPLES: dict[str, tuple[str | None, object]] = {
     "ledger_recipients": ("full", "full"),
     "ledger_keys": ("plain", "plain"),
     "in_doubt_alert_after": ("600", 600.0),
+    "reconcile_interval": ("30", 30.0),
+    "reconcile_give_up": ("7200", 7200.0),
     "console_listen": ("127.0.0.1:8725", "127.0.0.1:8725"),
     "console_auth_file": ("console-users", Path("console-users")),
     "console_tls_cert": ("console.pem", Path("console.pem")),

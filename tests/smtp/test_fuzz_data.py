@@ -38,6 +38,7 @@ from relay.core.recipients import normalize_recipient
 from tests.support.clients import RawClient
 from tests.support.relays import MakeRelay
 from tests.support.sink import Delivered, Sink
+from tests.support.wire import added_before
 
 SEED = 20240917
 MESSAGES = 150
@@ -398,11 +399,16 @@ def form_problems(reply: str, out: Outgoing) -> list[str]:
 
 
 def trace_problems(delivered: Delivered, data: bytes) -> list[str]:
-    """The sink got ``data`` unchanged after exactly one Received: header (RFC 5321 4.4)."""
+    """The sink got ``data`` unchanged after exactly one Received: header (RFC 5321 4.4) and
+    the Message-ID the relay adds to a message without one (add_message_id)."""
     content = delivered.content
     if not content.endswith(data):
         return [f"upstream content differs: sent {data[:80]!r}, got {content[:160]!r}"]
     lines = content[: len(content) - len(data)].split(b"\r\n")
+    for start in added_before(data):
+        if len(lines) < 3 or not lines[-2].startswith(start):
+            return [f"no {start!r} line added before the message: {lines!r}"]
+        del lines[-2]
     if not lines[0].startswith(b"Received: from ") or lines[-1] != b"" or not all(
             line[:1] in (b" ", b"\t") for line in lines[1:-1]):
         return [f"upstream got more than one Received: header before the message: {lines!r}"]

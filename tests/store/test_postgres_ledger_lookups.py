@@ -95,7 +95,7 @@ async def test_db_upgrade_takes_a_ledger_with_rows_from_version_3_to_4() -> None
                 capture_output=True, text=True, timeout=60, check=False,
                 env={"PATH": "/usr/bin:/bin"})
             assert upgraded.returncode == 0, upgraded.stderr
-            assert "from version 3 to 4" in upgraded.stdout
+            assert f"from version 3 to {migrations.latest('ledger')}" in upgraded.stdout
             await migrations.check(conn, "ledger")
             indexes = {r["indexname"] for r in await conn.fetch(
                 "SELECT indexname FROM pg_indexes WHERE tablename = 'dedup_relay_ledger'")}

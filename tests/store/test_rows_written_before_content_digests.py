@@ -153,7 +153,7 @@ async def test_redis_values_of_the_earlier_formats_are_never_a_key_reused(
         await store.close()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 async def test_a_ledger_at_an_older_version_keeps_its_rows(version: int) -> None:
     """The ledger's first ``version`` steps and a row; the upgrade (and the SQL script after
     it, which changes nothing) keeps the row, its key source empty, ``key_reused`` false and
@@ -178,3 +178,34 @@ async def test_a_ledger_at_an_older_version_keeps_its_rows(version: int) -> None
         finally:
             await conn.close()
     assert [tuple(r) for r in rows] == [("suppressed", "j***@example.net", "", False, None)]
+
+
+async def test_a_ledger_at_version_4_gets_the_reconcilers_looks() -> None:
+    """A ledger at version 4 with an in-doubt row: the upgrade adds the reconciler's looks
+    table; the row is listed in doubt with no look yet, and a look counted afterwards is
+    read back with it."""
+    from relay.store.postgres.ledger_read import LedgerReader
+
+    with private_schema(upgraded=False) as url:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(migrations._SCHEMA_TABLE_SQL)
+            for step in migrations.STEPS["ledger"][:4]:
+                await conn.execute(step)
+            await conn.execute("INSERT INTO dedup_relay_schema VALUES ('ledger', 4)")
+            await conn.execute(
+                "INSERT INTO dedup_relay_ledger (row_id, decided_at, action, outcome, "
+                "store_key, recipient, message_id) VALUES (gen_random_uuid(), now(), "
+                "'relay', 'unknown', 'k:doubt', 'j***@example.net', '<m@app.test>')")
+            assert await migrations.upgrade(conn, "ledger") == (4, migrations.latest("ledger"))
+        finally:
+            await conn.close()
+        async with await LedgerReader.open(url) as reader:
+            [row] = await reader.to_reconcile(limit=10)
+            assert (row.store_key, row.message_id, row.reconcile_looks) == (
+                "k:doubt", "<m@app.test>", None)
+            await reader.note_looks([(row, "wait: mx1 unknown")])
+            await reader.note_looks([(row, "wait: mx1 unknown")])
+            [looked] = await reader.in_doubt(older_than_s=0, limit=10)
+            assert (looked.reconcile_looks, looked.reconcile_answer) == (2, "wait: mx1 unknown")
+            assert await reader.last_look() is not None

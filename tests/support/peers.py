@@ -102,6 +102,27 @@ class ScriptedPeer:
                 await each(chunk)
 
 
+@dataclass(kw_only=True)
+class DotSwallower(ScriptedPeer):
+    """An upstream that reads each message to its final dot and then hangs up without a reply
+    while ``swallow`` is set (the relay holds the message in doubt), else answers 250;
+    ``received`` counts the messages whose dot it read."""
+
+    swallow: bool = True
+    received: int = 0
+
+    async def on_data(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"354 go ahead\r\n")
+        await writer.drain()
+        if not await self.read_to_dot(reader):
+            return False
+        self.received += 1
+        if self.swallow:
+            return False
+        writer.write(b"250 2.0.0 queued as Q1\r\n")
+        return True
+
+
 P = TypeVar("P", bound=ScriptedPeer)
 
 

@@ -11,6 +11,7 @@ import redis.asyncio as aredis
 from relay.app import Relay
 from relay.core import replies
 from relay.core.fingerprint import fingerprint, store_key
+from relay.core.headers import parse_message
 from relay.core.interfaces import SmtpReply, State
 from relay.core.recipients import normalize_recipient
 from tests.support.clients import RawClient
@@ -59,11 +60,21 @@ def codes(got: Sequence[str]) -> list[int]:
     return [int(r[:3]) for r in got]
 
 
+def added_before(data: bytes) -> list[bytes]:
+    """The header line the relay adds before ``data`` (add_message_id): a Message-ID field
+    when ``data`` has none, as the relay's parse reads it; else nothing."""
+    return [] if parse_message(data).first("message-id") is not None else [b"Message-ID: "]
+
+
 def assert_relayed_unchanged(delivered: Delivered, data: bytes) -> None:
-    """Upstream got ``data`` byte for byte, preceded only by the relay's Received: header."""
+    """Upstream got ``data`` byte for byte, preceded only by the relay's Received: header
+    (and the Message-ID it adds to a message without one, add_message_id)."""
     assert delivered.content.endswith(data)
     trace = delivered.content[: len(delivered.content) - len(data)]
     lines = trace.split(b"\r\n")
+    for start in added_before(data):
+        assert lines[-2].startswith(start), lines
+        del lines[-2]
     assert lines[0].startswith(b"Received: from ")
     assert lines[-1] == b""
     assert all(line[:1] in (b" ", b"\t") for line in lines[1:-1])

@@ -102,9 +102,12 @@ came (``unknown``), or a retry found a record in doubt (``suppressed_unknown``, 
 relay that died after its final dot writes no ``unknown`` row, and its client's retry is the
 ledger's only evidence."""
 
-RESOLVING = ("relayed", "would_suppress", "released", "marked_sent")
+RESOLVING = ("relayed", "would_suppress", "released", "marked_sent", "reconciled_sent",
+             "reconciled_released")
 """Outcomes of a later row for the same store key that resolve an in-doubt (``unknown``)
-decision: the record was sent again, released or marked sent by an operator."""
+decision: the record was sent again, released or marked sent by an operator, or by the
+reconciler on the smarthost's own record (``reconcile_given_up`` resolves nothing: it is left
+to an operator)."""
 
 # rows saying a fingerprint is in doubt (IN_DOUBT, with a store key) that no later row of the
 # same store key resolved, decided at least $1 ms ago. "Later" by decided_at alone, which every

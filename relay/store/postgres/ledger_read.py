@@ -42,8 +42,9 @@ from relay.store.postgres.ledger_query import (
     search_sql,
 )
 from relay.store.postgres.migrations import LEDGER as _L_
+from relay.store.postgres.migrations import RECONCILE_LOOKS as _R_
 
-__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader", "Page"]
+__all__ = ["HistoryRow", "InDoubtRow", "LedgerReader", "Looks", "Page"]
 
 _ERRORS = (*ERRORS, ValueError)
 
@@ -58,17 +59,59 @@ ORDER BY decided_at, recorded_at, row_id LIMIT $2
 
 # $1 min age in ms (UNRESOLVED_WHERE), $2 most rows: one row per store key in doubt (its
 # ``unknown`` row when there is one: the transaction's own Message-ID and reply; else its
-# earliest retry's), the oldest first
-_IN_DOUBT = f"""
+# earliest retry's), the oldest first, with the reconciler's looks at that row (none: 0, NULL)
+# and whether it gave the doubt up (a ``reconcile_given_up`` row since); {where}: more rules,
+# {first}: what comes before the age in the order
+_IN_DOUBT_OF = f"""
 SELECT * FROM (
     SELECT DISTINCT ON (u.store_key) {_FIELDS},
            extract(epoch FROM now() - u.decided_at)::float8 AS age_s
     FROM {_L_} u WHERE {UNRESOLVED_WHERE}
     ORDER BY u.store_key, u.outcome <> 'unknown', u.decided_at, u.recorded_at
 ) AS each_key
-ORDER BY decided_at, recorded_at LIMIT $2
+LEFT JOIN LATERAL (
+    SELECT lk.looks AS reconcile_looks, lk.looked_at AS reconcile_looked_at,
+           lk.answer AS reconcile_answer
+    FROM {_R_} lk WHERE lk.store_key = each_key.store_key AND lk.row_id = each_key.row_id
+) AS looked ON true
+CROSS JOIN LATERAL (
+    SELECT EXISTS (SELECT 1 FROM {_L_} g WHERE g.store_key = each_key.store_key
+                   AND g.outcome = 'reconcile_given_up' AND g.decided_at >= each_key.decided_at)
+           AS reconcile_given_up
+) AS given_up
+{{where}}
+ORDER BY {{first}} decided_at, recorded_at LIMIT $2
+"""
+_IN_DOUBT = _IN_DOUBT_OF.format(where="", first="")
+# the reconciler's: those not looked at first, then the least recently looked at, so that a
+# round bounded below the list's length reaches every record in turn
+_TO_RECONCILE = _IN_DOUBT_OF.format(where="WHERE NOT given_up.reconcile_given_up",
+                                    first="reconcile_looked_at NULLS FIRST,")
+
+# $1 store keys, $2 the in-doubt rows looked at, $3 each one's answer: one more look each
+_LOOKED = f"""
+INSERT INTO {_R_} (store_key, row_id, answer)
+SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[])
+ON CONFLICT (store_key) DO UPDATE SET
+    looks = CASE WHEN {_R_}.row_id = EXCLUDED.row_id THEN {_R_}.looks + 1 ELSE 1 END,
+    first_looked_at = CASE WHEN {_R_}.row_id = EXCLUDED.row_id
+                      THEN {_R_}.first_looked_at ELSE now() END,
+    row_id = EXCLUDED.row_id, looked_at = now(), answer = EXCLUDED.answer
 """
 
+# $1 seconds: the looks not renewed for so long (their doubt resolved, or given up long ago)
+_FORGET_LOOKS = f"""
+DELETE FROM {_R_} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {_R_} WHERE looked_at < now() - make_interval(secs => $1) LIMIT 5000))
+"""
+
+_LAST_LOOK = f"SELECT max(looked_at) FROM {_R_}"
+
+# $1 store keys: the reconciler's looks at each
+_LOOKS_OF = f"""
+SELECT store_key, looks, first_looked_at, looked_at, answer FROM {_R_}
+WHERE store_key = ANY($1::text[])
+"""
 
 # $1 seconds back from now, $2 most templates: the suppressed duplicates per template decided in
 # that time. recorded_at >= decided_at (a row lands after it was decided, both on the
@@ -153,12 +196,34 @@ class Page:
 
 
 @dataclass(frozen=True)
+class Looks:
+    """The reconciler's looks at one store key in doubt: how many rounds asked the evidence
+    sources (``looks``), the first and the last (``first_looked_at``, ``looked_at``, the
+    database's clock) and what the last found (``answer``: ``wait: mx1 unknown`` ...)."""
+
+    looks: int
+    first_looked_at: datetime
+    looked_at: datetime
+    answer: str
+
+
+@dataclass(frozen=True)
 class InDoubtRow(HistoryRow):
     """The row of a fingerprint in doubt (``unknown``, or a retry's ``suppressed_unknown`` /
     ``held``) no later row resolved; ``age_s``: seconds since it was decided, by the
     database's clock."""
 
     age_s: float = 0.0
+    reconcile_looks: int | None = None
+    reconcile_looked_at: datetime | None = None
+    reconcile_answer: str | None = None
+    reconcile_given_up: bool = False
+
+    @property
+    def attempt_at(self) -> datetime:
+        """When the in-doubt attempt's final dot went out: ``sending_at``, else (a row
+        without it) ``decided_at``."""
+        return self.sending_at if self.sending_at is not None else self.decided_at
 
 
 def _history_row(record: Any) -> HistoryRow:
@@ -240,6 +305,41 @@ class LedgerReader:
         records = await self._call("ledger in-doubt", _IN_DOUBT,
                                    max(0, int(older_than_s * 1000)), limit)
         return [_in_doubt_row(r) for r in records]
+
+    async def to_reconcile(self, *, limit: int) -> list[InDoubtRow]:
+        """The fingerprints in doubt as :meth:`in_doubt` lists them (any age) but those the
+        reconciler gave up (a ``reconcile_given_up`` row since their in-doubt row): its work
+        list, those it never looked at first, then the least recently looked at, each group
+        oldest first, at most ``limit`` (a round bounded below the list's length reaches every
+        record in turn)."""
+        records = await self._call("ledger in-doubt", _TO_RECONCILE, 0, limit)
+        return [_in_doubt_row(r) for r in records]
+
+    async def note_looks(self, looks: Sequence[tuple[InDoubtRow, str]]) -> None:
+        """Count one look of the reconciler at each (in-doubt row, what it found): the row's
+        count goes up by one (back to 1 for a new doubt of its key), its time is now."""
+        if not looks:
+            return
+        keys = [row.store_key for row, _ in looks]
+        row_ids = [row.row_id for row, _ in looks]
+        answers = [answer[:1024] for _, answer in looks]
+        await self._call("ledger reconcile", _LOOKED, keys, row_ids, answers)
+
+    async def forget_looks(self, *, older_than_s: float) -> None:
+        """Delete the looks not renewed for ``older_than_s`` seconds (at most 5,000)."""
+        await self._call("ledger reconcile", _FORGET_LOOKS, float(older_than_s))
+
+    async def looks(self, store_keys: Sequence[str]) -> dict[str, Looks]:
+        """The reconciler's looks at each of ``store_keys`` that it looked at."""
+        records = await self._call("ledger reconcile", _LOOKS_OF, list(store_keys))
+        return {r["store_key"]: Looks(r["looks"], r["first_looked_at"], r["looked_at"],
+                                      r["answer"]) for r in records}
+
+    async def last_look(self) -> datetime | None:
+        """When the reconciler last looked at any in-doubt record (None: never, or not
+        since its looks were forgotten)."""
+        records = await self._call("ledger reconcile", _LAST_LOOK)
+        return records[0][0] if records else None
 
     async def unresolved(self, store_key: str) -> bool:
         """Whether ``store_key`` is in doubt in the ledger, unresolved (as :meth:`in_doubt`

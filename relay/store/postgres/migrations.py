@@ -22,6 +22,7 @@ from typing import Protocol
 SCHEMA_TABLE = "dedup_relay_schema"
 FINGERPRINTS = "dedup_relay_fingerprints"
 LEDGER = "dedup_relay_ledger"
+RECONCILE_LOOKS = "dedup_relay_reconcile_looks"
 RATE_EVENTS = "dedup_relay_rate_events"
 RATE_GIVEN_BACK = "dedup_relay_rate_given_back"
 RATE_ACQUIRE = "dedup_relay_rate_acquire"
@@ -213,6 +214,19 @@ CREATE INDEX IF NOT EXISTS {LEDGER}_upstream_queue_id
     ON {LEDGER} (upstream_queue_id, decided_at, row_id) WHERE upstream_queue_id <> '';
 CREATE INDEX IF NOT EXISTS {LEDGER}_template ON {LEDGER} (template, decided_at, row_id);
 CREATE INDEX IF NOT EXISTS {LEDGER}_decided_at ON {LEDGER} (decided_at, row_id);""",
+    # 5: the reconciler's looks (docs/operating/reconciliation.md): one row per store key in
+    # doubt it asked the evidence sources about. ``row_id``: the in-doubt ledger row looked at
+    # (a new doubt of the key starts the count again); ``looks``: how many rounds asked;
+    # ``looked_at``: the last (the database's clock); ``answer``: what the last round found
+    f"""CREATE TABLE IF NOT EXISTS {RECONCILE_LOOKS} (
+    store_key text PRIMARY KEY,
+    row_id uuid NOT NULL,
+    first_looked_at timestamptz NOT NULL DEFAULT now(),
+    looked_at timestamptz NOT NULL DEFAULT now(),
+    looks integer NOT NULL DEFAULT 1,
+    answer text NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS {RECONCILE_LOOKS}_looked_at ON {RECONCILE_LOOKS} (looked_at);""",
 )
 
 STEPS: Mapping[str, Sequence[str]] = {"store": _STORE_STEPS, "ledger": _LEDGER_STEPS}
