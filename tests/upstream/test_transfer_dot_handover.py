@@ -51,14 +51,17 @@ class HeldTransport:
 async def test_the_dot_counts_as_handed_over_before_the_transport_flushed_it() -> None:
     """``on_dot`` runs once, as the dot is written while the transport still holds it; the
     transfer is sent only once it is flushed."""
-    transport, handed = HeldTransport(), []
+    transport, handed, handing = HeldTransport(), [], asyncio.Event()
+
+    def on_dot() -> None:
+        handed.append(transport.get_write_buffer_size())
+        handing.set()
+
     payload = b"Subject: x\r\n\r\nbody\r\n" + DOT
-    transfer = Transfer(transport, payload, stall_timeout_s=30.0,
-                        on_dot=lambda: handed.append(transport.get_write_buffer_size()))
+    transfer = Transfer(transport, payload, stall_timeout_s=30.0, on_dot=on_dot)
     reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     running = asyncio.ensure_future(transfer.run(reply))
-    while not handed:
-        await asyncio.sleep(0)
+    await asyncio.wait_for(handing.wait(), 30)
     assert handed == [len(payload)]  # handed over, none of it flushed yet
     assert not transfer.complete and not running.done()
     transport.drain()
