@@ -162,7 +162,10 @@ class ShutdownProxy:
             if not muted[0] and not writer.is_closing():
                 muted[0] = True
                 writer.write(ADMIN_SHUTDOWN)
-                await writer.drain()
+                try:
+                    await writer.drain()
+                except ConnectionError:  # the relay closed that one meanwhile
+                    continue
                 sent += 1
         return sent
 
