@@ -33,9 +33,17 @@ TEST_LOOP = os.environ.get("RELAY_TEST_LOOP", "asyncio")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register ``both_loops``; refuse an unknown ``RELAY_TEST_LOOP``."""
+    """Register ``both_loops``; refuse an unknown ``RELAY_TEST_LOOP``; hand tests to the xdist
+    workers one at a time (below)."""
     config.addinivalue_line(
         "markers", "both_loops: the async test runs on asyncio's loop and on uvloop's")
+    # pytest-xdist's load scheduling hands each worker a run of consecutive tests, up to an
+    # eighth of those left: near the end one worker got most of tests/system/stores (fault
+    # bench and nemesis runs, 10-70 s each) while the others ran out of work. One test at a
+    # time (--maxschedchunk 1) keeps every worker busy to the end; a --maxschedchunk given
+    # on the command line wins.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
     if TEST_LOOP not in LOOP_FACTORIES:
         raise pytest.UsageError(
             f"RELAY_TEST_LOOP={TEST_LOOP!r}: one of {', '.join(LOOP_FACTORIES)}")
