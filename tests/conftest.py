@@ -33,9 +33,31 @@ TEST_LOOP = os.environ.get("RELAY_TEST_LOOP", "asyncio")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register ``both_loops``; refuse an unknown ``RELAY_TEST_LOOP``."""
+    """Register ``both_loops``; refuse an unknown ``RELAY_TEST_LOOP``; hand tests to the xdist
+    workers one at a time (below); keep the bytecode of the processes the tests start."""
     config.addinivalue_line(
         "markers", "both_loops: the async test runs on asyncio's loop and on uvloop's")
+    # pytest-xdist's load scheduling hands each worker a run of consecutive tests, up to an
+    # eighth of those left: near the end one worker got most of tests/system/stores (fault
+    # bench and nemesis runs, 10-70 s each) while the others ran out of work. One test at a
+    # time (--maxschedchunk 1) keeps every worker busy to the end; a --maxschedchunk given
+    # on the command line wins.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+    _bytecode_cache_for_subprocesses()
+
+
+def _bytecode_cache_for_subprocesses() -> None:
+    """With ``PYTHONDONTWRITEBYTECODE`` set, every relay process the tests start (hundreds:
+    the CLI, `serve` and its workers, the bench's relays) compiled the relay's sources again:
+    0.05-0.1 s of CPU each. The processes started from here (the xdist workers and theirs)
+    keep their bytecode in a private cache instead (``PYTHONPYCACHEPREFIX``, under the temp
+    directory), so the source tree still gets no ``__pycache__``. A prefix already chosen
+    is kept."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and "PYTHONPYCACHEPREFIX" not in os.environ:
+        cache = Path(tempfile.gettempdir()) / f"dedup-relay-tests-pycache-{os.getuid()}"
+        os.environ["PYTHONPYCACHEPREFIX"] = str(cache)
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
     if TEST_LOOP not in LOOP_FACTORIES:
         raise pytest.UsageError(
             f"RELAY_TEST_LOOP={TEST_LOOP!r}: one of {', '.join(LOOP_FACTORIES)}")

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -608,3 +609,27 @@ class RelayProcess:
 
     async def stop(self) -> None:
         await self.signal_and_wait(signal.SIGTERM)
+
+    def log_entries(self) -> list[dict[str, object]]:
+        """The JSON lines every run of this relay wrote to ``log_path`` so far (others
+        skipped)."""
+        found: list[dict[str, object]] = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict):
+                    found.append(entry)
+        return found
+
+    async def logged(self, wanted: Callable[[dict[str, object]], bool], *, count: int = 1,
+                     within_s: float = 60.0) -> None:
+        """Wait until ``count`` lines of the log satisfy ``wanted`` (polled every 50 ms).
+        Raises RuntimeError past ``within_s`` seconds, or when the relay exited meanwhile."""
+        deadline = time.monotonic() + within_s
+        while sum(map(wanted, self.log_entries())) < count:
+            if self.proc is None or self.proc.returncode is not None:
+                raise RuntimeError(f"the relay on port {self.port} exited while waiting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the relay on port {self.port} did not log what was "
+                                   f"waited for within {within_s:g} s")
+            await asyncio.sleep(0.05)

@@ -40,7 +40,17 @@ from tests.support.waiting import until
 # took 36 s to start two workers and 7 s to run one `dedup-relay reload`.
 pytestmark = pytest.mark.timeout(240)
 
+# A reload takes one of two paths: a relay in one process reads the file and applies it
+# itself (relay.reload.relay_hangup); a supervisor reads and checks it, counts and logs the
+# reload, and each worker applies its reading (relay.supervision.reloads, worker_hangup). A
+# setting is applied by the same code on either path (relay.app.Relay.apply). So the tests
+# of the paths themselves (the refusal and its count, two SIGHUPs at once, the SQLite file's
+# locks) run with each; a setting's test runs with two workers where each worker must apply
+# it (every new connection, whichever worker takes it) or the supervisor speaks for them (one
+# line, no worker restarted), else in one process.
 WORKERS = pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+TWO_WORKERS = pytest.mark.parametrize("workers", [2], ids=["two-workers"])
+ONE_PROCESS = pytest.mark.parametrize("workers", [1], ids=["one-process"])
 _IMPLICIT_TLS = re.compile(r"implicit TLS \[?[0-9a-fA-F.:]+?\]?:(\d+)")
 
 
@@ -142,7 +152,7 @@ async def _transaction(client: RawClient, mail_from: str, data: bytes,
     return await client.cmd(data + b".")
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_allowed_senders_change_for_the_next_mail_on_an_open_connection(
         configured: Start, sink: Sink, workers: int) -> None:
     """A connection opened (and a message sent on it) before SIGHUP: its next MAIL FROM is
@@ -227,7 +237,7 @@ def _der(cert_file: Path) -> bytes:
     return ssl.PEM_cert_to_DER_cert(text[:end])
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_a_rotated_certificate_is_served_to_the_next_handshake(
         configured: Start, tmp_path: Path, workers: int) -> None:
     """Start with certificate A, replace the files with B, SIGHUP: every new STARTTLS and
@@ -308,7 +318,7 @@ def _login(port: int, user: str, password: str) -> int:
         return code
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_a_new_user_of_the_auth_file_logs_in_after_sighup(
         configured: Start, tmp_path: Path, workers: int) -> None:
     """A user added to the credentials file (same path) can AUTH once the relay reloaded."""
@@ -330,7 +340,7 @@ async def test_a_new_user_of_the_auth_file_logs_in_after_sighup(
     assert await asyncio.to_thread(_login, run.tls_port, "alice", "alice-pw") == 235
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_log_level_changes_to_debug(configured: Start, workers: int) -> None:
     """log_level INFO -> DEBUG: no DEBUG line before, DEBUG lines after (the next reload's)."""
     run = await configured(workers, log_level="INFO")
@@ -350,7 +360,7 @@ async def test_log_level_changes_to_debug(configured: Start, workers: int) -> No
         assert {e.get("worker") for e in debug if "worker" in e} == {0, 1}
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_a_changed_listen_address_needs_a_restart(tmp_path: Path, sink: Sink,
                                                         workers: int) -> None:
     """listen (and workers) changed in the file: named "needs a restart" in the reload line,
@@ -386,7 +396,7 @@ async def test_a_changed_listen_address_needs_a_restart(tmp_path: Path, sink: Si
         delete_prefix(REDIS_URL, prefix)
 
 
-@WORKERS
+@ONE_PROCESS
 async def test_duplicate_reply_switches_to_550_on_an_open_connection(
         configured: Start, sink: Sink, workers: int) -> None:
     """duplicate_reply "250" -> "550" by SIGHUP: on a connection opened before, the next
@@ -411,7 +421,7 @@ async def test_duplicate_reply_switches_to_550_on_an_open_connection(
     assert sink.handler.copies_to("user@example.net") == 2
 
 
-@WORKERS
+@ONE_PROCESS
 async def test_a_fingerprint_setting_never_changes_live(configured: Start, sink: Sink,
                                                         workers: int) -> None:
     """store_prefix and dedupe_headers changed in the file: named "needs a restart", and a
@@ -531,7 +541,7 @@ def test_dedup_relay_reload_refuses_what_is_no_relay(tmp_path: Path) -> None:
     assert "no such process" in stale.stderr
 
 
-@WORKERS
+@TWO_WORKERS
 async def test_allowed_networks_apply_to_the_next_connection(configured: Start,
                                                              workers: int) -> None:
     """allowed_networks without loopback: a new connection is refused (421); after SIGHUP

@@ -328,10 +328,12 @@ def test_two_relays_started_at_once_on_one_port_one_serves_and_one_is_refused(
 
 
 def _hang_up_new_children(relay: ServeProcess, stop: threading.Event) -> set[int]:
-    """Send SIGHUP to every child of ``relay`` the moment it shows in /proc (polled without
-    pause) until ``stop`` is set; the pids signalled."""
+    """Send SIGHUP to every child of ``relay`` within a millisecond or two of its showing in
+    /proc (a new worker's interpreter takes tens of milliseconds to reach its handler) until
+    ``stop`` is set; the pids signalled. The pause between looks keeps this thread off the
+    CPU the workers' starts need (a loop without one takes a core of two, and the GIL)."""
     seen: set[int] = set()
-    while not stop.is_set():
+    while not stop.wait(0.001):
         with contextlib.suppress(OSError, ValueError):
             for pid in relay.children():
                 if pid not in seen:
