@@ -71,6 +71,8 @@ async def reply_past_cut(work: asyncio.Future[_T], dot_written: Callable[[], boo
         except asyncio.CancelledError:  # cut a second time: no more waiting
             absorb_cancel()
             done = set()
+            log.warning("shutdown: the wait for the reply to a final dot was cut again: "
+                        "settled as a cut transaction")
         if done:
             return work.result()
     work.cancel()
