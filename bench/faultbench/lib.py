@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -519,6 +519,18 @@ class BenchPostgres:
 # ------------------------------------------------------------------------------------------
 
 
+def log_entries(paths: Iterable[Path]) -> Iterator[dict[str, object]]:
+    """The JSON objects the relay logs at ``paths`` hold, in order (other lines, and files
+    not there, skipped)."""
+    for path in paths:
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if isinstance(entry, dict):
+                        yield entry
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     """How the bench runs ``python -m relay serve`` (durations in seconds).
@@ -613,13 +625,7 @@ class RelayProcess:
     def log_entries(self) -> list[dict[str, object]]:
         """The JSON lines every run of this relay wrote to ``log_path`` so far (others
         skipped)."""
-        found: list[dict[str, object]] = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                if isinstance(entry, dict):
-                    found.append(entry)
-        return found
+        return list(log_entries([self.log_path]))
 
     async def logged(self, wanted: Callable[[dict[str, object]], bool], *, count: int = 1,
                      within_s: float = 60.0) -> None:

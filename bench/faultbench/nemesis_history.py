@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.faultbench.checker import ClientRecord, Dot, Fingerprint, History
+from bench.faultbench.lib import log_entries
 from relay.core.keys import KeyRules, recipient_key
 from relay.settings import Settings
 
@@ -88,21 +89,11 @@ async def in_doubt_listed(store_url: str, prefix: str, ledger_url: str, cwd: Pat
     return listed
 
 
-def _log_entries(paths: Iterable[Path]) -> Iterable[dict[str, object]]:
-    for path in paths:
-        if path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    if isinstance(entry, dict):
-                        yield entry
-
-
 def resent(paths: Iterable[Path], keys: dict[str, Fingerprint]) -> Counter[Fingerprint]:
     """Copies the relays announced as sent again over a record in doubt ("possible
     duplicate", ``unknown_policy = send``), per fingerprint."""
     found: Counter[Fingerprint] = Counter()
-    for entry in _log_entries(paths):
+    for entry in log_entries(paths):
         if "possible duplicate" in str(entry.get("message", "")):
             fp = keys.get(str(entry.get("key")))
             if fp is not None:
@@ -114,7 +105,7 @@ def relayed(paths: Iterable[Path]) -> Counter[Fingerprint]:
     """Copies the relays logged as relayed (their decision line's outcome: the smarthost's 2yz
     read), per fingerprint; the key is the message's Message-ID (``<key@bench.test>``)."""
     found: Counter[Fingerprint] = Counter()
-    for entry in _log_entries(paths):
+    for entry in log_entries(paths):
         outcomes = entry.get("outcomes")
         if entry.get("message") == "message" and isinstance(outcomes, dict):
             key = str(entry.get("message_id", "")).strip("<>").split("@", 1)[0]
@@ -128,7 +119,7 @@ def ledger_rows_lost(paths: Iterable[Path]) -> int:
     """Audit ledger rows the relays logged as never written (a relay stopped with rows still
     queued); a killed relay's queued rows are gone without a line."""
     lost = 0
-    for entry in _log_entries(paths):
+    for entry in log_entries(paths):
         found = re.match(r"audit ledger: (\d+) row\(s\) not written", str(entry.get("message")))
         lost += int(found.group(1)) if found else 0
     return lost
@@ -158,7 +149,7 @@ def relay_lines(paths: Iterable[Path], rcpt: str) -> list[tuple[float, str]]:
     """The relay log lines naming ``rcpt``, as (unix time by the relay's clock, short text)."""
     found = []
     for i, path in enumerate(paths):
-        for entry in _log_entries([path]):
+        for entry in log_entries([path]):
             if rcpt not in json.dumps(entry):
                 continue
             with contextlib.suppress(ValueError, TypeError):
