@@ -137,6 +137,9 @@ class ServeProcess:
 def _spawn_serve(cwd: Path, args: list[str], env: dict[str, str] | None, workers: int
                  ) -> ServeProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    if "--metrics-listen" not in args:
+        # The default port (9725) is one per machine: tests run side by side take any free one.
+        full_env["RELAY_METRICS_LISTEN"] = "127.0.0.1:0"
     full_env.update(env or {})
     log_path = cwd / f"serve-{uuid.uuid4().hex[:8]}.log"
     with log_path.open("wb") as log_file:
@@ -150,7 +153,8 @@ async def start_serve(cwd: Path, *args: str, workers: int = 2,
                       env: dict[str, str] | None = None, within_s: float = 60.0
                       ) -> ServeProcess:
     """Start `python -m relay serve --workers N --listen 127.0.0.1:0 --log-format json ARGS`
-    in ``cwd`` (no RELAY_* env vars inherited; ``env`` adds some) and wait until every worker
+    in ``cwd`` (no RELAY_* env vars inherited; ``env`` adds some; metrics on a free port
+    unless ``--metrics-listen`` or ``env`` says otherwise) and wait until every worker
     logged its listening line; ``port`` is read from it, ``metrics_port`` from the
     supervisor's line (or the single process's) when metrics are on. Raises AssertionError
     when the process exits first or ``within_s`` passes."""
