@@ -19,6 +19,18 @@ log = logging.getLogger("relay.core.cancellation")
 _T = TypeVar("_T")
 
 
+def stop_if_asked() -> None:
+    """Raise ``asyncio.CancelledError`` when the current task was asked to stop and the
+    request was swallowed on the way: on Python 3.11 ``asyncio.wait_for`` returns a result that
+    arrived in the same loop turn as the cancellation (aiosmtplib reads every reply so), and
+    the task would go on as if never asked. Call it before a step that cannot be taken back
+    (handing over a final dot). Raises only for a request not taken back
+    (:func:`absorb_cancel`)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        raise asyncio.CancelledError
+
+
 def absorb_cancel() -> None:
     """Take back one cancellation of the current task, which answers for it itself."""
     task = asyncio.current_task()
@@ -55,8 +67,9 @@ async def reply_past_cut(work: asyncio.Future[_T], dot_written: Callable[[], boo
     cancellation is absorbed and ``work`` gets up to ``wait_s`` seconds (default
     :data:`AFTER_DOT_WAIT_S`, read at the call) more to bring the
     upstream's reply; otherwise, or past that, ``work`` is cancelled and None is returned
-    (the caller settles the transaction as cut: in doubt when the dot was out). An exception
-    of ``work`` is raised."""
+    (the caller settles the transaction as cut: in doubt when the dot was out), unless
+    ``work`` ends with a result all the same (it took the upstream's verdict on the way out):
+    that result is returned. An exception of ``work`` is raised."""
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
@@ -77,6 +90,6 @@ async def reply_past_cut(work: asyncio.Future[_T], dot_written: Callable[[], boo
             return work.result()
     work.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await work
+        return await work
     return None
 

@@ -43,6 +43,8 @@ import struct
 from collections.abc import Callable
 from typing import Any, Protocol, TypeGuard, TypeVar
 
+from relay.core.cancellation import stop_if_asked
+
 CHUNK_BYTES = 256 * 1024
 AHEAD_BYTES = 1024 * 1024  # bytes handed to asyncio and not yet taken by the kernel, at most
 MARK_AHEAD_BYTES = 64 * 1024  # body bytes not yet in the kernel when the SENDING mark starts
@@ -239,13 +241,16 @@ class Transfer:
         but True; the payload must end with :data:`DOT`). Bytes still buffered on any outcome
         but SENT are the caller's to :func:`abort`. While only the gate is awaited (the body
         all taken by the kernel) the stall clock does not run: the wait is the store's,
-        bounded by its own timeout."""
+        bounded by its own timeout. Raises ``asyncio.CancelledError`` when the task is asked
+        to stop, also when a read's ``wait_for`` swallowed the request (:func:`stop_if_asked`):
+        no byte is handed over after it."""
         loop = asyncio.get_running_loop()
         progress, progress_at = _Progress(), loop.time()
         body = len(self._payload) - len(DOT)
         gate: asyncio.Future[bool] | None = None
         held = start_gate is not None  # the final dot waits for the gate
         while True:
+            stop_if_asked()  # a cut swallowed by a read's wait_for must not send the dot
             gate = self._gate_due(start_gate, gate, body)
             if gate is not None and held and gate.done():
                 if gate.cancelled() or gate.exception() is not None or gate.result() is not True:
