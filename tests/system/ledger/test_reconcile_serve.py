@@ -20,8 +20,6 @@ from tests.support.postgres import ledger_rows
 from tests.support.relays import start_serve
 from tests.support.waiting import until
 
-pytest.importorskip("relay.reconcile.command")
-
 pytestmark = pytest.mark.timeout(180)
 
 

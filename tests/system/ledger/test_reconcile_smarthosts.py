@@ -17,8 +17,7 @@ relay (PostgreSQL ledger, SQLite store) reads the smarthost's own log (``postfix
   bound, then one ``reconcile_given_up`` row.
 
 How long each took (from the relay's in-doubt answer to the reconciler's row) is printed (run
-with ``-s``). Runs once the log sources (relay/reconcile/postfix.py, exim.py) and the private
-smarthosts are there; Postfix's as root with Debian's postfix."""
+with ``-s``). Postfix's runs as root with Debian's postfix."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import postfix
+from tests.support import exim, postfix, smarthosts
 from tests.support.clients import message, send
 from tests.support.metrics import scrape
 from tests.support.net import free_port
@@ -41,10 +40,6 @@ from tests.support.postgres import ledger_rows
 from tests.support.relays import ServeProcess, start_serve
 from tests.support.reply_dropping_proxy import ReplyDroppingProxy, serve_proxy
 from tests.support.waiting import until
-
-pytest.importorskip("relay.reconcile.postfix")
-smarthosts = pytest.importorskip("tests.support.smarthosts")
-exim = pytest.importorskip("tests.support.exim")
 
 pytestmark = pytest.mark.timeout(420)
 
