@@ -438,8 +438,8 @@ async def test_sentinel_without_replica_is_reported_and_not_waited_on(prefix: st
 def evicting_server() -> Iterator[Servers]:
     """A redis-server with maxmemory-policy allkeys-lru and no persistence."""
     with server_group("evicting") as servers:
-        servers.add(free_port(), ["--maxmemory-policy", "allkeys-lru", "--save", "",
-                                  "--appendonly", "no"])
+        servers.add(lambda _port: ["--maxmemory-policy", "allkeys-lru", "--save", "",
+                                   "--appendonly", "no"])
         yield servers
 
 

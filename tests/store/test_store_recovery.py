@@ -24,8 +24,8 @@ async def test_the_first_burst_after_redis_restarts_is_relayed(
     """20 parallel messages right after Redis restarted (its pooled connections dead) are all
     answered 250: a dead pooled connection is replaced and the call tried once more."""
     with redis_servers.server_group("store-recovery") as group:
-        port = redis_servers.free_port()
-        server = group.add(port, ["--save", "", "--appendonly", "no"])
+        server = group.add(lambda _port: ["--save", "", "--appendonly", "no"])
+        port = server.port
         relay = await make_relay(upstream=f"127.0.0.1:{sink.port}",
                                  store=f"redis://127.0.0.1:{port}/0", store_timeout=2.0)
         tag = uuid.uuid4().hex[:8]

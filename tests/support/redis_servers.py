@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 START_TIMEOUT_S = 10.0
 # a replica's first full sync starts at once, not after the default 5 s diskless-sync delay
@@ -84,6 +86,10 @@ def in_sync(port: int) -> bool:
         return conn.info("replication").get("master_link_status") == "up"
 
 
+class ServerExited(Exception):
+    """A server process exited while it was being started (its log's tail in the message)."""
+
+
 @dataclass
 class Server:
     """One redis-server (or sentinel) process on ``port``, its files under ``workdir``.
@@ -103,11 +109,25 @@ class Server:
         if exe is None:
             pytest.fail("redis-server is not installed (.ci/run installs it)")
         log = self.workdir / f"{self.port}.log"
-        self.proc = subprocess.Popen(
+        proc = self.proc = subprocess.Popen(
             [exe, *self.args, "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.workdir), "--logfile", str(log)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(f"redis-server on port {self.port} answering", self.ping, START_TIMEOUT_S)
+
+        def answering() -> bool:
+            """Whether this process answers on the port: another one on it (the port was
+            taken between the pick and the bind) does not count, and its exit ends the wait."""
+            if proc.poll() is not None:
+                self.proc = None
+                tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
+                raise ServerExited(f"redis-server on port {self.port} exited "
+                                   f"{proc.returncode}: {tail}")
+            with contextlib.closing(redis.Redis(
+                    port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                    retry=Retry(NoBackoff(), 0))) as conn:
+                return bool(conn.info("server")["process_id"] == proc.pid)
+
+        wait_for(f"redis-server on port {self.port} answering", answering, START_TIMEOUT_S)
 
     def ping(self) -> bool:
         with contextlib.closing(client(self.port)) as conn:
@@ -140,11 +160,22 @@ class Servers:
     workdir: Path
     servers: list[Server] = field(default_factory=list)
 
-    def add(self, port: int, args: list[str]) -> Server:
-        server = Server(port=port, workdir=self.workdir, args=args)
-        self.servers.append(server)
-        server.start()
-        return server
+    def add(self, args: Callable[[int], list[str]]) -> Server:
+        """Start a server on a free port with ``args(port)``. A port taken by another process
+        between the pick and the server's bind (its log says so) is picked again, twice at
+        most. Raises :class:`ServerExited` for any other early exit."""
+        for attempt in range(3):
+            port = free_port()
+            server = Server(port=port, workdir=self.workdir, args=args(port))
+            self.servers.append(server)
+            try:
+                server.start()
+            except ServerExited as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+                continue
+            return server
+        raise AssertionError("unreachable")
 
     def stop_all(self) -> None:
         for server in self.servers:
@@ -256,10 +287,8 @@ def _cluster_args(workdir: Path, port: int) -> list[str]:
 def redis_cluster() -> Iterator[Cluster]:
     """Start a 3-master/3-replica cluster; stop it and delete its files on exit."""
     with server_group("cluster") as servers:
-        nodes = []
-        for _ in range(6):
-            port = free_port()
-            nodes.append(servers.add(port, _cluster_args(servers.workdir, port)))
+        nodes = [servers.add(lambda port: _cluster_args(servers.workdir, port))
+                 for _ in range(6)]
         exe = shutil.which("redis-cli") or "redis-cli"
         subprocess.run(
             [exe, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
@@ -316,15 +345,15 @@ def redis_sentinel(*, with_replica: bool = True) -> Iterator[SentinelSet]:
     their files on exit."""
     with server_group("sentinel") as servers:
         plain = [*_FAST_SYNC, "--save", "", "--appendonly", "no"]
-        master = servers.add(free_port(), plain)
-        replica = servers.add(free_port(), [*plain, "--replicaof", "127.0.0.1",
-                                            str(master.port)]) if with_replica else None
+        master = servers.add(lambda _port: plain)
+        replica = servers.add(lambda _port: [*plain, "--replicaof", "127.0.0.1",
+                                             str(master.port)]) if with_replica else None
         conf = servers.workdir / "sentinel.conf"
         conf.write_text(
             f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master.port} 1\n"
             f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n"
             f"sentinel failover-timeout {SENTINEL_SERVICE} 3000\n")
-        sentinel = servers.add(free_port(), [str(conf), "--sentinel"])
+        sentinel = servers.add(lambda _port: [str(conf), "--sentinel"])
         sentinels = SentinelSet(master=master, replica=replica, sentinel=sentinel)
         if with_replica:
             wait_for("the sentinel knowing the replica", sentinels.replica_known, 15.0)

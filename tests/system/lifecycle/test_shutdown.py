@@ -190,8 +190,8 @@ async def test_a_settle_after_the_upstream_reply_completes_when_the_grace_ends(
     from tests.support import redis_servers
 
     with redis_servers.server_group("settle-cut") as group:
-        port = redis_servers.free_port()
-        group.add(port, ["--save", "", "--appendonly", "no", "--enable-debug-command", "yes"])
+        port = group.add(lambda _port: ["--save", "", "--appendonly", "no",
+                                        "--enable-debug-command", "yes"]).port
         url = f"redis://127.0.0.1:{port}/0"
         relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=url,
                                  shutdown_grace=0.8, store_timeout=4.0, lease=30.0)
@@ -224,8 +224,9 @@ async def test_a_settle_the_store_did_not_take_before_exit_is_paid_by_the_next_s
 
     journal = tmp_path / "owed.jsonl"
     with redis_servers.server_group("settle-journal") as group:
-        port = redis_servers.free_port()
-        server = group.add(port, ["--save", "", "--appendonly", "yes", "--appendfsync", "always"])
+        server = group.add(lambda _port: ["--save", "", "--appendonly", "yes",
+                                          "--appendfsync", "always"])
+        port = server.port
         url = f"redis://127.0.0.1:{port}/0"
         settings = {"upstream": f"127.0.0.1:{sink.port}", "store": url, "store_timeout": 0.5,
                     "shutdown_grace": 1.0, "settle_journal": str(journal),
@@ -259,8 +260,8 @@ async def test_a_cut_during_the_reserve_releases_what_landed_and_says_so(
     from tests.support import redis_servers
 
     with redis_servers.server_group("reserve-cut") as group:
-        port = redis_servers.free_port()
-        group.add(port, ["--save", "", "--appendonly", "no", "--enable-debug-command", "yes"])
+        port = group.add(lambda _port: ["--save", "", "--appendonly", "no",
+                                        "--enable-debug-command", "yes"]).port
         url = f"redis://127.0.0.1:{port}/0"
         relay = await make_relay(upstream=f"127.0.0.1:{sink.port}", store=url,
                                  shutdown_grace=0.3, store_timeout=4.0, lease=30.0)
