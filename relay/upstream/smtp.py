@@ -217,11 +217,12 @@ def _early_reply(response: aiosmtplib.SMTPResponse) -> RcptResult:
     return _synthetic(replies.OUTCOME_UNKNOWN, RcptStatus.UNKNOWN)
 
 
-def _withdraw_dot(transport: WireTransport, progress: DeliveryProgress, why: str) -> bool:
+async def _withdraw_dot(transport: WireTransport, progress: DeliveryProgress, why: str
+                        ) -> bool:
     """No reply to the final dot came (``why``): reset the connection when the kernel still
-    holds unsent bytes of the message (the dot can then never arrive, so nothing was
-    delivered: ``progress.dot_written`` is False again). True when it did."""
-    unsent = withdraw(transport)
+    holds unsent bytes of the message as it closes (the dot can then never arrive, so nothing
+    was delivered: ``progress.dot_written`` is False again). True when it did."""
+    unsent = await withdraw(transport)
     if not unsent:
         return False
     progress.dot_written = False
@@ -580,7 +581,7 @@ class SmtpUpstream:
             reader.cancel()
             progress.dot_written = transfer.complete
             if progress.dot_written:  # out of the process, maybe not yet out of the kernel
-                _withdraw_dot(transport, progress, "the shutdown cut the transfer")
+                await _withdraw_dot(transport, progress, "the shutdown cut the transfer")
             discard(smtp)
             raise
         progress.dot_written = transfer.complete
@@ -617,12 +618,12 @@ class SmtpUpstream:
                                          self._cfg.command_timeout_s)
         except asyncio.CancelledError:
             if not reader.done() or reader.cancelled() or reader.exception() is not None:
-                _withdraw_dot(transport, progress, "the shutdown's wait for it ended")
+                await _withdraw_dot(transport, progress, "the shutdown's wait for it ended")
                 raise
             absorb_cancel()
             response = reader.result()
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError) and _withdraw_dot(
+            if isinstance(exc, TimeoutError) and await _withdraw_dot(
                     transport, progress, f"none within {self._cfg.final_timeout_s:g} s"):
                 smtp.close()
                 return _synthetic(replies.UPSTREAM_TIMEOUT), False

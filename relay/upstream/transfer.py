@@ -173,17 +173,40 @@ async def await_reply(reader: asyncio.Future[T], transport: WireTransport, timeo
     return reader.result()
 
 
-def withdraw(transport: WireTransport) -> int:
+async def withdraw(transport: WireTransport) -> int:
     """Reset the connection (:func:`abort`) when bytes written to it have not all been sent
     yet, in asyncio's buffer or the kernel's: the payload's last bytes, the final dot, can
-    then never reach the peer. Returns how many were unsent (0: nothing was done, the dot
-    may have left). Never raises. The queue is read, then the connection reset, in two
-    system calls: a window the peer opens in the microseconds between them could still let
-    the last bytes out (docs/design.md §7)."""
-    unsent = write_backlog(transport) + (kernel_unsent(transport) or 0)
-    if unsent > 0:
+    then never reach the peer. Returns how many were unsent as the socket closed (0: nothing
+    was done, or the kernel sent the rest before the reset: the dot may have left). Never
+    raises.
+
+    The loop closes an aborted socket at its next turn, not at ``abort()``; the kernel goes on
+    sending meanwhile, and a peer that reads again in that gap (a stall ending, a loaded loop's
+    long turn) gets the whole message and the dot before the reset. So when only the kernel
+    holds unsent bytes (asyncio's buffer is dropped at once), its queue is read again in a
+    callback queued just before the close's, and that count is the answer. The read and the
+    close are still two system calls: a window the peer opens in the microseconds between
+    them could still let the last bytes out (docs/design.md §7)."""
+    buffered = write_backlog(transport)
+    unsent = buffered + (kernel_unsent(transport) or 0)
+    if unsent == 0:
+        return 0
+    if buffered > 0:  # the dot is in the process's buffer, which abort() drops at once
         abort(transport)
-    return unsent
+        return unsent
+    at_close: list[int | None] = []
+    asyncio.get_running_loop().call_soon(lambda: at_close.append(kernel_unsent(transport)))
+    abort(transport)  # queues the close right behind that look
+    for _ in range(CLOSE_TURNS):
+        if at_close:
+            break
+        await asyncio.sleep(0)
+    return (at_close[0] or 0) if at_close else 0
+
+
+CLOSE_TURNS = 100
+"""Loop turns :func:`withdraw` waits for its last look at the kernel's queue (it runs at the
+next turn); none by then: it cannot tell, so the dot may have left."""
 
 
 def abort(transport: WireTransport) -> None:
