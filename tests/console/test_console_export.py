@@ -82,7 +82,12 @@ async def test_a_slow_download_holds_no_ledger_transaction(
         while not await conn.fetch(EXPORT_BACKENDS):
             assert time.monotonic() < deadline, "no export is reading the ledger"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # the export waits on the client now
+        # the export blocks on the client once the socket buffers are full: its backend stops
+        # running a statement (on a loaded runner that takes longer than any fixed pause)
+        deadline = time.monotonic() + 30
+        while any(b["state"] == "active" for b in await conn.fetch(EXPORT_BACKENDS)):
+            assert time.monotonic() < deadline, "the export never waited on the client"
+            await asyncio.sleep(0.1)
         for backend in await conn.fetch(EXPORT_BACKENDS):
             assert (backend["state"], backend["xmin"], backend["xid"]) == ("idle", None, None)
         reader._transport.resume_reading()  # type: ignore[attr-defined]
