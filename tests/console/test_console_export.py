@@ -82,13 +82,16 @@ async def test_a_slow_download_holds_no_ledger_transaction(
         while not await conn.fetch(EXPORT_BACKENDS):
             assert time.monotonic() < deadline, "no export is reading the ledger"
             await asyncio.sleep(0.05)
-        # the export blocks on the client once the socket buffers are full: its backend stops
-        # running a statement (on a loaded runner that takes longer than any fixed pause)
-        deadline = time.monotonic() + 30
-        while any(b["state"] == "active" for b in await conn.fetch(EXPORT_BACKENDS)):
+        # the export blocks on the client once the socket buffers are full: its backend stays
+        # out of any statement (two looks 0.5 s apart; a loaded runner fetches slowly, idle
+        # between batches); an export that held a transaction would never read "idle"
+        deadline, idle_looks = time.monotonic() + 30, 0
+        while idle_looks < 2:
             assert time.monotonic() < deadline, "the export never waited on the client"
-            await asyncio.sleep(0.1)
-        for backend in await conn.fetch(EXPORT_BACKENDS):
+            await asyncio.sleep(0.5)
+            backends = await conn.fetch(EXPORT_BACKENDS)
+            idle_looks = idle_looks + 1 if all(b["state"] == "idle" for b in backends) else 0
+        for backend in backends:
             assert (backend["state"], backend["xmin"], backend["xid"]) == ("idle", None, None)
         reader._transport.resume_reading()  # type: ignore[attr-defined]
         received += await asyncio.wait_for(reader.read(), 60)
